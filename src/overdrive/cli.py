@@ -1,0 +1,57 @@
+"""The `overdrive` command: parses argv and hands off to one function per command.
+
+Each command lives in `overdrive.commands.<name>` with `add_arguments(parser)` and
+`run(args) -> int`. Modules are imported only for the command that runs, so
+`overdrive --help` and `overdrive explain` never pay for torch or transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from overdrive import __version__
+
+# name -> (module, one-line help). Order is the order shown in --help.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("overdrive.commands.train", "train a model from a run config (bare: the embedded default)"),
+    "explain": ("overdrive.commands.explain", "every effective value and the layer that set it"),
+    "docs": ("overdrive.commands.docs", "write the config reference (docs/config.md) from the schema"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="overdrive",
+        description="One declarative config for a whole training run, passed into Accelerate, "
+        "DeepSpeed ZeRO and FSDP2: validated, explained, tuned and run.",
+    )
+    parser.add_argument("--version", action="version", version=f"overdrive {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, description=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] not in COMMANDS:
+        # Unknown commands and --help/--version are argparse's job.
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 0
+    name = argv[0]
+    module = importlib.import_module(COMMANDS[name][0])
+    command_parser = argparse.ArgumentParser(prog=f"overdrive {name}", description=COMMANDS[name][1])
+    module.add_arguments(command_parser)
+    args = command_parser.parse_args(argv[1:])
+    from overdrive.errors import run_reporting_errors
+
+    return run_reporting_errors(module.run, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

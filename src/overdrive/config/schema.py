@@ -1,0 +1,396 @@
+"""The run config: one small pydantic model per concern.
+
+Every field carries a type, a default and a one-line description; `overdrive docs` renders
+them into docs/config.md. Unknown keys are rejected at every depth (`extra="forbid"`), and
+every model is frozen: once resolved, a run config is a value, not a mutable object.
+
+The defaults describe the embedded job: a small GPT-2-style model trained from scratch on
+the Python standard library's own source, with a BPE tokenizer trained on the fly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Auto = Literal["auto"]
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+class Section(BaseModel):
+    """Base for every section: unknown keys are errors, values are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+def default_architecture() -> dict[str, Any]:
+    # ~3.7M parameters with an 8k vocabulary: small enough to train in minutes on two CPU
+    # cores, large enough that the loss curve means something.
+    return {
+        "model_type": "gpt2",
+        "n_layer": 4,
+        "n_head": 4,
+        "n_embd": 256,
+        "n_positions": 1024,
+    }
+
+
+class ModelConfig(Section):
+    """What to train."""
+
+    name_or_path: Optional[str] = Field(
+        None,
+        description="Hub name or local directory (save_pretrained output). Empty: build from "
+        "`model.architecture` with fresh weights.",
+    )
+    task: Literal["causal-lm", "sequence-classification"] = Field(
+        "causal-lm", description="Training objective; picks the Auto class and the data pipeline."
+    )
+    architecture: dict[str, Any] = Field(
+        default_factory=default_architecture,
+        description="Inline model config (keys of the Transformers config class named by "
+        "`model_type`), used when `model.name_or_path` is empty. Vocabulary size comes from the "
+        "tokenizer.",
+    )
+    from_scratch: bool = Field(
+        False,
+        description="With `model.name_or_path`: take only its config and start from random weights.",
+    )
+    num_labels: Optional[int] = Field(
+        None, ge=2, description="Classes for sequence-classification; inferred from the data when empty."
+    )
+    revision: Optional[str] = Field(None, description="Hub revision (branch, tag or commit).")
+    trust_remote_code: bool = Field(
+        False, description="Allow model code from the hub to run. Off unless you trust the repository."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass: less memory, ~30% more compute."
+    )
+    attn_implementation: Optional[str] = Field(
+        None, description="Attention kernel passed to Transformers (`eager`, `sdpa`, ...). Empty: its default."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="Storage dtype of the weights when loaded. Keep float32 for mixed-precision "
+        "training; `auto` takes the checkpoint's.",
+    )
+
+
+class TokenizerConfig(Section):
+    """How text becomes token ids."""
+
+    name_or_path: Optional[str] = Field(
+        None,
+        description="Hub name or local directory. Empty: the model's own tokenizer, or (when "
+        "training from an inline architecture) a byte-level BPE trained on the data and cached.",
+    )
+    vocab_size: int = Field(8192, ge=256, description="Vocabulary size of a BPE trained on the fly.")
+    train_max_bytes: int = Field(
+        20_000_000, ge=1, description="At most this much text is read to train a BPE on the fly."
+    )
+
+
+class DataConfig(Section):
+    """Where training text comes from and how it is batched."""
+
+    source: str = Field(
+        "stdlib",
+        description="`stdlib` (the Python standard library's own .py files), a local file or "
+        "directory (text, jsonl, json, csv, parquet), or a hub data set name.",
+    )
+    format: Literal["auto", "text", "json", "csv", "parquet"] = Field(
+        "auto", description="File format; `auto` goes by the file extension."
+    )
+    subset: Optional[str] = Field(None, description="Hub data set configuration name.")
+    split: str = Field("train", description="Split to train on.")
+    validation_split: Optional[str] = Field(
+        None, description="Split to evaluate on. Empty: hold out `data.validation_fraction`."
+    )
+    validation_fraction: float = Field(
+        0.02, ge=0.0, lt=1.0, description="Fraction held out for evaluation when there is no validation split."
+    )
+    text_column: str = Field("text", description="Column holding the text.")
+    label_column: str = Field("label", description="Column holding the class (sequence-classification).")
+    max_length: int = Field(
+        256, ge=8, description="Tokens per sequence: packed blocks (causal-lm) or truncation (classification)."
+    )
+    max_bytes: Optional[int] = Field(
+        None, ge=1, description="Read at most this much raw text (handy for quick runs on big sources)."
+    )
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes.")
+    pin_memory: bool = Field(False, description="Pin host memory for faster host-to-GPU copies.")
+    shuffle: bool = Field(True, description="Shuffle training samples each epoch (seeded).")
+    cache_dir: str = Field(
+        "~/.cache/overdrive", description="Where tokenizers and tokenized data are cached, by content hash."
+    )
+
+
+class OptimConfig(Section):
+    """The optimizer (AdamW)."""
+
+    name: Literal["adamw"] = Field("adamw", description="Optimizer. AdamW, decoupled weight decay.")
+    lr: float = Field(1e-3, gt=0.0, description="Peak learning rate.")
+    weight_decay: float = Field(0.01, ge=0.0, description="Decoupled weight decay (not applied to biases and norms).")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam beta1, beta2.")
+    eps: float = Field(1e-8, gt=0.0, description="Adam epsilon.")
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = Field(
+        "auto", description="Kernel: `auto` takes fused where the device supports it, else foreach."
+    )
+
+
+class SchedulerConfig(Section):
+    """Learning-rate schedule, counted in optimizer steps."""
+
+    name: Literal["constant", "linear", "cosine"] = Field("cosine", description="Decay after warmup.")
+    warmup_steps: int = Field(20, ge=0, description="Optimizer steps of linear warmup from 0 to `optim.lr`.")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final lr as a fraction of `optim.lr` (cosine).")
+
+
+class TrainingConfig(Section):
+    """The loop: batch math, length, evaluation."""
+
+    micro_batch_size: Union[int, Auto] = Field(
+        16, description="Samples per device per forward pass, or `auto`: the largest that fits, "
+        "keeping the global batch by adjusting accumulation."
+    )
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    max_steps: int = Field(300, ge=1, description="Optimizer steps to train.")
+    gradient_clipping: Optional[float] = Field(1.0, gt=0.0, description="Max global gradient norm. Empty: no clipping.")
+    seed: int = Field(42, description="Seed for weights, data order and dropout.")
+    eval_every_steps: Optional[int] = Field(100, ge=1, description="Evaluate every N optimizer steps. Empty: only at the end.")
+    eval_batches: int = Field(20, ge=1, description="Validation batches per evaluation.")
+    log_every_steps: int = Field(10, ge=1, description="Read the loss and append to metrics.jsonl every N optimizer steps.")
+    nonfinite_loss: Literal["skip", "stop", "ignore"] = Field(
+        "skip", description="On a NaN/inf loss: skip the step, stop the run, or ignore it."
+    )
+    max_nonfinite_in_a_row: int = Field(5, ge=1, description="Stop after this many non-finite steps in a row.")
+
+
+class Fp8Config(Section):
+    """FP8 training (GPUs with FP8 support only)."""
+
+    backend: Literal["TE", "MSAMP", "AO"] = Field("TE", description="FP8 engine: Transformer Engine, MS-AMP or torchao.")
+    fp8_format: Literal["E4M3", "HYBRID"] = Field("HYBRID", description="FP8 number format.")
+    amax_history_len: int = Field(1024, ge=1, description="Transformer Engine amax history length.")
+    amax_compute_algo: Literal["max", "most_recent"] = Field("most_recent", description="How amax is taken from the history.")
+    interval: int = Field(1, ge=1, description="Steps between scaling factor updates.")
+    margin: int = Field(0, ge=0, description="Scaling factor margin.")
+    override_linear_precision: tuple[bool, bool, bool] = Field(
+        (False, False, False), description="Keep fprop, dgrad, wgrad of linear layers in higher precision."
+    )
+    use_autocast_during_eval: bool = Field(False, description="Use FP8 autocast in evaluation too.")
+    opt_level: Literal["O1", "O2"] = Field("O2", description="MS-AMP optimisation level.")
+
+
+class PrecisionConfig(Section):
+    """Mixed precision."""
+
+    mixed_precision: Literal["no", "fp16", "bf16", "fp8"] = Field(
+        "no", description="Compute precision under autocast; weights stay fp32."
+    )
+    downcast_bf16: bool = Field(False, description="TPU only: downcast float tensors to bf16.")
+    fp8: Fp8Config = Field(default_factory=Fp8Config, description="FP8 settings (when `mixed_precision` is fp8).")
+
+
+class DdpConfig(Section):
+    """DistributedDataParallel (also the single-process path)."""
+
+    find_unused_parameters: bool = Field(False, description="Tolerate parameters without gradients (slower).")
+    bucket_cap_mb: int = Field(25, ge=1, description="Gradient all-reduce bucket size.")
+    broadcast_buffers: bool = Field(True, description="Broadcast buffers from rank 0 every forward.")
+    gradient_as_bucket_view: bool = Field(True, description="Gradients alias the all-reduce buckets (saves memory).")
+    static_graph: bool = Field(False, description="Declare the graph static across steps (enables optimisations).")
+
+
+class DeepSpeedConfig(Section):
+    """DeepSpeed ZeRO. A DeepSpeed JSON given as a config file is mapped onto these keys;
+    what has no key here is kept verbatim in `extra`."""
+
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        2, description="0: DDP-like; 1: shard optimizer states; 2: + gradients; 3: + parameters."
+    )
+    offload_optimizer: OffloadDevice = Field("none", description="Keep optimizer states on cpu or nvme (ZeRO 1-3).")
+    offload_param: OffloadDevice = Field("none", description="Keep parameters on cpu or nvme (ZeRO-3 only).")
+    nvme_path: Optional[str] = Field(None, description="Directory on a fast local disk for nvme offload.")
+    offload_pin_memory: bool = Field(True, description="Page-locked host buffers for offload.")
+    zero3_init: bool = Field(False, description="ZeRO-3: build the model already sharded (for models too large to build whole).")
+    zero3_save_16bit_model: bool = Field(
+        True, description="ZeRO-3: gather the 16-bit weights on save so save_pretrained writes a whole model."
+    )
+    overlap_comm: Optional[bool] = Field(None, description="Overlap gradient reduction with backward. Empty: DeepSpeed's default.")
+    contiguous_gradients: Optional[bool] = Field(None, description="Copy gradients into one buffer as they are produced.")
+    reduce_bucket_size: Union[int, Auto] = Field("auto", description="Elements per reduce bucket; `auto`: hidden^2.")
+    allgather_bucket_size: Optional[int] = Field(None, ge=1, description="Elements per all-gather bucket (ZeRO 1-2).")
+    stage3_prefetch_bucket_size: Union[int, Auto] = Field("auto", description="ZeRO-3 prefetch elements; `auto`: 0.9 x hidden^2.")
+    stage3_param_persistence_threshold: Union[int, Auto] = Field(
+        "auto", description="ZeRO-3: parameters smaller than this stay whole; `auto`: 10 x hidden."
+    )
+    stage3_max_live_parameters: Optional[int] = Field(None, ge=0, description="ZeRO-3: live parameters before release.")
+    stage3_max_reuse_distance: Optional[int] = Field(None, ge=0, description="ZeRO-3: reuse distance before release.")
+    sub_group_size: Optional[int] = Field(None, ge=1, description="ZeRO-3: optimizer step granularity.")
+    activation_checkpointing: bool = Field(False, description="DeepSpeed's activation checkpointing (partitioned activations).")
+    train_batch_size: Optional[int] = Field(
+        None, ge=1, description="Only checked: must equal micro-batch x accumulation x world size."
+    )
+    loss_scale: float = Field(0, ge=0, description="fp16: 0 for dynamic loss scaling, else a fixed scale.")
+    initial_scale_power: int = Field(16, ge=0, description="fp16: initial dynamic scale is 2^this.")
+    loss_scale_window: int = Field(1000, ge=1, description="fp16: steps without overflow before the scale grows.")
+    hysteresis: int = Field(2, ge=1, description="fp16: overflows tolerated before the scale shrinks.")
+    min_loss_scale: float = Field(1, gt=0, description="fp16: lowest dynamic scale.")
+    config_file: Optional[str] = Field(
+        None, description="A DeepSpeed JSON the run was configured from (shown for reference; its values are mapped onto these keys)."
+    )
+    extra: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Further DeepSpeed config entries passed through verbatim (e.g. steps_per_print).",
+    )
+
+
+class FsdpConfig(Section):
+    """PyTorch FSDP2 (fully_shard)."""
+
+    version: Literal[1, 2] = Field(2, description="FSDP API. 2 (fully_shard) is the one that runs everywhere, CPU included.")
+    reshard_after_forward: bool = Field(
+        True, description="Free gathered parameters after forward (ZeRO-3-like). False keeps them to backward (ZeRO-2-like)."
+    )
+    offload_params: bool = Field(False, description="Keep parameters and gradients on the CPU between uses.")
+    auto_wrap_policy: Literal["transformer_based_wrap", "size_based_wrap", "no_wrap"] = Field(
+        "transformer_based_wrap", description="How modules become FSDP units."
+    )
+    transformer_layer_cls_to_wrap: Optional[list[str]] = Field(
+        None, description="Layer classes to shard as units. Empty: the model's `_no_split_modules`."
+    )
+    min_num_params: int = Field(100_000_000, ge=1, description="size_based_wrap: parameters per unit.")
+    state_dict_type: Literal["full_state_dict", "sharded_state_dict"] = Field(
+        "sharded_state_dict", description="Checkpoint layout: one gathered file, or one shard per rank."
+    )
+    activation_checkpointing: bool = Field(False, description="Recompute each wrapped layer's activations in backward.")
+    cpu_ram_efficient_loading: bool = Field(True, description="Load pretrained weights on rank 0 only, then broadcast.")
+    sync_module_states: bool = Field(True, description="Broadcast rank 0's weights at wrap time.")
+    backward_prefetch: Optional[Literal["backward_pre", "backward_post"]] = Field(
+        "backward_pre", description="FSDP1: when to prefetch the next unit's parameters in backward."
+    )
+    forward_prefetch: bool = Field(False, description="FSDP1: prefetch in forward.")
+    use_orig_params: bool = Field(True, description="FSDP1: expose original parameters (needed by torch.compile).")
+    ignored_modules: Optional[str] = Field(None, description="Regex of module names FSDP leaves alone.")
+
+
+class ParallelConfig(Section):
+    """How the work is split across processes."""
+
+    strategy: Literal["ddp", "deepspeed", "fsdp"] = Field(
+        "ddp", description="ddp (plain data parallel, also one process), deepspeed (ZeRO), or fsdp (FSDP2)."
+    )
+    ddp: DdpConfig = Field(default_factory=DdpConfig, description="DDP settings.")
+    deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig, description="DeepSpeed settings.")
+    fsdp: FsdpConfig = Field(default_factory=FsdpConfig, description="FSDP settings.")
+
+
+class CompileConfig(Section):
+    """torch.compile through Accelerate's dynamo plugin."""
+
+    backend: Optional[str] = Field(None, description="Dynamo backend (`inductor`, `aot_eager`, ...). Empty: no compile.")
+    mode: Optional[Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]] = Field(
+        None, description="Inductor mode."
+    )
+    fullgraph: bool = Field(False, description="Fail instead of falling back on graph breaks.")
+    dynamic: Optional[bool] = Field(None, description="Dynamic shapes. Empty: torch decides.")
+    regional: bool = Field(False, description="Compile each repeated block once instead of the whole model.")
+
+
+class LaunchConfig(Section):
+    """Processes and machines."""
+
+    num_processes: int = Field(1, ge=1, description="Total processes across all machines.")
+    num_machines: int = Field(1, ge=1, description="Machines taking part.")
+    machine_rank: int = Field(0, ge=0, description="This machine's rank, 0 .. num_machines-1.")
+    main_process_ip: Optional[str] = Field(None, description="Address of machine 0 (required with several machines).")
+    main_process_port: int = Field(29500, ge=1, le=65535, description="Rendezvous port on machine 0.")
+    rdzv_backend: Literal["static", "c10d"] = Field("static", description="Rendezvous: static ranks, or c10d (elastic).")
+    rdzv_id: str = Field("overdrive", description="Job id shared by all machines (c10d rendezvous).")
+    same_network: bool = Field(True, description="Machines share a network (informational, as in Accelerate).")
+    max_restarts: int = Field(0, ge=0, description="Times the elastic agent restarts failed workers (they resume from the last checkpoint).")
+    monitor_interval: float = Field(1.0, gt=0, description="Seconds between the agent's health checks of its workers.")
+    use_cpu: bool = Field(False, description="Train on the CPU even when a GPU is present.")
+    gpu_ids: str = Field("all", description="GPUs to use on each machine (`all` or a comma list).")
+    backend: Literal["auto", "nccl", "gloo", "mpi", "xccl", "hccl"] = Field(
+        "auto", description="Process-group backend: `auto` is nccl on CUDA, gloo on CPU."
+    )
+    threads_per_process: Optional[int] = Field(None, ge=1, description="torch intra-op threads per process. Empty: cores / local processes.")
+    enable_cpu_affinity: bool = Field(False, description="Pin each process to the CPU cores near its GPU.")
+    debug: bool = Field(False, description="Check collectives for mismatches (slow; for debugging hangs).")
+    main_training_function: str = Field("main", description="Kept for Accelerate configs; not used by overdrive.")
+
+
+class CheckpointConfig(Section):
+    """Saving and resuming."""
+
+    every_steps: Optional[int] = Field(None, ge=1, description="Save every N optimizer steps. Empty: only at the end.")
+    keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are pruned after a successful save.")
+    resume: Literal["auto", "never"] = Field("auto", description="`auto`: continue from the newest complete checkpoint in output_dir.")
+    save_final_model: bool = Field(True, description="Write the trained model and tokenizer with save_pretrained at the end.")
+
+
+class LoggingConfig(Section):
+    """What the run reports."""
+
+    trackers: list[str] = Field(
+        default_factory=lambda: ["auto"], description="Accelerate trackers (`tensorboard`, `wandb`, ...); `auto`: tensorboard when installed."
+    )
+    project_name: str = Field("overdrive", description="Project name passed to the trackers.")
+    progress: bool = Field(True, description="Rich progress bar on the main process when attached to a terminal.")
+    level: Literal["quiet", "normal", "verbose"] = Field("normal", description="How much is printed.")
+
+
+class RunConfig(Section):
+    """One training run, end to end."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="What to train.")
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Tokenizer.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Data.")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer.")
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="Learning-rate schedule.")
+    training: TrainingConfig = Field(default_factory=TrainingConfig, description="Training loop.")
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig, description="Mixed precision.")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Parallelism strategy.")
+    compile: CompileConfig = Field(default_factory=CompileConfig, description="torch.compile.")
+    launch: LaunchConfig = Field(default_factory=LaunchConfig, description="Processes and machines.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
+    output_dir: str = Field("runs/default", description="Where checkpoints, metrics, the resolved config and the final model go.")
+
+
+# Short names accepted on the command line and in overrides (`lr=3e-4`).
+ALIASES: dict[str, str] = {
+    "lr": "optim.lr",
+    "learning_rate": "optim.lr",
+    "batch_size": "training.micro_batch_size",
+    "micro_batch_size": "training.micro_batch_size",
+    "mbs": "training.micro_batch_size",
+    "accum": "training.gradient_accumulation_steps",
+    "gradient_accumulation_steps": "training.gradient_accumulation_steps",
+    "steps": "training.max_steps",
+    "max_steps": "training.max_steps",
+    "seed": "training.seed",
+    "clip": "training.gradient_clipping",
+    "precision": "precision.mixed_precision",
+    "mixed_precision": "precision.mixed_precision",
+    "strategy": "parallel.strategy",
+    "zero_stage": "parallel.deepspeed.zero_stage",
+    "zero": "parallel.deepspeed.zero_stage",
+    "nproc": "launch.num_processes",
+    "num_processes": "launch.num_processes",
+    "seq_len": "data.max_length",
+    "max_length": "data.max_length",
+    "model": "model.name_or_path",
+    "data": "data.source",
+    "compile": "compile.backend",
+    "out": "output_dir",
+}
+
+# Fields whose values are free-form mappings: their sub-keys are not checked against the
+# schema (they belong to Transformers or DeepSpeed), but each still carries its origin.
+OPEN_MAPPINGS = frozenset({"model.architecture", "parallel.deepspeed.extra"})
+
+SECRET_MARKERS = ("token", "api_key", "apikey", "password", "secret")
