@@ -18,6 +18,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("overdrive.commands.train", "train a model from a run config (bare: the embedded default)"),
     "explain": ("overdrive.commands.explain", "every effective value and the layer that set it"),
     "docs": ("overdrive.commands.docs", "write the config reference (docs/config.md) from the schema"),
+    "config": ("overdrive.commands.config_wizard", "interactive wizard that writes a commented run config"),
+    "env": ("overdrive.commands.env", "versions, hardware, Accelerate default config and run variables, for bug reports"),
+    "report": ("overdrive.commands.report", "plots and a markdown summary of a finished run"),
+    "compare": ("overdrive.commands.compare", "config and metric differences between two runs"),
 }
 
 
