@@ -1,0 +1,137 @@
+"""Resolve a run config from its six layers, with the provenance of every value.
+
+    resolved = resolve(["run.yaml"], cli=["lr=3e-4"])   # Resolved: config + origins + chains
+    cfg = load_config("run.yaml", overrides={"precision.mixed_precision": "bf16"})  # RunConfig
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from pydantic import ValidationError
+
+from overdrive.config import layers, validate
+from overdrive.config.layers import Origin, Setting
+from overdrive.config.schema import RunConfig
+from overdrive.errors import Problem, UserError
+
+__all__ = ["Origin", "Resolved", "RunConfig", "check_for_train", "load_config", "resolve", "accelerate_default_path"]
+
+
+@dataclass
+class Resolved:
+    """A validated run config and, per dotted key, where its value came from."""
+
+    config: RunConfig
+    origins: dict[str, Origin]
+    chains: dict[str, list[Setting]] = field(default_factory=dict)
+    warnings: list[Problem] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        """The hand-off to workers and the record in output_dir: values and their origins."""
+        return json.dumps({
+            "config": self.config.model_dump(mode="json"),
+            "origins": {key: str(origin) for key, origin in sorted(self.origins.items())},
+            "origin_records": {key: [o.layer, o.source, o.line] for key, o in sorted(self.origins.items())},
+        }, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Resolved":
+        data = json.loads(text)
+        config = RunConfig.model_validate(data["config"])
+        records = data.get("origin_records", {})
+        origins = {key: Origin(*record) for key, record in records.items()}
+        return cls(config=config, origins=origins)
+
+
+def accelerate_default_path(environ: Mapping[str, str] | None = None) -> Path:
+    """Where `accelerate config` writes its default: $HF_HOME/accelerate/default_config.yaml."""
+    environ = os.environ if environ is None else environ
+    hf_home = environ.get("HF_HOME") or os.path.join(
+        environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
+    return Path(hf_home) / "accelerate" / "default_config.yaml"
+
+
+def _pydantic_problems(error: ValidationError, chains: Mapping[str, list[Setting]]) -> list[Problem]:
+    problems = []
+    for item in error.errors():
+        loc = [str(part) for part in item["loc"] if not str(part).startswith(("function-", "literal["))]
+        # Union members add their type name to loc ("int", "literal['auto']"): keep the key only.
+        while loc and ".".join(loc) not in chains and ".".join(loc[:-1]) in chains:
+            loc = loc[:-1]
+        key = ".".join(loc)
+        chain = chains.get(key)
+        where = str(chain[-1].origin) if chain else ""
+        value = chain[-1].value if chain else item.get("input")
+        message = item["msg"]
+        if item["type"] == "extra_forbidden":
+            from overdrive.config.keys import suggest
+
+            message = "unknown key" + suggest(key)
+        problems.append(Problem(key, f"{message} (got {value!r})", where))
+    # One bad value in a Union field yields one error per member: report it once.
+    unique = {(p.key, p.where): p for p in problems}
+    return list(unique.values())
+
+
+def resolve(
+    files: Sequence[str | Path] = (),
+    cli: Sequence[str] = (),
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    accelerate_default: bool | str | Path = True,
+) -> Resolved:
+    """Resolve every layer, validate, and return the config with provenance.
+
+    Raises UserError listing every problem found (unknown keys, types, ranges, cross-field
+    and world-size rules). Hardware checks are separate: see `check_for_train`.
+    """
+    environ = os.environ if env is None else env
+    if accelerate_default is True:
+        default_path: Path | None = accelerate_default_path(environ)
+    elif accelerate_default:
+        default_path = Path(accelerate_default)
+    else:
+        default_path = None
+    outputs = [layers.defaults_layer(), layers.accelerate_default_layer(default_path)]
+    outputs += [layers.file_layer(path) for path in files]
+    outputs += [layers.env_layer(environ), layers.cli_layer(cli), layers.overrides_layer(overrides)]
+
+    errors = [problem for output in outputs for problem in output.errors]
+    warnings = [problem for output in outputs for problem in output.warnings]
+    chains = layers.merge(outputs)
+    try:
+        config = RunConfig.model_validate(layers.nest(chains))
+    except ValidationError as error:
+        raise UserError(errors + _pydantic_problems(error, chains)) from None
+    rule_errors, rule_warnings = validate.check(config, chains)
+    errors += rule_errors
+    if errors:
+        raise UserError(errors)
+    origins = {key: chain[-1].origin for key, chain in chains.items()}
+    return Resolved(config=config, origins=origins, chains=chains, warnings=warnings + rule_warnings)
+
+
+def load_config(*files: str | Path, overrides: Mapping[str, Any] | None = None, cli: Sequence[str] = (),
+                env: Mapping[str, str] | None = None) -> RunConfig:
+    """The resolved RunConfig for these files, command-line items and overrides."""
+    return resolve(files, cli=cli, overrides=overrides, env=env).config
+
+
+def hardware_warnings(resolved: Resolved, hardware=None) -> list[Problem]:
+    from overdrive import hardware as hw
+
+    return validate.hardware_problems(resolved.config, resolved.chains, hardware or hw.detect(light=True))
+
+
+def check_for_train(resolved: Resolved, hardware=None) -> None:
+    """Before training: what this machine lacks of what the config asks is an error."""
+    from overdrive import hardware as hw
+
+    problems = validate.hardware_problems(resolved.config, resolved.chains, hardware or hw.detect(light=False))
+    if problems:
+        raise UserError(problems, title="this machine cannot run the config as written")

@@ -1,0 +1,190 @@
+"""The schema seen as a flat set of dotted keys: lookup, string parsing and did-you-mean."""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import json
+from typing import Any, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from overdrive.config.schema import ALIASES, OPEN_MAPPINGS, SECRET_MARKERS, RunConfig
+
+
+def _is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+@functools.lru_cache(maxsize=1)
+def leaf_annotations() -> dict[str, Any]:
+    """Every leaf key of the schema (open mappings count as leaves) and its type."""
+    leaves: dict[str, Any] = {}
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, info in model.model_fields.items():
+            key = f"{prefix}{name}"
+            if _is_section(info.annotation):
+                walk(info.annotation, key + ".")
+            else:
+                leaves[key] = info.annotation
+
+    walk(RunConfig, "")
+    return leaves
+
+
+@functools.lru_cache(maxsize=1)
+def section_keys() -> frozenset[str]:
+    sections: set[str] = set()
+    for leaf in leaf_annotations():
+        parts = leaf.split(".")
+        sections.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    return frozenset(sections)
+
+
+def open_mapping_of(key: str) -> str | None:
+    """The open mapping a key belongs to (`model.architecture.n_layer` -> `model.architecture`)."""
+    for mapping in OPEN_MAPPINGS:
+        if key == mapping or key.startswith(mapping + "."):
+            return mapping
+    return None
+
+
+def is_known(key: str) -> bool:
+    return key in leaf_annotations() or open_mapping_of(key) is not None
+
+
+def children(prefix: str) -> list[str]:
+    """Names directly under a section (`""` is the top level)."""
+    depth = 0 if not prefix else prefix.count(".") + 1
+    names = set()
+    for key in list(leaf_annotations()) + list(section_keys()):
+        if not prefix or key.startswith(prefix + "."):
+            parts = key.split(".")
+            if len(parts) > depth:
+                names.add(parts[depth])
+    return sorted(names)
+
+
+def expand_alias(key: str) -> str:
+    return ALIASES.get(key, key)
+
+
+def suggest(key: str) -> str:
+    """A ` (did you mean ...?)` hint for an unknown dotted key, or an empty string."""
+    prefix, _, name = key.rpartition(".")
+    siblings = children(prefix) if prefix in section_keys() or not prefix else []
+    close = difflib.get_close_matches(name, siblings, n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean `{(prefix + '.' if prefix else '') + close[0]}`?)"
+    # The right name in the wrong section: `training.lr` -> `optim.lr`.
+    everything = list(leaf_annotations()) + list(ALIASES)
+    by_name = {k.rpartition(".")[2]: k for k in everything}
+    close = difflib.get_close_matches(name, list(by_name), n=1, cutoff=0.75)
+    if close:
+        return f" (did you mean `{expand_alias(by_name[close[0]])}`?)"
+    close = difflib.get_close_matches(key, everything, n=1, cutoff=0.6)
+    return f" (did you mean `{expand_alias(close[0])}`?)" if close else ""
+
+
+def annotation_for(key: str) -> Any:
+    return leaf_annotations().get(key)
+
+
+def _accepts_none(annotation: Any) -> bool:
+    return get_origin(annotation) is Union and type(None) in get_args(annotation)
+
+
+def _is_plain_str(annotation: Any) -> bool:
+    if annotation is str:
+        return True
+    if get_origin(annotation) is Union:
+        return str in get_args(annotation)
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _adapter(annotation: Any) -> TypeAdapter:
+    return TypeAdapter(annotation)
+
+
+def parse_string(key: str, text: str) -> Any:
+    """Turn a string from the environment, the command line or a lax file into the value the
+    field's type wants (`"3"` -> 3 for an int, `"a,b"` -> ["a", "b"] for a list).
+
+    A string that cannot be read as the type is returned unchanged, so that validation
+    reports it with its origin instead of this function guessing.
+    """
+    annotation = annotation_for(key)
+    if annotation is None:  # inside an open mapping: read it as YAML would
+        return _yaml_scalar(text)
+    if _accepts_none(annotation) and text.strip().lower() in ("", "null", "none", "~"):
+        return None
+    if _is_plain_str(annotation):
+        return text
+    adapter = _adapter(annotation)
+    attempts = [text, _yaml_scalar(text)]
+    if "," in text and not text.strip().startswith(("[", "(")):
+        attempts.append([part.strip() for part in text.split(",") if part.strip()])
+    if text.strip().startswith("(") and text.strip().endswith(")"):  # "(false, false, false)"
+        attempts.append(_yaml_scalar("[" + text.strip()[1:-1] + "]"))
+    attempts.append([text.strip()])  # one class name for a list of class names
+    for attempt in attempts:
+        try:
+            return adapter.validate_python(attempt)
+        except (ValidationError, TypeError, ValueError):
+            continue
+    number = _integral_float(text)
+    if number is not None:
+        try:
+            return adapter.validate_python(number)
+        except ValidationError:
+            pass
+    return text
+
+
+def _yaml_scalar(text: str) -> Any:
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str):
+        number = _integral_float(value)
+        if number is not None:
+            return number
+        try:  # YAML 1.1 reads `1e-3` as a string; JSON reads it as a number
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _integral_float(text: str) -> int | float | None:
+    try:
+        number = float(text)
+    except (TypeError, ValueError):
+        return None
+    return int(number) if number.is_integer() and abs(number) < 2**63 else None
+
+
+def coerce(key: str, value: Any) -> Any:
+    """Normalise a value from any layer before validation."""
+    if isinstance(value, str):
+        return parse_string(key, value)
+    annotation = annotation_for(key)
+    if isinstance(value, float) and value.is_integer() and annotation is not None:
+        # DeepSpeed JSON writes sizes as 2e8: an int field should take it as 200000000.
+        try:
+            _adapter(annotation).validate_python(value, strict=True)
+        except ValidationError:
+            try:
+                return _adapter(annotation).validate_python(int(value))
+            except ValidationError:
+                return value
+    return value
+
+
+def is_secret(key: str) -> bool:
+    lowered = key.lower()
+    return any(marker in lowered for marker in SECRET_MARKERS)

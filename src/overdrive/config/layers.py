@@ -1,0 +1,226 @@
+"""The six configuration layers and the provenance of every value.
+
+Precedence, lowest to highest, written down once:
+
+    1. default             the schema's defaults
+    2. accelerate-default  Accelerate's own default_config.yaml, if present
+    3. file                config files in the order given (each after what it `extends:`);
+                           Accelerate YAML/JSON and DeepSpeed JSON are mapped into the schema
+    4. env                 ACCELERATE_* / FSDP_* variables Accelerate reads, OVERDRIVE_<SECTION>__<KEY>
+    5. cli                 `key=value` arguments (dotted paths or short aliases)
+    6. override            `overrides={...}` passed to load_config()
+
+Every layer turns its source into a list of `Setting`s (dotted key, value, origin); the
+merge keeps, per key, the whole chain of settings so `explain --key` can show who lost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from overdrive.config import keys, native
+from overdrive.config.schema import RunConfig
+from overdrive.config.sources import load_file
+from overdrive.errors import Problem
+
+LAYERS = ("default", "accelerate-default", "file", "env", "cli", "override")
+META_KEYS = ("extends", "layer")
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a value came from: the layer, and the file:line or variable when there is one."""
+
+    layer: str
+    source: str = ""
+    line: int | None = None
+
+    def __str__(self) -> str:
+        if not self.source:
+            return self.layer
+        return f"{self.layer} {self.source}" + (f":{self.line}" if self.line else "")
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str
+    value: Any
+    origin: Origin
+    # "deepspeed" when the value was written explicitly in a DeepSpeed JSON: DeepSpeed will
+    # insist on it, so a different winning value is a contradiction, not an override.
+    native: str = ""
+
+
+@dataclass
+class LayerOutput:
+    settings: list[Setting] = field(default_factory=list)
+    errors: list[Problem] = field(default_factory=list)
+    warnings: list[Problem] = field(default_factory=list)
+
+    def extend(self, other: "LayerOutput") -> None:
+        self.settings += other.settings
+        self.errors += other.errors
+        self.warnings += other.warnings
+
+
+def flatten_schema_mapping(data: Mapping[str, Any], origin_for, prefix: str = "") -> LayerOutput:
+    """Walk a nested mapping written in overdrive's own schema into settings.
+
+    `origin_for(path_tuple)` gives the origin of each key. Dotted keys are accepted at any
+    level (`optim.lr: 3e-4`). Unknown keys become errors with a did-you-mean.
+    """
+    out = LayerOutput()
+    for raw_key, value in data.items():
+        raw_key = str(raw_key)
+        path = prefix + raw_key if not prefix else f"{prefix}.{raw_key}"
+        if not prefix and raw_key in META_KEYS:
+            continue
+        origin = origin_for(path)
+        if keys.open_mapping_of(path) is not None:
+            if isinstance(value, Mapping) and path in keys.leaf_annotations():
+                if not value:
+                    out.settings.append(Setting(path, {}, origin))
+                out.extend(flatten_schema_mapping(value, origin_for, path)) if value else None
+            else:
+                out.settings.append(Setting(path, value, origin))
+        elif path in keys.section_keys():
+            if isinstance(value, Mapping):
+                out.extend(flatten_schema_mapping(value, origin_for, path))
+            elif value is not None:
+                out.errors.append(Problem(path, f"is a section and needs a mapping of keys, got {value!r}", str(origin)))
+        elif path in keys.leaf_annotations():
+            out.settings.append(Setting(path, value, origin))
+        else:
+            out.errors.append(Problem(path, "unknown key" + keys.suggest(path), str(origin),
+                                      "see `overdrive explain` or docs/config.md for the valid keys"))
+    return out
+
+
+def defaults_layer() -> LayerOutput:
+    origin = Origin("default")
+    return flatten_schema_mapping(RunConfig().model_dump(mode="python"), lambda _: origin)
+
+
+def _origin_in_file(layer: str, loaded) -> Any:
+    def origin_for(path: str) -> Origin:
+        return Origin(layer, str(loaded.path), loaded.line(*path.split(".")))
+
+    return origin_for
+
+
+def file_layer(path: str | Path, layer: str = "file", _stack: tuple[Path, ...] = ()) -> LayerOutput:
+    """One config file, after the files it `extends:` (relative to itself)."""
+    loaded = load_file(path)
+    resolved_path = Path(path).resolve()
+    out = LayerOutput()
+    bases = loaded.data.get("extends") or []
+    for base in [bases] if isinstance(bases, str) else bases:
+        base_path = (loaded.path.parent / base).resolve()
+        if base_path in _stack + (resolved_path,):
+            cycle = " -> ".join(str(p) for p in _stack + (resolved_path, base_path))
+            out.errors.append(Problem("extends", f"cycle: {cycle}", loaded.where("extends"), "remove one of the extends"))
+            continue
+        out.extend(file_layer(base_path, layer, _stack + (resolved_path,)))
+    kind = native.detect_kind(loaded.data)
+    if kind == "overdrive":
+        own_layer = str(loaded.data.get("layer") or layer)
+        out.extend(flatten_schema_mapping(loaded.data, _origin_in_file(own_layer, loaded)))
+    else:
+        out.extend(native.map_file(loaded, kind, layer))
+    return out
+
+
+def accelerate_default_layer(path: Path | None) -> LayerOutput:
+    if path is None or not path.is_file():
+        return LayerOutput()
+    out = file_layer(path, layer="accelerate-default")
+    if out.settings:
+        changed = sorted({s.key for s in out.settings})
+        out.warnings.insert(0, Problem(
+            "", f"Accelerate's default config {path} is in effect and sets: {', '.join(changed)}",
+            str(path), "delete or update that file if it is stale, or pass --no-accelerate-default",
+        ))
+    return out
+
+
+def env_layer(environ: Mapping[str, str]) -> LayerOutput:
+    out = native.map_accelerate_env(environ)
+    for name, value in sorted(environ.items()):
+        if not name.startswith("OVERDRIVE_") or "__" not in name and name != "OVERDRIVE_OUTPUT_DIR":
+            continue
+        key = ".".join(part.lower() for part in name[len("OVERDRIVE_"):].split("__"))
+        origin = Origin("env", name)
+        if keys.is_known(key):
+            out.settings.append(Setting(key, value, origin))
+        else:
+            out.errors.append(Problem(key, "unknown key" + keys.suggest(key), str(origin),
+                                      "OVERDRIVE_<SECTION>__<KEY>, e.g. OVERDRIVE_OPTIM__LR=3e-4"))
+    return out
+
+
+def cli_layer(arguments: Iterable[str]) -> LayerOutput:
+    out = LayerOutput()
+    for argument in arguments:
+        key, sep, value = argument.partition("=")
+        if not sep or not key:
+            out.errors.append(Problem(argument, "expected key=value", "cli", "e.g. optim.lr=3e-4 or lr=3e-4"))
+            continue
+        key = keys.expand_alias(key.strip())
+        origin = Origin("cli", argument)
+        if keys.is_known(key):
+            out.settings.append(Setting(key, value, origin))
+        elif key in keys.section_keys():
+            out.errors.append(Problem(key, "is a section; set one of its keys", "cli",
+                                      f"one of: {', '.join(keys.children(key))}"))
+        else:
+            out.errors.append(Problem(key, "unknown key" + keys.suggest(key), "cli"))
+    return out
+
+
+def overrides_layer(overrides: Mapping[str, Any] | None) -> LayerOutput:
+    if not overrides:
+        return LayerOutput()
+    expanded = {keys.expand_alias(str(k)): v for k, v in overrides.items()}
+    origin = Origin("override", "load_config(overrides=...)")
+    return flatten_schema_mapping(expanded, lambda _: origin)
+
+
+def merge(layer_outputs: Iterable[LayerOutput]) -> dict[str, list[Setting]]:
+    """Per key, every setting in precedence order; the last one wins."""
+    chains: dict[str, list[Setting]] = {}
+    for output in layer_outputs:
+        for setting in output.settings:
+            if setting.key == "model.architecture.model_type":
+                _drop_architecture_of_other_type(chains, setting)
+            chains.setdefault(setting.key, []).append(setting)
+    return chains
+
+
+def _drop_architecture_of_other_type(chains: dict[str, list[Setting]], setting: Setting) -> None:
+    # Keys of a GPT-2 architecture mean nothing to a Llama config: a layer that names another
+    # model_type starts the architecture afresh instead of inheriting the default's keys.
+    current = chains.get("model.architecture.model_type")
+    if current and current[-1].value != setting.value:
+        for key in [k for k in chains if k.startswith("model.architecture.")]:
+            if key != "model.architecture.model_type" and all(s.origin.layer != setting.origin.layer or s.origin.source != setting.origin.source for s in chains[key]):
+                del chains[key]
+
+
+def nest(chains: Mapping[str, list[Setting]]) -> dict[str, Any]:
+    """The winning values as the nested mapping the pydantic model validates."""
+    nested: dict[str, Any] = {}
+    for key in sorted(chains, key=lambda k: k.count(".")):
+        value = keys.coerce(key, chains[key][-1].value)
+        node = nested
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = {}
+            node = child
+        if isinstance(value, Mapping) and isinstance(node.get(parts[-1]), dict):
+            continue  # an open mapping already filled by its sub-keys
+        node[parts[-1]] = dict(value) if isinstance(value, Mapping) else value
+    return nested

@@ -1,0 +1,486 @@
+"""Accelerate's and DeepSpeed's own config files, read as they are and mapped into the schema.
+
+Recognised by their keys, not their names. Accelerate YAML/JSON covers every ClusterConfig
+key, the nested deepspeed_config / fsdp_config / dynamo_config / fp8_config sections and the
+legacy forms (`fp16: true`, top-level `dynamo_backend`, YAML 1.1's bare `NO` read as false).
+DeepSpeed JSON covers `"auto"` values, the legacy `bfloat16` section and
+`stage3_gather_fp16_weights_on_model_save`; entries with no schema key are kept verbatim in
+`parallel.deepspeed.extra`. What Accelerate would silently drop is reported as a warning;
+what overdrive does not run (SageMaker, TPU, MPI hostfiles, Megatron) is refused, naming the key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from overdrive.config.native_tables import (
+    ACCELERATE_ENV_DIRECT,
+    ACCELERATE_KEYS,
+    ACCELERATE_TOP,
+    DEEPSPEED_CONFIG_KEYS,
+    DEEPSPEED_MARKERS,
+    DISTRIBUTED_TYPES,
+    DYNAMO_KEYS,
+    FP8_KEYS,
+    FSDP_KEYS,
+    FSDP_SHARDING,
+    SAGEMAKER_KEYS,
+    TPU_ONLY_KEYS,
+    ZERO_KEYS,
+)
+from overdrive.config.sources import LoadedFile, load_file
+from overdrive.errors import Problem
+
+SCHEMA_SECTIONS = {"model", "tokenizer", "data", "optim", "scheduler", "training", "precision",
+                   "parallel", "compile", "launch", "checkpoint", "logging", "output_dir", "extends", "layer"}
+
+
+def detect_kind(data: Mapping[str, Any]) -> str:
+    """`overdrive`, `accelerate` or `deepspeed`, by the keys at the top of the file."""
+    top = {str(k).split(".")[0] for k in data}
+    if any(k in data for k in ("distributed_type", "compute_environment", "deepspeed_config", "fsdp_config",
+                               "dynamo_backend", "dynamo_config", "use_cpu", "machine_rank")):
+        return "accelerate"
+    # `scheduler` and `optimizer`-like names exist in both worlds; these exist only in DeepSpeed's.
+    if top & (DEEPSPEED_MARKERS - SCHEMA_SECTIONS) or isinstance(data.get("fp16"), Mapping):
+        return "deepspeed"
+    if top & SCHEMA_SECTIONS:
+        return "overdrive"
+    if top & set(ACCELERATE_KEYS):
+        return "accelerate"
+    return "overdrive"
+
+
+class _Collector:
+    """Gathers settings, errors and warnings for one native source."""
+
+    def __init__(self, origin_for: Callable[[tuple[str, ...]], Any], where: Callable[[tuple[str, ...]], str],
+                 native: str = ""):
+        from overdrive.config.layers import LayerOutput
+
+        self.out = LayerOutput()
+        self.origin_for = origin_for
+        self.where = where
+        self.native = native
+
+    def set(self, key: str, value: Any, *path: str) -> None:
+        from overdrive.config.layers import Setting
+
+        self.out.settings.append(Setting(key, value, self.origin_for(path), self.native))
+
+    def error(self, path: tuple[str, ...], message: str, fix: str = "") -> None:
+        self.out.errors.append(Problem(".".join(path), message, self.where(path), fix))
+
+    def warn(self, path: tuple[str, ...], message: str, fix: str = "") -> None:
+        self.out.warnings.append(Problem(".".join(path), message, self.where(path), fix))
+
+
+def map_file(loaded: LoadedFile, kind: str, layer: str):
+    from overdrive.config.layers import Origin
+
+    def origin_for(path: tuple[str, ...]) -> Origin:
+        return Origin(layer, str(loaded.path), loaded.line(*path) or None)
+
+    def where(path: tuple[str, ...]) -> str:
+        return loaded.where(*path)
+
+    if kind == "deepspeed":
+        collector = _Collector(origin_for, where, native="deepspeed")
+        map_deepspeed(loaded.data, collector)
+        collector.set("parallel.strategy", "deepspeed")
+        collector.set("parallel.deepspeed.config_file", str(loaded.path))
+        return collector.out
+    collector = _Collector(origin_for, where)
+    map_accelerate(loaded.data, collector, base_dir=loaded.path.parent, layer=layer)
+    return collector.out
+
+
+# --------------------------------------------------------------------------- Accelerate
+
+
+def _truthy(value: Any) -> bool:
+    return str(value).strip().lower() in ("true", "yes", "1", "on") if isinstance(value, str) else bool(value)
+
+
+def _distributed_type(value: Any) -> str:
+    # YAML 1.1 reads a bare `NO` as false; Accelerate means DistributedType.NO.
+    if value is False or value is None:
+        return "NO"
+    return str(value).upper()
+
+
+def map_accelerate(data: Mapping[str, Any], c: _Collector, base_dir: Path, layer: str) -> None:
+    data = dict(data)
+    for key in data:
+        if key not in ACCELERATE_KEYS:
+            close = difflib.get_close_matches(str(key), ACCELERATE_KEYS, n=1)
+            hint = f" (did you mean `{close[0]}`?)" if close else ""
+            c.error((key,), f"not an Accelerate config key{hint}", "remove it or fix its spelling")
+
+    environment = str(data.get("compute_environment") or "LOCAL_MACHINE").upper()
+    if environment != "LOCAL_MACHINE":
+        c.error(("compute_environment",), f"{environment} is not run by overdrive (it launches on machines you can reach)",
+                "use `compute_environment: LOCAL_MACHINE` with launch.* keys, or `accelerate launch` for SageMaker")
+        return
+    for key in SAGEMAKER_KEYS:
+        if data.get(key):
+            c.error((key,), "is a SageMaker setting; overdrive does not launch SageMaker jobs", "remove it")
+
+    dist = _distributed_type(data.get("distributed_type", "NO"))
+    strategy = DISTRIBUTED_TYPES.get(dist)
+    if strategy is None:
+        c.error(("distributed_type",), f"{dist} is not run by overdrive",
+                "use NO, MULTI_GPU, MULTI_CPU, DEEPSPEED or FSDP (TPU/XLA and Megatron-LM are not supported)")
+    elif "distributed_type" in data:
+        c.set("parallel.strategy", strategy, "distributed_type")
+        if dist == "MULTI_CPU":
+            c.set("launch.use_cpu", True, "distributed_type")
+        elif dist not in ("NO", "MULTI_GPU", "DEEPSPEED", "FSDP", "MULTI_CPU"):
+            c.warn(("distributed_type",), f"{dist} runs as plain data parallel on whatever devices torch finds")
+
+    _map_top_level(data, c)
+    _map_refusals(data, c, dist)
+
+    ds = data.get("deepspeed_config") or {}
+    if ds and dist != "DEEPSPEED":
+        c.warn(("deepspeed_config",), f"ignored: distributed_type is {dist}, so Accelerate drops this section")
+    elif ds:
+        _map_accelerate_deepspeed(ds, c, base_dir, layer, data)
+
+    fsdp = data.get("fsdp_config") or {}
+    if fsdp and dist != "FSDP":
+        c.warn(("fsdp_config",), f"ignored: distributed_type is {dist}, so Accelerate drops this section")
+    elif fsdp:
+        _map_fsdp(fsdp, c)
+
+    dynamo = dict(data.get("dynamo_config") or {})
+    if "dynamo_backend" in data:  # legacy top-level form
+        dynamo.setdefault("dynamo_backend", data["dynamo_backend"])
+    _map_dynamo(dynamo, c, "dynamo_backend" in data)
+
+    fp8 = data.get("fp8_config") or {}
+    for key, value in fp8.items():
+        target = FP8_KEYS.get(key)
+        if target is None:
+            c.error(("fp8_config", key), "not an fp8_config key" + _hint(key, FP8_KEYS))
+        elif key == "backend":
+            c.set(target, str(value).upper().replace("-", ""), "fp8_config", key)
+        else:
+            c.set(target, value, "fp8_config", key)
+
+
+def _hint(key: str, known: Mapping[str, Any]) -> str:
+    close = difflib.get_close_matches(str(key), list(known), n=1)
+    return f" (did you mean `{close[0]}`?)" if close else ""
+
+
+def _map_top_level(data: Mapping[str, Any], c: _Collector) -> None:
+    for key, target in ACCELERATE_TOP.items():
+        if key not in data or data[key] is None:
+            continue
+        value = data[key]
+        if key == "mixed_precision":
+            value = "no" if value in (False, None) else str(value).lower()
+        elif key == "downcast_bf16":
+            value = _truthy(value)
+        elif key == "num_processes" and int(value) < 1:
+            continue  # -1: "decided at launch" in Accelerate
+        c.set(target, value, key)
+    if "fp16" in data and "mixed_precision" not in data and _truthy(data["fp16"]):
+        c.set("precision.mixed_precision", "fp16", "fp16")  # pre-0.6 form
+
+
+def _map_refusals(data: Mapping[str, Any], c: _Collector, dist: str) -> None:
+    mpirun = data.get("mpirun_config") or {}
+    if mpirun.get("mpirun_hostfile"):
+        c.error(("mpirun_config", "mpirun_hostfile"), "MPI hostfiles are not used: overdrive starts CPU workers with torch.distributed.run",
+                "remove mpirun_config and set launch.num_machines / launch.main_process_ip; run `overdrive train` on each machine")
+    if data.get("megatron_lm_config"):
+        c.error(("megatron_lm_config",), "Megatron-LM is not run by overdrive", "remove the section")
+    if data.get("parallelism_config"):
+        c.error(("parallelism_config",), "tensor/context parallelism is not run by overdrive yet",
+                "remove the section; use parallel.strategy fsdp or deepspeed")
+    for key in TPU_ONLY_KEYS:
+        if data.get(key):
+            c.warn((key,), "ignored: used only by `accelerate tpu-config`")
+
+
+def _map_accelerate_deepspeed(ds: Mapping[str, Any], c: _Collector, base_dir: Path, layer: str,
+                              top: Mapping[str, Any]) -> None:
+    path = ("deepspeed_config",)
+    inline = {k: v for k, v in ds.items() if k not in ("deepspeed_config_file", "zero3_init_flag",
+                                                         "deepspeed_moe_layer_cls_names")}
+    for key, value in ds.items():
+        target = ZERO_KEYS.get(key)
+        if key in ("deepspeed_hostfile", "deepspeed_inclusion_filter", "deepspeed_exclusion_filter"):
+            c.error(path + (key,), "DeepSpeed's own multi-node launcher is not used: overdrive launches with torch.distributed.run",
+                    "remove it and set launch.num_machines, launch.machine_rank, launch.main_process_ip")
+        elif key == "deepspeed_multinode_launcher":
+            c.warn(path + (key,), "ignored: overdrive launches with torch.distributed.run")
+        elif key == "deepspeed_moe_layer_cls_names":
+            c.warn(path + (key,), "ignored: mixture-of-experts leaf modules are not configured by overdrive")
+        elif key == "deepspeed_config_file":
+            continue
+        elif target is None:
+            c.error(path + (key,), "not a deepspeed_config key" + _hint(key, ZERO_KEYS))
+        elif value is not None:
+            if key in ("offload_optimizer_nvme_path", "offload_param_nvme_path") and str(value).lower() == "none":
+                continue
+            c.set(target, value, *path, key)
+    config_file = ds.get("deepspeed_config_file")
+    if not config_file:
+        return
+    candidate = Path(os.path.normpath(base_dir / config_file))
+    if not candidate.is_file() and Path(config_file).is_file():
+        candidate = Path(config_file)  # Accelerate resolves against the working directory
+    if not candidate.is_file():
+        c.error(path + ("deepspeed_config_file",), f"DeepSpeed config file not found: {config_file}",
+                f"looked in {base_dir} and the current directory")
+        return
+    if "mixed_precision" in top:
+        inline["mixed_precision"] = top["mixed_precision"]
+    loaded = load_file(candidate)
+    ds_out = map_file(loaded, "deepspeed", layer)
+    _report_inline_conflicts(inline, ds_out, c, path)
+    c.out.extend(ds_out)
+
+
+def _report_inline_conflicts(inline: Mapping[str, Any], ds_out, c: _Collector, path: tuple[str, ...]) -> None:
+    """Accelerate refuses inline deepspeed_config values next to a deepspeed_config_file;
+    overdrive reports each one that disagrees with the file, naming both places."""
+    from overdrive.config.keys import coerce
+
+    from_file = {s.key: s for s in ds_out.settings}
+    for key, value in inline.items():
+        target = ZERO_KEYS.get(key) or ("precision.mixed_precision" if key == "mixed_precision" else None)
+        if target is None or value is None:
+            continue
+        in_file = from_file.get(target)
+        if in_file is not None and coerce(target, in_file.value) != coerce(target, value):
+            where = path + (key,) if key != "mixed_precision" else ("mixed_precision",)
+            c.error(where, f"{value!r} conflicts with {in_file.value!r} in the deepspeed_config_file ({in_file.origin.source}:{in_file.origin.line})",
+                    "set it in one place only: remove the inline value or change the JSON")
+
+
+def _map_fsdp(fsdp: Mapping[str, Any], c: _Collector) -> None:
+    path = ("fsdp_config",)
+    version = int(fsdp.get("fsdp_version") or 1)
+    if "fsdp_version" not in fsdp:
+        c.warn(path, "no fsdp_version: Accelerate would run FSDP1, overdrive runs FSDP2 (fully_shard)",
+               "add `fsdp_version: 2`, or set parallel.fsdp.version=1 to keep FSDP1 (GPU only)")
+    for key, value in fsdp.items():
+        target = FSDP_KEYS.get(key)
+        if target is None:
+            c.error(path + (key,), "not an fsdp_config key" + _hint(key, FSDP_KEYS))
+            continue
+        if value is None:
+            continue
+        if key == "fsdp_version" and int(value) == 1:
+            c.warn(path + (key,), "FSDP1 does not run on CPU; FSDP2 is the maintained API", "use fsdp_version: 2")
+        if key in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward") and not isinstance(value, bool) \
+                and str(value).lower() not in ("true", "false"):
+            name = FSDP_SHARDING.get(str(value).upper())
+            if name is None:
+                c.error(path + (key,), f"unknown sharding strategy {value!r}", f"one of: {', '.join(FSDP_SHARDING)}")
+                continue
+            reshard, note = name
+            if note:
+                c.warn(path + (key,), note)
+            value = reshard
+        elif key in ("fsdp_use_orig_params", "fsdp_forward_prefetch", "fsdp_backward_prefetch") and version == 2:
+            c.warn(path + (key,), "has no effect under FSDP2; Accelerate drops it")
+        if key == "fsdp_auto_wrap_policy":
+            value = str(value).lower()
+        elif key == "fsdp_backward_prefetch":
+            value = None if str(value).upper() == "NO_PREFETCH" else str(value).lower()
+        elif key == "fsdp_state_dict_type":
+            value = str(value).lower()
+            if value == "local_state_dict":
+                c.error(path + (key,), "LOCAL_STATE_DICT is not supported", "use SHARDED_STATE_DICT or FULL_STATE_DICT")
+                continue
+        elif key == "fsdp_transformer_layer_cls_to_wrap" and isinstance(value, str):
+            value = [name.strip() for name in value.split(",") if name.strip()]
+        c.set(target, value, *path, key)
+
+
+def _map_dynamo(dynamo: Mapping[str, Any], c: _Collector, legacy: bool) -> None:
+    for key, value in dynamo.items():
+        path = ("dynamo_backend",) if legacy and key == "dynamo_backend" else ("dynamo_config", key)
+        target = DYNAMO_KEYS.get(key)
+        if target is None:
+            c.error(path, "not a dynamo_config key" + _hint(key, DYNAMO_KEYS))
+        elif key == "dynamo_backend":
+            backend = str(value).lower()
+            c.set(target, None if backend in ("no", "false", "none") else backend, *path)
+        elif value is not None:
+            c.set(target, value, *path)
+
+
+def map_accelerate_env(environ: Mapping[str, str]):
+    """The variables Accelerate documents and reads, mapped like the config keys they mirror."""
+    from overdrive.config.layers import Origin
+
+    names: dict[tuple[str, ...], str] = {}
+    pseudo: dict[str, Any] = {}
+    for name, value in environ.items():
+        if name in ACCELERATE_ENV_DIRECT:
+            key = ACCELERATE_ENV_DIRECT[name]
+            pseudo[key] = value
+            names[(key,)] = name
+        elif name.startswith("ACCELERATE_DEEPSPEED_") and name != "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES":
+            key = name[len("ACCELERATE_DEEPSPEED_"):].lower()
+            key = {"zero3_init": "zero3_init_flag", "config_file": "deepspeed_config_file"}.get(key, key)
+            pseudo.setdefault("deepspeed_config", {})[key] = value
+            names[("deepspeed_config", key)] = name
+        elif name.startswith("FSDP_") and name != "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD":
+            key = "fsdp_" + name[len("FSDP_"):].lower()
+            key = "fsdp_transformer_layer_cls_to_wrap" if key == "fsdp_transformer_cls_to_wrap" else key
+            pseudo.setdefault("fsdp_config", {})[key] = value
+            names[("fsdp_config", key)] = name
+        elif name.startswith("ACCELERATE_DYNAMO_"):
+            key = "dynamo_" + name[len("ACCELERATE_DYNAMO_"):].lower()
+            pseudo.setdefault("dynamo_config", {})[key] = value
+            names[("dynamo_config", key)] = name
+
+    def origin_for(path: tuple[str, ...]) -> Origin:
+        return Origin("env", names.get(path) or names.get(path[:1], ""))
+
+    def where(path: tuple[str, ...]) -> str:
+        return f"env {names.get(path) or names.get(path[:1], '')}"
+
+    c = _Collector(origin_for, where)
+    if _truthy(environ.get("ACCELERATE_USE_DEEPSPEED", "")):
+        c.set("parallel.strategy", "deepspeed", "use_deepspeed")
+        names[("use_deepspeed",)] = "ACCELERATE_USE_DEEPSPEED"
+    elif _truthy(environ.get("ACCELERATE_USE_FSDP", "")):
+        c.set("parallel.strategy", "fsdp", "use_fsdp")
+        names[("use_fsdp",)] = "ACCELERATE_USE_FSDP"
+    ds = pseudo.pop("deepspeed_config", {})
+    fsdp = pseudo.pop("fsdp_config", {})
+    _map_top_level(pseudo, c)
+    if ds:
+        _map_accelerate_deepspeed(ds, c, Path.cwd(), "env", {})
+    if fsdp:
+        fsdp.setdefault("fsdp_version", fsdp.get("fsdp_version", "2"))
+        _map_fsdp(fsdp, c)
+    _map_dynamo(pseudo.pop("dynamo_config", {}), c, legacy=False)
+    return c.out
+
+
+# --------------------------------------------------------------------------- DeepSpeed
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() == "auto"
+
+
+def map_deepspeed(data: Mapping[str, Any], c: _Collector) -> None:
+    """A DeepSpeed JSON: explicit values become settings marked native="deepspeed" (so a
+    different winning value is reported as a contradiction), `"auto"` values are left to be
+    filled from the run config, everything else goes to parallel.deepspeed.extra verbatim."""
+    extra_prefix = "parallel.deepspeed.extra"
+    precision_on = [name for name in ("fp16", "bf16", "bfloat16")
+                    if isinstance(data.get(name), Mapping) and data[name].get("enabled") is True]
+    if "fp16" in precision_on and len(precision_on) > 1:
+        c.error((precision_on[1], "enabled"), "fp16 and bf16 are both enabled", "enable one of them (or set both to \"auto\")")
+    for key, value in data.items():
+        path = (key,)
+        if key in ("fp16", "bf16", "bfloat16") and isinstance(value, Mapping):
+            _map_ds_precision(key, value, c)
+        elif key == "zero_optimization" and isinstance(value, Mapping):
+            _map_zero(value, c)
+        elif key == "optimizer" and isinstance(value, Mapping):
+            _map_ds_optimizer(value, c)
+        elif key == "scheduler" and isinstance(value, Mapping):
+            _map_ds_scheduler(value, c)
+        elif key in DEEPSPEED_CONFIG_KEYS:
+            if not _is_auto(value):
+                target = DEEPSPEED_CONFIG_KEYS[key]
+                if key == "gradient_clipping" and not value:
+                    value = None  # DeepSpeed's 0.0 means no clipping
+                c.set(target, value, *path)
+        elif key == "activation_checkpointing":
+            c.set("parallel.deepspeed.activation_checkpointing", True, *path)
+            c.set(f"{extra_prefix}.{key}", value, *path)
+        else:
+            c.set(f"{extra_prefix}.{key}", value, *path)
+
+
+def _map_ds_precision(key: str, section: Mapping[str, Any], c: _Collector) -> None:
+    enabled = section.get("enabled")
+    if key == "bfloat16":
+        c.warn((key,), "legacy section name; DeepSpeed now calls it `bf16`", "rename it to bf16")
+    if enabled is True:
+        c.set("precision.mixed_precision", "fp16" if key == "fp16" else "bf16", key, "enabled")
+    for name, value in section.items():
+        if name == "enabled":
+            continue
+        if key == "fp16" and name in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"):
+            c.set(f"parallel.deepspeed.{name}", value, key, name)
+        else:
+            c.set(f"parallel.deepspeed.extra.{'bf16' if key == 'bfloat16' else key}.{name}", value, key, name)
+
+
+def _map_zero(zero: Mapping[str, Any], c: _Collector) -> None:
+    for name, value in zero.items():
+        path = ("zero_optimization", name)
+        if name in ("offload_optimizer", "offload_param") and isinstance(value, Mapping):
+            device = str(value.get("device", "none")).lower()
+            c.set(f"parallel.deepspeed.{name}", device, *path, "device") if "device" in value else None
+            if value.get("nvme_path"):
+                c.set("parallel.deepspeed.nvme_path", value["nvme_path"], *path, "nvme_path")
+            if "pin_memory" in value:
+                c.set("parallel.deepspeed.offload_pin_memory", value["pin_memory"], *path, "pin_memory")
+            for other, other_value in value.items():
+                if other not in ("device", "nvme_path", "pin_memory"):
+                    c.set(f"parallel.deepspeed.extra.zero_optimization.{name}.{other}", other_value, *path, other)
+        elif name == "stage":
+            c.set("parallel.deepspeed.zero_stage", value, *path)
+        elif name in ("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"):
+            if not _is_auto(value):
+                c.set("parallel.deepspeed.zero3_save_16bit_model", value, *path)
+        elif name in ("overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size",
+                      "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                      "stage3_max_live_parameters", "stage3_max_reuse_distance", "sub_group_size"):
+            c.set(f"parallel.deepspeed.{name}", value, *path)
+        else:
+            c.set(f"parallel.deepspeed.extra.zero_optimization.{name}", value, *path)
+
+
+def _map_ds_optimizer(section: Mapping[str, Any], c: _Collector) -> None:
+    kind = str(section.get("type", "AdamW"))
+    if kind.lower() not in ("adamw", "adam"):
+        c.error(("optimizer", "type"), f"{kind} is not supported; overdrive trains with AdamW",
+                "use \"type\": \"AdamW\" (or remove the optimizer section)")
+        return
+    for name, value in (section.get("params") or {}).items():
+        if _is_auto(value):
+            continue
+        target = {"lr": "optim.lr", "betas": "optim.betas", "eps": "optim.eps", "weight_decay": "optim.weight_decay"}.get(name)
+        if target:
+            c.set(target, tuple(value) if name == "betas" else value, "optimizer", "params", name)
+        else:
+            c.set(f"parallel.deepspeed.extra.optimizer.params.{name}", value, "optimizer", "params", name)
+
+
+def _map_ds_scheduler(section: Mapping[str, Any], c: _Collector) -> None:
+    kind = str(section.get("type", ""))
+    names = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
+    if kind not in names:
+        c.error(("scheduler", "type"), f"{kind!r} is not supported", f"one of: {', '.join(names)}")
+        return
+    c.set("scheduler.name", names[kind], "scheduler", "type")
+    for name, value in (section.get("params") or {}).items():
+        if _is_auto(value):
+            continue
+        target = {"warmup_num_steps": "scheduler.warmup_steps", "warmup_max_lr": "optim.lr",
+                  "total_num_steps": "training.max_steps", "cos_min_ratio": "scheduler.min_lr_ratio"}.get(name)
+        if target:
+            c.set(target, value, "scheduler", "params", name)
+        elif name == "warmup_min_lr" and not value:
+            continue  # overdrive's warmup starts from 0, as DeepSpeed's default
+        else:
+            c.set(f"parallel.deepspeed.extra.scheduler.params.{name}", value, "scheduler", "params", name)

@@ -1,0 +1,145 @@
+"""Cross-field rules, world-size rules and hardware checks. Every problem at once.
+
+Each rule returns Problems naming the key, where its value was set, and the fix. Hardware
+that lacks what is asked for is a warning when explaining (a cluster config can be explained
+on a laptop) and an error when training.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from overdrive.config.keys import coerce
+from overdrive.config.layers import Setting
+from overdrive.config.schema import RunConfig
+from overdrive.errors import Problem
+
+Chains = Mapping[str, list[Setting]]
+
+
+def _where(chains: Chains, key: str) -> str:
+    chain = chains.get(key)
+    return str(chain[-1].origin) if chain else "default"
+
+
+def _set_explicitly(chains: Chains, key: str) -> bool:
+    chain = chains.get(key)
+    return bool(chain) and chain[-1].origin.layer != "default"
+
+
+def deepspeed_contradictions(chains: Chains) -> list[Problem]:
+    """An explicit value in a DeepSpeed JSON that the run config overrides: DeepSpeed would
+    use its own, so overdrive refuses rather than silently keeping either."""
+    problems = []
+    for key, chain in chains.items():
+        winner = chain[-1]
+        for setting in chain[:-1]:
+            if setting.native == "deepspeed" and coerce(key, setting.value) != coerce(key, winner.value):
+                problems.append(Problem(
+                    key, f"is {winner.value!r} here but {setting.origin.source}:{setting.origin.line} sets {setting.value!r} explicitly",
+                    str(winner.origin), f'make them agree, or write "auto" in {setting.origin.source} so it is filled from the run config'))
+                break
+    return problems
+
+
+def strategy_rules(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]:
+    errors, warnings = [], []
+    ds, fsdp = cfg.parallel.deepspeed, cfg.parallel.fsdp
+    strategy_chain = chains.get("parallel.strategy", [])
+    by_source: dict[tuple[str, str], set[str]] = {}
+    for setting in strategy_chain:
+        by_source.setdefault((setting.origin.layer, setting.origin.source), set()).add(setting.value)
+    for (layer, source), values in by_source.items():
+        if {"deepspeed", "fsdp"} <= values:
+            errors.append(Problem("parallel.strategy", "FSDP and DeepSpeed are both chosen", f"{layer} {source}".strip(),
+                                  "choose one: parallel.strategy=deepspeed or parallel.strategy=fsdp"))
+    if cfg.parallel.strategy == "deepspeed":
+        if ds.offload_param != "none" and ds.zero_stage < 3:
+            errors.append(Problem("parallel.deepspeed.offload_param", f"offloads parameters, which needs ZeRO-3 (zero_stage is {ds.zero_stage})",
+                                  _where(chains, "parallel.deepspeed.offload_param"), "set parallel.deepspeed.zero_stage=3 or offload_param=none"))
+        if ds.offload_optimizer != "none" and ds.zero_stage == 0:
+            errors.append(Problem("parallel.deepspeed.offload_optimizer", "optimizer offload needs ZeRO stage 1, 2 or 3",
+                                  _where(chains, "parallel.deepspeed.offload_optimizer"), "set parallel.deepspeed.zero_stage=2"))
+        if "nvme" in (ds.offload_optimizer, ds.offload_param) and not ds.nvme_path:
+            errors.append(Problem("parallel.deepspeed.nvme_path", "nvme offload needs a directory", _where(chains, "parallel.deepspeed.offload_optimizer"),
+                                  "set parallel.deepspeed.nvme_path to a directory on a fast local disk"))
+        micro = cfg.training.micro_batch_size
+        if ds.train_batch_size is not None and micro != "auto":
+            expected = micro * cfg.training.gradient_accumulation_steps * cfg.launch.num_processes
+            if ds.train_batch_size != expected:
+                errors.append(Problem(
+                    "parallel.deepspeed.train_batch_size",
+                    f"is {ds.train_batch_size}, but micro-batch {micro} x accumulation {cfg.training.gradient_accumulation_steps} "
+                    f"x world size {cfg.launch.num_processes} = {expected}",
+                    _where(chains, "parallel.deepspeed.train_batch_size"),
+                    'write "auto" for train_batch_size, or change the micro-batch, accumulation or num_processes'))
+    # Settings for a strategy that is not the one chosen: often a stale default config.
+    for section, name in (("parallel.deepspeed.", "deepspeed"), ("parallel.fsdp.", "fsdp")):
+        if cfg.parallel.strategy == name:
+            continue
+        stray = sorted(k for k in chains if k.startswith(section) and _set_explicitly(chains, k)
+                       and not k.startswith("parallel.deepspeed.extra"))
+        if stray:
+            warnings.append(Problem(stray[0], f"has no effect: parallel.strategy is {cfg.parallel.strategy} "
+                                    f"({len(stray)} {name} key(s) set, e.g. here)", _where(chains, stray[0]),
+                                    f"set parallel.strategy={name} if you meant it, else remove them"))
+    if cfg.parallel.strategy == "fsdp" and fsdp.version == 1 and fsdp.offload_params and not fsdp.reshard_after_forward:
+        warnings.append(Problem("parallel.fsdp.offload_params", "CPU offload with SHARD_GRAD_OP is unsupported by FSDP1", _where(chains, "parallel.fsdp.offload_params")))
+    return errors, warnings
+
+
+def launch_rules(cfg: RunConfig, chains: Chains) -> list[Problem]:
+    launch, problems = cfg.launch, []
+    if launch.num_processes % launch.num_machines:
+        problems.append(Problem("launch.num_processes", f"{launch.num_processes} processes do not divide evenly over {launch.num_machines} machines",
+                                _where(chains, "launch.num_processes"), "num_processes is the total over all machines: make it a multiple of launch.num_machines"))
+    if launch.machine_rank >= launch.num_machines:
+        problems.append(Problem("launch.machine_rank", f"is {launch.machine_rank}, but there are {launch.num_machines} machine(s): ranks go 0..{launch.num_machines - 1}",
+                                _where(chains, "launch.machine_rank"), "set launch.machine_rank to this machine's index"))
+    if launch.num_machines > 1 and not launch.main_process_ip:
+        problems.append(Problem("launch.main_process_ip", "is required with several machines",
+                                _where(chains, "launch.num_machines"), "set launch.main_process_ip to the address of machine 0"))
+    return problems
+
+
+def training_rules(cfg: RunConfig, chains: Chains) -> list[Problem]:
+    warnings = []
+    if cfg.scheduler.warmup_steps >= cfg.training.max_steps:
+        warnings.append(Problem("scheduler.warmup_steps", f"{cfg.scheduler.warmup_steps} warmup steps >= {cfg.training.max_steps} max_steps: the lr never reaches its peak",
+                                _where(chains, "scheduler.warmup_steps"), "lower scheduler.warmup_steps"))
+    if cfg.model.from_scratch and not cfg.model.name_or_path:
+        warnings.append(Problem("model.from_scratch", "has no effect without model.name_or_path (an inline architecture always starts from scratch)",
+                                _where(chains, "model.from_scratch")))
+    return warnings
+
+
+def check(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]:
+    """(errors, warnings) for a validated config."""
+    errors = deepspeed_contradictions(chains)
+    strategy_errors, warnings = strategy_rules(cfg, chains)
+    errors += strategy_errors + launch_rules(cfg, chains)
+    warnings += training_rules(cfg, chains)
+    return errors, warnings
+
+
+def hardware_problems(cfg: RunConfig, chains: Chains, hardware) -> list[Problem]:
+    """What this machine cannot do of what the config asks, saying what was detected."""
+    problems, detected = [], hardware.describe()
+    precision = cfg.precision.mixed_precision
+    on_gpu = hardware.gpu_count > 0 and not cfg.launch.use_cpu
+    if precision == "fp8" and not hardware.supports_fp8:
+        problems.append(Problem("precision.mixed_precision", "fp8 needs a GPU with compute capability 8.9 or newer (Ada, Hopper, Blackwell)",
+                                _where(chains, "precision.mixed_precision"), f"use bf16 here; detected: {detected}"))
+    if precision == "bf16" and on_gpu and not hardware.supports_bf16:
+        problems.append(Problem("precision.mixed_precision", "bf16 needs compute capability 8.0 or newer",
+                                _where(chains, "precision.mixed_precision"), f"use fp16; detected: {detected}"))
+    if cfg.launch.backend == "nccl" and hardware.gpu_count == 0:
+        problems.append(Problem("launch.backend", "nccl needs CUDA GPUs", _where(chains, "launch.backend"), f"use auto or gloo; detected: {detected}"))
+    if cfg.launch.gpu_ids != "all" and hardware.gpu_count == 0 and not cfg.launch.use_cpu:
+        problems.append(Problem("launch.gpu_ids", f"asks for GPUs {cfg.launch.gpu_ids}", _where(chains, "launch.gpu_ids"),
+                                f"remove it or set launch.use_cpu=true; detected: {detected}"))
+    local = cfg.launch.num_processes // max(cfg.launch.num_machines, 1)
+    if on_gpu and local > hardware.gpu_count:
+        problems.append(Problem("launch.num_processes", f"{local} processes per machine but {hardware.gpu_count} GPU(s)",
+                                _where(chains, "launch.num_processes"), f"at most one process per GPU; detected: {detected}"))
+    return problems
