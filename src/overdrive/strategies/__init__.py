@@ -18,8 +18,12 @@ def accelerator_kwargs(cfg: RunConfig, world_size: int = 1) -> dict[str, Any]:
     return ddp.accelerator_kwargs(cfg, world_size)
 
 
-def build_accelerator(cfg: RunConfig, world_size: int | None = None):
-    """An Accelerator configured from `cfg` alone."""
+def build_accelerator(cfg: RunConfig, world_size: int | None = None, **extra_kwargs: Any):
+    """An Accelerator configured from `cfg` alone.
+
+    `extra_kwargs` (e.g. `log_with`, `project_dir` from the trainer) are merged into the
+    Accelerator arguments and win over the ones derived from `cfg`.
+    """
     from accelerate import Accelerator
 
-    return Accelerator(**accelerator_kwargs(cfg, world_size or 1))
+    return Accelerator(**{**accelerator_kwargs(cfg, world_size or 1), **extra_kwargs})
