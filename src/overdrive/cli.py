@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     command_parser = argparse.ArgumentParser(prog=f"overdrive {name}", description=COMMANDS[name][1])
     module.add_arguments(command_parser)
-    args = command_parser.parse_args(argv[1:])
+    # Intermixed: `overdrive train run.yaml --print-launch lr=3e-4` keeps all its items.
+    args = command_parser.parse_intermixed_args(argv[1:])
     from overdrive.errors import run_reporting_errors
 
     return run_reporting_errors(module.run, args)

@@ -57,25 +57,28 @@ def accelerate_default_path(environ: Mapping[str, str] | None = None) -> Path:
 
 
 def _pydantic_problems(error: ValidationError, chains: Mapping[str, list[Setting]]) -> list[Problem]:
-    problems = []
+    # One bad value in a Union field yields one error per member: report it once, saying
+    # what each member would have accepted.
+    messages: dict[str, list[str]] = {}
     for item in error.errors():
         loc = [str(part) for part in item["loc"] if not str(part).startswith(("function-", "literal["))]
         # Union members add their type name to loc ("int", "literal['auto']"): keep the key only.
         while loc and ".".join(loc) not in chains and ".".join(loc[:-1]) in chains:
             loc = loc[:-1]
         key = ".".join(loc)
-        chain = chains.get(key)
-        where = str(chain[-1].origin) if chain else ""
-        value = chain[-1].value if chain else item.get("input")
         message = item["msg"]
         if item["type"] == "extra_forbidden":
             from overdrive.config.keys import suggest
 
             message = "unknown key" + suggest(key)
-        problems.append(Problem(key, f"{message} (got {value!r})", where))
-    # One bad value in a Union field yields one error per member: report it once.
-    unique = {(p.key, p.where): p for p in problems}
-    return list(unique.values())
+        messages.setdefault(key, []).append(message if not messages.get(key) else message.lower())
+    problems = []
+    for key, texts in messages.items():
+        chain = chains.get(key)
+        where = str(chain[-1].origin) if chain else ""
+        got = f" (got {chain[-1].value!r})" if chain else ""
+        problems.append(Problem(key, "; or ".join(dict.fromkeys(texts)) + got, where))
+    return problems
 
 
 def resolve(
@@ -107,7 +110,17 @@ def resolve(
     try:
         config = RunConfig.model_validate(layers.nest(chains))
     except ValidationError as error:
-        raise UserError(errors + _pydantic_problems(error, chains)) from None
+        type_errors = _pydantic_problems(error, chains)
+        # Still run the cross-field rules, on the config minus the bad values, so one run
+        # reports every problem rather than making the user fix them one by one.
+        bad = {problem.key for problem in type_errors}
+        usable = {key: chain for key, chain in chains.items() if key not in bad}
+        try:
+            partial = RunConfig.model_validate(layers.nest(usable))
+            errors += validate.check(partial, usable)[0]
+        except ValidationError:
+            pass
+        raise UserError(errors + type_errors) from None
     rule_errors, rule_warnings = validate.check(config, chains)
     errors += rule_errors
     if errors:

@@ -172,10 +172,10 @@ def cli_layer(arguments: Iterable[str]) -> LayerOutput:
         if keys.is_known(key):
             out.settings.append(Setting(key, value, origin))
         elif key in keys.section_keys():
-            out.errors.append(Problem(key, "is a section; set one of its keys", "cli",
+            out.errors.append(Problem(key, "is a section; set one of its keys", str(origin),
                                       f"one of: {', '.join(keys.children(key))}"))
         else:
-            out.errors.append(Problem(key, "unknown key" + keys.suggest(key), "cli"))
+            out.errors.append(Problem(key, "unknown key" + keys.suggest(key), str(origin)))
     return out
 
 

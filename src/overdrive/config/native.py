@@ -352,7 +352,10 @@ def map_accelerate_env(environ: Mapping[str, str]):
         return f"env {names.get(path) or names.get(path[:1], '')}"
 
     c = _Collector(origin_for, where)
-    if _truthy(environ.get("ACCELERATE_USE_DEEPSPEED", "")):
+    if _truthy(environ.get("ACCELERATE_USE_DEEPSPEED", "")) and _truthy(environ.get("ACCELERATE_USE_FSDP", "")):
+        c.out.errors.append(Problem("parallel.strategy", "FSDP and DeepSpeed are both chosen",
+                                    "env ACCELERATE_USE_DEEPSPEED, ACCELERATE_USE_FSDP", "unset one of the two variables"))
+    elif _truthy(environ.get("ACCELERATE_USE_DEEPSPEED", "")):
         c.set("parallel.strategy", "deepspeed", "use_deepspeed")
         names[("use_deepspeed",)] = "ACCELERATE_USE_DEEPSPEED"
     elif _truthy(environ.get("ACCELERATE_USE_FSDP", "")):

@@ -10,11 +10,13 @@ the Python standard library's own source, with a BPE tokenizer trained on the fl
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 Auto = Literal["auto"]
+PositiveInt = Annotated[int, Field(ge=1)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
 
@@ -150,7 +152,7 @@ class SchedulerConfig(Section):
 class TrainingConfig(Section):
     """The loop: batch math, length, evaluation."""
 
-    micro_batch_size: Union[int, Auto] = Field(
+    micro_batch_size: Union[PositiveInt, Auto] = Field(
         16, description="Samples per device per forward pass, or `auto`: the largest that fits, "
         "keeping the global batch by adjusting accumulation."
     )
@@ -220,10 +222,10 @@ class DeepSpeedConfig(Section):
     )
     overlap_comm: Optional[bool] = Field(None, description="Overlap gradient reduction with backward. Empty: DeepSpeed's default.")
     contiguous_gradients: Optional[bool] = Field(None, description="Copy gradients into one buffer as they are produced.")
-    reduce_bucket_size: Union[int, Auto] = Field("auto", description="Elements per reduce bucket; `auto`: hidden^2.")
+    reduce_bucket_size: Union[NonNegativeInt, Auto] = Field("auto", description="Elements per reduce bucket; `auto`: hidden^2.")
     allgather_bucket_size: Optional[int] = Field(None, ge=1, description="Elements per all-gather bucket (ZeRO 1-2).")
-    stage3_prefetch_bucket_size: Union[int, Auto] = Field("auto", description="ZeRO-3 prefetch elements; `auto`: 0.9 x hidden^2.")
-    stage3_param_persistence_threshold: Union[int, Auto] = Field(
+    stage3_prefetch_bucket_size: Union[NonNegativeInt, Auto] = Field("auto", description="ZeRO-3 prefetch elements; `auto`: 0.9 x hidden^2.")
+    stage3_param_persistence_threshold: Union[NonNegativeInt, Auto] = Field(
         "auto", description="ZeRO-3: parameters smaller than this stay whole; `auto`: 10 x hidden."
     )
     stage3_max_live_parameters: Optional[int] = Field(None, ge=0, description="ZeRO-3: live parameters before release.")

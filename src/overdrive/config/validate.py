@@ -45,14 +45,6 @@ def deepspeed_contradictions(chains: Chains) -> list[Problem]:
 def strategy_rules(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]:
     errors, warnings = [], []
     ds, fsdp = cfg.parallel.deepspeed, cfg.parallel.fsdp
-    strategy_chain = chains.get("parallel.strategy", [])
-    by_source: dict[tuple[str, str], set[str]] = {}
-    for setting in strategy_chain:
-        by_source.setdefault((setting.origin.layer, setting.origin.source), set()).add(setting.value)
-    for (layer, source), values in by_source.items():
-        if {"deepspeed", "fsdp"} <= values:
-            errors.append(Problem("parallel.strategy", "FSDP and DeepSpeed are both chosen", f"{layer} {source}".strip(),
-                                  "choose one: parallel.strategy=deepspeed or parallel.strategy=fsdp"))
     if cfg.parallel.strategy == "deepspeed":
         if ds.offload_param != "none" and ds.zero_stage < 3:
             errors.append(Problem("parallel.deepspeed.offload_param", f"offloads parameters, which needs ZeRO-3 (zero_stage is {ds.zero_stage})",

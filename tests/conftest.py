@@ -1,0 +1,34 @@
+"""Shared test fixtures: every test runs with an isolated HF_HOME and no stray config env."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PEER_CONFIGS = REPO.parent / "shared" / "peer-configs"
+if not PEER_CONFIGS.is_dir():  # CI clones main with shared/ beside it
+    PEER_CONFIGS = Path(os.environ.get("OVERDRIVE_PEER_CONFIGS", "/work/shared/peer-configs"))
+
+
+@pytest.fixture(autouse=True)
+def isolated_environment(tmp_path_factory, monkeypatch):
+    """No Accelerate default config, no ACCELERATE_*/FSDP_*/OVERDRIVE_* variables leaking in."""
+    home = tmp_path_factory.mktemp("hf_home")
+    monkeypatch.setenv("HF_HOME", str(home))
+    for name in list(os.environ):
+        if name.startswith(("ACCELERATE_", "FSDP_", "OVERDRIVE_")):
+            monkeypatch.delenv(name)
+    yield
+
+
+def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run `overdrive ARGS` as a user types it, in a fresh interpreter."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "overdrive.cli", *args], capture_output=True, text=True,
+                          env=full_env, cwd=cwd, timeout=timeout)

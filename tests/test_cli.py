@@ -1,0 +1,49 @@
+"""The command line as a user types it: fast start, clear errors, generated docs in sync."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import REPO, run_cli
+
+HEAVY = ("torch", "transformers", "deepspeed", "accelerate", "datasets")
+
+
+def _modules_imported_by(*args: str) -> set[str]:
+    code = (
+        "import sys; from overdrive.cli import main\n"
+        f"try:\n    main({list(args)!r})\nexcept SystemExit:\n    pass\n"
+        "print(' '.join(sorted(sys.modules)))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return set(result.stdout.splitlines()[-1].split())
+
+
+def test_help_and_explain_do_not_import_heavy_libraries():
+    for args in (["--help"], ["explain"], ["explain", "lr=1e-3", "--json"]):
+        loaded = _modules_imported_by(*args)
+        assert not loaded & set(HEAVY), (args, loaded & set(HEAVY))
+
+
+def test_help_lists_the_commands():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for command in ("train", "explain", "docs"):
+        assert command in result.stdout
+
+
+def test_unknown_command_exits_2():
+    result = run_cli("trian")
+    assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+def test_missing_file_is_a_clear_error():
+    result = run_cli("explain", "nope.yaml")
+    assert result.returncode == 2
+    assert "config file not found: nope.yaml" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_config_reference_is_up_to_date():
+    result = run_cli("docs", "--check", "-o", str(REPO / "docs" / "config.md"))
+    assert result.returncode == 0, "docs/config.md is stale: run `overdrive docs`"
