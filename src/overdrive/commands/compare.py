@@ -1,0 +1,56 @@
+"""`overdrive compare RUN_A RUN_B`: which config values differ, and what it did to the run."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_a", metavar="RUN_A", help="first run directory (the baseline)")
+    parser.add_argument("run_b", metavar="RUN_B", help="second run directory")
+    parser.add_argument("--plot", metavar="OUT.png", help="write both loss curves on one plot")
+    parser.add_argument("--json", action="store_true", help="print the differences as JSON")
+    verbosity = parser.add_mutually_exclusive_group()
+    verbosity.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+    verbosity.add_argument("-v", "--verbose", action="store_true", help="also list config keys that are equal")
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from overdrive.console import get_console, print_table
+    from overdrive.report import config_differences, flatten, load_run, metric_rows, summarize
+
+    a, b = load_run(args.run_a), load_run(args.run_b)
+    sa, sb = summarize(a), summarize(b)
+    differences = config_differences(a, b)
+    metrics = metric_rows(sa, sb)
+    if args.plot:
+        from overdrive.report_plots import plot_compare
+
+        plot_compare(a, b, Path(args.plot))
+    if args.json:
+        print(json.dumps({"config": [{"key": k, "a": va, "b": vb} for k, va, vb in differences],
+                          "metrics": [dict(zip(("metric", "a", "b", "change"), row)) for row in metrics]},
+                         indent=2, default=str))
+        return 0
+    console = get_console(quiet=args.quiet)
+    if args.quiet:
+        return 0
+    name_a, name_b = f"A: {a.name}", f"B: {b.name}"
+    if not a.config or not b.config:
+        missing = [str(r.path) for r in (a, b) if not r.config]
+        console.print(f"No resolved.json in {', '.join(missing)}: config differences cannot be shown.")
+    elif differences:
+        print_table(["config key", name_a, name_b], differences, title="Config differences", console=console)
+    else:
+        console.print("Configs are identical.")
+    if args.verbose and a.config and b.config:
+        same = sorted(set(flatten(a.config)) & set(flatten(b.config)) - {k for k, _, _ in differences})
+        console.print(f"{len(same)} equal keys: " + ", ".join(same), markup=False)
+    console.print("")
+    print_table(["metric", name_a, name_b, "B vs A"], metrics, title="Results", console=console)
+    if args.plot:
+        console.print(f"Wrote {args.plot}")
+    return 0

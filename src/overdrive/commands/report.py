@@ -1,0 +1,37 @@
+"""`overdrive report RUN_DIR`: plots and a markdown summary of a run, under RUN_DIR/report/."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run's output_dir (holds metrics.jsonl)")
+    parser.add_argument("-o", "--out", help="directory for the plots and summary.md (default: RUN_DIR/report)")
+    parser.add_argument("--print", dest="print_summary", action="store_true", help="also print summary.md")
+    verbosity = parser.add_mutually_exclusive_group()
+    verbosity.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+    verbosity.add_argument("-v", "--verbose", action="store_true", help="print the summary and every file written")
+
+
+def run(args: argparse.Namespace) -> int:
+    from overdrive.console import get_console, is_interactive, print_table
+    from overdrive.report import METRICS, fmt, write_report
+
+    console = get_console(quiet=args.quiet)
+    if is_interactive() and not args.quiet:
+        with console.status("plotting ..."):
+            path, images, summary = write_report(args.run_dir, args.out)
+    else:
+        path, images, summary = write_report(args.run_dir, args.out)
+    if args.quiet:
+        return 0
+    rows = [(label, fmt(summary[key], kind)) for key, label, kind in METRICS if summary[key] is not None]
+    print_table(["metric", "value"], rows, title=f"run {args.run_dir}", console=console)
+    console.print(f"Wrote {path}" + (f" and {len(images)} plot(s)" if images else " (nothing to plot)"))
+    if args.verbose:
+        for image in images:
+            console.print(f"  {image}")
+    if args.print_summary or args.verbose:
+        console.print(path.read_text(), markup=False)
+    return 0

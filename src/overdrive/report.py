@@ -1,0 +1,319 @@
+"""`overdrive report` and `overdrive compare`: what a finished run did, as plots and markdown.
+
+Reads `<run>/metrics.jsonl` (one JSON object per line: train lines carry `loss`, eval lines
+`eval_loss`) and, when present, `<run>/resolved.json` (`{"config": {...}, "origins": {...}}`).
+Every field is optional: a run from an older trainer, a CPU run without MFU or a run killed
+half-way still gets a report of whatever it recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from overdrive.errors import UserError
+
+# Peak memory has been logged under several names and units; all are read, in bytes.
+_MEMORY_KEY = re.compile(r"^(peak|max)_mem(ory)?(_allocated|_reserved)?(_(?P<unit>bytes|b|kb|kib|mb|mib|gb|gib))?$")
+_UNIT = {None: 1, "bytes": 1, "b": 1, "kb": 2**10, "kib": 2**10, "mb": 2**20, "mib": 2**20, "gb": 2**30, "gib": 2**30}
+
+
+@dataclass
+class Run:
+    path: Path
+    train: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+    origins: dict[str, str] = field(default_factory=dict)
+    bad_lines: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.path.resolve().name
+
+
+def _number(value: Any) -> Optional[float]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return None if math.isnan(value) or math.isinf(value) else float(value)
+
+
+def memory_bytes(record: dict[str, Any]) -> Optional[float]:
+    for key, value in record.items():
+        match = _MEMORY_KEY.match(key)
+        if match and _number(value) is not None:
+            return float(value) * _UNIT[match.group("unit")]
+    return None
+
+
+def load_run(path: str | Path) -> Run:
+    run_dir = Path(path)
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir}: no such run directory")
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise UserError(f"{metrics}: no metrics in this run directory (is it the run's output_dir?)")
+    run = Run(run_dir)
+    for line in metrics.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut short by a killed run
+            run.bad_lines += 1
+            continue
+        if not isinstance(record, dict):
+            run.bad_lines += 1
+            continue
+        if _number(record.get("eval_loss")) is not None:
+            run.evals.append(record)
+        if _number(record.get("loss")) is not None or (
+            "eval_loss" not in record and _number(record.get("step")) is not None
+        ):
+            run.train.append(record)
+    if not run.train and not run.evals:
+        raise UserError(f"{metrics}: no train or eval lines (every line needs a `loss` or `eval_loss`)")
+    resolved = run_dir / "resolved.json"
+    if resolved.is_file():
+        try:
+            data = json.loads(resolved.read_text())
+        except ValueError as error:
+            raise UserError(f"{resolved}: not valid JSON ({error})") from None
+        if isinstance(data, dict):
+            run.config = data.get("config", data) if isinstance(data.get("config", data), dict) else {}
+            run.origins = {k: str(v) for k, v in (data.get("origins") or {}).items()}
+    return run
+
+
+def series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of the records that have both a step and a finite `key`."""
+    steps, values = [], []
+    for index, record in enumerate(records):
+        value = memory_bytes(record) if key == "memory" else _number(record.get(key))
+        if value is None:
+            continue
+        step = _number(record.get("step"))
+        steps.append(step if step is not None else float(index))
+        values.append(value)
+    return steps, values
+
+
+def _get(config: dict[str, Any], dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _last(records: list[dict[str, Any]], key: str) -> Any:
+    for record in reversed(records):
+        if record.get(key) is not None:
+            return record[key]
+    return None
+
+
+def _steady_mean(values: list[float]) -> Optional[float]:
+    # The first logged window includes start-up and torch.compile: it says nothing about speed.
+    values = values[1:] if len(values) >= 3 else values
+    return sum(values) / len(values) if values else None
+
+
+def summarize(run: Run) -> dict[str, Any]:
+    """The run's numbers and config highlights, as plain values (None when not recorded)."""
+    cfg, train, evals = run.config, run.train, run.evals
+    _, losses = series(train, "loss")
+    loss_steps, _ = series(train, "loss")
+    _, eval_losses = series(evals, "eval_loss")
+    _, tokens = series(train, "tokens_per_s")
+    _, mfu = series(train, "mfu")
+    _, memory = series(train + evals, "memory")
+    elapsed = [v for r in train + evals if (v := _number(r.get("elapsed_s"))) is not None]
+    stamps = [v for r in train + evals if (v := _number(r.get("time", r.get("timestamp")))) is not None]
+    micro = _get(cfg, "training.micro_batch_size")
+    if micro in (None, "auto"):
+        micro = _last(train, "micro_batch_size") or micro
+    accum = _get(cfg, "training.gradient_accumulation_steps") or _last(train, "gradient_accumulation_steps")
+    world = _last(train, "world_size") or _last(train, "num_processes") or _get(cfg, "launch.num_processes")
+    min_index = min(range(len(losses)), key=losses.__getitem__) if losses else None
+    return {
+        "run": str(run.path),
+        "model": _model_name(cfg),
+        "strategy": _strategy(cfg),
+        "precision": _get(cfg, "precision.mixed_precision") or _last(train, "mixed_precision"),
+        "micro_batch_size": micro,
+        "gradient_accumulation_steps": accum,
+        "world_size": world,
+        "global_batch": micro * accum * world if all(isinstance(v, int) for v in (micro, accum, world)) else None,
+        "seq_len": _last(train, "seq_len") or _get(cfg, "data.max_length"),
+        "lr": _get(cfg, "optim.lr"),
+        "scheduler": _get(cfg, "scheduler.name"),
+        "steps": max(loss_steps) if loss_steps else _last(evals, "step"),
+        "max_steps": _get(cfg, "training.max_steps"),
+        "first_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
+        "min_loss": losses[min_index] if min_index is not None else None,
+        "min_loss_step": loss_steps[min_index] if min_index is not None else None,
+        "final_eval_loss": eval_losses[-1] if eval_losses else None,
+        "min_eval_loss": min(eval_losses) if eval_losses else None,
+        "final_eval_accuracy": _number(_last(evals, "eval_accuracy")),
+        "mean_tokens_per_s": _steady_mean(tokens),
+        "mean_mfu": _steady_mean(mfu),
+        "peak_memory_bytes": max(memory) if memory else None,
+        "wall_time_s": max(elapsed) if elapsed else (max(stamps) - min(stamps) if len(stamps) > 1 else None),
+        "bad_lines": run.bad_lines,
+    }
+
+
+def _model_name(cfg: dict[str, Any]) -> Optional[str]:
+    name = _get(cfg, "model.name_or_path")
+    if name:
+        return str(name)
+    arch = _get(cfg, "model.architecture")
+    if isinstance(arch, dict) and arch:
+        shape = f", {arch['n_layer']} layers x {arch['n_embd']} wide" if "n_layer" in arch and "n_embd" in arch else ""
+        return f"{arch.get('model_type', 'model')}{shape}, from scratch"
+    return None
+
+
+def _strategy(cfg: dict[str, Any]) -> Optional[str]:
+    strategy = _get(cfg, "parallel.strategy")
+    if strategy == "deepspeed":
+        text = f"deepspeed ZeRO-{_get(cfg, 'parallel.deepspeed.zero_stage')}"
+        offload = [f"{what} to {dev}" for what, dev in (
+            ("optimizer", _get(cfg, "parallel.deepspeed.offload_optimizer")),
+            ("params", _get(cfg, "parallel.deepspeed.offload_param"))) if dev not in (None, "none")]
+        return text + (f" (offload {', '.join(offload)})" if offload else "")
+    if strategy == "fsdp":
+        reshard = _get(cfg, "parallel.fsdp.reshard_after_forward")
+        return f"fsdp{_get(cfg, 'parallel.fsdp.version') or ''} (reshard_after_forward={reshard})"
+    return strategy
+
+
+# ---------------------------------------------------------------- formatting
+
+
+def fmt_bytes(value: Optional[float]) -> str:
+    if value is None:
+        return "-"
+    return f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.0f} MiB"
+
+
+def fmt_seconds(value: Optional[float]) -> str:
+    if value is None:
+        return "-"
+    value = int(round(value))
+    return f"{value // 3600}:{value % 3600 // 60:02d}:{value % 60:02d}" if value >= 60 else f"{value} s"
+
+
+def fmt(value: Any, kind: str = "") -> str:
+    if value is None:
+        return "-"
+    if kind == "bytes":
+        return fmt_bytes(value)
+    if kind == "seconds":
+        return fmt_seconds(value)
+    if kind == "percent":
+        return f"{value * 100:.1f}%" if value <= 1 else f"{value:.1f}%"
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+    return str(value)
+
+
+# (summary key, label, kind) for the numbers every report and comparison shows.
+METRICS = (
+    ("first_loss", "first loss", ""),
+    ("final_loss", "final loss", ""),
+    ("min_loss", "min loss", ""),
+    ("final_eval_loss", "final eval loss", ""),
+    ("min_eval_loss", "min eval loss", ""),
+    ("final_eval_accuracy", "final eval accuracy", ""),
+    ("mean_tokens_per_s", "mean tokens/s", ""),
+    ("mean_mfu", "mean MFU", "percent"),
+    ("peak_memory_bytes", "peak memory", "bytes"),
+    ("wall_time_s", "wall time", "seconds"),
+    ("steps", "steps", ""),
+)
+
+
+def summary_markdown(run: Run, summary: dict[str, Any], images: list[Path]) -> str:
+    s = summary
+    batch = "-"
+    if s["global_batch"]:
+        batch = f"{s['micro_batch_size']} x {s['gradient_accumulation_steps']} x {s['world_size']} = {s['global_batch']}"
+        if isinstance(s["seq_len"], int):
+            batch += f" sequences ({s['global_batch'] * s['seq_len']:,} tokens) per step"
+    lr = fmt(s["lr"]) + (f" ({s['scheduler']})" if s["scheduler"] else "")
+    out = [f"# Run report: {run.name}", "", f"`{run.path}`", "", "## Config", "", "| | |", "| --- | --- |"]
+    for label, value in (("model", s["model"]), ("strategy", s["strategy"]), ("precision", s["precision"]),
+                         ("micro-batch x accum x world", batch), ("sequence length", s["seq_len"]),
+                         ("learning rate", lr), ("max steps", s["max_steps"])):
+        out.append(f"| {label} | {fmt(value)} |")
+    explicit = {k: v for k, v in run.origins.items() if not v.startswith("default")}
+    if explicit:
+        out += ["", "Set explicitly (everything else is a schema default):", ""]
+        out += [f"- `{k}` = `{_get(run.config, k)}` from {v}" for k, v in sorted(explicit.items())[:40]]
+        if len(explicit) > 40:
+            out.append(f"- ... and {len(explicit) - 40} more (see resolved.json)")
+    if not run.config:
+        out += ["", "No resolved.json in the run directory: config values come from metrics.jsonl only."]
+    out += ["", "## Results", "", "| | |", "| --- | --- |"]
+    for key, label, kind in METRICS:
+        if key == "min_loss" and s[key] is not None:
+            out.append(f"| {label} | {fmt(s[key])} (step {fmt(s['min_loss_step'])}) |")
+        elif s[key] is not None:
+            out.append(f"| {label} | {fmt(s[key], kind)} |")
+    if s["mean_tokens_per_s"] is not None or s["mean_mfu"] is not None:
+        out += ["", "Means leave out the first logged window (start-up, compilation) when there are three or more."]
+    if run.bad_lines:
+        out += ["", f"{run.bad_lines} line(s) of metrics.jsonl could not be read and were skipped."]
+    if images:
+        out += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in images]
+    return "\n".join(out) + "\n"
+
+
+def write_report(run_dir: str | Path, out_dir: Optional[str | Path] = None) -> tuple[Path, list[Path], dict]:
+    """Plots and summary.md under `<run>/report/`. Returns (summary path, images, summary)."""
+    from overdrive.report_plots import plot_run
+
+    run = load_run(run_dir)
+    target = Path(out_dir) if out_dir else run.path / "report"
+    target.mkdir(parents=True, exist_ok=True)
+    summary = summarize(run)
+    images = plot_run(run, target)
+    path = target / "summary.md"
+    path.write_text(summary_markdown(run, summary, images))
+    return path, images, summary
+
+
+def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_differences(a: Run, b: Run) -> list[tuple[str, Any, Any]]:
+    fa, fb = flatten(a.config), flatten(b.config)
+    return [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
+
+
+def metric_rows(sa: dict[str, Any], sb: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    rows = []
+    for key, label, kind in METRICS:
+        va, vb = sa[key], sb[key]
+        if va is None and vb is None:
+            continue
+        change = "-"
+        if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and va:
+            change = f"{(vb - va) / abs(va) * 100:+.1f}%"
+        rows.append((label, fmt(va, kind), fmt(vb, kind), change))
+    return rows
