@@ -231,3 +231,14 @@ def test_wizard_in_a_real_terminal_then_explain_and_train(tmp_path):
     report = subprocess.run(OVERDRIVE + ["report", str(run_dir)], env=env, capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr
     assert "deepspeed ZeRO-2" in (run_dir / "report" / "summary.md").read_text()
+
+
+def test_required_answers_and_unused_flags(tmp_path):
+    with pytest.raises(UserError, match="--main-process-ip: required"):
+        wizard.ask_all(wizard.Asker(preset={"num_machines": "2", "where": "multi"}, interactive=False), CPU_BOX)
+    ask = wizard.Asker(preset={"zero_stage": "3"}, interactive=False)
+    a = wizard.ask_all(ask, CPU_BOX)
+    assert a.strategy == "ddp" and ask.unused_flags() == ["--zero-stage"]
+    # Enter on a question without a default asks again instead of leaving it empty.
+    a, said = scripted(["multi", "cpu", "2", "0", "", "node0", "", "", "", "", "", "", ""])
+    assert a.main_process_ip == "node0" and any("required" in s for s in said)

@@ -118,10 +118,30 @@ def _last(records: list[dict[str, Any]], key: str) -> Any:
     return None
 
 
-def _steady_mean(values: list[float]) -> Optional[float]:
-    # The first logged window includes start-up and torch.compile: it says nothing about speed.
-    values = values[1:] if len(values) >= 3 else values
-    return sum(values) / len(values) if values else None
+def steady_rate(records: list[dict[str, Any]], key: str) -> Optional[float]:
+    """Mean of a rate (tokens/s, MFU) over the run, weighted by the work in each window.
+
+    Each logged rate covers a window of tokens; the run's rate is total tokens over total
+    time, i.e. the harmonic mean weighted by tokens (an arithmetic mean would let one fast
+    window outweigh a slow one). Windows' tokens come from the cumulative `tokens` field
+    when logged, else are taken as equal. The first window includes start-up and
+    torch.compile, so it is left out when there are three or more.
+    """
+    points, previous = [], None
+    for record in records:
+        rate, tokens = _number(record.get(key)), _number(record.get("tokens"))
+        weight = tokens - previous if tokens is not None and previous is not None else None
+        previous = tokens if tokens is not None else previous
+        if rate is not None and rate > 0:
+            points.append((rate, weight))
+    if len(points) >= 3:
+        points = points[1:]
+    if not points:
+        return None
+    weights = [w if w is not None and w > 0 else 1.0 for _, w in points]
+    if any(w is None for _, w in points):  # mixed information: equal windows is the honest guess
+        weights = [1.0] * len(points)
+    return sum(weights) / sum(w / r for (r, _), w in zip(points, weights))
 
 
 def summarize(run: Run) -> dict[str, Any]:
@@ -130,8 +150,6 @@ def summarize(run: Run) -> dict[str, Any]:
     _, losses = series(train, "loss")
     loss_steps, _ = series(train, "loss")
     _, eval_losses = series(evals, "eval_loss")
-    _, tokens = series(train, "tokens_per_s")
-    _, mfu = series(train, "mfu")
     _, memory = series(train + evals, "memory")
     elapsed = [v for r in train + evals if (v := _number(r.get("elapsed_s"))) is not None]
     stamps = [v for r in train + evals if (v := _number(r.get("time", r.get("timestamp")))) is not None]
@@ -162,8 +180,8 @@ def summarize(run: Run) -> dict[str, Any]:
         "final_eval_loss": eval_losses[-1] if eval_losses else None,
         "min_eval_loss": min(eval_losses) if eval_losses else None,
         "final_eval_accuracy": _number(_last(evals, "eval_accuracy")),
-        "mean_tokens_per_s": _steady_mean(tokens),
-        "mean_mfu": _steady_mean(mfu),
+        "mean_tokens_per_s": steady_rate(train, "tokens_per_s"),
+        "mean_mfu": steady_rate(train, "mfu"),
         "peak_memory_bytes": max(memory) if memory else None,
         "wall_time_s": max(elapsed) if elapsed else (max(stamps) - min(stamps) if len(stamps) > 1 else None),
         "bad_lines": run.bad_lines,
@@ -269,7 +287,8 @@ def summary_markdown(run: Run, summary: dict[str, Any], images: list[Path]) -> s
         elif s[key] is not None:
             out.append(f"| {label} | {fmt(s[key], kind)} |")
     if s["mean_tokens_per_s"] is not None or s["mean_mfu"] is not None:
-        out += ["", "Means leave out the first logged window (start-up, compilation) when there are three or more."]
+        out += ["", "Mean tokens/s and MFU are total tokens over total time of the logged windows, leaving out the "
+                "first (start-up, compilation) when there are three or more."]
     if run.bad_lines:
         out += ["", f"{run.bad_lines} line(s) of metrics.jsonl could not be read and were skipped."]
     if images:

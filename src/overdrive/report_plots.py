@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from overdrive.report import Run, fmt, fmt_bytes, fmt_seconds, series, summarize
+from overdrive.report import Run, fmt, fmt_bytes, fmt_seconds, series, steady_rate, summarize
 
 
 def _pyplot():
@@ -21,12 +21,17 @@ def _pyplot():
     return plt
 
 
-def _ema(values: list[float], weight: float = 0.9) -> list[float]:
-    out, level = [], None
-    for value in values:
-        level = value if level is None else weight * level + (1 - weight) * value
-        out.append(level)
+def smooth(values: list[float]) -> list[float]:
+    """Centred moving average over ~1/25 of the run: shows the trend without the lag of an EMA."""
+    half = max(1, len(values) // 50)
+    out = []
+    for i in range(len(values)):
+        window = values[max(0, i - half): i + half + 1]
+        out.append(sum(window) / len(window))
     return out
+
+
+NOISY = 60  # points: above this the raw curve is drawn faint and its trend on top
 
 
 def _loss(ax, run: Run) -> bool:
@@ -35,11 +40,11 @@ def _loss(ax, run: Run) -> bool:
     if not losses and not elosses:
         return False
     if losses:
-        noisy = len(losses) > 30
+        noisy = len(losses) > NOISY
         ax.plot(steps, losses, color="C0", alpha=0.35 if noisy else 1.0, lw=1, label="train loss",
                 marker=None if noisy else "o", ms=3)
         if noisy:  # the raw curve is noisy at small batches: draw the trend on top
-            ax.plot(steps, _ema(losses), color="C0", lw=2, label="train loss (EMA 0.9)")
+            ax.plot(steps, smooth(losses), color="C0", lw=2, label="train loss (moving average)")
     if elosses:
         ax.plot(esteps, elosses, color="C1", marker="s", ms=5, lw=1.5, label="eval loss")
     ax.set_title("Loss")
@@ -54,16 +59,16 @@ def _simple(key: str, title: str, ylabel: str, color: str, scale: Callable[[list
         steps, values = series(run.train + (run.evals if key == "memory" else []), key)
         if not values:
             return False
+        avg = steady_rate(run.train, key) if mean else None
         label = ylabel
-        if scale:
-            values, label = scale(values)
+        if scale:  # the mean goes through the same scaling as the points it is drawn with
+            scaled, label = scale(values + ([avg] if avg is not None else []))
+            values, avg = scaled[: len(values)], (scaled[-1] if avg is not None else None)
         order = sorted(range(len(steps)), key=steps.__getitem__)
         steps, values = [steps[i] for i in order], [values[i] for i in order]
-        ax.plot(steps, values, color=color, lw=1.5, marker="o" if len(values) <= 30 else None, ms=3)
-        if mean and len(values) >= 2:
-            steady = values[1:] if len(values) >= 3 else values
-            avg = sum(steady) / len(steady)
-            ax.axhline(avg, color="grey", ls="--", lw=1, label=f"mean {fmt(avg)}")
+        ax.plot(steps, values, color=color, lw=1.5, marker="o" if len(values) <= NOISY else None, ms=3)
+        if avg is not None:
+            ax.axhline(avg, color="grey", ls="--", lw=1, label=f"run mean {fmt(avg)}")
             ax.legend(fontsize=8)
         if from_zero:  # amounts, not changes: a zoomed axis would make 2% look like 200%
             ax.set_ylim(bottom=0, top=max(values) * 1.08)
@@ -128,8 +133,8 @@ def plot_run(run: Run, target: Path) -> list[Path]:
         plt.close(fig)
     if not drawn:
         return written
-    cols = 3 if len(drawn) > 4 else 2 if len(drawn) > 1 else 1
-    rows = -(-(len(drawn) + 1) // cols) if cols > 1 else 1
+    cols = min(3, len(drawn) + 1)  # one cell more than panels: the numbers
+    rows = -(-(len(drawn) + 1) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.6 * rows), dpi=100, squeeze=False)
     cells = [ax for row in axes for ax in row]
     for ax, draw in zip(cells, drawn):
@@ -158,7 +163,7 @@ def plot_compare(a: Run, b: Run, out: Path, labels: Optional[tuple[str, str]] = 
     for run, label, color in ((a, labels[0], "C0"), (b, labels[1], "C3")):
         steps, losses = series(run.train, "loss")
         if losses:
-            ax.plot(steps, _ema(losses) if len(losses) > 30 else losses, color=color, lw=1.8, label=f"{label} train")
+            ax.plot(steps, smooth(losses) if len(losses) > NOISY else losses, color=color, lw=1.8, label=f"{label} train")
         esteps, elosses = series(run.evals, "eval_loss")
         if elosses:
             ax.plot(esteps, elosses, color=color, ls="--", marker="s", ms=5, label=f"{label} eval")

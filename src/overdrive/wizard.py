@@ -84,14 +84,23 @@ class Asker:
     interactive: bool = True
     read: Callable[[str], str] = input
     say: Callable[[str], None] = print
+    asked: set[str] = field(default_factory=set)
+    """Names of the questions that came up: a flag for any other was not used."""
 
     def __call__(self, name: str, question: str, parse: Callable[[str], Any], default: Any, hint: str = "") -> Any:
+        self.asked.add(name)
+        flag = f"--{name.replace('_', '-')}"
         if self.preset.get(name) is not None:
             try:
                 return parse(str(self.preset[name]))
             except ValueError as error:
-                raise UserError(Problem(f"--{name.replace('_', '-')}", str(error))) from None
+                raise UserError(Problem(flag, str(error))) from None
         if not self.interactive:
+            if default is None:  # no default: the answer is required, or empty is fine
+                try:
+                    return parse("")
+                except ValueError as error:
+                    raise UserError(Problem(flag, f"required with these answers ({question.rstrip('?')})")) from None
             return default
         shown = _show(default)
         prompt = f"{question}" + (f" ({hint})" if hint else "") + (f" [{shown}]" if shown != "" else "") + ": "
@@ -103,12 +112,15 @@ class Asker:
                     f"no answer to {question!r}: standard input closed; "
                     "use --non-interactive and flags for scripted use"
                 ) from None
-            if not answer.strip():
-                return default
             try:
+                if not answer.strip() and default is not None:
+                    return default
                 return parse(answer)
             except ValueError as error:
                 self.say(f"  ! {error}. Please try again.")
+
+    def unused_flags(self) -> list[str]:
+        return sorted(f"--{n.replace('_', '-')}" for n in self.preset if n not in self.asked)
 
 
 def _show(value: Any) -> str:

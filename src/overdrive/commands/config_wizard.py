@@ -99,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
         console.print(Text(f"Detected: {wizard_files.hardware_line(hw)}. Press Enter to take the [default].", style="dim"))
     ask = wizard.Asker(preset=_presets(args), interactive=not args.non_interactive, read=read, say=say)
     answers = wizard.ask_all(ask, hw, suggest=wizard.memory_suggestion)
+    unused = [flag for flag in ask.unused_flags() if flag not in ("--use-compile", "--where")]
+    if unused:
+        say(f"note: {', '.join(unused)} not used with these answers (strategy {answers.strategy})")
 
     output = _confirm_path(output, args, read, say, "run config")
     if output is None:
