@@ -94,3 +94,10 @@ def test_default_config_path_follows_accelerate():
     assert accelerate_default_config_path({"HF_HOME": "/x"}) == Path("/x/accelerate/default_config.yaml")
     assert accelerate_default_config_path({"XDG_CACHE_HOME": "/c"}) == Path("/c/huggingface/accelerate/default_config.yaml")
     assert accelerate_default_config_path({}) == Path("~/.cache/huggingface/accelerate/default_config.yaml").expanduser()
+
+
+def test_a_broken_default_config_is_reported_not_fatal(tmp_path):
+    broken = "distributed_type: FSDP\nfsdp_config:\n  fsdp_bogus_key: 1\nmixed_precision: bf17\n"
+    out = overdrive_env(shell(tmp_path, default_config=broken), "--no-hardware")
+    assert "fsdp_bogus_key: 1" in out  # shown as written: a key named *_key is no secret
+    assert "### Problems" in out and "bf17" in out and "fsdp_bogus_key" in out.split("### Problems")[1]

@@ -162,7 +162,7 @@ def layer_changes(layers: tuple[str, ...] = ("accelerate-default", "env")) -> di
     try:
         resolved = resolve(files=(), cli=())
     except UserError as error:
-        return {"available": True, "error": error.render(), "changes": []}
+        return {"available": True, "error": "\n".join(f"- {p.render()}" for p in error.problems), "changes": []}
     changes = []
     chains = getattr(resolved, "chains", None) or {}
     for key, origin in sorted(getattr(resolved, "origins", {}).items()):
@@ -207,17 +207,20 @@ def _jsonable(value: Any) -> Any:
 
 
 def accelerate_default() -> dict[str, Any]:
-    from overdrive.config.env_report import accelerate_default_config_path, is_secret_name, MASK
+    from overdrive.config.env_report import MASK, accelerate_default_config_path
+    from overdrive.config.schema import SECRET_MARKERS
 
     path = accelerate_default_config_path()
     info: dict[str, Any] = {"path": str(path), "exists": path.is_file(), "content": None}
     if info["exists"]:
         lines = path.read_text(errors="replace").splitlines()
-        # A default config holds no credentials by design, but it is a user-edited file.
-        masked = [
-            f"{line.partition(':')[0]}: {MASK}" if ":" in line and is_secret_name(line.partition(":")[0]) else line
-            for line in lines
-        ]
+        # A default config holds no credentials by design, but it is a user-edited file. The
+        # schema's markers, not the bare "KEY" used for variables: `fsdp_..._key` is no secret.
+        masked = []
+        for line in lines:
+            name, colon, _ = line.partition(":")
+            secret = colon and any(marker in name.lower() for marker in SECRET_MARKERS)
+            masked.append(f"{name}: {MASK}" if secret else line)
         info["content"] = "\n".join(masked)
     return info
 
@@ -282,7 +285,7 @@ def to_markdown(report: dict[str, Any]) -> str:
     if acc["exists"]:
         out.append("")
         if layers.get("error"):
-            out.append(f"Could not map it onto overdrive's keys: {layers['error']}")
+            out.append("Its effect is unknown: resolving the config fails (see Problems below).")
         elif from_default:
             out += ["What it changes in every overdrive run (layer `accelerate-default`):", ""]
             out += _changes_table(from_default)
@@ -290,6 +293,10 @@ def to_markdown(report: dict[str, Any]) -> str:
             out.append("It changes no overdrive value (every key equals the schema default or is not used).")
     if from_env:
         out += ["", "### Values set by environment variables", ""] + _changes_table(from_env)
+    if layers.get("error") and layers.get("available"):
+        out += ["", "### Problems", "",
+                "Resolving the config here (defaults, Accelerate default config, environment) fails with:",
+                "", layers["error"]]
     out += ["", "### Environment variables that affect a run", ""]
     if not report["environment"]:
         out.append("None set.")
