@@ -92,7 +92,8 @@ def test_masking_and_selection():
 
 def test_default_config_path_follows_accelerate():
     assert accelerate_default_config_path({"HF_HOME": "/x"}) == Path("/x/accelerate/default_config.yaml")
-    assert accelerate_default_config_path({"XDG_CACHE_HOME": "/c"}) == Path("/c/huggingface/accelerate/default_config.yaml")
+    xdg = accelerate_default_config_path({"XDG_CACHE_HOME": "/c"})
+    assert xdg == Path("/c/huggingface/accelerate/default_config.yaml")
     assert accelerate_default_config_path({}) == Path("~/.cache/huggingface/accelerate/default_config.yaml").expanduser()
 
 

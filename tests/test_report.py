@@ -38,8 +38,8 @@ def make_run(run_dir: Path, seed: int = 0, strategy: str = "ddp", steps: int = 3
         record[memory_key] = memory_mb * 2**20 if memory_key.endswith("bytes") else memory_mb
         lines.append(record)
         if step % 100 == 0:
-            lines.append({"step": step, "eval_loss": 3.55 + 5.3 * math.exp(-step / 60), "eval_accuracy": 0.1 + step / 1000,
-                          "elapsed_s": elapsed + 2.0})
+            lines.append({"step": step, "eval_loss": 3.55 + 5.3 * math.exp(-step / 60),
+                          "eval_accuracy": 0.1 + step / 1000, "elapsed_s": elapsed + 2.0})
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     if with_resolved:
         config = RunConfig.model_validate({"parallel": {"strategy": strategy}, "launch": {"num_processes": 2},

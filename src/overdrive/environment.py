@@ -257,7 +257,8 @@ def to_markdown(report: dict[str, Any]) -> str:
             cores = f"{hw['cpu_physical_cores']} physical, " + cores
         out += ["", "### Hardware", "", f"- platform: {hw['platform']}"]
         out.append(f"- CPU: {hw.get('cpu_model') or 'unknown'} ({cores} cores)")
-        out.append(f"- bf16 on CPU: {'native (AVX512-BF16/AMX)' if hw['cpu_bf16_native'] else 'emulated (no AVX512-BF16/AMX)'}")
+        bf16 = "native (AVX512-BF16/AMX)" if hw["cpu_bf16_native"] else "emulated (no AVX512-BF16/AMX)"
+        out.append(f"- bf16 on CPU: {bf16}")
         out.append(f"- RAM: {_gib(hw.get('ram_bytes'))}")
         if hw.get("torch_error"):
             out.append(f"- torch: failed to import ({hw['torch_error']})")

@@ -263,7 +263,8 @@ def summary_markdown(run: Run, summary: dict[str, Any], images: list[Path]) -> s
     s = summary
     batch = "-"
     if s["global_batch"]:
-        batch = f"{s['micro_batch_size']} x {s['gradient_accumulation_steps']} x {s['world_size']} = {s['global_batch']}"
+        batch = (f"{s['micro_batch_size']} x {s['gradient_accumulation_steps']} x {s['world_size']}"
+                 f" = {s['global_batch']}")
         if isinstance(s["seq_len"], int):
             batch += f" sequences ({s['global_batch'] * s['seq_len']:,} tokens) per step"
     lr = fmt(s["lr"]) + (f" ({s['scheduler']})" if s["scheduler"] else "")

@@ -53,8 +53,11 @@ def _loss(ax, run: Run) -> bool:
     return True
 
 
-def _simple(key: str, title: str, ylabel: str, color: str, scale: Callable[[list[float]], tuple[list[float], str]] | None = None,
-            mean: bool = False, from_zero: bool = True):
+Scale = Callable[[list[float]], tuple[list[float], str]]
+
+
+def _simple(key: str, title: str, ylabel: str, color: str, scale: Scale | None = None, mean: bool = False,
+            from_zero: bool = True):
     def draw(ax, run: Run) -> bool:
         steps, values = series(run.train + (run.evals if key == "memory" else []), key)
         if not values:
@@ -163,7 +166,8 @@ def plot_compare(a: Run, b: Run, out: Path, labels: Optional[tuple[str, str]] = 
     for run, label, color in ((a, labels[0], "C0"), (b, labels[1], "C3")):
         steps, losses = series(run.train, "loss")
         if losses:
-            ax.plot(steps, smooth(losses) if len(losses) > NOISY else losses, color=color, lw=1.8, label=f"{label} train")
+            trend = smooth(losses) if len(losses) > NOISY else losses
+            ax.plot(steps, trend, color=color, lw=1.8, label=f"{label} train")
         esteps, elosses = series(run.evals, "eval_loss")
         if elosses:
             ax.plot(esteps, elosses, color=color, ls="--", marker="s", ms=5, label=f"{label} eval")

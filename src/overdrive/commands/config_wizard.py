@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-o", "--output", default="overdrive.yaml", help="run config to write (default: overdrive.yaml)")
+    parser.add_argument("-o", "--output", default="overdrive.yaml", help="run config to write (overdrive.yaml)")
     parser.add_argument("--force", action="store_true", help="overwrite existing files without asking")
     parser.add_argument(
         "--accelerate-default",
@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     answers.add_argument("--nvme-path", help="directory for nvme offload")
     answers.add_argument("--reshard-after-forward", help="yes | no (FSDP)")
     answers.add_argument("--fsdp-offload-params", help="yes | no (FSDP)")
-    answers.add_argument("--compile", nargs="?", const="inductor", help="use torch.compile, with this backend (default inductor)")
+    answers.add_argument("--compile", nargs="?", const="inductor", help="use torch.compile with this backend (inductor)")
     answers.add_argument("--no-compile", action="store_true", help="do not use torch.compile")
     answers.add_argument("--accum", help="gradient accumulation steps")
 
@@ -96,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
 
     hw = hardware()
     if not args.non_interactive:
-        console.print(Text(f"Detected: {wizard_files.hardware_line(hw)}. Press Enter to take the [default].", style="dim"))
+        detected = wizard_files.hardware_line(hw)
+        console.print(Text(f"Detected: {detected}. Press Enter to take the [default].", style="dim"))
     ask = wizard.Asker(preset=_presets(args), interactive=not args.non_interactive, read=read, say=say)
     answers = wizard.ask_all(ask, hw, suggest=wizard.memory_suggestion)
     unused = [flag for flag in ask.unused_flags() if flag not in ("--use-compile", "--where")]
