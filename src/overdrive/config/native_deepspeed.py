@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 from overdrive.config.native_tables import DEEPSPEED_CONFIG_KEYS
 
+
 def _is_auto(value: Any) -> bool:
     return isinstance(value, str) and value.strip().lower() == "auto"
 
