@@ -17,6 +17,8 @@ from overdrive import __version__
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("overdrive.commands.train", "train a model from a run config (bare: the embedded default)"),
     "explain": ("overdrive.commands.explain", "every effective value and the layer that set it"),
+    "plan": ("overdrive.commands.plan", "batch math, steps, memory per device and step time, before launch"),
+    "estimate": ("overdrive.commands.estimate", "memory per device for every strategy (meta device, no weights)"),
     "docs": ("overdrive.commands.docs", "write the config reference (docs/config.md) from the schema"),
     "config": ("overdrive.commands.config_wizard", "interactive wizard that writes a commented run config"),
     "env": ("overdrive.commands.env", "versions, hardware, Accelerate default config and run variables, for bug reports"),

@@ -1,0 +1,99 @@
+"""`overdrive estimate MODEL_OR_CONFIG`: memory per device for every strategy, and which fits.
+
+MODEL_OR_CONFIG is a directory with config.json, a config.json file, an overdrive run YAML
+(its model, micro-batch, sequence length, precision and process count), or a hub name. The
+model is built on the meta device: no weights are read or downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from overdrive.errors import Problem, UserError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL_OR_CONFIG",
+                        help="directory with config.json, a config.json, a run YAML, or a hub name")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides for a run YAML (as in train)")
+    parser.add_argument("--devices", type=int, help="data-parallel processes (default: the YAML's, else 1)")
+    parser.add_argument("--precision", choices=["no", "fp16", "bf16"], help="default: the YAML's, else bf16")
+    parser.add_argument("--micro-batch", type=int, help="samples per device per step (default: the YAML's, else 1)")
+    parser.add_argument("--seq-len", type=int, help="tokens per sample (default: the YAML's, else min(2048, max positions))")
+    ckpt = parser.add_mutually_exclusive_group()
+    ckpt.add_argument("--checkpointing", dest="checkpointing", action="store_true", default=None,
+                      help="count the total with activation checkpointing")
+    ckpt.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    parser.add_argument("--gpu-memory", type=float, metavar="GIB",
+                        help="plan for GPUs of this size (default: the GPU found, else host RAM)")
+    parser.add_argument("--host-memory", type=float, metavar="GIB", help="host RAM per node (default: this machine's)")
+    parser.add_argument("--nodes", type=int, default=1, help="machines the devices are spread over (host RAM is per node)")
+    parser.add_argument("--target", choices=["auto", "cuda", "cpu"], default="auto",
+                        help="kernels to assume (attention, dropout masks); auto: cuda with a GPU or --gpu-memory")
+    parser.add_argument("--strategies", help="comma list of rows to show (default: all)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--plot", metavar="FILE.png", help="also draw the stacked bars as a PNG")
+
+
+def _positive(name: str, value) -> None:
+    if value is not None and value < 1:
+        raise UserError(Problem(name, f"must be at least 1 (got {value})"))
+
+
+def build(args: argparse.Namespace):
+    """(Estimate, Source) for the parsed arguments; shared with `plan`."""
+    from overdrive.memory import STRATEGIES, estimate
+    from overdrive.memory.model_shape import model_shape, resolve_source
+    from overdrive.memory.shape import Setup, setup_for_run
+
+    for name in ("--devices", "--micro-batch", "--seq-len", "--nodes"):
+        _positive(name, getattr(args, name[2:].replace("-", "_"), None))
+    if args.overrides and not args.model.endswith((".yaml", ".yml")):
+        raise UserError(Problem("", "key=value overrides apply to a run YAML only"))
+    source = resolve_source(args.model, args.overrides)
+    shape = model_shape(source)
+    target = _target(args)
+    changes = dict(devices=args.devices, precision=args.precision, micro_batch=args.micro_batch,
+                   seq_len=args.seq_len, checkpointing=args.checkpointing)
+    if source.run is not None:
+        setup = setup_for_run(source.run, target, **changes)
+    else:
+        positions = getattr(source.config, "max_position_embeddings", None) or getattr(source.config, "n_positions", None)
+        defaults = dict(devices=1, precision="bf16", micro_batch=1, seq_len=min(2048, positions or 2048),
+                        checkpointing=False, target=target)
+        defaults.update({k: v for k, v in changes.items() if v is not None})
+        setup = Setup(**defaults)
+    strategies = STRATEGIES
+    if args.strategies:
+        strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
+        unknown = [s for s in strategies if s not in STRATEGIES]
+        if unknown:
+            raise UserError(Problem("--strategies", f"unknown {unknown}; choose from {', '.join(STRATEGIES)}"))
+    return estimate(shape, setup, strategies), source
+
+
+def _target(args) -> str:
+    if args.target != "auto":
+        return args.target
+    if args.gpu_memory:
+        return "cuda"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run(args: argparse.Namespace) -> int:
+    from overdrive.memory import report
+
+    est, _ = build(args)
+    cap = report.detect_capacity(args.gpu_memory, args.host_memory)
+    best = report.apply_verdict(est, cap, nodes=args.nodes)
+    if args.plot:
+        report.plot(est, args.plot, cap)
+    if args.json:
+        print(report.to_json(est, cap, best))
+    else:
+        report.render(est, cap, best)
+        if args.plot:
+            print(f"plot: {args.plot}")
+    return 0

@@ -1,0 +1,60 @@
+"""The memory estimator: bytes per device for every strategy, before anything launches.
+
+    shape = model_shape(resolve_source("path/to/config.json"))   # meta device, no weights
+    est = estimate(shape, Setup(devices=4, precision="bf16", micro_batch=1, seq_len=2048))
+    est.rows[0].total_bytes
+
+Layout: shape.py (plain inputs) · model_shape.py (config -> meta model -> ModelShape) ·
+formulas.py (model states and buffers, ZeRO paper and the implementations) ·
+activations.py (Korthikanti et al. 2022, adapted) · report.py (verdict, tables, JSON, plot) ·
+plan.py (the run's batch and step arithmetic).
+
+Only shape.py, formulas.py and activations.py are imported here; they are pure arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from overdrive.memory.activations import Activations, estimate_activations
+from overdrive.memory.formulas import STRATEGIES, Row, model_state_row, uses_autocast, zero_paper_bytes
+from overdrive.memory.shape import ModelShape, Setup
+
+__all__ = ["Estimate", "ModelShape", "Row", "STRATEGIES", "Setup", "estimate", "estimate_row",
+           "zero_paper_bytes"]
+
+
+@dataclass
+class Estimate:
+    shape: ModelShape
+    setup: Setup
+    rows: list[Row]
+
+    def row(self, strategy: str) -> Row:
+        return next(r for r in self.rows if r.strategy == strategy)
+
+
+def estimate_row(strategy: str, shape: ModelShape, setup: Setup) -> Row:
+    """Model states, buffers and activations of one strategy."""
+    row = model_state_row(strategy, shape, setup)
+    act: Activations = estimate_activations(shape, setup, uses_autocast(strategy, setup))
+    row.activations_full_bytes = act.peak
+    row.activations_checkpointed_bytes = act.peak_checkpointed
+    row.activations_saved_bytes = act.saved_checkpointed if setup.checkpointing else act.saved
+    if setup.checkpointing:
+        row.add("activations_bytes", "layer inputs kept by checkpointing", act.layers * act.layer_input)
+        row.add("activations_bytes", "one layer recomputed in backward", act.layer)
+    else:
+        row.add("activations_bytes", f"{act.layers} layers' saved tensors ({act.kernel} attention)",
+                act.layers * act.layer)
+    row.add("activations_bytes", "embedding dropout mask, position ids", act.embeddings)
+    row.add("activations_bytes", "final norm, LM-head input, fp32 log-softmax, labels", act.head)
+    row.add("activations_bytes", "logits held until backward", act.logits)
+    row.add("activations_bytes", "fp32 loss gradients at the start of backward", act.loss_backward)
+    return row
+
+
+def estimate(shape: ModelShape, setup: Setup, strategies: tuple[str, ...] = STRATEGIES) -> Estimate:
+    if setup.devices < 1 or setup.micro_batch < 1 or setup.seq_len < 1:
+        raise ValueError("devices, micro_batch and seq_len must be positive")
+    return Estimate(shape, setup, [estimate_row(name, shape, setup) for name in strategies])

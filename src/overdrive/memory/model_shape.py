@@ -1,0 +1,198 @@
+"""MODEL_OR_CONFIG -> a Transformers config -> a model on the meta device -> ModelShape.
+
+The meta device gives every parameter's shape without allocating or downloading a byte of
+weights, so the estimate counts exactly the tensors the real model will have (tied
+embeddings once, biases, norms) instead of a closed-form guess. torch and transformers are
+imported here, inside functions, so `overdrive --help` stays light.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from overdrive.errors import Problem, UserError
+from overdrive.memory.shape import ModelShape
+
+_YAML = (".yaml", ".yml")
+
+
+@dataclass
+class Source:
+    """What MODEL_OR_CONFIG turned out to be."""
+
+    config: Any  # transformers.PretrainedConfig
+    name: str
+    run: Any = None  # RunConfig when a run config was given
+    task: str = "causal-lm"
+    attn_implementation: Optional[str] = None
+
+
+def _quiet_transformers() -> None:
+    # Config validation warns about token ids of a small inline vocabulary: noise for an estimate.
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+
+
+def load_run_config(path: Optional[str], cli: list[str] = ()):
+    """A RunConfig from files and key=value items, through the layered resolver."""
+    from overdrive.config import resolve
+
+    return resolve(files=[path] if path else [], cli=list(cli)).config
+
+
+def hf_config_for_run(cfg) -> Any:
+    """The Transformers config a run would build, without weights or tokenizer."""
+    from overdrive.model import model_config
+
+    _quiet_transformers()
+    vocab = None if cfg.model.name_or_path else cfg.tokenizer.vocab_size
+    try:
+        return model_config(cfg, vocab)
+    except UserError:
+        raise
+    except Exception as error:  # offline hub name, bad local directory
+        raise UserError(Problem("model.name_or_path", f"cannot read the model config: {error}",
+                                fix="give a local directory with config.json, or a config.json file")) from None
+
+
+def resolve_source(spec: str, cli: list[str] = ()) -> Source:
+    _quiet_transformers()
+    path = Path(spec).expanduser()
+    if path.suffix.lower() in _YAML:
+        if not path.is_file():
+            raise UserError(Problem("", f"no such run config: {spec}"))
+        cfg = load_run_config(str(path), cli)
+        name = cfg.model.name_or_path or f"{cfg.model.architecture.get('model_type', '?')} ({path.name})"
+        return Source(hf_config_for_run(cfg), name, run=cfg, task=cfg.model.task,
+                      attn_implementation=cfg.model.attn_implementation)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(Problem("", f"{spec} has no config.json", fix="point at a save_pretrained directory"))
+        path = path / "config.json"
+    if path.is_file():
+        return Source(_config_from_json(path), spec)
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(spec)
+    except Exception as error:
+        raise UserError(Problem("", f"{spec!r} is neither a local path nor a hub model whose config could be read "
+                                    f"({type(error).__name__})",
+                                fix="pass a directory with config.json, a config.json file, or a run YAML")) from None
+    return Source(config, spec)
+
+
+def _config_from_json(path: Path) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise UserError(Problem("", f"cannot read {path}: {error}")) from None
+    model_type = data.pop("model_type", None)
+    if not model_type:
+        raise UserError(Problem("", f"{path} has no `model_type`", fix="is it a Transformers config.json?"))
+    for key in ("architectures", "transformers_version", "_name_or_path"):
+        data.pop(key, None)
+    try:
+        return AutoConfig.for_model(model_type, **data)
+    except ValueError as error:
+        raise UserError(Problem("", f"{path}: {error}")) from None
+
+
+def _first(config: Any, *names: str, default: Any = None) -> Any:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def build_meta_model(config: Any, task: str = "causal-lm", attn_implementation: Optional[str] = None):
+    import torch
+    import transformers
+
+    cls = {"causal-lm": transformers.AutoModelForCausalLM,
+           "sequence-classification": transformers.AutoModelForSequenceClassification}[task]
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    with torch.device("meta"):
+        try:
+            return cls.from_config(config, **kwargs)
+        except ValueError:
+            if task != "causal-lm":
+                raise
+            return transformers.AutoModel.from_config(config, **kwargs)
+
+
+def _blocks(model) -> list:
+    """The repeated layers: the ModuleList holding most parameters."""
+    import torch
+
+    best, best_count = [], 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > 1:
+            count = sum(p.numel() for p in module.parameters())
+            if count > best_count:
+                best, best_count = list(module), count
+    return best
+
+
+def shape_of_model(model, name: str) -> ModelShape:
+    import torch
+
+    config = model.config
+    params = list(model.parameters())  # deduplicated: a tied embedding appears once
+    blocks = _blocks(model)
+    block_params = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    largest_module, autocast_params, gated = 0, 0, False
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for module_name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        largest_module = max(largest_module, sum(p.numel() for p in own))
+        kind = type(module).__name__
+        if isinstance(module, torch.nn.Linear) or kind == "Conv1D":
+            autocast_params += sum(p.numel() for p in own)
+        if module_name.endswith(("gate_proj", "gate_up_proj", "w1", "wi_0")):
+            gated = True
+    if output is not None and not isinstance(output, torch.nn.Linear):
+        autocast_params += sum(p.numel() for p in output.parameters())
+    norm = "rmsnorm" if any("RMSNorm" in type(m).__name__ for m in model.modules()) else "layernorm"
+    hidden = int(_first(config, "hidden_size", "n_embd", "d_model"))
+    heads = int(_first(config, "num_attention_heads", "n_head"))
+    activation = _first(config, "hidden_act", "activation_function", default="gelu")
+    return ModelShape(
+        name=name,
+        model_type=str(getattr(config, "model_type", "?")),
+        params=sum(p.numel() for p in params),
+        param_shapes=tuple(tuple(p.shape) for p in params),
+        layers=int(_first(config, "num_hidden_layers", "n_layer", default=len(blocks))),
+        hidden=hidden,
+        heads=heads,
+        kv_heads=int(_first(config, "num_key_value_heads", default=heads)),
+        intermediate=int(_first(config, "intermediate_size", "n_inner", "ffn_dim", default=None) or 4 * hidden),
+        vocab=int(_first(config, "vocab_size")),
+        block_params=block_params,
+        root_params=sum(p.numel() for p in params if id(p) not in in_blocks),
+        largest_module_params=largest_module,
+        autocast_params=autocast_params,
+        mlp="gated" if gated else "plain",
+        activation=str(activation),
+        norm=norm,
+        attn_dropout=float(_first(config, "attn_pdrop", "attention_dropout", "attention_probs_dropout_prob", default=0.0)),
+        resid_dropout=float(_first(config, "resid_pdrop", "hidden_dropout", "hidden_dropout_prob", default=0.0)),
+        embd_dropout=float(_first(config, "embd_pdrop", "embedding_dropout", "hidden_dropout_prob", default=0.0)),
+        attn_implementation=getattr(config, "_attn_implementation", None),
+        rotary=any(n.endswith("rotary_emb") for n, _ in model.named_modules()),
+        learned_positions=any(isinstance(m, torch.nn.Embedding) and n.endswith(("wpe", "position_embeddings"))
+                              for n, m in model.named_modules()),
+    )
+
+
+def model_shape(source: Source) -> ModelShape:
+    model = build_meta_model(source.config, source.task, source.attn_implementation)
+    return shape_of_model(model, source.name)

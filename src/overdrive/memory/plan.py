@@ -1,0 +1,124 @@
+"""A run's arithmetic before launch: batch, tokens, steps, epochs, and time when measured.
+
+Every number says what it rests on: the data size is exact only when token ids are already
+cached; otherwise it is the raw text's bytes over BYTES_PER_TOKEN, and the plan says so.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+BYTES_PER_TOKEN = 3.5
+"""Bytes of source text per token for a byte-level BPE of ~8k-50k entries on English and
+code. Rough (±30%): a larger vocabulary packs more bytes into a token."""
+_TEXT_SUFFIXES = {".txt", ".text", ".md", ".py", ".json", ".jsonl", ".csv", ".tsv"}
+
+
+@dataclass(frozen=True)
+class DataSize:
+    tokens: Optional[int]
+    basis: str
+    exact: bool = False
+
+
+def data_size(cfg) -> DataSize:
+    """Training tokens before the validation hold-out, and how they were counted."""
+    try:  # exact, when the data pipeline can say from its cache without tokenizing
+        from overdrive import data
+
+        counter = getattr(data, "cached_token_count", None)
+        tokens = counter(cfg) if counter else None
+        if tokens:
+            return DataSize(int(tokens), "token ids cached by an earlier run (exact)", exact=True)
+    except Exception:  # a cache that cannot be read is the same as no cache: estimate
+        pass
+    d = cfg.data
+    if d.source == "stdlib":
+        from overdrive.data import stdlib_files
+
+        files = stdlib_files(d.max_bytes)
+        nbytes = sum(p.stat().st_size for p in files)
+        what = f"{len(files)} standard-library .py files"
+    else:
+        path = Path(d.source).expanduser()
+        if not path.exists():
+            return DataSize(None, f"unknown: {d.source!r} is a hub data set; its size is known once it is cached "
+                                  "(or bound it with data.max_bytes)")
+        candidates = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+        if any(p.suffix.lower() == ".parquet" for p in candidates):
+            return DataSize(None, "unknown: parquet is compressed; its text size is known once tokenized")
+        files = [p for p in candidates if path.is_file() or p.suffix.lower() in _TEXT_SUFFIXES]
+        nbytes = sum(p.stat().st_size for p in files)
+        what = f"{len(files)} file(s) under {d.source}"
+    if d.max_bytes:
+        nbytes = min(nbytes, d.max_bytes)
+    tokens = int(nbytes / BYTES_PER_TOKEN)
+    return DataSize(tokens, f"estimate: {nbytes:,} bytes of text in {what} / {BYTES_PER_TOKEN} bytes per token "
+                            "(no cached token ids)")
+
+
+@dataclass(frozen=True)
+class Arithmetic:
+    world: int
+    micro_batch: int
+    accumulation: int
+    seq_len: int
+    global_batch: int
+    tokens_per_step: int
+    max_steps: int
+    train_tokens: Optional[int]
+    steps_per_epoch: Optional[int]
+    epochs: Optional[float]
+
+
+def arithmetic(cfg, data: DataSize, micro_batch: int) -> Arithmetic:
+    """Global batch = micro x accumulation x world; the loader drops incomplete global batches."""
+    t = cfg.training
+    world = cfg.launch.num_processes
+    global_batch = micro_batch * t.gradient_accumulation_steps * world
+    tokens_per_step = global_batch * cfg.data.max_length
+    train_tokens = steps = epochs = None
+    if data.tokens is not None:
+        held_out = cfg.data.validation_fraction if cfg.data.validation_split is None else 0.0
+        train_tokens = int(data.tokens * (1 - held_out))
+        samples = train_tokens // cfg.data.max_length  # packed blocks of max_length tokens
+        steps = samples // global_batch
+        epochs = t.max_steps / steps if steps else None
+    return Arithmetic(world, micro_batch, t.gradient_accumulation_steps, cfg.data.max_length, global_batch,
+                      tokens_per_step, t.max_steps, train_tokens, steps, epochs)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    tokens_per_s: float
+    records: int
+    path: str
+    same_shape: bool  # measured at this run's world size, micro-batch and sequence length
+
+
+def measured_throughput(cfg, micro_batch: int) -> Optional[Throughput]:
+    """Median tokens/s of the last logged steps in `<output_dir>/metrics.jsonl`, if any."""
+    path = Path(cfg.output_dir).expanduser() / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("tokens_per_s"):
+            records.append(record)
+    if not records:
+        return None
+    # The first logged step includes compilation and warm-up: leave it out when there are more.
+    recent = records[1:][-20:] if len(records) > 1 else records
+    last = recent[-1]
+    same = (last.get("num_processes", cfg.launch.num_processes) == cfg.launch.num_processes
+            and last.get("micro_batch_size", micro_batch) == micro_batch
+            and last.get("seq_len", cfg.data.max_length) == cfg.data.max_length)
+    return Throughput(statistics.median(r["tokens_per_s"] for r in recent), len(recent), str(path), same)

@@ -1,0 +1,155 @@
+"""Verdicts against this machine's memory, and the estimate as a table, JSON or a PNG."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+from overdrive.memory import Estimate, Row
+from overdrive.memory.formulas import FIELDS
+
+GIB = 2**30
+HEADROOM = 0.10
+"""Kept free: allocator fragmentation, the CUDA context (~0.5-1 GiB), NCCL buffers and the
+kernels' workspaces are not in the formulas."""
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Memory a strategy must fit in: per device, and host RAM shared by a node's processes."""
+
+    device_bytes: int
+    host_bytes: int
+    kind: str  # "gpu" or "host": with no GPU the processes train in host RAM
+    source: str
+
+
+def detect_capacity(gpu_memory_gib: Optional[float] = None, host_memory_gib: Optional[float] = None) -> Capacity:
+    """GPU memory via torch.cuda when a GPU is present (or given), else host RAM via psutil."""
+    import psutil
+
+    host = int(host_memory_gib * GIB) if host_memory_gib else psutil.virtual_memory().total
+    if gpu_memory_gib:
+        return Capacity(int(gpu_memory_gib * GIB), host, "gpu", f"{gpu_memory_gib:g} GiB per GPU (given)")
+    import torch
+
+    if torch.cuda.is_available():
+        sizes = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+        name = torch.cuda.get_device_name(0)
+        return Capacity(min(sizes), host, "gpu", f"{name}, {min(sizes) / GIB:.1f} GiB")
+    return Capacity(host, host, "host", f"host RAM (no GPU), {host / GIB:.1f} GiB shared by the processes")
+
+
+def apply_verdict(est: Estimate, cap: Capacity, headroom: float = HEADROOM, nodes: int = 1) -> Optional[Row]:
+    """Set `fits` on every row; return the cheapest row that fits (rows are cheapest first)."""
+    local = -(-est.setup.devices // max(nodes, 1))
+    host_budget = cap.host_bytes * (1 - headroom)
+    for row in est.rows:
+        if cap.kind == "host":
+            # Training on the CPU: every local process draws on the same RAM.
+            row.fits = (row.total_bytes + row.host_bytes) * local <= host_budget
+        else:
+            row.fits = (row.total_bytes <= cap.device_bytes * (1 - headroom)
+                        and row.host_bytes * local <= host_budget)
+    return next((row for row in est.rows if row.fits), None)
+
+
+def to_json(est: Estimate, cap: Optional[Capacity] = None, best: Optional[Row] = None, **extra) -> str:
+    s = est.setup
+    data = {
+        "model": est.shape.name,
+        "parameters": est.shape.params,
+        "devices": s.devices,
+        "precision": s.precision,
+        "micro_batch": s.micro_batch,
+        "seq_len": s.seq_len,
+        "activation_checkpointing": s.checkpointing,
+        "target": s.target,
+        "rows": [row.to_dict() for row in est.rows],
+        "cheapest_fitting": best.strategy if best else None,
+    }
+    if cap is not None:
+        data["capacity"] = {"device_bytes": cap.device_bytes, "host_bytes": cap.host_bytes, "kind": cap.kind,
+                            "source": cap.source, "headroom": HEADROOM}
+    data.update(extra)
+    return json.dumps(data, indent=2)
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f}"
+
+
+def table_rows(est: Estimate) -> tuple[list[str], list[list[str]]]:
+    headers = ["strategy", "params", "grads", "optim", "master", "activ", "activ ckpt", "buffers", "total",
+               "host/proc", "fits"]
+    rows = []
+    for r in est.rows:
+        fits = "-" if r.fits is None else ("yes" if r.fits else "no")
+        rows.append([r.strategy, gib(r.params_bytes), gib(r.grads_bytes), gib(r.optimizer_bytes),
+                     gib(r.master_weights_bytes), gib(r.activations_full_bytes),
+                     gib(r.activations_checkpointed_bytes), gib(r.buffers_bytes), gib(r.total_bytes),
+                     gib(r.host_bytes), fits])
+    return headers, rows
+
+
+def render(est: Estimate, cap: Capacity, best: Optional[Row], headroom: float = HEADROOM, file=None) -> None:
+    from overdrive.console import print_table
+
+    s, shape = est.setup, est.shape
+    title = (f"{shape.name}: {shape.params / 1e9:.3g}B parameters, {s.devices} device(s), precision {s.precision}, "
+             f"micro-batch {s.micro_batch} x {s.seq_len} tokens — GiB per device")
+    headers, rows = table_rows(est)
+    print_table(headers, rows, title=title, file=file)
+    lines = [
+        f"total = params + grads + optim + master + buffers + activations "
+        f"({'with' if s.checkpointing else 'without'} activation checkpointing; both shown).",
+        f"kernels assumed: {s.target} ({'attention ' + _kernel(est)}); host/proc is host RAM per process.",
+        f"capacity: {cap.source}; fits leaves {headroom:.0%} headroom.",
+        f"cheapest that fits: {best.strategy} ({best.label})" if best else
+        "nothing fits: add devices, lower the micro-batch or sequence length, or turn on checkpointing.",
+    ]
+    print("\n".join(lines), file=file)
+
+
+def _kernel(est: Estimate) -> str:
+    from overdrive.memory.activations import attention_kernel
+
+    return attention_kernel(est.shape, est.setup)
+
+
+COLORS = {"params_bytes": "#4C72B0", "grads_bytes": "#DD8452", "optimizer_bytes": "#55A868",
+          "master_weights_bytes": "#C44E52", "activations_bytes": "#8172B3", "buffers_bytes": "#937860"}
+
+
+def plot(est: Estimate, path: str, cap: Optional[Capacity] = None, headroom: float = HEADROOM) -> None:
+    """Stacked bars per strategy (device), host RAM per process as a hatched bar beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r.strategy for r in est.rows]
+    x = list(range(len(names)))
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * len(names)), 4.8))
+    bottom = [0.0] * len(names)
+    for field in FIELDS:
+        values = [getattr(r, field) / GIB for r in est.rows]
+        ax.bar([i - 0.18 for i in x], values, 0.36, bottom=bottom, color=COLORS[field],
+               label=field.replace("_bytes", "").replace("_", " "))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.bar([i + 0.18 for i in x], [r.host_bytes / GIB for r in est.rows], 0.36, color="white", edgecolor="#555555",
+           hatch="//", label="host RAM per process")
+    if cap is not None and cap.kind == "gpu":
+        ax.axhline(cap.device_bytes * (1 - headroom) / GIB, color="black", linestyle="--", linewidth=1,
+                   label=f"device memory less {headroom:.0%}")
+    s = est.setup
+    ax.set_title(f"{est.shape.name} ({est.shape.params / 1e9:.3g}B) · {s.devices} devices · {s.precision} · "
+                 f"micro-batch {s.micro_batch} x {s.seq_len}", fontsize=10)
+    ax.set_xticks(x)
+    ax.set_xticklabels(names, rotation=30, ha="right")
+    ax.set_ylabel("GiB per device")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

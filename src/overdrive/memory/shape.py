@@ -1,0 +1,172 @@
+"""What the estimator needs to know about a model and a run, as plain values.
+
+`ModelShape` is read off a model built on the meta device (model_shape.py); `Setup` is the
+run: devices, precision, batch, sequence length and the strategies' buffer settings. Both
+are plain frozen dataclasses so the formulas (formulas.py, activations.py) stay pure
+arithmetic that a test can drive with hand-written numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+Precision = Literal["no", "fp16", "bf16"]
+Target = Literal["cuda", "cpu"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A transformer's sizes, and the parameter tensors that shape sharding and padding."""
+
+    name: str
+    model_type: str
+    params: int
+    """Unique trainable parameters (tied embeddings count once)."""
+    param_shapes: tuple[tuple[int, ...], ...]
+    """Every unique parameter's shape: ZeRO-3 partitions and FSDP2 shards pad per tensor, and
+    ZeRO-3 keeps tensors of at most its persistence threshold whole on every rank."""
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    block_params: int
+    """Parameters of one repeated block: an FSDP2 unit under transformer-based wrapping."""
+    root_params: int
+    """Parameters outside the blocks (embeddings, final norm, untied head): FSDP2's root unit."""
+    largest_module_params: int
+    """Most parameters one module owns directly: the largest single ZeRO-3 fetch."""
+    autocast_params: int
+    """Parameters of matrix multiplies (linear weights and biases, a tied output embedding):
+    what autocast copies to 16 bits in the forward pass."""
+    mlp: Literal["plain", "gated"] = "plain"
+    activation: str = "gelu"
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    attn_dropout: float = 0.0
+    resid_dropout: float = 0.0
+    embd_dropout: float = 0.0
+    attn_implementation: Optional[str] = None
+    learned_positions: bool = False
+    rotary: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One training configuration to estimate. `None` bucket sizes mean Accelerate's "auto"
+    rules (transformers.integrations.deepspeed): reduce h^2, prefetch 0.9 h^2, persistence 10 h."""
+
+    devices: int = 1
+    precision: Precision = "bf16"
+    micro_batch: int = 1
+    seq_len: int = 2048
+    checkpointing: bool = False
+    target: Target = "cuda"
+    # DeepSpeed ZeRO
+    reduce_bucket_size: Optional[int] = None
+    prefetch_bucket_size: Optional[int] = None
+    persistence_threshold: Optional[int] = None
+    overlap_comm: Optional[bool] = None
+    """DeepSpeed's default: on for stage 3, off for stages 1 and 2."""
+    contiguous_gradients: bool = True
+    sub_group_size: int = 1_000_000_000
+    grad_accum_fp32: bool = False
+    """`data_types.grad_accum_dtype: fp32` in the DeepSpeed config: a full fp32 gradient buffer."""
+    # DDP and FSDP2
+    gradient_as_bucket_view: bool = True
+    reshard_after_forward: bool = True
+    extra_notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def mixed(self) -> bool:
+        return self.precision in ("fp16", "bf16")
+
+    @property
+    def half_bytes(self) -> int:
+        """Bytes of a "16-bit" value in this run: 2 with mixed precision, 4 in plain fp32."""
+        return 2 if self.mixed else 4
+
+    def buckets(self, hidden: int) -> tuple[int, int, int]:
+        """(reduce, prefetch, persistence) in elements, with the "auto" rules applied."""
+        reduce = self.reduce_bucket_size if self.reduce_bucket_size is not None else hidden * hidden
+        prefetch = self.prefetch_bucket_size if self.prefetch_bucket_size is not None else int(0.9 * hidden * hidden)
+        persist = self.persistence_threshold if self.persistence_threshold is not None else 10 * hidden
+        return reduce, prefetch, persist
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape) if shape else 1
+
+
+def zero3_partition_numel(shape: tuple[int, ...], devices: int) -> int:
+    """ZeRO-3 splits each parameter flat into `devices` equal parts, the last one padded
+    (deepspeed/runtime/zero/partition_parameters.py: `partition_size = ceil(numel / world)`)."""
+    return -(-numel(shape) // devices)
+
+
+def fsdp2_shard_numel(shape: tuple[int, ...], devices: int) -> int:
+    """FSDP2 shards each parameter on dim 0 and pads every shard to the largest chunk
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, `padded_sharded_param_size`)."""
+    if not shape:
+        return 1
+    rows = -(-shape[0] // devices)
+    return rows * numel(shape[1:])
+
+
+def _int_or_none(value) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def setup_for_run(cfg, target: Target = "cuda", **changes) -> Setup:
+    """The Setup a run config describes; `changes` (devices=..., precision=...) win."""
+    ds, t = cfg.parallel.deepspeed, cfg.training
+    data_types = (ds.extra.get("data_types") or {}) if isinstance(ds.extra, dict) else {}
+    zero_extra = (ds.extra.get("zero_optimization") or {}) if isinstance(ds.extra, dict) else {}
+    precision = cfg.precision.mixed_precision
+    values = dict(
+        devices=cfg.launch.num_processes,
+        # fp8 keeps bf16 weights and gradients around its fp8 matmuls: count it as bf16.
+        precision="bf16" if precision == "fp8" else precision,
+        micro_batch=_int_or_none(t.micro_batch_size) or 1,
+        seq_len=cfg.data.max_length,
+        checkpointing=cfg.model.gradient_checkpointing or (
+            cfg.parallel.strategy == "fsdp" and cfg.parallel.fsdp.activation_checkpointing),
+        target=target,
+        reduce_bucket_size=_int_or_none(zero_extra.get("reduce_bucket_size", ds.reduce_bucket_size)),
+        prefetch_bucket_size=_int_or_none(zero_extra.get("stage3_prefetch_bucket_size", ds.stage3_prefetch_bucket_size)),
+        persistence_threshold=_int_or_none(
+            zero_extra.get("stage3_param_persistence_threshold", ds.stage3_param_persistence_threshold)),
+        overlap_comm=zero_extra.get("overlap_comm", ds.overlap_comm),
+        contiguous_gradients=zero_extra.get("contiguous_gradients", ds.contiguous_gradients) is not False,
+        sub_group_size=int(zero_extra.get("sub_group_size", ds.sub_group_size or 1_000_000_000)),
+        grad_accum_fp32=str(data_types.get("grad_accum_dtype", "")).lower() in ("fp32", "float32"),
+        gradient_as_bucket_view=cfg.parallel.ddp.gradient_as_bucket_view,
+        reshard_after_forward=cfg.parallel.fsdp.reshard_after_forward,
+    )
+    values.update({k: v for k, v in changes.items() if v is not None})
+    return Setup(**values)
+
+
+def strategy_of_run(cfg) -> str:
+    """The estimator row a run config selects."""
+    p = cfg.parallel
+    if p.strategy == "fsdp":
+        return "fsdp2_offload" if p.fsdp.offload_params else "fsdp2"
+    if p.strategy == "deepspeed":
+        ds = p.deepspeed
+        if ds.zero_stage == 3:
+            if ds.offload_param != "none":
+                return "zero3_offload"
+            return "zero3_offload_optimizer" if ds.offload_optimizer != "none" else "zero3"
+        if ds.zero_stage == 0:
+            return "ddp"
+        if ds.offload_optimizer != "none":
+            return "zero2_offload"  # ZeRO-1 with offload holds what ZeRO-2 with offload holds
+        return f"zero{ds.zero_stage}"
+    return "ddp"
