@@ -79,7 +79,7 @@ def main() -> int:
         f"| {med(floor_cpu):.2f} | - |",
         "",
         f"Estimator's own share (median minus floor): {median - med(floor):.2f} s wall, "
-        f"{median_cpu - med(floor_cpu):.2f} s CPU. Judged on {'CPU' if busy else 'wall'} time "
+        f"{median_cpu - med(floor_cpu):.2f} s CPU (a negative share is run-to-run noise). Judged on {'CPU' if busy else 'wall'} time "
         f"({judged:.2f} s){' because other work was sharing the cores' if busy else ''}: "
         f"{'met' if judged < TARGET_S else 'MISSED'}.",
     ]

@@ -60,7 +60,13 @@ def probe(tmp_path: Path, cfg: RunConfig) -> dict:
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(PROBE), "--config", str(config), "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    for _attempt in range(2):
+        # One retry: the rendezvous port is picked free and then bound, and on a machine where
+        # other distributed runs start at the same moment that can race (seen as a rank abort).
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        if done.returncode == 0:
+            break
+        print("probe attempt failed:", done.stderr[-4000:])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return json.loads(out.read_text())
 

@@ -32,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kernels to assume (attention, dropout masks); auto: cuda with a GPU or --gpu-memory")
     parser.add_argument("--strategies", help="comma list of rows to show (default: all)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table (GB) instead")
     parser.add_argument("--plot", metavar="FILE.png", help="also draw the stacked bars as a PNG")
 
 
@@ -92,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         report.plot(est, args.plot, cap)
     if args.json:
         print(report.to_json(est, cap, best))
+    elif args.markdown:
+        print(report.markdown(est, cap, best))
     else:
         report.render(est, cap, best)
         if args.plot:

@@ -153,3 +153,46 @@ def plot(est: Estimate, path: str, cap: Optional[Capacity] = None, headroom: flo
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def paper_table_markdown(psi: float, devices: int) -> str:
+    """The ZeRO paper's model states per device (K = 12 split into master 4 + Adam 8), in GB."""
+    from overdrive.memory import zero_paper_bytes
+
+    stages = [zero_paper_bytes(psi, devices, stage) for stage in range(4)]
+    n = devices
+
+    def split(stage: int, bytes_per_param: int) -> float:
+        return bytes_per_param * psi / (n if stage >= 1 else 1)
+
+    rows = [
+        ("Parameters (16-bit)", [s["params"] for s in stages]),
+        ("Gradients (16-bit)", [s["grads"] for s in stages]),
+        ("fp32 master weights", [split(k, 4) for k in range(4)]),
+        ("Adam momentum + variance (fp32)", [split(k, 8) for k in range(4)]),
+        ("**Total per GPU**", [s["total"] for s in stages]),
+    ]
+    lines = ["| component | no ZeRO | ZeRO-1 | ZeRO-2 | ZeRO-3 |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {name} | " + " | ".join(f"{v / 1e9:.1f} GB" for v in values) + " |" for name, values in rows]
+    return "\n".join(lines)
+
+
+def markdown(est: Estimate, cap: Optional[Capacity] = None, best: Optional[Row] = None) -> str:
+    """The estimate as a markdown table in GB (10^9 bytes), for docs and reports."""
+    s = est.setup
+    head = ("| strategy | params | grads | optimizer | fp32 master | activations (ckpt) | buffers | total | "
+            "host RAM/process | fits |")
+    lines = [head, "| --- " * 10 + "|"]
+    for r in est.rows:
+        fits = "-" if r.fits is None else ("yes" if r.fits else "no")
+        act = f"{r.activations_full_bytes / 1e9:.1f} ({r.activations_checkpointed_bytes / 1e9:.1f})"
+        lines.append(f"| {r.strategy} | " + " | ".join(f"{v / 1e9:.1f}" for v in (
+            r.params_bytes, r.grads_bytes, r.optimizer_bytes, r.master_weights_bytes)) + f" | {act} | "
+            f"{r.buffers_bytes / 1e9:.1f} | **{r.total_bytes / 1e9:.1f}** | {r.host_bytes / 1e9:.1f} | {fits} |")
+    notes = [f"{est.shape.params:,} parameters, {s.devices} devices, {s.precision}, micro-batch {s.micro_batch} x "
+             f"{s.seq_len} tokens, {s.target} kernels; GB per device; total uses activations "
+             f"{'with' if s.checkpointing else 'without'} checkpointing."]
+    if cap is not None:
+        notes.append(f"fits: within {cap.source} less {HEADROOM:.0%}"
+                     + (f"; cheapest that fits: **{best.strategy}**." if best else "; nothing fits."))
+    return "\n".join(lines) + "\n\n" + " ".join(notes)
