@@ -24,6 +24,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "env": ("overdrive.commands.env", "versions, hardware, Accelerate default config and run variables, for bug reports"),
     "report": ("overdrive.commands.report", "plots and a markdown summary of a finished run"),
     "compare": ("overdrive.commands.compare", "config and metric differences between two runs"),
+    "launch": ("overdrive.commands.launch", "run your own Accelerate script with the configured strategy, on any process count"),
+    "export": ("overdrive.commands.export", "write the Accelerate YAML and DeepSpeed JSON for the same run"),
+    "import": ("overdrive.commands.import_config", "turn Accelerate / DeepSpeed config files into an overdrive config"),
+    "slurm": ("overdrive.commands.slurm", "write an sbatch script for the same run"),
 }
 
 
@@ -54,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     command_parser = argparse.ArgumentParser(prog=f"overdrive {name}", description=COMMANDS[name][1])
     module.add_arguments(command_parser)
     # Intermixed: `overdrive train run.yaml --print-launch lr=3e-4` keeps all its items.
-    args = command_parser.parse_intermixed_args(argv[1:])
+    try:
+        args = command_parser.parse_intermixed_args(argv[1:])
+    except TypeError:  # a command ending in SCRIPT ARGS... (`overdrive launch`) cannot intermix
+        args = command_parser.parse_args(argv[1:])
     from overdrive.errors import run_reporting_errors
 
     return run_reporting_errors(module.run, args)

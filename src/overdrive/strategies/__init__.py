@@ -1,8 +1,14 @@
 """Run config -> Accelerator. One pure function per strategy, one place that builds.
 
-`accelerator_kwargs(cfg, world)` returns the keyword arguments for `Accelerator(...)`;
+`accelerator_kwargs(cfg, world_size)` returns the keyword arguments for `Accelerator(...)`;
 `build_accelerator(cfg)` constructs it. Plugins are always built explicitly from the config,
 so nothing is read from `ACCELERATE_*` environment variables behind the user's back.
+
+    ddp.py        DistributedDataParallel, and the single-process path
+    deepspeed.py  ZeRO 0-3, offload, the DeepSpeed config dict and its "auto" values
+    fsdp.py       FSDP2 (fully_shard)
+    compile.py    torch.compile through Accelerate's dynamo plugin
+    cpu.py        what it takes to run each of them on CPU processes over gloo
 """
 
 from __future__ import annotations
@@ -10,20 +16,88 @@ from __future__ import annotations
 from typing import Any
 
 from overdrive.config.schema import RunConfig
+from overdrive.errors import Problem
 
 
 def accelerator_kwargs(cfg: RunConfig, world_size: int = 1) -> dict[str, Any]:
-    from overdrive.strategies import ddp
+    """Keyword arguments for `Accelerator(...)`, from the config and the world size alone."""
+    if cfg.parallel.strategy == "deepspeed":
+        from overdrive.strategies import deepspeed as module
+    elif cfg.parallel.strategy == "fsdp":
+        from overdrive.strategies import fsdp as module
+    else:
+        from overdrive.strategies import ddp as module
+    return module.accelerator_kwargs(cfg, world_size)
 
-    return ddp.accelerator_kwargs(cfg, world_size)
+
+def problems(cfg: RunConfig, world_size: int | None = None) -> list[Problem]:
+    """What this strategy cannot do with this config on this machine, named by key.
+
+    Includes the DeepSpeed dict's contradictions (an explicit `parallel.deepspeed.extra`
+    entry against the run config). Cheap: builds no plugin and imports no deepspeed.
+    """
+    from overdrive.strategies import cpu
+
+    found = cpu.problems(cfg)
+    if cfg.parallel.strategy == "deepspeed":
+        from overdrive.strategies import deepspeed
+
+        extra = {k: v for k, v in cfg.parallel.deepspeed.extra.items() if k not in deepspeed.CLIENT_SIDE_SECTIONS}
+        merged = deepspeed.deep_merge(deepspeed.template(cfg), extra)
+        deepspeed.fill_auto(merged, cfg, world_size or cfg.launch.num_processes, None, problems=found)
+    return found
 
 
 def build_accelerator(cfg: RunConfig, world_size: int | None = None, **extra_kwargs: Any):
     """An Accelerator configured from `cfg` alone.
 
-    `extra_kwargs` (e.g. `log_with`, `project_dir` from the trainer) are merged into the
-    Accelerator arguments and win over the ones derived from `cfg`.
+    `extra_kwargs` (log_with, project_dir, ...) are merged into the Accelerator call;
+    `kwargs_handlers` given there are added to overdrive's own.
     """
+    from overdrive import launch
+    from overdrive.errors import UserError
+    from overdrive.strategies import cpu
+
+    world = world_size or cfg.launch.num_processes
+    found = cpu.problems(cfg)
+    if found:
+        raise UserError(found)
+
+    # 1. The process environment first: DeepSpeed reads DS_ACCELERATOR once, when it is first
+    #    imported, which happens while its plugin is built in step 2; and a lone process
+    #    (no launcher) running DeepSpeed or FSDP still needs rank variables for its
+    #    one-member process group.
+    launch.prepare_this_process(cfg)
+
+    # 2. Arguments from the config: every plugin built here, explicitly.
+    kwargs = accelerator_kwargs(cfg, world)
+    for key, value in extra_kwargs.items():
+        if key == "kwargs_handlers":
+            kwargs["kwargs_handlers"] = kwargs["kwargs_handlers"] + list(value or [])
+        else:
+            kwargs[key] = value
+
+    # 3. Construct: this initialises the process group.
     from accelerate import Accelerator
 
-    return Accelerator(**{**accelerator_kwargs(cfg, world_size or 1), **extra_kwargs})
+    accelerator = Accelerator(**kwargs)
+
+    # 4. Fix-ups that must land before prepare() wraps anything, and before the caller
+    #    builds its model: FSDP on CPU needs its state marked FSDP (cpu.py); ZeRO-3 without
+    #    zero3_init must stop Transformers from building models pre-partitioned.
+    if cpu.needs_fsdp_promotion(cfg):
+        cpu.promote_to_fsdp(accelerator, kwargs["fsdp_plugin"])
+    if cfg.parallel.strategy == "deepspeed":
+        from overdrive.strategies import deepspeed
+
+        deepspeed.after_construction(accelerator, cfg)
+    return accelerator
+
+
+def shard_fraction(model: Any) -> float:
+    """Fraction of the model's parameter elements held by this rank (after prepare)."""
+    from overdrive.strategies import deepspeed, fsdp
+
+    if any(hasattr(p, "ds_numel") for p in model.parameters()):
+        return deepspeed.shard_fraction(model)
+    return fsdp.shard_fraction(model)

@@ -1,0 +1,37 @@
+"""`overdrive import FILE... -o run.yaml`: Accelerate / DeepSpeed files -> an overdrive config.
+
+The files are read as config layers (as `overdrive train FILE` would read them) and only the
+values that differ from overdrive's defaults are written.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("files", nargs="+", metavar="FILE", help="Accelerate YAML/JSON and DeepSpeed JSON files")
+    parser.add_argument("-o", "--output", metavar="FILE", help="write the overdrive YAML here (default: stdout)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import yaml
+
+    from overdrive import export
+    from overdrive.config import resolve
+
+    # Only the files: neither Accelerate's default config nor this shell's variables.
+    resolved = resolve(args.files, env={}, accelerate_default=False)
+    for warning in resolved.warnings:
+        print(f"overdrive: warning: {warning.render()}")
+    settings = export.imported_settings(resolved)
+    header = f"# overdrive run config imported from {', '.join(args.files)}\n"
+    text = header + (yaml.safe_dump(settings, sort_keys=False) if settings else "{}\n")
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}")
+    else:
+        print(text, end="")
+    return 0

@@ -1,0 +1,31 @@
+"""`overdrive slurm CONFIG [-o FILE]`: an sbatch script for the same run."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from overdrive.commands.explain import add_config_arguments
+
+    add_config_arguments(parser)
+    parser.add_argument("-o", "--output", metavar="FILE", help="write the script here (default: stdout)")
+    parser.add_argument("--job-name", default="overdrive", help="SLURM job name")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from overdrive import launch
+    from overdrive.commands.explain import resolve_from_args
+
+    resolved = resolve_from_args(args)
+    launch.check(resolved.config)
+    script = launch.sbatch_script(resolved, args.job_name)
+    if args.output:
+        Path(args.output).write_text(script)
+        Path(args.output).chmod(0o755)
+        print(f"wrote {args.output}  (submit with: sbatch {args.output})")
+    else:
+        print(script, end="")
+    return 0

@@ -1,0 +1,356 @@
+"""Starting the workers: torch.distributed.run (the elastic agent), many machines, SLURM.
+
+`overdrive train` with `launch.num_processes > 1` calls `launch_workers(resolved)`: the
+resolved config is written to `<output_dir>/resolved.json`, and the elastic agent starts
+`python -m overdrive.cli train --resolved <file>` on every local rank, so every rank runs
+exactly the same values and nothing is re-resolved in a different environment.
+
+This module (with config/) is the only place that reads or writes os.environ: it decides
+what each worker's environment holds.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+from overdrive.config.schema import RunConfig
+from overdrive.errors import Problem, UserError
+
+# Variables Accelerate reads to configure itself. The config's env layer has already folded
+# them into the resolved config; a worker must not see them again, or a stale one would
+# change the strategy behind the resolved values (plugins read them for any empty field).
+STRIPPED_PREFIXES = ("ACCELERATE_", "FSDP_")
+
+
+def local_processes(cfg: RunConfig) -> int:
+    return max(cfg.launch.num_processes // max(cfg.launch.num_machines, 1), 1)
+
+
+def threads_per_process(cfg: RunConfig) -> int:
+    """torch intra-op threads per worker: configured, else this machine's cores shared out."""
+    if cfg.launch.threads_per_process:
+        return cfg.launch.threads_per_process
+    return max(1, (os.cpu_count() or 1) // local_processes(cfg))
+
+
+def needs_launcher(cfg: RunConfig) -> bool:
+    return cfg.launch.num_processes > 1 or cfg.launch.num_machines > 1
+
+
+def inside_worker() -> bool:
+    """True in a process started by torch.distributed.run (or any launcher setting ranks)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def problems(cfg: RunConfig) -> list[Problem]:
+    """World size and rendezvous problems, named by key, found before anything starts."""
+    from overdrive import strategies
+
+    launch, found = cfg.launch, []
+    if launch.num_processes % launch.num_machines:
+        found.append(Problem("launch.num_processes", f"{launch.num_processes} processes do not divide evenly over "
+                             f"{launch.num_machines} machines", fix="make it a multiple of launch.num_machines (it is the total)"))
+    if launch.machine_rank >= launch.num_machines:
+        found.append(Problem("launch.machine_rank", f"is {launch.machine_rank}, but ranks go 0..{launch.num_machines - 1}",
+                             fix="set launch.machine_rank to this machine's index"))
+    if launch.num_machines > 1 and not launch.main_process_ip:
+        found.append(Problem("launch.main_process_ip", "must be set when launch.num_machines > 1",
+                             fix="set launch.main_process_ip to the address of machine 0"))
+    return found + strategies.problems(cfg)
+
+
+def check(cfg: RunConfig) -> None:
+    found = problems(cfg)
+    if found:
+        raise UserError(found, title="cannot launch")
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def process_env(cfg: RunConfig) -> dict[str, str]:
+    """Variables overdrive sets for a worker, from the config alone."""
+    from overdrive.strategies import cpu
+
+    env = {"OMP_NUM_THREADS": str(threads_per_process(cfg)), "MKL_NUM_THREADS": str(threads_per_process(cfg))}
+    env.update(cpu.worker_env(cfg))
+    if cfg.launch.debug:
+        # Accelerate takes its debug switch from this variable only.
+        env.update(ACCELERATE_DEBUG_MODE="true", TORCH_DISTRIBUTED_DEBUG="DETAIL")
+    if cfg.launch.enable_cpu_affinity:
+        env["ACCELERATE_CPU_AFFINITY"] = "1"
+    if cfg.launch.gpu_ids != "all" and not cfg.launch.use_cpu:
+        env["CUDA_VISIBLE_DEVICES"] = cfg.launch.gpu_ids
+    return env
+
+
+def worker_environment(cfg: RunConfig, base: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """This process's environment minus Accelerate's variables, plus `process_env`."""
+    source = os.environ if base is None else base
+    env = {k: v for k, v in source.items() if not k.startswith(STRIPPED_PREFIXES)}
+    env.update(process_env(cfg))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def prepare_this_process(cfg: RunConfig) -> None:
+    """Called by build_accelerator before anything imports deepspeed.
+
+    Inside a worker the launcher already set everything; a lone process (one-process run,
+    a notebook) gets DS_ACCELERATOR and, for DeepSpeed or FSDP, the rank variables of a
+    one-member process group, as Accelerate's docs prescribe for single-process DeepSpeed.
+    """
+    from overdrive.strategies import cpu
+
+    for key, value in cpu.worker_env(cfg).items():
+        os.environ.setdefault(key, value)
+    if cfg.parallel.strategy in ("deepspeed", "fsdp") and not inside_worker() and "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def torchrun_args(cfg: RunConfig, rendezvous: Optional[str] = None) -> list[str]:
+    """Arguments for torch.distributed.run (before the worker command)."""
+    launch = cfg.launch
+    backend = rendezvous or launch.rdzv_backend
+    args = ["--nnodes", str(launch.num_machines), "--nproc-per-node", str(local_processes(cfg)),
+            "--max-restarts", str(launch.max_restarts), "--monitor-interval", str(launch.monitor_interval)]
+    address = launch.main_process_ip or "127.0.0.1"
+    if backend == "c10d":
+        # Elastic: ranks are assigned by the rendezvous, so no machine needs to know its own.
+        args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{address}:{launch.main_process_port}",
+                 "--rdzv-id", launch.rdzv_id]
+    else:
+        args += ["--node-rank", str(launch.machine_rank), "--master-addr", address,
+                 "--master-port", str(launch.main_process_port)]
+    return args
+
+
+def train_worker(resolved_path: str | Path) -> list[str]:
+    return ["-m", "overdrive.cli", "train", "--resolved", str(resolved_path)]
+
+
+def resolved_path(cfg: RunConfig) -> Path:
+    # Several launchers may share one output_dir (a shared file system, or two simulated
+    # machines on one host): each machine writes its own copy so none reads another's.
+    name = "resolved.json" if cfg.launch.machine_rank == 0 else f"resolved.machine{cfg.launch.machine_rank}.json"
+    return Path(cfg.output_dir) / name
+
+
+def launch_workers(resolved: Any, worker: Optional[Sequence[str]] = None,
+                   extra_env: Optional[Mapping[str, str]] = None) -> int:
+    """Start this machine's workers under the elastic agent; wait; return its exit code.
+
+    Everything is checked before any process starts. `worker` replaces the default
+    `-m overdrive.cli train --resolved <file>` (used by `overdrive launch` and tests).
+    """
+    cfg: RunConfig = resolved.config
+    check(cfg)
+    path = resolved_path(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(resolved.to_json())
+    command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(cfg),
+               *(worker if worker is not None else train_worker(path))]
+    env = worker_environment(cfg)
+    env.update(extra_env or {})
+    return run_agent(command, env)
+
+
+def run_agent(command: Sequence[str], env: Mapping[str, str]) -> int:
+    # A subprocess rather than torch.distributed.run.main() in this process: the workers
+    # get exactly `env`, and this process's own environment and state stay untouched.
+    process = subprocess.Popen(list(command), env=dict(env))
+    try:
+        return process.wait()
+    except KeyboardInterrupt:
+        # The agent got the same SIGINT (same process group) and is stopping its workers:
+        # give it time to do so rather than orphaning them.
+        try:
+            process.wait(timeout=60)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            process.terminate()
+            process.wait()
+        return 130
+
+
+# --------------------------------------------------------------------------- equivalents
+
+
+def _quote(args: Sequence[str]) -> str:
+    return " ".join(shlex.quote(str(a)) for a in args)
+
+
+def launch_lines(resolved: Any) -> dict[str, str]:
+    """The same run as torchrun, `accelerate launch` and srun command lines."""
+    from overdrive import export
+
+    cfg: RunConfig = resolved.config
+    path = resolved_path(cfg)
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(process_env(cfg).items()))
+    worker = train_worker(path)
+    torchrun = f"{env} torchrun {_quote(torchrun_args(cfg))} {_quote(worker)}"
+    accelerate = f"{env} accelerate launch {_quote(export.accelerate_flags(cfg))} {_quote(worker)}"
+    srun = ('MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1) '
+            f"srun --nodes={cfg.launch.num_machines} --ntasks-per-node=1 bash -c "
+            + shlex.quote(f"{env} python -m torch.distributed.run {_slurm_torchrun(cfg)} {_quote(worker)}"))
+    return {"torchrun": torchrun, "accelerate": accelerate, "srun": srun}
+
+
+def _slurm_torchrun(cfg: RunConfig) -> str:
+    # Under SLURM the first node of the allocation is the rendezvous host and c10d assigns
+    # ranks, so one script serves every node.
+    launch = cfg.launch
+    return (f"--nnodes {launch.num_machines} --nproc-per-node {local_processes(cfg)} "
+            f"--max-restarts {launch.max_restarts} --rdzv-backend c10d "
+            f"--rdzv-endpoint \"$MASTER_ADDR:{launch.main_process_port}\" --rdzv-id \"$SLURM_JOB_ID\"")
+
+
+def sbatch_script(resolved: Any, job_name: str = "overdrive") -> str:
+    """An sbatch script for the same run. It carries the resolved config itself, so the job
+    runs the values resolved now, whatever the compute nodes' environment holds."""
+    cfg: RunConfig = resolved.config
+    launch = cfg.launch
+    out = Path(cfg.output_dir).resolve()
+    path = out / "resolved.json"
+    gpus = "" if launch.use_cpu else f"#SBATCH --gpus-per-node={local_processes(cfg)}\n"
+    exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(process_env(cfg).items()))
+    unset = " ".join(f"${{!{p}@}}" for p in STRIPPED_PREFIXES)
+    return f"""#!/bin/bash
+#SBATCH --job-name={job_name}
+#SBATCH --nodes={launch.num_machines}
+#SBATCH --ntasks-per-node=1
+{gpus}#SBATCH --cpus-per-task={max(threads_per_process(cfg) * local_processes(cfg), 1)}
+#SBATCH --output={out}/slurm-%j.out
+# Written by `overdrive slurm`: {launch.num_processes} process(es) on {launch.num_machines} machine(s),
+# strategy {cfg.parallel.strategy}. output_dir must be on a file system every node sees.
+set -euo pipefail
+
+mkdir -p {shlex.quote(str(out))}
+cat > {shlex.quote(str(path))} <<'OVERDRIVE_RESOLVED'
+{resolved.to_json()}
+OVERDRIVE_RESOLVED
+
+# Accelerate's own variables are already part of the resolved config above.
+for name in {unset}; do unset "$name"; done
+{exports}
+export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+
+srun python -m torch.distributed.run {_slurm_torchrun(cfg)} \\
+    {_quote(train_worker(path))}
+"""
+
+
+# --------------------------------------------------------------------------- user scripts
+
+
+def user_script_env(cfg: RunConfig, files_dir: Path) -> dict[str, str]:
+    """The environment a bare `Accelerator()` in a user's script configures itself from.
+
+    Built by Accelerate's own launcher code (`_validate_launch_command` and the
+    `prepare_*_env` functions) from the Accelerate YAML and DeepSpeed JSON that
+    `overdrive export` writes into `files_dir`, so the variable names and values are exactly
+    those `accelerate launch` would set. Added on top: what `accelerate launch` leaves out
+    but Accelerate reads (the accumulation for non-DeepSpeed runs), and the CPU facts.
+    """
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import (prepare_deepspeed_cmd_env, prepare_multi_gpu_env,
+                                         prepare_simple_launcher_cmd_env)
+
+    from overdrive import export
+    from overdrive.strategies import cpu
+
+    files_dir = files_dir.resolve()
+    files_dir.mkdir(parents=True, exist_ok=True)
+    acc_path = files_dir / "accelerate.yaml"
+    ds_path = files_dir / "deepspeed.json" if cfg.parallel.strategy == "deepspeed" else None
+    # Batch sizes stay "auto": the script's own DataLoader decides them. Bucket sizes come
+    # from the configured model, since the script's model may have no `config` to fill them.
+    from overdrive.strategies.deepspeed import hidden_size_of
+
+    hidden = hidden_size_of(cfg) if ds_path else None
+    export.write(cfg, acc_path, ds_path, batch_auto=True, hidden_size=hidden)
+
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(STRIPPED_PREFIXES)}
+    try:  # Accelerate's functions start from os.environ: start them from a clean one
+        args = launch_command_parser().parse_args(["--config_file", str(acc_path), "overdrive-user-script"])
+        args, defaults, _ = _validate_launch_command(args)
+        # Only ever started by us, on a port chosen by the config: skip their port probe.
+        args.main_process_port = cfg.launch.main_process_port
+        if args.use_deepspeed:
+            args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config) if defaults else ""
+            _, env = prepare_deepspeed_cmd_env(args)
+        elif args.use_fsdp or args.multi_gpu:
+            env = prepare_multi_gpu_env(args)
+        else:
+            _, env = prepare_simple_launcher_cmd_env(args)
+    finally:
+        os.environ.update(saved)
+    env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(cfg.training.gradient_accumulation_steps)
+    if cpu.construct_with_cpu_flag(cfg):
+        env["ACCELERATE_USE_CPU"] = "true"
+    env.update(process_env(cfg))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def launch_script(resolved: Any, script: str, script_args: Sequence[str]) -> int:
+    """Run a user's Accelerate script on every configured process (any process count).
+
+    Each worker enters `overdrive launch --worker`, which applies the CPU workarounds around
+    the script's own `Accelerator()` (strategies/cpu.py) and then runs the script.
+    """
+    cfg: RunConfig = resolved.config
+    check(cfg)
+    files_dir = Path(cfg.output_dir) / "launch"
+    env = user_script_env(cfg, files_dir)
+    path = files_dir / resolved_path(cfg).name
+    path.write_text(resolved.to_json())
+    command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(cfg),
+               "-m", "overdrive.cli", "launch", "--worker", str(path), script, *script_args]
+    return run_agent(command, env)
+
+
+def run_user_script(resolved_file: str, script: str, script_args: Sequence[str]) -> int:
+    """Inside a worker: the script runs as `__main__`, with its own argv."""
+    import runpy
+
+    from overdrive.config import Resolved
+    from overdrive.strategies import cpu
+
+    cfg = Resolved.from_json(Path(resolved_file).read_text()).config
+    cpu.apply_to_user_accelerators(cfg)
+    sys.argv = [script, *script_args]
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    return 0
+
+
+def print_launch(resolved: Any) -> int:
+    """`overdrive train --print-launch`: the same run as other launchers would start it."""
+    check(resolved.config)
+    lines = launch_lines(resolved)
+    print(f"# workers read {resolved_path(resolved.config)} (written by `overdrive train` when it launches)")
+    for name in ("torchrun", "accelerate", "srun"):
+        print(f"\n# {name}\n{lines[name]}")
+    return 0

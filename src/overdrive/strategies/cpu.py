@@ -1,0 +1,133 @@
+"""Every strategy on CPU processes over gloo: the workarounds, in one place.
+
+Accelerate and DeepSpeed assume a GPU in a few places. Checked with accelerate 1.15,
+deepspeed 0.19 and torch 2.13; each fact below is covered by tests/test_strategies_cpu.py.
+
+DDP
+    `Accelerator(cpu=True)` under torch.distributed.run gives MULTI_CPU over gloo. Without
+    `cpu=True` and with no GPU, Accelerate finds no backend and every rank trains alone.
+DeepSpeed
+    `DS_ACCELERATOR=cpu` must be in the environment before deepspeed is first imported
+    (launch.py puts it into every worker's environment). `cpu=True` must NOT be passed:
+    Accelerate would then ignore the DeepSpeed plugin. The process-group backend must be
+    named (`InitProcessGroupKwargs(backend="gloo")`): without it Accelerate finds no backend
+    for a CPU device, counts one process, and DeepSpeed's batch-size assertion fails.
+FSDP2
+    Accelerate drops the FSDP plugin when `cpu=True`, and without `cpu=True` finds no
+    backend. So: construct with `cpu=True` (MULTI_CPU over gloo), then mark the state as
+    FSDP and hand it the plugin before `prepare()`; prepare then calls `fully_shard` on the
+    gloo process group. FSDP1 does not run on CPU (it asks for device `cpu:0`).
+
+"No GPU" means `launch.use_cpu` is set or torch sees no CUDA device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from overdrive.config.schema import RunConfig
+from overdrive.errors import Problem
+
+
+def on_cpu(cfg: RunConfig) -> bool:
+    """True when this run trains on CPU processes."""
+    if cfg.launch.use_cpu:
+        return True
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def process_group_backend(cfg: RunConfig) -> str | None:
+    """The backend to name explicitly, or None to let Accelerate pick (nccl on CUDA)."""
+    if cfg.launch.backend != "auto":
+        return cfg.launch.backend
+    return "gloo" if on_cpu(cfg) else None
+
+
+def construct_with_cpu_flag(cfg: RunConfig) -> bool:
+    """The `cpu=` argument of Accelerator: True on CPU, except for DeepSpeed (see above)."""
+    return on_cpu(cfg) and cfg.parallel.strategy != "deepspeed"
+
+
+def worker_env(cfg: RunConfig) -> dict[str, str]:
+    """Environment variables a worker needs before it imports anything (set by launch.py)."""
+    if cfg.parallel.strategy == "deepspeed" and on_cpu(cfg):
+        # Read once, at `import deepspeed`: too late to set from inside the worker.
+        return {"DS_ACCELERATOR": "cpu"}
+    return {}
+
+
+def needs_fsdp_promotion(cfg: RunConfig) -> bool:
+    return cfg.parallel.strategy == "fsdp" and on_cpu(cfg)
+
+
+def promote_to_fsdp(accelerator: Any, fsdp_plugin: Any) -> None:
+    """Turn a MULTI_CPU accelerator into an FSDP one. Must run before `prepare()`.
+
+    Accelerate stores the plugin and applies the mixed-precision policy to it only on its
+    GPU path, so both are done here as that path would. The type is written into
+    PartialState's shared state too, as Accelerate itself does: every later
+    `AcceleratorState()` (the DataLoader code makes one) copies it from there.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    state = accelerator.state
+    if state.distributed_type == DistributedType.FSDP:
+        return
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    if state.mixed_precision != "no":
+        fsdp_plugin.set_mixed_precision(state.mixed_precision)
+    state.fsdp_plugin = fsdp_plugin
+
+
+def problems(cfg: RunConfig) -> list[Problem]:
+    """What cannot run on CPU at all, named by key (empty when on a GPU)."""
+    if not on_cpu(cfg):
+        return []
+    found = []
+    if cfg.parallel.strategy == "fsdp" and cfg.parallel.fsdp.version == 1:
+        found.append(Problem("parallel.fsdp.version", "FSDP1 does not run on CPU (it asks for device cpu:0)",
+                             fix="use parallel.fsdp.version=2 (fully_shard), which runs on CPU over gloo"))
+    if cfg.launch.backend == "nccl":
+        found.append(Problem("launch.backend", "nccl needs CUDA GPUs", fix="use launch.backend=auto (gloo on CPU)"))
+    if cfg.parallel.strategy == "deepspeed" and cfg.precision.mixed_precision == "fp16":
+        found.append(Problem("precision.mixed_precision", "DeepSpeed's CPU accelerator has no fp16 training",
+                             fix="use precision.mixed_precision=bf16 or no on CPU"))
+    return found
+
+
+def apply_to_user_accelerators(cfg: RunConfig) -> None:
+    """The same workarounds for a user's script, which builds `Accelerator()` itself.
+
+    `overdrive launch` sets the environment a bare `Accelerator()` reads; what no variable
+    can say on CPU (the gloo backend for DeepSpeed, the FSDP promotion) is applied around
+    the script's Accelerator construction instead. A no-op off CPU and for DDP.
+    """
+    strategy = cfg.parallel.strategy
+    if not on_cpu(cfg) or strategy == "ddp":
+        return
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin, InitProcessGroupKwargs
+
+    original = Accelerator.__init__
+    if getattr(original, "_overdrive_cpu", False):
+        return
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if strategy == "deepspeed":
+            handlers = list(kwargs.get("kwargs_handlers") or [])
+            if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
+                handlers.append(InitProcessGroupKwargs(backend="gloo"))
+            kwargs["kwargs_handlers"] = handlers
+        if strategy == "fsdp" and kwargs.get("fsdp_plugin") is None:
+            # Built from the FSDP_* variables `overdrive launch` set, as Accelerate would.
+            kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin()
+        original(self, *args, **kwargs)
+        if strategy == "fsdp":
+            promote_to_fsdp(self, kwargs["fsdp_plugin"])
+
+    __init__._overdrive_cpu = True  # type: ignore[attr-defined]
+    Accelerator.__init__ = __init__

@@ -1,0 +1,144 @@
+"""Launching: the torchrun arguments, the worker environment, refusing before anything
+starts, the equivalent command lines and the SLURM script."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from conftest import REPO, run_cli
+
+from overdrive import launch
+from overdrive.config import Resolved, load_config, resolve
+from overdrive.config.schema import LaunchConfig, RunConfig
+from overdrive.errors import UserError
+
+
+def cfg_of(*cli: str) -> RunConfig:
+    return load_config(cli=list(cli), env={})
+
+
+# --------------------------------------------------------------------------- torchrun arguments
+
+
+def test_single_machine_static_rendezvous():
+    args = launch.torchrun_args(cfg_of("launch.num_processes=4", "launch.main_process_port=29555", "launch.max_restarts=2"))
+    assert args == ["--nnodes", "1", "--nproc-per-node", "4", "--max-restarts", "2", "--monitor-interval", "1.0",
+                    "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", "29555"]
+
+
+def test_multi_node_splits_processes_over_machines():
+    cfg = cfg_of("launch.num_processes=16", "launch.num_machines=2", "launch.machine_rank=1",
+                 "launch.main_process_ip=10.0.0.1")
+    args = launch.torchrun_args(cfg)
+    assert args[args.index("--nnodes") + 1] == "2"
+    assert args[args.index("--nproc-per-node") + 1] == "8"
+    assert args[args.index("--node-rank") + 1] == "1"
+    assert args[args.index("--master-addr") + 1] == "10.0.0.1"
+
+
+def test_c10d_rendezvous_needs_no_node_rank():
+    cfg = cfg_of("launch.num_processes=4", "launch.num_machines=2", "launch.main_process_ip=10.0.0.1",
+                 "launch.rdzv_backend=c10d", "launch.rdzv_id=job7")
+    args = launch.torchrun_args(cfg)
+    assert "--node-rank" not in args
+    assert args[args.index("--rdzv-endpoint") + 1] == "10.0.0.1:29500"
+    assert args[args.index("--rdzv-id") + 1] == "job7"
+
+
+# --------------------------------------------------------------------------- worker environment
+
+
+def test_worker_environment(monkeypatch):
+    base = {"PATH": "/bin", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "ACCELERATE_MIXED_PRECISION": "fp16"}
+    env = launch.worker_environment(cfg_of("parallel.strategy=deepspeed", "launch.num_processes=2",
+                                           "launch.threads_per_process=3", "launch.use_cpu=true"), base)
+    # Accelerate's own variables are already folded into the resolved config: not passed on.
+    assert not [k for k in env if k.startswith(("ACCELERATE_", "FSDP_"))]
+    assert env["OMP_NUM_THREADS"] == "3" and env["PATH"] == "/bin"
+    assert env["DS_ACCELERATOR"] == "cpu"  # before deepspeed is imported in the worker
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: 8)
+    assert launch.worker_environment(cfg_of("launch.num_processes=4"), {})["OMP_NUM_THREADS"] == "2"
+
+
+# --------------------------------------------------------------------------- refusing before start
+
+
+def test_launch_refuses_before_any_worker_starts(tmp_path, monkeypatch):
+    """Even for a config that skipped validation: the keys are named, nothing is started or written."""
+    def no_process(*args, **kwargs):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    cfg = RunConfig(launch=LaunchConfig(num_processes=3, num_machines=2), output_dir=str(tmp_path / "run"))
+    with pytest.raises(UserError) as raised:
+        launch.launch_workers(Resolved(config=cfg, origins={}))
+    text = str(raised.value)
+    assert "launch.num_processes" in text and "launch.main_process_ip" in text
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("items, key", [
+    (["launch.num_processes=3", "launch.num_machines=2", "launch.main_process_ip=127.0.0.1"], "launch.num_processes"),
+    (["launch.num_processes=2", "launch.num_machines=2"], "launch.main_process_ip"),
+    (["launch.num_processes=2", "launch.num_machines=2", "launch.main_process_ip=127.0.0.1", "launch.machine_rank=2"],
+     "launch.machine_rank"),
+    (["parallel.strategy=deepspeed", "launch.num_processes=2", "training.micro_batch_size=4",
+      "parallel.deepspeed.train_batch_size=16"], "parallel.deepspeed.train_batch_size"),
+])
+def test_train_fails_fast_naming_the_key(items, key, tmp_path):
+    done = run_cli("train", *items, f"output_dir={tmp_path / 'run'}", timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert key in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "run" / "resolved.json").exists()  # no worker was started
+
+
+def test_user_script_launch_refuses_too(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    done = run_cli("launch", "-s", "launch.num_machines=2", "-s", "launch.num_processes=2", str(script), timeout=60)
+    assert done.returncode == 2 and "launch.main_process_ip" in done.stderr
+
+
+# --------------------------------------------------------------------------- equivalent command lines
+
+
+def test_print_launch_lines_are_accepted_by_their_launchers(tmp_path):
+    done = run_cli("train", str(REPO / "configs" / "zero3.yaml"), f"output_dir={tmp_path}", "--print-launch", timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "torchrun --nnodes 1 --nproc-per-node 2" in out
+    assert "-m overdrive.cli train --resolved" in out
+    assert "srun --nodes=1" in out
+    assert not (tmp_path / "resolved.json").exists()  # printing starts nothing
+
+    from accelerate.commands.launch import launch_command_parser
+    from torch.distributed.run import get_args_parser
+
+    from overdrive import export
+
+    cfg = resolve([REPO / "configs" / "zero3.yaml"], env={}, accelerate_default=False).config
+    worker = launch.train_worker(tmp_path / "resolved.json")
+    args = launch_command_parser().parse_args([*export.accelerate_flags(cfg), *worker])
+    assert args.use_deepspeed and args.zero_stage == 3 and args.num_processes == 2
+    assert args.mixed_precision == "bf16" and args.module and args.training_script == "overdrive.cli"
+    torchrun = get_args_parser().parse_args([*launch.torchrun_args(cfg), *worker])
+    assert torchrun.nproc_per_node == "2" and torchrun.module
+
+
+def test_slurm_script(tmp_path):
+    job = tmp_path / "job.sbatch"
+    done = run_cli("slurm", str(REPO / "configs" / "multi-node.yaml"), f"output_dir={tmp_path / 'run'}",
+                   "-o", str(job), timeout=60)
+    assert done.returncode == 0, done.stderr
+    text = job.read_text()
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=8" in text
+    assert "--nproc-per-node 8" in text and "--rdzv-backend c10d" in text
+    assert subprocess.run(["bash", "-n", str(job)]).returncode == 0
+    # The job carries the resolved config itself.
+    embedded = text.split("<<'OVERDRIVE_RESOLVED'\n", 1)[1].split("\nOVERDRIVE_RESOLVED", 1)[0]
+    cfg = Resolved.from_json(embedded).config
+    assert cfg.launch.num_processes == 16 and cfg.parallel.deepspeed.zero_stage == 2
+    assert json.loads(embedded)["origins"]["launch.num_machines"].startswith("file")
