@@ -47,6 +47,21 @@ def test_c10d_rendezvous_needs_no_node_rank():
     assert args[args.index("--rdzv-id") + 1] == "job7"
 
 
+def test_a_busy_port_on_one_machine_is_swapped_for_a_free_one():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cfg = launch.local_port(cfg_of("launch.num_processes=2", f"launch.main_process_port={port}"))
+        assert cfg.launch.main_process_port != port
+        # Several machines agreed on the port: it is kept (and torchrun reports a clash).
+        multi = cfg_of("launch.num_processes=2", "launch.num_machines=2", "launch.main_process_ip=127.0.0.1",
+                       f"launch.main_process_port={port}")
+        assert launch.local_port(multi).launch.main_process_port == port
+
+
 # --------------------------------------------------------------------------- worker environment
 
 

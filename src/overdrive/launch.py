@@ -127,6 +127,23 @@ def prepare_this_process(cfg: RunConfig) -> None:
 # --------------------------------------------------------------------------- commands
 
 
+def port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def local_port(cfg: RunConfig) -> RunConfig:
+    """One machine: nobody else needs to know the rendezvous port, so a busy one (another
+    run on this machine) is swapped for a free one instead of failing inside torchrun."""
+    launch = cfg.launch
+    if launch.num_machines > 1 or not port_in_use(launch.main_process_port):
+        return cfg
+    port = free_port()
+    print(f"overdrive: port {launch.main_process_port} is in use; rendezvous on {port} instead "
+          "(set launch.main_process_port to choose)", file=sys.stderr)
+    return cfg.model_copy(update={"launch": launch.model_copy(update={"main_process_port": port})})
+
+
 def torchrun_args(cfg: RunConfig, rendezvous: Optional[str] = None) -> list[str]:
     """Arguments for torch.distributed.run (before the worker command)."""
     launch = cfg.launch
@@ -167,7 +184,7 @@ def launch_workers(resolved: Any, worker: Optional[Sequence[str]] = None,
     path = resolved_path(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(resolved.to_json())
-    command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(cfg),
+    command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(local_port(cfg)),
                *(worker if worker is not None else train_worker(path))]
     env = worker_environment(cfg)
     env.update(extra_env or {})
@@ -319,6 +336,7 @@ def launch_script(resolved: Any, script: str, script_args: Sequence[str]) -> int
     """
     cfg: RunConfig = resolved.config
     check(cfg)
+    cfg = local_port(cfg)
     files_dir = Path(cfg.output_dir) / "launch"
     env = user_script_env(cfg, files_dir)
     path = files_dir / resolved_path(cfg).name
