@@ -77,3 +77,18 @@ def test_a_lone_process_runs_the_sharded_strategies(strategy, expected):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"type": expected, "n": 1, "fraction": 1.0}
+
+
+def test_accelerates_own_switches_do_not_override_the_strategy():
+    """ACCELERATE_USE_CPU=true in the shell would make Accelerate drop the DeepSpeed plugin
+    (cpu=True); the config already read it (launch.use_cpu), so it must not act again."""
+    import os
+
+    code = ("from overdrive.config import load_config; from overdrive.strategies import build_accelerator; "
+            "import sys; acc = build_accelerator(load_config(cli=sys.argv[1:])); "
+            "print(str(acc.distributed_type).split('.')[-1])")
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true"}
+    done = subprocess.run([sys.executable, "-c", code, "parallel.strategy=deepspeed"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "DEEPSPEED"

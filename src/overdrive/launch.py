@@ -26,6 +26,10 @@ from overdrive.errors import Problem, UserError
 # them into the resolved config; a worker must not see them again, or a stale one would
 # change the strategy behind the resolved values (plugins read them for any empty field).
 STRIPPED_PREFIXES = ("ACCELERATE_", "FSDP_")
+# With these set, Accelerate switches strategy or device by itself whenever no plugin says
+# otherwise (and it sets the first two itself once a plugin is built, for the whole process).
+STRATEGY_SWITCHES = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_MEGATRON_LM",
+                     "ACCELERATE_USE_CPU", "ACCELERATE_USE_PARALLELISM_CONFIG")
 
 
 def local_processes(cfg: RunConfig) -> int:
@@ -114,9 +118,13 @@ def prepare_this_process(cfg: RunConfig) -> None:
     Inside a worker the launcher already set everything; a lone process (one-process run,
     a notebook) gets DS_ACCELERATOR and, for DeepSpeed or FSDP, the rank variables of a
     one-member process group, as Accelerate's docs prescribe for single-process DeepSpeed.
+    Either way Accelerate's strategy switches are removed: the config decides.
     """
     from overdrive.strategies import cpu
 
+    # The config's environment layer has read these already; they must not act twice.
+    for name in STRATEGY_SWITCHES:
+        os.environ.pop(name, None)
     for key, value in cpu.worker_env(cfg).items():
         os.environ.setdefault(key, value)
     if cfg.parallel.strategy in ("deepspeed", "fsdp") and not inside_worker() and "RANK" not in os.environ:
