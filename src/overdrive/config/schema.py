@@ -157,6 +157,10 @@ class TrainingConfig(Section):
         "keeping the global batch by adjusting accumulation."
     )
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    global_batch_size: Optional[int] = Field(
+        None, ge=1, description="Samples per optimizer step over all processes, kept when micro_batch_size is "
+        "`auto` (accumulation becomes global / (micro x processes)); required then. Unused with an integer micro-batch."
+    )
     max_steps: int = Field(300, ge=1, description="Optimizer steps to train.")
     gradient_clipping: Optional[float] = Field(1.0, gt=0.0, description="Max global gradient norm. Empty: no clipping.")
     seed: int = Field(42, description="Seed for weights, data order and dropout.")
