@@ -1,0 +1,238 @@
+"""`training.micro_batch_size: auto`: the largest micro-batch that fits, before the first step.
+
+The global batch is `training.global_batch_size` and stays what it is: the micro-batch is
+a divisor of the per-process batch (global / processes), and accumulation makes up the rest
+(accumulation = global / (micro x processes)). So `auto` never changes what is trained,
+only how many samples go through the model at once. (Transformers' `auto_find_batch_size`
+halves the micro-batch after each crash and lets the global batch drift with it.)
+
+Three steps, on every process:
+
+1. Prediction: the memory estimator (overdrive.memory) for the configured strategy, at
+   every candidate size, against this device's memory (on a CPU: the RAM available now,
+   shared by this machine's processes), less 10% headroom. No weights are needed.
+2. Probe: a real forward and backward pass of the model, unsharded, at the predicted size
+   on this process's device, under the configured precision and checkpointing. On a GPU an
+   out-of-memory error steps down to the next size (and a success steps up while it keeps
+   fitting, since the estimator is conservative). On a CPU only predicted sizes are tried:
+   there, running out of memory is the kernel's OOM killer, not an exception.
+3. Agreement: every process takes the smallest answer of all processes, so ranks never
+   disagree on the batch.
+
+Step 1 runs before the Accelerator is built (`predicted_config`), so every strategy's plugin
+(DeepSpeed's batch sizes above all) is built from integers; steps 2 and 3 run right after
+(`confirm`), when this process's device is known and the processes can talk, and before
+anything is prepared. The trainer calls both.
+
+With ZeRO-3 and `zero3_init` (a model too large to build whole) the probe is skipped and the
+prediction stands. The probe's model is unsharded, so under ZeRO-3 or FSDP it overestimates
+memory: the answer errs on the safe side.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from overdrive.config.schema import RunConfig
+from overdrive.errors import Problem, UserError
+
+HEADROOM = 0.10
+_OOM_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory", "defaultcpuallocator")
+
+Probe = Callable[[int], Optional[str]]  # size -> None when it ran, else why not
+
+
+@dataclass
+class Choice:
+    micro_batch: int
+    accumulation: int
+    predicted: Optional[int]
+    tried: list[tuple[int, str]] = field(default_factory=list)  # (size, "ok" or the error)
+    note: str = ""
+
+    def describe(self) -> str:
+        tried = ", ".join(f"{m}: {what}" for m, what in self.tried) or "no probe"
+        return (f"micro_batch_size auto -> {self.micro_batch} x accumulation {self.accumulation} "
+                f"(estimator: {self.predicted or 'nothing fits'}; probed {tried}){' ' + self.note if self.note else ''}")
+
+
+def per_process_batch(cfg: RunConfig, world: int) -> int:
+    global_batch = cfg.training.global_batch_size
+    if global_batch is None:
+        raise UserError(Problem("training.global_batch_size", "is needed with training.micro_batch_size=auto: it is "
+                                "the batch per optimizer step that `auto` keeps while it picks the micro-batch",
+                                fix="set training.global_batch_size (e.g. 64), or an integer micro_batch_size"))
+    if global_batch % world:
+        raise UserError(Problem("training.global_batch_size", f"{global_batch} does not divide over {world} processes",
+                                fix="make it a multiple of launch.num_processes"))
+    return global_batch // world
+
+
+def sizes(per_process: int) -> list[int]:
+    """Candidate micro-batches, largest first: the divisors of the per-process batch."""
+    return [m for m in range(per_process, 0, -1) if per_process % m == 0]
+
+
+def predict(cfg: RunConfig, candidates: list[int], capacity: Optional[Any] = None) -> Optional[int]:
+    """The largest size the estimator says fits, or None."""
+    from overdrive.memory import estimate
+    from overdrive.memory import report
+    from overdrive.memory.model_shape import Source, hf_config_for_run, model_shape
+    from overdrive.memory.shape import setup_for_run, strategy_of_run
+
+    capacity = capacity or _capacity()
+    shape = model_shape(Source(hf_config_for_run(cfg), "model", run=cfg, task=cfg.model.task,
+                               attn_implementation=cfg.model.attn_implementation))
+    target = "cpu" if capacity.kind == "host" else "cuda"
+    for m in candidates:
+        est = estimate(shape, setup_for_run(cfg, target, micro_batch=m), (strategy_of_run(cfg),))
+        report.apply_verdict(est, capacity, headroom=HEADROOM, nodes=cfg.launch.num_machines)
+        if est.rows[0].fits:
+            return m
+    return None
+
+
+def _capacity():
+    """This device's memory; on a CPU, the RAM available now (other programs use some)."""
+    import psutil
+
+    from overdrive.memory import report
+
+    cap = report.detect_capacity()
+    if cap.kind == "host":
+        available = psutil.virtual_memory().available
+        return report.Capacity(available, available, "host", f"{available / 2**30:.1f} GiB of RAM available")
+    return cap
+
+
+def choose(cfg: RunConfig, world: int, probe: Optional[Probe], on_gpu: bool, capacity: Optional[Any] = None,
+           agree: Callable[[int], int] = lambda m: m, predicted: Optional[int] = -1) -> Choice:
+    """The largest micro-batch that fits, by prediction, probe and agreement (see above).
+    `predicted` skips the estimator (-1: ask it)."""
+    per_process = per_process_batch(cfg, world)
+    candidates = sizes(per_process)
+    if predicted == -1:
+        predicted = predict(cfg, candidates, capacity)
+    start = candidates.index(predicted) if predicted in candidates else len(candidates) - 1
+    tried: list[tuple[int, str]] = []
+    chosen = None
+    if probe is None:
+        chosen = candidates[start]
+    else:
+        # Down from the prediction until one runs; then, on a GPU only, up while it runs.
+        for m in candidates[start:]:
+            error = probe(m)
+            tried.append((m, error or "ok"))
+            if error is None:
+                chosen = m
+                break
+        if chosen is not None and on_gpu:
+            for m in reversed(candidates[: candidates.index(chosen)]):
+                error = probe(m)
+                tried.append((m, error or "ok"))
+                if error is not None:
+                    break
+                chosen = m
+    if chosen is None:
+        raise UserError(Problem("training.micro_batch_size", f"auto: not even a micro-batch of "
+                                f"{candidates[-1]} fits ({tried[-1][1] if tried else 'estimate'})",
+                                fix="shard more (parallel.strategy=deepspeed with zero_stage 3, or fsdp), turn on "
+                                "model.gradient_checkpointing, or shorten data.max_length"))
+    agreed = agree(chosen)
+    note = f"(another process fitted only {agreed})" if agreed != chosen else ""
+    if predicted is None:
+        note = (note + " the estimator predicted nothing fits; the probe decided").strip()
+    return Choice(agreed, per_process // agreed, predicted, tried, note)
+
+
+def _with(cfg: RunConfig, micro: int, accumulation: int) -> RunConfig:
+    training = cfg.training.model_copy(update={"micro_batch_size": micro, "gradient_accumulation_steps": accumulation})
+    return cfg.model_copy(update={"training": training})
+
+
+# ------------------------------------------------------------------ the real probe
+
+def make_probe(cfg: RunConfig, device) -> Probe:
+    """Forward and backward of the (unsharded) model at a given micro-batch on `device`."""
+    import torch
+
+    from overdrive import model as model_mod
+    from overdrive.memory.model_shape import hf_config_for_run
+
+    config = hf_config_for_run(cfg)  # what the estimator sizes: the tokenizer's vocabulary, no weights
+    with torch.device(device):
+        net = model_mod.auto_class(cfg.model.task).from_config(config)
+    if cfg.model.gradient_checkpointing and net.supports_gradient_checkpointing:
+        kwargs = {"use_reentrant": False}  # as model.build_model turns it on
+        if hasattr(net, "activation_checkpointing_enable"):
+            net.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            net.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    net.train()
+    dtype = {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.mixed_precision)
+    vocab_size, seq_len = config.vocab_size, cfg.data.max_length
+
+    def probe(m: int) -> Optional[str]:
+        ids = torch.randint(0, vocab_size, (m, seq_len), device=device)
+        labels = ids if cfg.model.task == "causal-lm" else torch.zeros(m, dtype=torch.long, device=device)
+        try:
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                loss = net(input_ids=ids, labels=labels).loss
+            loss.backward()
+            return None
+        except (torch.OutOfMemoryError, RuntimeError) as error:
+            text = str(error).lower()
+            if isinstance(error, torch.OutOfMemoryError) or any(w in text for w in _OOM_WORDS):
+                return "out of memory"
+            raise
+        finally:
+            net.zero_grad(set_to_none=True)
+            loss = None
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    return probe
+
+
+def predicted_config(cfg: RunConfig, capacity: Optional[Any] = None) -> RunConfig:
+    """Step 1, before the Accelerator is built: `auto` replaced by the estimator's size, so
+    every strategy's plugin is built from integers."""
+    world = cfg.launch.num_processes
+    per_process = per_process_batch(cfg, world)
+    micro = predict(cfg, sizes(per_process), capacity) or 1
+    return _with(cfg, micro, per_process // micro)
+
+
+def confirm(cfg: RunConfig, accelerator, probe: Optional[Probe] = None, capacity: Optional[Any] = None) -> RunConfig:
+    """Steps 2 and 3, once the Accelerator knows this process's device and the processes can
+    talk: probe from the predicted size, agree on the smallest answer, and tell the
+    Accelerator (and DeepSpeed's config, read only in prepare()) the final split. The global
+    batch, and so DeepSpeed's train_batch_size, does not change."""
+    import torch
+
+    device = accelerator.device
+    ds = cfg.parallel.deepspeed
+    if probe is None and not (cfg.parallel.strategy == "deepspeed" and ds.zero_stage == 3 and ds.zero3_init):
+        probe = make_probe(cfg, device)
+
+    def agree(m: int) -> int:
+        return int(accelerator.gather(torch.tensor([m], device=device)).min().item())
+
+    choice = choose(cfg, accelerator.num_processes, probe, device.type == "cuda", capacity, agree,
+                    predicted=cfg.training.micro_batch_size)
+    probe = None
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    accelerator.gradient_accumulation_steps = choice.accumulation
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None:
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = choice.micro_batch
+        plugin.deepspeed_config["gradient_accumulation_steps"] = choice.accumulation
+        plugin.gradient_accumulation_steps = choice.accumulation
+    if accelerator.is_main_process and cfg.logging.level != "quiet":
+        print(f"overdrive: {choice.describe()}", flush=True)
+    return _with(cfg, choice.micro_batch, choice.accumulation)
