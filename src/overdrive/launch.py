@@ -365,11 +365,21 @@ def run_user_script(resolved_file: str, script: str, script_args: Sequence[str])
     cpu.apply_to_user_accelerators(cfg)
     sys.argv = [script, *script_args]
     sys.path.insert(0, str(Path(script).resolve().parent))
+    code = 0
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as stop:
-        return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-    return 0
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    # The script has finished: run its exit handlers, flush, and leave without interpreter
+    # finalisation. Tearing down native thread pools there intermittently aborts a worker
+    # that has already done all its work ("terminate called without an active exception",
+    # SIGABRT), and the elastic agent then fails the whole job.
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def print_launch(resolved: Any) -> int:
