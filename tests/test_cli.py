@@ -21,7 +21,7 @@ def _modules_imported_by(*args: str) -> set[str]:
 
 
 def test_help_and_explain_do_not_import_heavy_libraries():
-    for args in (["--help"], ["explain"], ["explain", "lr=1e-3", "--json"]):
+    for args in (["--help"], ["explain"], ["explain", "lr=1e-3", "--json"], ["explain", "strategy=deepspeed", "zero=3"]):
         loaded = _modules_imported_by(*args)
         assert not loaded & set(HEAVY), (args, loaded & set(HEAVY))
 

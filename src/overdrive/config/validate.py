@@ -105,9 +105,23 @@ def training_rules(cfg: RunConfig, chains: Chains) -> list[Problem]:
     return warnings
 
 
+def deepspeed_dict_problems(cfg: RunConfig) -> list[Problem]:
+    """The DeepSpeed dict overdrive would hand over, checked before launch: verbatim entries
+    in parallel.deepspeed.extra that contradict the run config, or "auto" with nothing to fill."""
+    if cfg.parallel.strategy != "deepspeed":
+        return []
+    from overdrive.strategies import deepspeed  # pure dict work: imports neither torch nor deepspeed
+
+    extra = {k: v for k, v in cfg.parallel.deepspeed.extra.items() if k not in deepspeed.CLIENT_SIDE_SECTIONS}
+    found: list[Problem] = []
+    deepspeed.fill_auto(deepspeed.deep_merge(deepspeed.template(cfg), extra), cfg, cfg.launch.num_processes, None,
+                        problems=found)
+    return found
+
+
 def check(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]:
     """(errors, warnings) for a validated config."""
-    errors = deepspeed_contradictions(chains)
+    errors = deepspeed_contradictions(chains) + deepspeed_dict_problems(cfg)
     strategy_errors, warnings = strategy_rules(cfg, chains)
     errors += strategy_errors + launch_rules(cfg, chains)
     warnings += training_rules(cfg, chains)
