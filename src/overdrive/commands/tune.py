@@ -74,12 +74,12 @@ def run(args: argparse.Namespace) -> int:
     if not hit:
         result = _measure(job, quiet=args.json)
 
-    sources = " ".join(args.items)
     if result["chosen"] is None:
         output.print_table(result, file=sys.stderr)
         print("overdrive: no candidate completed its measurement: nothing written (see the notes above)",
               file=sys.stderr)
         return 1
+    sources = _sources(args.items, set(output.by_label(result, result["chosen"])["overrides"]))
     tuned = output.write_tuned(result, Path(args.output), args.force, sources)
     from overdrive.tune import cache
 
@@ -108,6 +108,16 @@ def run(args: argparse.Namespace) -> int:
     ]
     print("\n".join(lines))
     return 0
+
+
+def _sources(items: list[str], tuned_keys: set[str]) -> str:
+    """The files and key=value items to train with beside tuned.yaml: an item that sets a
+    tuned key is left out, because on the command line it would win over the tuned value
+    and could split the global batch differently."""
+    from overdrive.config.keys import expand_alias
+
+    kept = [i for i in items if "=" not in i or expand_alias(i.split("=", 1)[0].strip()) not in tuned_keys]
+    return " ".join(kept)
 
 
 def _measure(job, quiet: bool):

@@ -74,7 +74,8 @@ def lookup(job: Job) -> Optional[dict[str, Any]]:
     return cache.load(job.config, job.fingerprint())
 
 
-def _trial_config(job: Job, overrides: dict[str, Any], workdir: Path) -> str:
+def trial_config(job: Job, overrides: dict[str, Any], workdir: Path) -> str:
+    """The resolved config (JSON) a trial of these overrides trains, output in `workdir`."""
     from overdrive.config import Resolved
     from overdrive.tune.space import apply
 
@@ -82,7 +83,8 @@ def _trial_config(job: Job, overrides: dict[str, Any], workdir: Path) -> str:
     return Resolved(config=cfg, origins={}).to_json()
 
 
-def _starter(job: Job, root: Path):
+def open_starter(job: Job, root: Path):
+    """What starts trial processes for this job (close it when done)."""
     from overdrive import launch
     from overdrive.tune import processes
 
@@ -103,7 +105,7 @@ def run(job: Job, log: Callable[[str], None] = lambda _: None, fits=None) -> dic
     from overdrive.tune import output, trials
 
     root = Path(tempfile.mkdtemp(prefix="overdrive-tune-", dir=job.workdir))
-    starter = _starter(job, root)  # the fork server imports while the estimator works
+    starter = open_starter(job, root)  # the fork server imports while the estimator works
     counter = itertools.count(1)
     started = time.monotonic()
     try:
@@ -112,7 +114,7 @@ def run(job: Job, log: Callable[[str], None] = lambda _: None, fits=None) -> dic
 
             fits = fits_by_estimate(job.config)
         log("preparing the data (tokenizer and token cache) once for every trial")
-        prepared = trials.prepare(_trial_config(job, job.space.baseline.overrides(), root / "prepare"),
+        prepared = trials.prepare(trial_config(job, job.space.baseline.overrides(), root / "prepare"),
                                   root / "prepare", starter)
         if prepared.status != "ok":
             raise UserError(Problem("data.source", f"the data could not be prepared: {prepared.reason}",
@@ -121,7 +123,7 @@ def run(job: Job, log: Callable[[str], None] = lambda _: None, fits=None) -> dic
         def runner(candidate: Candidate, decide) -> Outcome:
             workdir = root / f"trial-{next(counter):03d}"
             try:
-                text = _trial_config(job, candidate.overrides(), workdir)
+                text = trial_config(job, candidate.overrides(), workdir)
             except ValueError as error:  # pydantic's ValidationError: an option the schema refuses
                 return Outcome("crashed", f"invalid config: {str(error).splitlines()[0]}")
             return trials.run_trial(text, workdir, job.plan, starter, decide)

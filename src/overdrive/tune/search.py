@@ -8,7 +8,7 @@ as a race: when a trial reaches a rung, it goes on only while it ranks in the to
 every candidate that reached that rung so far (within `slack`, so that noise alone does not
 end a near-tie). A slow candidate is stopped after a few steps; a fast one runs to the end.
 
-The stages (space.STAGES) search the compute layout first, then the host settings on its
+The stages (space.STAGES) search the host settings first, then the compute layout on their
 finalists, then torch.compile on theirs. The score is tokens/s over the whole configured run
 (`training.max_steps`), with each candidate's one-off warm-up overhead (compilation above
 all) paid once: a compiled model must be fast enough to earn its compile time back.
@@ -31,13 +31,14 @@ Runner = Callable[[Candidate, Optional[Decide]], Outcome]
 class SearchSettings:
     mode: str = "staged"  # "staged" (successive halving per stage) or "grid" (everything, full length)
     eta: int = 3
-    finalists: int = 2
+    finalists: int = 2  # at most; the second only when within `carry` of the best
+    carry: float = 0.15
     slack: float = 0.03
     budget_s: Optional[float] = None
     run_steps: int = 300
 
     def describe(self) -> dict:
-        return {"mode": self.mode, "eta": self.eta, "finalists": self.finalists, "slack": self.slack,
+        return {"mode": self.mode, "eta": self.eta, "finalists": self.finalists, "carry": self.carry, "slack": self.slack,
                 "budget_s": self.budget_s, "run_steps": self.run_steps}
 
 
@@ -57,6 +58,15 @@ class Search:
     def ok(self) -> list[Candidate]:
         return sorted((c for c in self.seen.values() if c.status == "ok"), key=lambda c: -self.score(c))
 
+    def finalists(self) -> list[Candidate]:
+        """The best, and the runners-up close enough to it that an interaction with the next
+        stage's settings could still reverse the order (within `carry`)."""
+        ranked = self.ok()
+        if not ranked:
+            return []
+        best = self.score(ranked[0])
+        return [c for c in ranked[: self.settings.finalists] if self.score(c) >= best * (1 - self.settings.carry)]
+
     def elapsed(self) -> float:
         return self.clock() - self.started
 
@@ -74,7 +84,7 @@ class Search:
                 fresh = self._admit(pool, dominance=True)
                 seeds = [c for c in finalists if c.status == "ok"]
                 self._race(stage, fresh, seeds, halving=True)
-                finalists = self.ok()[: self.settings.finalists] or finalists
+                finalists = self.finalists() or finalists
         return list(self.seen.values())
 
     def _admit(self, pool: list[Candidate], dominance: bool) -> list[Candidate]:

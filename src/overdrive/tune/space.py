@@ -23,12 +23,14 @@ from overdrive.errors import Problem, UserError
 
 DIMENSIONS = ("batch", "precision", "checkpointing", "strategy", "compile", "workers", "threads")
 # Searched one group after the other, each on the finalists of the one before. The groups
-# interact weakly (how fast a layout computes barely depends on how the loader feeds it),
-# and torch.compile, whose compile time is the most expensive thing to measure, comes last,
-# tried only on the finalists.
+# interact weakly (how fast a layout computes barely depends on how the loader feeds it).
+# The host settings come first: on a CPU they decide whether the cores are used well at all
+# (two OpenMP threads on a busy two-core machine can be several times slower than one), so
+# every layout is then measured as it will run, and cheaply. torch.compile, the most
+# expensive thing to measure (its compile time), comes last, tried only on the finalists.
 STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("layout", ("batch", "precision", "checkpointing", "strategy")),
     ("host", ("workers", "threads")),
+    ("layout", ("batch", "precision", "checkpointing", "strategy")),
     ("compile", ("compile",)),
 )
 
@@ -71,7 +73,7 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        return " | ".join(o.label for o in self.options)
+        return " / ".join(o.label for o in self.options)
 
     def option(self, dimension: str) -> Option:
         return self.options[DIMENSIONS.index(dimension)]
