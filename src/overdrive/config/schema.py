@@ -332,6 +332,10 @@ class LaunchConfig(Section):
 class CheckpointConfig(Section):
     """Saving and resuming."""
 
+    enabled: bool = Field(
+        True, description="Write checkpoints: every `every_steps`, at the end, and when stopped by SIGTERM/SIGINT "
+        "or a non-finite loss. Off: nothing to resume from (resuming existing ones is `resume`)."
+    )
     every_steps: Optional[int] = Field(None, ge=1, description="Save every N optimizer steps. Empty: only at the end.")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are pruned after a successful save.")
     resume: Literal["auto", "never"] = Field("auto", description="`auto`: continue from the newest complete checkpoint in output_dir.")

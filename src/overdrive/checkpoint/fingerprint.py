@@ -1,0 +1,173 @@
+"""Is this config the run that wrote the checkpoint? What changed, and does it matter?
+
+A checkpoint records the whole config it was written under. Resuming compares it with the
+config given now, key by key, and sorts every difference:
+
+- harmless: logging, evaluation and checkpoint cadence, DataLoader workers, launch details,
+  kernels and compilation. Listed, then the run continues.
+- math: anything that changes which numbers the run computes (model, tokenizer, data and
+  its order, optimizer, schedule, seed, length, precision, the global batch). Refused
+  unless `--force`, with each key and why it matters.
+- layout: the strategy the checkpoint's files were written by. Its files cannot be read
+  by another, so this is refused even with `--force`.
+
+The world size is handled apart: the global batch is kept by changing the accumulation,
+which only works when the checkpoint is not sharded per rank.
+
+The fingerprint is a hash of the math-relevant values only, so two configs with the same
+fingerprint train the same numbers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+# key or prefix -> why a change matters. The longest matching entry wins, so an exception
+# to a section ("data.num_workers" inside "data.") is written as a longer entry.
+_RULES: dict[str, tuple[str, str]] = {
+    "model.": ("math", "the model being trained (the saved weights may not even fit it)"),
+    "model.gradient_checkpointing": ("harmless", ""),
+    "model.attn_implementation": ("harmless", ""),
+    "model.trust_remote_code": ("harmless", ""),
+    "tokenizer.": ("math", "the token ids the model sees"),
+    "data.": ("math", "which samples are trained on, and in what order"),
+    "data.num_workers": ("harmless", ""),
+    "data.pin_memory": ("harmless", ""),
+    "data.cache_dir": ("harmless", ""),
+    "optim.": ("math", "every update from here on"),
+    "optim.implementation": ("harmless", ""),
+    "scheduler.": ("math", "the learning rate of every remaining step"),
+    "training.seed": ("math", "the data order and dropout of every remaining step"),
+    "training.max_steps": ("math", "the schedule's length: the learning rate of every remaining step"),
+    "training.gradient_clipping": ("math", "every update from here on"),
+    "training.": ("harmless", ""),
+    "precision.": ("math", "the arithmetic of every remaining step"),
+    "parallel.strategy": ("layout", "the checkpoint's files are in the strategy's own format"),
+    "parallel.deepspeed.zero_stage": ("layout", "ZeRO stages shard and name their files differently"),
+    "parallel.fsdp.version": ("layout", "FSDP versions save in different formats"),
+    "parallel.fsdp.state_dict_type": ("layout", "a sharded and a full state dict are different files"),
+    "parallel.": ("harmless", ""),
+    "compile.": ("harmless", ""),
+    "launch.": ("harmless", ""),
+    "checkpoint.": ("harmless", ""),
+    "logging.": ("harmless", ""),
+    "output_dir": ("harmless", ""),
+}
+# The batch size keys are judged together, as the global batch (see `compare`).
+_BATCH_KEYS = {"training.micro_batch_size", "training.gradient_accumulation_steps", "training.global_batch_size",
+               "launch.num_processes", "launch.num_machines"}
+GLOBAL_BATCH_WHY = "the samples per optimizer step, so every update and the data position"
+
+
+def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        # Open mappings (model.architecture, deepspeed extra) are compared entry by entry.
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, path + "."))
+        else:
+            flat[path] = value
+    return flat
+
+
+def kind_of(key: str) -> tuple[str, str]:
+    best = ""
+    for rule in _RULES:
+        if (key == rule or (rule.endswith(".") and key.startswith(rule))) and len(rule) > len(best):
+            best = rule
+    return _RULES.get(best, ("math", "an unclassified setting (treated as changing the math)"))
+
+
+def global_batch(config: Mapping[str, Any]) -> int:
+    t, launch = config["training"], config["launch"]
+    return int(t["micro_batch_size"]) * int(t["gradient_accumulation_steps"]) * int(launch["num_processes"])
+
+
+def sharded(config: Mapping[str, Any]) -> bool:
+    """True when the strategy writes optimizer state (or weights) as one shard per rank."""
+    p = config["parallel"]
+    if p["strategy"] == "deepspeed":
+        return int(p["deepspeed"]["zero_stage"]) >= 1
+    if p["strategy"] == "fsdp":
+        return p["fsdp"]["state_dict_type"] == "sharded_state_dict"
+    return False
+
+
+def fingerprint(config: Mapping[str, Any]) -> str:
+    """sha256 of the values that decide the numbers (math and layout keys, and the global batch)."""
+    flat = flatten(config)
+    kept = {k: v for k, v in flat.items() if k not in _BATCH_KEYS and kind_of(k)[0] != "harmless"}
+    kept["global_batch"] = global_batch(config)
+    text = json.dumps(kept, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Change:
+    key: str
+    old: Any
+    new: Any
+    kind: str  # harmless | math | layout
+    why: str = ""
+
+    def render(self) -> str:
+        text = f"{self.key}: {self.old!r} -> {self.new!r}"
+        return f"{text} ({self.why})" if self.why else text
+
+
+@dataclass
+class Comparison:
+    changes: list[Change] = field(default_factory=list)
+    # Set when the world size changed and the accumulation must change to keep the global batch.
+    accumulation: Optional[int] = None
+    world_note: str = ""
+    refusal: str = ""  # a world-size change that cannot be made (not divisible, or sharded)
+
+    def of(self, kind: str) -> list[Change]:
+        return [c for c in self.changes if c.kind == kind]
+
+
+_MISSING = object()
+
+
+def compare(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Comparison:
+    """Every difference between the checkpoint's config and this one, classified."""
+    old, new = flatten(saved), flatten(current)
+    result = Comparison()
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, _MISSING), new.get(key, _MISSING)
+        if a == b:
+            continue
+        a = None if a is _MISSING else a
+        b = None if b is _MISSING else b
+        if key in _BATCH_KEYS:
+            result.changes.append(Change(key, a, b, "harmless"))
+            continue
+        kind, why = kind_of(key)
+        result.changes.append(Change(key, a, b, kind, why))
+
+    g_old, g_new = global_batch(saved), global_batch(current)
+    w_old, w_new = int(saved["launch"]["num_processes"]), int(current["launch"]["num_processes"])
+    micro = int(current["training"]["micro_batch_size"])
+    if w_old != w_new:
+        if sharded(saved):
+            result.refusal = (f"the checkpoint holds one shard per rank for {w_old} processes "
+                              f"({saved['parallel']['strategy']}); it cannot be loaded by {w_new}")
+            return result
+        if g_new != g_old:
+            if g_old % (micro * w_new):
+                result.refusal = (f"the global batch of {g_old} cannot be kept on {w_new} processes with micro-batch "
+                                  f"{micro}: {g_old} / ({micro} x {w_new}) is not a whole number")
+                return result
+            result.accumulation = g_old // (micro * w_new)
+        accumulation = result.accumulation or int(current["training"]["gradient_accumulation_steps"])
+        result.world_note = (f"{w_old} -> {w_new} processes: keeping the global batch of {g_old} "
+                             f"(micro-batch {micro} x accumulation {accumulation} x {w_new})")
+    elif g_new != g_old:
+        result.changes.append(Change("global batch (micro x accumulation x processes)", g_old, g_new, "math",
+                                     GLOBAL_BATCH_WHY))
+    return result

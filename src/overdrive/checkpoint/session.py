@@ -1,0 +1,273 @@
+"""Saving and resuming a training run through `accelerator.save_state` / `load_state`.
+
+What a checkpoint holds, and who writes it:
+
+- `accelerator.save_state`: the model, the optimizer, the learning-rate schedule
+  (registered with `register_for_checkpointing`), the fp16 loss scaler, and every rank's
+  RNG states (`random_states_<rank>.pkl`: python, numpy, torch, cuda). Under DeepSpeed and
+  FSDP (sharded state dict) every rank writes its own shard.
+- `trainer_state.json` (main process): the loop position (`LoopState`), the data position
+  as samples consumed in the current epoch (so a different world size can find it), the
+  loss accumulated since the last log on every rank, the size metrics.jsonl had, and the
+  whole config with its fingerprint.
+
+The data position is restored by the sampler: each epoch's order depends only on the seed
+and the epoch number (data.py), and `accelerator.skip_first_batches` drops the indices
+already trained on without loading them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from overdrive.checkpoint import fingerprint as fp
+from overdrive.checkpoint import store
+from overdrive.config.schema import RunConfig
+from overdrive.errors import Problem, UserError
+
+TRAINER_STATE = "trainer_state.json"
+START_OVER = "start over instead: checkpoint.resume=never, or a new output_dir"
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    return json.loads((path / TRAINER_STATE).read_text())
+
+
+# ---------------------------------------------------------------- before the accelerator
+
+@dataclass
+class ResumePlan:
+    """What a run will resume from, decided before anything is built.
+
+    `config` is the config to build with: the one given, except that a different world size
+    changes the accumulation so the checkpoint's global batch is kept.
+    """
+
+    config: RunConfig
+    checkpoint: Optional[Path] = None
+    saved: Optional[dict[str, Any]] = None
+    notes: list[str] = field(default_factory=list)
+    force: bool = False
+
+
+def _judge(saved: dict[str, Any], cfg: RunConfig, name: str, force: bool,
+           comparison: Optional[fp.Comparison] = None) -> fp.Comparison:
+    """Compare the checkpoint's config with `cfg`; raise on what cannot or may not resume."""
+    comparison = comparison or fp.compare(saved["config"], cfg.model_dump(mode="json"))
+    problems = [Problem(c.key, f"{c.old!r} -> {c.new!r}: {name} cannot be loaded ({c.why})",
+                        fix=f"put the old value back, or {START_OVER}") for c in comparison.of("layout")]
+    if comparison.refusal:
+        problems.append(Problem("launch.num_processes", comparison.refusal,
+                                fix=f"resume with launch.num_processes={saved['config']['launch']['num_processes']}, "
+                                f"or {START_OVER}"))
+    if problems:
+        raise UserError(problems, title=f"cannot resume from {name}")
+    math = comparison.of("math")
+    if math and not force:
+        raise UserError(
+            [Problem(c.key, f"{c.old!r} -> {c.new!r} since {name} was saved: changes {c.why}") for c in math]
+            + [Problem("", f"to resume anyway with the new values: the same command with --force; or put the old "
+                       f"values back; or {START_OVER}")],
+            title=f"the config changed the math since {name}")
+    return comparison
+
+
+def plan_resume(cfg: RunConfig, force: bool = False) -> ResumePlan:
+    """The newest complete-looking checkpoint in output_dir, and whether this config may resume it.
+
+    Cheap: reads manifests and file sizes, not their contents (the main process checks the
+    sha256 sums before loading, see `Checkpointer.restore`). Raises UserError when the
+    config changed the math (without `force`) or cannot load the checkpoint at all, unless
+    that checkpoint ends a finished run: then there is nothing to resume, and a different
+    config starts a new run in the same output_dir.
+    """
+    plan = ResumePlan(cfg, force=force)
+    if cfg.checkpoint.resume == "never":
+        return plan
+    search = store.latest_complete(store.checkpoints_dir(cfg.output_dir), checksums=False)
+    plan.notes += search.messages()
+    if search.found is None:
+        return plan
+    path = search.found.path
+    try:
+        saved = read_state(path)
+    except (OSError, ValueError) as error:
+        raise UserError(Problem("checkpoint.resume", f"{path}/{TRAINER_STATE} is unreadable: {error}",
+                                fix=START_OVER)) from None
+    comparison = fp.compare(saved["config"], cfg.model_dump(mode="json"))
+    finished = search.found.step >= saved["config"]["training"]["max_steps"]
+    different = [c.key for c in comparison.of("math") + comparison.of("layout")]
+    if comparison.world_note or comparison.refusal:
+        different.append("launch.num_processes")
+    if finished and different and not force:
+        plan.notes.append(f"{path.name} ends a finished run with a different config ({', '.join(different)}): "
+                          "starting a new run here (its checkpoints replace the old ones; --force would continue "
+                          "the old one instead)")
+        return plan
+    _judge(saved, cfg, path.name, force, comparison)
+    plan.checkpoint, plan.saved = path, saved
+    harmless = [c.render() for c in comparison.of("harmless")]
+    if harmless:
+        plan.notes.append("changed since the checkpoint (the math is the same): " + "; ".join(harmless))
+    forced = [c.render() for c in comparison.of("math")]
+    if forced:
+        plan.notes.append("--force: resuming with changed math: " + "; ".join(forced))
+    if comparison.world_note:
+        plan.notes.append(comparison.world_note)
+    if comparison.accumulation is not None:
+        t = cfg.training.model_copy(update={"gradient_accumulation_steps": comparison.accumulation})
+        plan.config = cfg.model_copy(update={"training": t})
+    return plan
+
+
+def with_plan(resolved: Any, plan: ResumePlan) -> Any:
+    """`resolved` carrying the plan's config; a changed accumulation gets its origin."""
+    from overdrive.config import Origin, Resolved
+
+    if getattr(resolved, "config", resolved) is plan.config:
+        return resolved
+    if not isinstance(resolved, Resolved):
+        return plan.config
+    origins = dict(resolved.origins)
+    origins["training.gradient_accumulation_steps"] = Origin("resume", f"global batch of {plan.checkpoint}")
+    return Resolved(config=plan.config, origins=origins, chains=resolved.chains, warnings=resolved.warnings)
+
+
+# ---------------------------------------------------------------- with the accelerator
+
+@dataclass
+class Restored:
+    """What the loop needs beyond the accelerator's own objects after a resume."""
+
+    step: int = 0
+    path: Optional[Path] = None
+    pending_loss: float = 0.0  # this rank's loss summed since the last log
+    pending_micro_steps: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Checkpointer:
+    """Saves and restores one run's checkpoints; every rank makes the same calls."""
+
+    def __init__(self, cfg: RunConfig, accelerator: Any, scheduler: Any, plan: ResumePlan,
+                 metrics_path: Path, say: Callable[[str], None] = print):
+        self.cfg, self.acc, self.plan = cfg, accelerator, plan
+        self.root = store.checkpoints_dir(cfg.output_dir)
+        self.metrics_path, self.say = metrics_path, say
+        self.main = accelerator.is_main_process
+        self.lineage = (plan.saved or {}).get("lineage") or uuid.uuid4().hex
+        self.last_saved = -1
+        # The schedule is stepped by the loop, not prepared: registering it puts it in save_state.
+        accelerator.register_for_checkpointing(scheduler)
+
+    def due(self, step: int, stopping: bool = False) -> bool:
+        """Every `every_steps`, at the last step, and before the loop stops early."""
+        c = self.cfg.checkpoint
+        return c.enabled and step != self.last_saved and (
+            stopping or step == self.cfg.training.max_steps or bool(c.every_steps and step % c.every_steps == 0))
+
+    # -------------------------------------------------------------- restore
+
+    def _choose(self) -> Optional[Path]:
+        """The main process checks sha256 sums, newest first; every rank gets its choice."""
+        from accelerate.utils import broadcast_object_list
+
+        name = None
+        if self.main:
+            search = store.latest_complete(self.root, checksums=True, at_most=store.step_of(self.plan.checkpoint))
+            for message in search.messages():
+                self.say(f"checkpoint: {message}")
+            name = search.found.path.name if search.found else None
+        if self.acc.num_processes > 1:
+            name = broadcast_object_list([name])[0]
+        return self.root / name if name else None
+
+    def restore(self, state: Any) -> Restored:
+        """Load the plan's checkpoint (or the newest older one that verifies) into the prepared
+        objects and `state`; without one, start at step 0 with an empty metrics.jsonl."""
+        for note in self.plan.notes:
+            self.say(f"checkpoint: {note}")
+        path = self._choose() if self.plan.checkpoint is not None else None
+        if path is None:
+            if self.plan.checkpoint is not None:
+                self.say("checkpoint: none verified; starting from step 0")
+            if self.main:
+                store.truncate(self.metrics_path, 0)  # a fresh start: no records of an earlier run
+            return Restored()
+        saved = read_state(path)
+        if path != self.plan.checkpoint:
+            _judge(saved, self.cfg, path.name, self.plan.force)
+        self.lineage = saved.get("lineage") or self.lineage
+        try:
+            self.acc.load_state(str(path))
+        except Exception as error:  # shapes, missing shards: the message says what
+            raise UserError(Problem("checkpoint.resume", f"{path.name} cannot be loaded into this run: "
+                                    f"{type(error).__name__}: {error}", fix=START_OVER)) from None
+        loop = saved["loop"]
+        for item in dataclasses.fields(state):
+            if item.name in loop:
+                setattr(state, item.name, loop[item.name])
+        # Micro-batches per rank already taken from this epoch, for this run's batch shape.
+        state.batch_in_epoch = saved["samples_in_epoch"] // (self.cfg.training.micro_batch_size * self.acc.num_processes)
+        restored = Restored(step=state.step, path=path, extra=saved.get("extra", {}))
+        if saved["world_size"] == self.acc.num_processes:
+            restored.pending_loss = saved["pending_loss"][self.acc.process_index]
+            restored.pending_micro_steps = saved["pending_micro_steps"]
+        if self.main:
+            store.truncate(self.metrics_path, saved["metrics_bytes"])
+        self.last_saved = state.step
+        self.say(f"resumed from {path} (step {state.step}, epoch {state.epoch}, "
+                 f"{state.batch_in_epoch} micro-batches into it)")
+        return restored
+
+    # -------------------------------------------------------------- save
+
+    def save(self, state: Any, pending_loss: Any, pending_micro_steps: int, extra: dict[str, Any]) -> Path:
+        """A complete checkpoint of this step, or none: see store.py for the order of writes."""
+        acc, step = self.acc, state.step
+        tmp = store.temp_dir_for(self.root, step)
+        if self.main:
+            store.begin(self.root, step)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp))
+        losses = acc.gather(pending_loss.detach().float().reshape(1)).tolist()
+        if self.main:
+            self._write_trainer_state(tmp, state, losses, pending_micro_steps, extra)
+        acc.wait_for_everyone()  # every rank's files are written before the manifest lists them
+        final = self.root / store.name_for(step)
+        if self.main:
+            store.commit(tmp, step)
+            store.prune(self.root, self.cfg.checkpoint.keep_last, step, belongs=self._ours)
+        acc.wait_for_everyone()
+        self.last_saved = step
+        return final
+
+    def _write_trainer_state(self, tmp: Path, state: Any, losses: list, micro_steps: int, extra: dict) -> None:
+        cfg, t = self.cfg, self.cfg.training
+        config = cfg.model_dump(mode="json")
+        world = self.acc.num_processes
+        record = {
+            "format": 1, "step": state.step, "saved_at": time.time(), "lineage": self.lineage,
+            "loop": dataclasses.asdict(state),
+            "samples_in_epoch": state.batch_in_epoch * t.micro_batch_size * world,
+            "world_size": world, "micro_batch_size": t.micro_batch_size,
+            "gradient_accumulation_steps": t.gradient_accumulation_steps, "global_batch": fp.global_batch(config),
+            "strategy": cfg.parallel.strategy, "sharded": fp.sharded(config),
+            "fingerprint": fp.fingerprint(config), "config": config,
+            "metrics_bytes": self.metrics_path.stat().st_size if self.metrics_path.exists() else 0,
+            "pending_loss": losses, "pending_micro_steps": micro_steps, "extra": extra,
+        }
+        (tmp / TRAINER_STATE).write_text(json.dumps(record, indent=1, default=str))
+
+    def _ours(self, path: Path) -> bool:
+        """A checkpoint of this run's lineage (not one left by an earlier run in output_dir)."""
+        try:
+            return read_state(path).get("lineage") == self.lineage
+        except (OSError, ValueError):
+            return False

@@ -1,0 +1,277 @@
+"""Checkpoint mechanics without training: atomic directories, manifests, finding the newest
+complete checkpoint, pruning, config comparison, the non-finite guard and the stop signal."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from overdrive import nonfinite
+from overdrive.checkpoint import fingerprint as fp
+from overdrive.checkpoint import session, store
+from overdrive.checkpoint.signals import StopRequest
+from overdrive.config.schema import RunConfig
+from overdrive.errors import UserError
+
+
+def save_fake(root, step, files=None, lineage="run-a"):
+    """A checkpoint as session.save leaves it: files in a temp dir, committed."""
+    tmp = store.begin(root, step)
+    for name, data in (files or {"model.safetensors": b"w" * 100, "sub/optimizer.bin": b"o" * 50}).items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / name).write_bytes(data)
+    (tmp / session.TRAINER_STATE).write_text(json.dumps({"lineage": lineage, "step": step}))
+    return store.commit(tmp, step)
+
+
+# ---------------------------------------------------------------- store
+
+def test_commit_is_a_rename_of_a_sealed_directory(tmp_path):
+    final = save_fake(tmp_path, 100)
+    assert final.name == "step-00000100" and not (tmp_path / ".tmp-step-00000100").exists()
+    manifest = json.loads((final / "manifest.json").read_text())
+    assert manifest["step"] == 100
+    assert set(manifest["files"]) == {"model.safetensors", "sub/optimizer.bin", "trainer_state.json"}
+    assert manifest["files"]["model.safetensors"]["size"] == 100
+    assert store.verify(final).ok
+
+
+def test_an_interrupted_save_is_never_taken_for_a_checkpoint(tmp_path):
+    save_fake(tmp_path, 10)
+    # Killed while writing: only the temp dir exists, with part of the files.
+    tmp = store.begin(tmp_path, 20)
+    (tmp / "model.safetensors").write_bytes(b"partial")
+    # A directory with the final name but no manifest (e.g. copied by hand, half-way).
+    (tmp_path / "step-00000030").mkdir()
+    (tmp_path / "step-00000030" / "model.safetensors").write_bytes(b"x")
+    search = store.latest_complete(tmp_path)
+    assert search.found.step == 10
+    assert [v.step for v in search.skipped] == [30] and "no manifest" in search.skipped[0].reason
+    # A new save of step 20 replaces the stale temp dir instead of mixing into it.
+    final = save_fake(tmp_path, 20)
+    assert store.verify(final).ok and not (final / "partial").exists()
+
+
+def test_truncated_and_corrupted_files_are_detected(tmp_path):
+    save_fake(tmp_path, 1)
+    truncated = save_fake(tmp_path, 2)
+    corrupted = save_fake(tmp_path, 3)
+    with (truncated / "model.safetensors").open("r+b") as f:
+        f.truncate(10)
+    data = bytearray((corrupted / "sub" / "optimizer.bin").read_bytes())
+    data[5] ^= 0xFF  # same size, different content
+    (corrupted / "sub" / "optimizer.bin").write_bytes(bytes(data))
+    # Sizes alone (the cheap check every rank makes) catch truncation, not a flipped byte.
+    assert store.latest_complete(tmp_path, checksums=False).found.step == 3
+    search = store.latest_complete(tmp_path, checksums=True)
+    assert search.found.step == 1
+    reasons = {v.step: v.reason for v in search.skipped}
+    assert "sha256" in reasons[3] and "10 bytes" in reasons[2]
+    assert store.latest_complete(tmp_path, at_most=1).found.step == 1
+    (tmp_path / "step-00000001" / "manifest.json").write_text("{not json")
+    assert store.latest_complete(tmp_path).found is None
+
+
+def test_commit_over_an_existing_directory_keeps_one_complete_at_all_times(tmp_path):
+    save_fake(tmp_path, 5, {"a.bin": b"old"})
+    final = save_fake(tmp_path, 5, {"a.bin": b"new!"})
+    assert (final / "a.bin").read_bytes() == b"new!" and store.verify(final).ok
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000005"]
+
+
+def test_prune_keeps_the_newest_of_this_run_and_drops_abandoned_futures(tmp_path):
+    for step in (10, 20, 30):
+        save_fake(tmp_path, step)
+    save_fake(tmp_path, 90, lineage="run-a")  # a future this run will not reach (resumed before it)
+    save_fake(tmp_path, 5, lineage="old-run")  # another run in the same output_dir
+    store.begin(tmp_path, 40)  # a killed save
+    ours = lambda path: session.read_state(path)["lineage"] == "run-a"  # noqa: E731
+    removed = store.prune(tmp_path, keep_last=2, current_step=30, belongs=ours)
+    assert sorted(p.name for p in removed) == ["step-00000005", "step-00000010", "step-00000090"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000020", "step-00000030"]
+
+
+def test_truncate_cuts_a_log_back(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1}\n{"step": 2}\n')
+    store.truncate(log, len('{"step": 1}\n'))
+    assert log.read_text() == '{"step": 1}\n'
+    store.truncate(tmp_path / "missing.jsonl", 0)
+
+
+# ---------------------------------------------------------------- config comparison
+
+def dump(**sections) -> dict:
+    return RunConfig.model_validate(sections).model_dump(mode="json")
+
+
+def test_harmless_changes_are_listed_and_math_changes_named():
+    old = dump()
+    new = dump(logging={"level": "quiet"}, training={"eval_every_steps": 7, "log_every_steps": 1},
+               data={"num_workers": 2}, checkpoint={"every_steps": 3}, optim={"lr": 5e-4},
+               model={"architecture": {"n_layer": 2}})
+    result = fp.compare(old, new)
+    assert {c.key for c in result.of("harmless")} >= {"logging.level", "training.eval_every_steps",
+                                                        "data.num_workers", "checkpoint.every_steps"}
+    math = {c.key: c for c in result.of("math")}
+    assert set(math) >= {"optim.lr", "model.architecture.n_layer"}
+    assert "update" in math["optim.lr"].why
+    assert fp.fingerprint(old) == fp.fingerprint(dump(logging={"level": "quiet"}, data={"num_workers": 2}))
+    assert fp.fingerprint(old) != fp.fingerprint(dump(optim={"lr": 5e-4}))
+
+
+def test_the_global_batch_is_judged_not_its_factors():
+    old = dump(training={"micro_batch_size": 4, "gradient_accumulation_steps": 2})
+    same = fp.compare(old, dump(training={"micro_batch_size": 8, "gradient_accumulation_steps": 1}))
+    assert not same.of("math") and same.accumulation is None
+    bigger = fp.compare(old, dump(training={"micro_batch_size": 8, "gradient_accumulation_steps": 2}))
+    assert [c.key for c in bigger.of("math")] == ["global batch (micro x accumulation x processes)"]
+
+
+def test_a_different_world_size_keeps_the_global_batch():
+    old = dump(training={"micro_batch_size": 4, "gradient_accumulation_steps": 1}, launch={"num_processes": 2})
+    result = fp.compare(old, dump(training={"micro_batch_size": 4, "gradient_accumulation_steps": 1}))
+    assert result.accumulation == 2 and "keeping the global batch of 8" in result.world_note
+    assert not result.of("math") and not result.refusal
+    odd = fp.compare(old, dump(training={"micro_batch_size": 4}, launch={"num_processes": 3}))
+    assert "not a whole number" in odd.refusal
+    zero2 = dump(parallel={"strategy": "deepspeed"}, training={"micro_batch_size": 4}, launch={"num_processes": 2})
+    assert "one shard per rank" in fp.compare(zero2, dump(parallel={"strategy": "deepspeed"},
+                                                          training={"micro_batch_size": 4})).refusal
+    assert [c.kind for c in fp.compare(dump(), dump(parallel={"strategy": "fsdp"})).changes] == ["layout"]
+
+
+def write_checkpoint_with_config(tmp_path, cfg: RunConfig, step=10):
+    root = store.checkpoints_dir(cfg.output_dir)
+    tmp = store.begin(root, step)
+    (tmp / session.TRAINER_STATE).write_text(json.dumps({"lineage": "x", "config": cfg.model_dump(mode="json")}))
+    store.commit(tmp, step)
+
+
+def test_plan_resume_refuses_math_changes_without_force(tmp_path):
+    out = str(tmp_path / "run")
+    write_checkpoint_with_config(tmp_path, RunConfig.model_validate({"output_dir": out}))
+    harmless = session.plan_resume(RunConfig.model_validate({"output_dir": out, "logging": {"level": "quiet"}}))
+    assert harmless.checkpoint.name == "step-00000010"
+    assert any("logging.level" in note for note in harmless.notes)
+    changed = RunConfig.model_validate({"output_dir": out, "training": {"seed": 1, "max_steps": 500}})
+    with pytest.raises(UserError) as error:
+        session.plan_resume(changed)
+    text = error.value.render()
+    assert "training.seed: 42 -> 1" in text and "training.max_steps: 300 -> 500" in text
+    assert "--force" in text and "data order" in text
+    forced = session.plan_resume(changed, force=True)
+    assert forced.checkpoint is not None and any("--force" in note for note in forced.notes)
+    with pytest.raises(UserError, match="cannot be loaded"):
+        session.plan_resume(RunConfig.model_validate({"output_dir": out, "parallel": {"strategy": "fsdp"}}), force=True)
+    never = RunConfig.model_validate({"output_dir": out, "checkpoint": {"resume": "never"}, "training": {"seed": 1}})
+    assert session.plan_resume(never).checkpoint is None
+
+
+def test_a_finished_run_with_another_config_is_a_new_run_not_a_refusal(tmp_path):
+    out = str(tmp_path / "run")
+    write_checkpoint_with_config(tmp_path, RunConfig.model_validate({"output_dir": out, "training": {"max_steps": 10}}))
+    other = RunConfig.model_validate({"output_dir": out, "training": {"max_steps": 10}, "parallel": {"strategy": "fsdp"}})
+    plan = session.plan_resume(other)
+    assert plan.checkpoint is None and "finished run" in plan.notes[-1] and "parallel.strategy" in plan.notes[-1]
+    longer = RunConfig.model_validate({"output_dir": out, "training": {"max_steps": 20}})
+    assert session.plan_resume(longer).checkpoint is None
+    assert session.plan_resume(longer, force=True).checkpoint is not None  # --force continues it
+    same = RunConfig.model_validate({"output_dir": out, "training": {"max_steps": 10}, "logging": {"level": "quiet"}})
+    assert session.plan_resume(same).checkpoint is not None
+
+
+def test_plan_resume_adjusts_accumulation_for_a_new_world_size(tmp_path):
+    out = str(tmp_path / "run")
+    write_checkpoint_with_config(tmp_path, RunConfig.model_validate(
+        {"output_dir": out, "training": {"micro_batch_size": 4, "gradient_accumulation_steps": 1},
+         "launch": {"num_processes": 2}}))
+    plan = session.plan_resume(RunConfig.model_validate({"output_dir": out, "training": {"micro_batch_size": 4}}))
+    assert plan.config.training.gradient_accumulation_steps == 2
+    from overdrive.config import resolve
+
+    resolved = resolve(cli=[f"output_dir={out}", "training.micro_batch_size=4"], env={})
+    adjusted = session.with_plan(resolved, session.plan_resume(resolved.config))
+    assert adjusted.config.training.gradient_accumulation_steps == 2
+    assert adjusted.origins["training.gradient_accumulation_steps"].layer == "resume"
+
+
+# ---------------------------------------------------------------- non-finite guard
+
+def fused_setup(fused=True):
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([param], lr=0.1, weight_decay=0.1, fused=fused, foreach=False if not fused else None)
+    return param, opt
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_nonfinite_step_leaves_weights_and_moments_untouched(fused):
+    param, opt = fused_setup(fused)
+    guard = nonfinite.NonfiniteGuard("skip", opt, torch.device("cpu"))
+    assert guard.device_side is fused
+    param.grad = torch.full((3,), float("nan"))
+    guard.check(torch.tensor(float("nan")))
+    if guard.allows_step():
+        opt.step()
+    assert torch.equal(param.detach(), torch.ones(3)) and not opt.state.get(param, {}).get("exp_avg", torch.zeros(3)).any()
+    param.grad = torch.ones(3)
+    guard.check(torch.tensor(1.0))
+    if guard.allows_step():
+        opt.step()
+    assert param.detach()[0] < 1.0 and int(opt.state[param]["step"]) == 1
+    assert guard.read() == (1, 1, 0)
+
+
+def test_the_guard_counts_runs_and_decides_at_logging_steps():
+    _, opt = fused_setup()
+    guard = nonfinite.NonfiniteGuard("skip", opt, torch.device("cpu"))
+    for value in (1.0, float("inf"), float("nan"), float("nan"), 2.0):
+        guard.check(torch.tensor(value))
+    skipped, worst, current = guard.read()
+    assert (skipped, worst, current) == (3, 3, 0)
+    assert nonfinite.verdict("skip", 5, 2.0, skipped, worst, 5) == ""
+    assert "3 steps in a row" in nonfinite.verdict("skip", 3, 2.0, skipped, worst, 5)
+    assert "not applied" in nonfinite.verdict("stop", 5, 2.0, 1, 1, 5)
+    assert nonfinite.verdict("ignore", 1, float("nan"), 9, 9, 5) == ""
+    ignore = nonfinite.NonfiniteGuard("ignore", opt, torch.device("cpu"))
+    ignore.check(torch.tensor(float("nan")))
+    assert ignore.allows_step() and ignore.read() == (0, 0, 0)
+
+
+# ---------------------------------------------------------------- signals
+
+def test_sigterm_is_recorded_and_the_old_handler_restored():
+    before = signal.getsignal(signal.SIGTERM)
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.agreed() == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_second_ctrl_c_stops_at_once():
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.received == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+# ---------------------------------------------------------------- the agent's failure summary
+
+def test_the_failure_summary_names_the_rank_that_died_first():
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from overdrive.elastic import describe
+
+    # The agent stops the survivors with SIGTERM, often within the same second.
+    error = ChildFailedError("overdrive.cli", {0: ProcessFailure(0, 100, -signal.SIGTERM, "<N/A>"),
+                                               1: ProcessFailure(1, 101, -signal.SIGKILL, "<N/A>")})
+    text = describe(error)
+    assert text.startswith("overdrive: rank 1 (local rank 1, pid 101") and "was killed by SIGKILL" in text
+    assert "also ended: rank 0 (SIGTERM)" in text
+    crashed = describe(ChildFailedError("overdrive.cli", {3: ProcessFailure(1, 7, 1, "<N/A>")}))
+    assert "rank 3" in crashed and "exited with code 1" in crashed
