@@ -1,0 +1,244 @@
+"""What a run reports: throughput, MFU, peak memory, metrics.jsonl, progress, trackers.
+
+MFU (model FLOPs utilisation) follows PaLM (Chowdhery et al. 2022, appendix B): training
+costs 6N FLOPs per token for the N weights of the matrix multiplies (2 forward, 4 backward)
+plus 12 * n_layer * n_embd * seq_len for attention scores and values. Dividing achieved
+FLOPs/s by the device's peak says how much of the hardware the run uses, independent of
+model size. Peaks come from a table of accelerators (dense bf16/fp16 tensor-core numbers
+from vendor data sheets) or, on a CPU, from a measured matrix multiply, cached.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+
+# Dense (not sparse) bf16 peak FLOPs/s per device, from vendor data sheets. Matched as a
+# substring of torch.cuda.get_device_name(); the first match wins, so specific names first.
+GPU_PEAK_FLOPS: dict[str, float] = {
+    "H100 PCIe": 756e12,
+    "H100": 989e12,  # SXM
+    "H200": 989e12,
+    "GH200": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "L40": 181e12,
+    "L4": 121e12,
+    "A10G": 70e12,
+    "A10": 125e12,
+    "A6000": 155e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+    "V100": 125e12,  # fp16: no bf16 on Volta
+    "T4": 65e12,  # fp16
+}
+
+
+def flops_per_token(n_params: int, n_layer: int, n_embd: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N + 12 * n_layer * n_embd * seq_len (PaLM appendix B)."""
+    return 6.0 * n_params + 12.0 * n_layer * n_embd * seq_len
+
+
+def gpu_peak_flops(device_name: str) -> Optional[float]:
+    for key, peak in GPU_PEAK_FLOPS.items():
+        if key.lower() in device_name.lower():
+            return peak
+    return None
+
+
+def measure_matmul_flops(dtype: torch.dtype = torch.float32, sizes=(512, 1024, 2048), repeats: int = 3) -> float:
+    """Best achieved FLOPs/s of square matrix multiplies on this CPU with the current threads.
+
+    The best over several sizes and repeats: the peak is what the hardware can do, so a
+    repeat slowed by another process or a size that misses the cache should not lower it.
+    """
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        torch.mm(a, b)  # warm-up: the first call pays for allocation and kernel selection
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = max(best, 2.0 * n**3 / max(time.perf_counter() - start, 1e-9))
+    return best
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_peak_flops(dtype: torch.dtype, cache_dir: Optional[Path]) -> float:
+    """Measured CPU matmul peak, cached per (CPU, threads, dtype, torch) in `cache_dir`."""
+    key = f"{_cpu_name()}|threads={torch.get_num_threads()}|{dtype}|torch={torch.__version__}"
+    path = Path(cache_dir) / "peak_flops.json" if cache_dir else None
+    cache: dict[str, float] = {}
+    if path and path.exists():
+        try:
+            cache = json.loads(path.read_text())
+        except ValueError:
+            cache = {}
+    if key not in cache:
+        cache[key] = measure_matmul_flops(dtype)
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(cache, indent=1))
+            tmp.replace(path)
+    return cache[key]
+
+
+def device_peak_flops(device: torch.device, mixed_precision: str, cache_dir: Optional[Path]) -> Optional[float]:
+    """Peak FLOPs/s of one device, or None when unknown (MFU is then not reported)."""
+    if device.type == "cuda":
+        return gpu_peak_flops(torch.cuda.get_device_name(device))
+    if device.type == "cpu":
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, torch.float32)
+        return cpu_peak_flops(dtype, cache_dir)
+    return None
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process: allocated on the GPU, resident set size on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # ru_maxrss is in kilobytes on Linux, bytes on macOS.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+class Throughput:
+    """Tokens per second over the window since the last read (host-side counts only)."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.start = self.window_start = clock()
+        self.window_tokens = 0
+        self.total_tokens = 0
+
+    def add(self, tokens: int) -> None:
+        self.window_tokens += tokens
+        self.total_tokens += tokens
+
+    def read(self) -> float:
+        """Tokens/s since the previous read. Call after a sync point (e.g. loss.item())."""
+        now = self.clock()
+        rate = self.window_tokens / max(now - self.window_start, 1e-9)
+        self.window_start, self.window_tokens = now, 0
+        return rate
+
+    def elapsed(self) -> float:
+        return self.clock() - self.start
+
+
+class MetricsLog:
+    """Appends one JSON object per line to metrics.jsonl (main process only)."""
+
+    def __init__(self, path: Path, enabled: bool = True):
+        self.path, self.enabled = Path(path), enabled
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def _eta(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class ProgressDisplay:
+    """A rich progress bar on a terminal, plain lines otherwise; silent off the main process."""
+
+    def __init__(self, total_steps: int, enabled: bool = True, bar: bool = True, stream=None):
+        from rich.console import Console
+
+        self.total, self.enabled = total_steps, enabled
+        self.console = Console(file=stream or sys.stdout)
+        self.bar = None
+        if enabled and bar and self.console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                                TimeRemainingColumn(), console=self.console, transient=False)
+            self.task = self.bar.add_task("train", total=total_steps, info="")
+            self.bar.start()
+        self.started = time.perf_counter()
+
+    def step(self, step: int) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step)
+
+    def log(self, step: int, values: Mapping[str, Any]) -> None:
+        if not self.enabled:
+            return
+        info = _format(values)
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, info=info)
+            return
+        per_step = (time.perf_counter() - self.started) / max(step, 1)
+        print(f"step {step}/{self.total}  {info}  eta {_eta(per_step * (self.total - step))}",
+              file=self.console.file, flush=True)
+
+    def print(self, text: str) -> None:
+        if self.enabled:
+            (self.bar.console.print if self.bar else lambda t: print(t, file=self.console.file, flush=True))(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
+def _format(values: Mapping[str, Any]) -> str:
+    parts = []
+    for key, fmt in (("loss", "loss {:.4f}"), ("eval_loss", "eval_loss {:.4f}"), ("eval_accuracy", "acc {:.3f}"),
+                     ("lr", "lr {:.2e}"), ("tokens_per_s", "{:,.0f} tok/s"), ("mfu", "mfu {:.1%}")):
+        if values.get(key) is not None:
+            parts.append(fmt.format(values[key]))
+    return "  ".join(parts)
+
+
+def resolve_trackers(requested: list[str]) -> list[str]:
+    """`auto` becomes tensorboard when it is installed; `none` turns tracking off."""
+    names: list[str] = []
+    for name in requested:
+        if name == "auto":
+            from accelerate.utils import is_tensorboard_available
+
+            if is_tensorboard_available():
+                names.append("tensorboard")
+        elif name not in ("none", "") and name not in names:
+            names.append(name)
+    return names
+
+
+def flat_config(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted keys with scalar values: what trackers' hyper-parameter tables accept."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flat_config(value, name + "."))
+        elif isinstance(value, (bool, int, float, str)):
+            flat[name] = value
+        else:
+            flat[name] = str(value)
+    return flat

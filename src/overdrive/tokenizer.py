@@ -1,0 +1,99 @@
+"""Tokenizers: a pretrained one through the Auto class, or a byte-level BPE trained on the data.
+
+A BPE trained on the fly is cached under `<cache_dir>/tokenizers/`, keyed by a hash of the
+text it was trained on and of its settings, so a second run with the same data reuses it
+instead of spending the seconds again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterable, Iterator, Optional
+
+from overdrive.config.schema import RunConfig
+
+EOS = "<|endoftext|>"
+# Bump when the way a BPE is built changes, so stale cached tokenizers are not reused.
+_BPE_RECIPE = "bytelevel-bpe-v1"
+
+
+def bpe_cache_key(content_hash: str, vocab_size: int, max_bytes: int) -> str:
+    text = f"{_BPE_RECIPE}|{content_hash}|{vocab_size}|{max_bytes}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _limited(texts: Iterable[str], max_bytes: int) -> Iterator[str]:
+    """Yield texts until about `max_bytes` of UTF-8 have gone by (BPE merges saturate early)."""
+    seen = 0
+    for text in texts:
+        if seen >= max_bytes:
+            return
+        seen += len(text.encode("utf-8", errors="replace"))
+        yield text
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, max_bytes: int = 20_000_000):
+    """Train a byte-level BPE (GPT-2's scheme: any byte sequence round-trips) on `texts`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        # Seed the vocabulary with all 256 byte symbols so no input is ever unknown.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_limited(texts, max_bytes), trainer=trainer)
+    # One special token serves as end-of-document, padding and bos: GPT-2 does the same.
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=EOS)
+
+
+def cached_bpe(texts: Iterable[str], content_hash: str, vocab_size: int, max_bytes: int, cache_dir: Path):
+    """Load the BPE for this content from the cache, or train and store it."""
+    from transformers import PreTrainedTokenizerFast
+
+    target = Path(cache_dir) / "tokenizers" / f"bpe-{bpe_cache_key(content_hash, vocab_size, max_bytes)}"
+    if (target / "tokenizer.json").exists():
+        return PreTrainedTokenizerFast.from_pretrained(target)
+    tokenizer = train_bpe(texts, vocab_size, max_bytes)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Write into a temporary sibling then rename: a reader never sees a half-written tokenizer.
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process stored the same tokenizer first; theirs is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
+
+
+def load_pretrained(name_or_path: str, revision: Optional[str] = None, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        # Decoder-only tokenizers (GPT-2, Llama) ship without one; padding is masked anyway.
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    return tokenizer
+
+
+def build_tokenizer(cfg: RunConfig, texts: Iterable[str], content_hash: str):
+    """The run's tokenizer: explicit name, else the model's own, else a BPE trained on `texts`."""
+    name = cfg.tokenizer.name_or_path or cfg.model.name_or_path
+    if name:
+        revision = cfg.model.revision if not cfg.tokenizer.name_or_path else None
+        return load_pretrained(name, revision=revision, trust_remote_code=cfg.model.trust_remote_code)
+    return cached_bpe(
+        texts,
+        content_hash=content_hash,
+        vocab_size=cfg.tokenizer.vocab_size,
+        max_bytes=cfg.tokenizer.train_max_bytes,
+        cache_dir=Path(cfg.data.cache_dir).expanduser(),
+    )

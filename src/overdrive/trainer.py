@@ -1,0 +1,392 @@
+"""The training loop, readable top to bottom.
+
+`train(resolved)` builds everything from the run config (accelerator, tokenizer, model,
+data, optimizer, schedule), then runs `training.max_steps` optimizer steps. Each optimizer
+step is `training.gradient_accumulation_steps` micro-batches under
+`accelerator.accumulate`; the loss is summed on the device and read (a host-device sync)
+only at logging steps. Everything that says where the loop is lives in `LoopState`, and
+the end of `_after_step` is the one place where a checkpoint would be taken.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from overdrive import data as data_mod
+from overdrive import model as model_mod
+from overdrive import telemetry
+from overdrive.config.schema import RunConfig
+from overdrive.errors import Problem, UserError
+from overdrive.tokenizer import build_tokenizer
+
+
+@dataclass
+class LoopState:
+    """Where the loop is: with model, optimizer, schedule and RNG states, a resumable point."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0  # passes over the training data started
+    batch_in_epoch: int = 0  # micro-batches consumed in the current epoch (data position)
+    tokens_seen: int = 0  # across all processes
+    nonfinite_in_a_row: int = 0
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    steps: int
+    first_loss: Optional[float] = None
+    final_loss: Optional[float] = None
+    eval: dict[str, float] = field(default_factory=dict)
+    tokens_per_s: float = 0.0  # mean after the first logged step (which includes warm-up)
+    elapsed_s: float = 0.0
+    is_main_process: bool = True
+    stopped_early: str = ""
+
+
+# ---------------------------------------------------------------- optimizer and schedule
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices and embeddings; leave biases and norm scales (1-D tensors) alone."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def adamw_kernel(implementation: str, device_type: str) -> dict[str, bool]:
+    """AdamW keyword arguments choosing the kernel: one fused kernel beats a loop per tensor."""
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices, _get_fused_kernels_supported_devices
+
+    if implementation == "auto":
+        if device_type in _get_fused_kernels_supported_devices():
+            implementation = "fused"
+        elif device_type in _get_foreach_kernels_supported_devices():
+            implementation = "foreach"
+        else:
+            implementation = "for-loop"
+    return {"fused": implementation == "fused", "foreach": implementation == "foreach"}
+
+
+def make_optimizer(model, lr: float, weight_decay: float, betas, eps: float, implementation: str, device_type: str):
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=tuple(betas), eps=eps,
+                             **adamw_kernel(implementation, device_type))
+
+
+def lr_factor(step: int, name: str, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """Multiplier of the peak lr for optimizer step `step` (0-based).
+
+    Warm-up rises linearly to 1 over `warmup_steps` (nanoGPT's (step+1)/(warmup+1): the
+    first step already learns). Then: constant; linear to 0 at `max_steps`; or cosine to
+    `min_lr_ratio`.
+    """
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if name == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    if name == "linear":
+        return 1.0 - progress
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_scheduler(optimizer, name: str, warmup_steps: int, max_steps: int, min_lr_ratio: float):
+    """A LambdaLR stepped once per optimizer step by the loop itself.
+
+    It is deliberately not passed to `accelerator.prepare`: Accelerate's wrapper steps the
+    schedule once per process per call (it assumes schedules counted in per-process batches).
+    """
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, name, warmup_steps, max_steps, min_lr_ratio))
+
+
+# ---------------------------------------------------------------- setup
+
+@dataclass
+class Parts:
+    accelerator: Any
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    train_loader: Any
+    eval_loader: Any
+    tokenizer: Any
+    flops_per_token: float
+    peak_flops: Optional[float]
+    seq_len: int
+
+
+def _micro_batch(cfg: RunConfig) -> int:
+    mbs = cfg.training.micro_batch_size
+    if mbs == "auto":
+        raise UserError(Problem("training.micro_batch_size", "`auto` is chosen by `overdrive tune`, not by train",
+                                fix="run `overdrive tune` and train with its tuned.yaml, or set an integer"))
+    return mbs
+
+
+def _check_positions(config, seq_len: int) -> None:
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit is not None and seq_len > limit:
+        raise UserError(Problem("data.max_length", f"{seq_len} is longer than the model's {limit} positions",
+                                fix=f"set data.max_length <= {limit}"))
+
+
+def build_parts(cfg: RunConfig, accelerator) -> Parts:
+    """Tokenizer, model, data, optimizer and schedule, prepared by `accelerator`."""
+    from accelerate.utils import set_seed
+
+    t, d = cfg.training, cfg.data
+    micro = _micro_batch(cfg)
+    cache_dir = Path(d.cache_dir).expanduser()
+    # The main process reads and tokenizes first and fills the caches; the others then read them.
+    with accelerator.main_process_first():
+        splits = data_mod.load_splits(cfg)
+        tokenizer = build_tokenizer(cfg, data_mod.iter_column(splits.train, splits.text_column),
+                                    data_mod.content_hash(splits.train, [splits.text_column]))
+        tokens = data_mod.tokenize_splits(splits, tokenizer, cfg.model.task, d.max_length, cache_dir)
+    special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    if cfg.model.task == "sequence-classification":
+        # The classifier reads the last non-pad token. A causal LM gets no pad id: packed
+        # blocks have no padding, and with pad == eos Transformers would warn on every batch.
+        special["pad_token_id"] = tokenizer.pad_token_id
+    set_seed(t.seed)  # same initial weights on every rank and every run
+    model = model_mod.build_model(cfg, vocab_size=len(tokenizer), label_names=tokens.label_names,
+                                  special_tokens=special)
+    _check_positions(model.config, d.max_length)
+    layers, width = model_mod.shape_of(model.config)
+    fpt = telemetry.flops_per_token(model_mod.flop_params(model), layers, width, d.max_length)
+
+    collate = data_mod.collate_for(cfg.model.task, tokenizer.pad_token_id)
+    train_loader = data_mod.train_loader(tokens.train, micro, t.gradient_accumulation_steps,
+                                         accelerator.num_processes, t.seed, d.shuffle, d.num_workers,
+                                         d.pin_memory, collate)
+    eval_loader = None
+    if tokens.validation is not None:
+        # A fixed leading subset: evaluations are comparable across steps, and the loader is
+        # always iterated to its end (leaving it early confuses Accelerate's end-of-data tracking).
+        n = min(len(tokens.validation), t.eval_batches * micro * accelerator.num_processes)
+        eval_loader = data_mod.eval_loader(torch.utils.data.Subset(tokens.validation, range(n)), micro,
+                                           d.num_workers, d.pin_memory, collate)
+    o, s = cfg.optim, cfg.scheduler
+    optimizer = make_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, o.implementation, accelerator.device.type)
+    scheduler = make_scheduler(optimizer, s.name, s.warmup_steps, t.max_steps, s.min_lr_ratio)
+    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    if eval_loader is not None:
+        eval_loader = accelerator.prepare(eval_loader)
+    model = _maybe_compile(model, cfg, accelerator)
+    peak = telemetry.device_peak_flops(accelerator.device, cfg.precision.mixed_precision, cache_dir)
+    return Parts(accelerator, model, optimizer, scheduler, train_loader, eval_loader, tokenizer, fpt, peak,
+                 d.max_length)
+
+
+def _maybe_compile(model, cfg: RunConfig, accelerator):
+    """torch.compile when `compile.backend` is set and the Accelerator has not already done it."""
+    c = cfg.compile
+    if not c.backend or accelerator.state.dynamo_plugin.backend.value.lower() != "no":
+        return model
+    return torch.compile(model, backend=c.backend, mode=c.mode, fullgraph=c.fullgraph, dynamic=c.dynamic)
+
+
+# ---------------------------------------------------------------- the loop
+
+def batches(loader, state: LoopState):
+    """Micro-batches forever, epoch after epoch; keeps the data position in `state`."""
+    while True:
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(state.epoch)
+        for batch in loader:
+            state.batch_in_epoch += 1
+            yield batch
+        state.epoch += 1
+        state.batch_in_epoch = 0
+
+
+def evaluate(parts: Parts, task: str) -> dict[str, float]:
+    """Mean loss (and accuracy for classification) over the validation subset."""
+    acc, model = parts.accelerator, parts.model
+    loss_sum = torch.zeros((), device=acc.device)
+    n_batches, correct, seen = 0, torch.zeros((), device=acc.device), 0
+    model.eval()
+    with torch.no_grad():
+        for batch in parts.eval_loader:
+            out = model(**batch)
+            loss_sum += out.loss.detach().float()
+            n_batches += 1
+            if task == "sequence-classification":
+                preds, labels = acc.gather_for_metrics((out.logits.argmax(dim=-1), batch["labels"]))
+                correct += (preds == labels).sum()
+                seen += labels.numel()
+    model.train()
+    mean_loss = acc.reduce(loss_sum / max(n_batches, 1), "mean").item()  # sync point
+    result = {"eval_loss": mean_loss}
+    if task == "causal-lm":
+        result["eval_perplexity"] = math.exp(min(mean_loss, 50.0))
+    else:
+        result["eval_accuracy"] = correct.item() / max(seen, 1)
+    return result
+
+
+def train(resolved) -> TrainResult:
+    """Train as `resolved` says. Accepts a `Resolved` (config with provenance) or a RunConfig."""
+    from overdrive.strategies import build_accelerator
+
+    cfg: RunConfig = getattr(resolved, "config", resolved)
+    t = cfg.training
+    out = Path(cfg.output_dir).expanduser()
+    if cfg.launch.threads_per_process:
+        torch.set_num_threads(cfg.launch.threads_per_process)
+    trackers = telemetry.resolve_trackers(cfg.logging.trackers)
+    accelerator = build_accelerator(cfg, log_with=trackers or None, project_dir=str(out))
+    main = accelerator.is_main_process
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        text = resolved.to_json() if hasattr(resolved, "to_json") else cfg.model_dump_json(indent=2)
+        (out / "resolved.json").write_text(text)
+    parts = build_parts(cfg, accelerator)
+    if trackers:
+        accelerator.init_trackers(cfg.logging.project_name, config=telemetry.flat_config(cfg.model_dump(mode="json")))
+
+    show = main and cfg.logging.level != "quiet"
+    progress = telemetry.ProgressDisplay(t.max_steps, enabled=show, bar=cfg.logging.progress)
+    progress.print(f"training: {cfg.model.task}, {t.max_steps} steps, output in {out}")
+    metrics = telemetry.MetricsLog(out / "metrics.jsonl", enabled=main)
+    result = TrainResult(out, 0, is_main_process=main)
+    try:
+        _loop(cfg, parts, LoopState(), progress, metrics, result)
+    finally:
+        progress.close()
+    _save_final(cfg, parts, out)
+    accelerator.end_training()
+    return result
+
+
+def _loop(cfg: RunConfig, parts: Parts, state: LoopState, progress, metrics, result: TrainResult) -> None:
+    t, acc, model, optimizer, scheduler = cfg.training, parts.accelerator, parts.model, parts.optimizer, parts.scheduler
+    world = acc.num_processes
+    data = batches(parts.train_loader, state)
+    throughput = telemetry.Throughput()
+    loss_sum = torch.zeros((), device=acc.device)  # summed on the device: no sync per step
+    micro_steps = 0
+    grad_norm = None
+    after_first = None  # (time, tokens) at the first log: steady-state throughput starts there
+    model.train()
+    while state.step < t.max_steps:
+        lr = scheduler.get_last_lr()[0]  # the lr this optimizer step uses
+        for _ in range(t.gradient_accumulation_steps):
+            batch = next(data)
+            with acc.accumulate(model):
+                loss = model(**batch).loss
+                acc.backward(loss)  # Accelerate divides by the accumulation steps: the mean of means
+                if acc.sync_gradients and t.gradient_clipping is not None:
+                    grad_norm = acc.clip_grad_norm_(model.parameters(), t.gradient_clipping)
+                optimizer.step()  # a no-op until the last micro-batch of the accumulation
+                optimizer.zero_grad(set_to_none=True)
+            loss_sum += loss.detach().float()
+            micro_steps += 1
+            tokens = batch["input_ids"].numel() * world  # shapes are host-side: no sync
+            throughput.add(tokens)
+            state.tokens_seen += tokens
+        if not acc.sync_gradients:
+            raise RuntimeError("accumulation out of step with the data: optimizer did not step")
+        if not acc.optimizer_step_was_skipped:  # fp16 overflow skips a step; the schedule waits too
+            scheduler.step()
+        state.step += 1
+        progress.step(state.step)
+
+        if state.step == 1 or state.step % t.log_every_steps == 0 or state.step == t.max_steps:
+            # The one sync point of the loop: read the loss accumulated since the last log.
+            loss_value = acc.reduce(loss_sum / micro_steps, "mean").item()
+            loss_sum.zero_()
+            micro_steps = 0
+            record = _train_record(cfg, parts, state, loss_value, lr, throughput.read(), grad_norm)
+            metrics.write(record)
+            acc.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"},
+                    step=state.step)
+            progress.log(state.step, record)
+            result.first_loss = loss_value if result.first_loss is None else result.first_loss
+            result.final_loss = loss_value
+            if after_first is None:
+                after_first = (time.perf_counter(), state.tokens_seen)
+            if _stop_on_nonfinite(t, state, loss_value, result):
+                progress.print(f"stopping: {result.stopped_early}")
+                break
+
+        if parts.eval_loader is not None and t.eval_every_steps and state.step % t.eval_every_steps == 0 \
+                and state.step < t.max_steps:
+            _eval_and_log(cfg, parts, state, progress, metrics, result)
+        # Save point: a checkpoint of (model, optimizer, scheduler, RNG, LoopState) goes here.
+
+    result.steps = state.step
+    result.elapsed_s = throughput.elapsed()
+    if after_first is not None and state.step > 1:
+        seconds = time.perf_counter() - after_first[0]
+        result.tokens_per_s = (state.tokens_seen - after_first[1]) / max(seconds, 1e-9)
+    if parts.eval_loader is not None:
+        _eval_and_log(cfg, parts, state, progress, metrics, result)
+
+
+def _train_record(cfg: RunConfig, parts: Parts, state: LoopState, loss: float, lr: float, tokens_per_s: float,
+                  grad_norm) -> dict[str, Any]:
+    acc = parts.accelerator
+    per_device = tokens_per_s / acc.num_processes
+    mfu = parts.flops_per_token * per_device / parts.peak_flops if parts.peak_flops else None
+    return {
+        "step": state.step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "seq_len": parts.seq_len,
+        "micro_batch_size": cfg.training.micro_batch_size, "gradient_accumulation_steps":
+        cfg.training.gradient_accumulation_steps, "num_processes": acc.num_processes,
+        "mixed_precision": cfg.precision.mixed_precision, "mfu": mfu,
+        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "tokens": state.tokens_seen, "epoch": state.epoch,
+        "peak_memory_mb": telemetry.peak_memory_mb(acc.device), "time": time.time(),
+    }
+
+
+def _stop_on_nonfinite(t, state: LoopState, loss: float, result: TrainResult) -> bool:
+    """Applies `training.nonfinite_loss` at logging steps, where the loss is read anyway."""
+    if math.isfinite(loss) or t.nonfinite_loss == "ignore":
+        state.nonfinite_in_a_row = 0
+        return False
+    state.nonfinite_in_a_row += 1
+    if t.nonfinite_loss == "stop" or state.nonfinite_in_a_row >= t.max_nonfinite_in_a_row:
+        result.stopped_early = f"loss is {loss} at step {state.step} (training.nonfinite_loss={t.nonfinite_loss})"
+        return True
+    return False
+
+
+def _eval_and_log(cfg: RunConfig, parts: Parts, state: LoopState, progress, metrics, result: TrainResult) -> None:
+    values = evaluate(parts, cfg.model.task)
+    metrics.write({"step": state.step, **values})
+    parts.accelerator.log(values, step=state.step)
+    progress.log(state.step, values)
+    result.eval = values
+
+
+def _save_final(cfg: RunConfig, parts: Parts, out: Path) -> None:
+    """The trained model and tokenizer as a `save_pretrained` directory: out/model."""
+    acc = parts.accelerator
+    acc.wait_for_everyone()
+    if not cfg.checkpoint.save_final_model:
+        return
+    # Every rank takes part: under ZeRO-3 or FSDP the full weights are gathered from shards.
+    state_dict = acc.get_state_dict(parts.model)
+    if acc.is_main_process:
+        from transformers.utils import logging as hf_logging
+
+        target = out / "model"
+        bar_was_on = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # a one-shard "Writing model shards" bar is only noise
+        try:
+            acc.unwrap_model(parts.model).save_pretrained(target, state_dict=state_dict, save_function=acc.save)
+            parts.tokenizer.save_pretrained(target)
+        finally:
+            if bar_was_on:
+                hf_logging.enable_progress_bar()
+    acc.wait_for_everyone()
+
