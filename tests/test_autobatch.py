@@ -153,3 +153,41 @@ def test_deepspeed_accepts_micro_batch_auto():
     from overdrive.config import load_config
 
     load_config(cli=[*DS_ITEMS, "training.micro_batch_size=auto"])
+
+
+# ------------------------------------------------------------------ through the trainer
+
+def _train(tmp_path, name: str, **training) -> list[dict]:
+    from accelerate.state import AcceleratorState
+
+    from overdrive import trainer
+
+    data = json.loads(json.dumps(TINY))
+    data["model"]["architecture"].update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    data["training"].update(max_steps=3, log_every_steps=1, eval_every_steps=None, **training)
+    data.update(data={"max_length": 32, "max_bytes": 60_000, "cache_dir": str(tmp_path / "cache")},
+                output_dir=str(tmp_path / name), checkpoint={"save_final_model": False},
+                logging={"trackers": ["none"], "level": "quiet", "progress": False},
+                launch={"threads_per_process": 1})
+    threads = torch.get_num_threads()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        trainer.train(RunConfig.model_validate(data))
+    finally:
+        torch.set_num_threads(threads)
+        AcceleratorState._reset_state(reset_partial_state=True)
+    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in line]
+
+
+def test_train_with_auto_keeps_the_global_batch_and_the_losses(tmp_path, monkeypatch):
+    fixed = _train(tmp_path, "fixed", micro_batch_size=16, gradient_accumulation_steps=1, global_batch_size=None)
+    auto = _train(tmp_path, "auto")  # everything fits: one micro-batch of 16
+    assert [(r["micro_batch_size"], r["gradient_accumulation_steps"]) for r in auto] == [(16, 1)] * 3
+    # A device that holds only 4 samples at once: 4 micro-batches of 4, the same training.
+    monkeypatch.setattr(autobatch, "make_probe", lambda cfg, device: (lambda m: None if m <= 4 else "out of memory"))
+    small = _train(tmp_path, "small")
+    assert [(r["micro_batch_size"], r["gradient_accumulation_steps"]) for r in small] == [(4, 4)] * 3
+    reference = [r["loss"] for r in fixed]
+    assert [r["loss"] for r in auto] == pytest.approx(reference, rel=1e-5)
+    assert [r["loss"] for r in small] == pytest.approx(reference, rel=1e-5)

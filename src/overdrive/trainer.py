@@ -126,8 +126,8 @@ class Parts:
 def _micro_batch(cfg: RunConfig) -> int:
     mbs = cfg.training.micro_batch_size
     if mbs == "auto":
-        raise UserError(Problem("training.micro_batch_size", "`auto` is chosen by `overdrive tune`, not by train",
-                                fix="run `overdrive tune` and train with its tuned.yaml, or set an integer"))
+        raise UserError(Problem("training.micro_batch_size", "`auto` must be resolved before the parts are built",
+                                fix="train() resolves it (overdrive.autobatch); or set an integer"))
     return mbs
 
 
@@ -243,7 +243,14 @@ def train(resolved) -> TrainResult:
     if cfg.launch.threads_per_process:
         torch.set_num_threads(cfg.launch.threads_per_process)
     trackers = telemetry.resolve_trackers(cfg.logging.trackers)
+    auto = cfg.training.micro_batch_size == "auto"
+    if auto:  # the largest micro-batch that fits, the global batch kept (overdrive/autobatch.py)
+        from overdrive import autobatch
+
+        cfg = autobatch.predicted_config(cfg)  # integers before any strategy plugin is built
     accelerator = build_accelerator(cfg, log_with=trackers or None, project_dir=str(out))
+    if auto:
+        cfg = autobatch.confirm(cfg, accelerator)  # probed on this device, agreed by all ranks
     main = accelerator.is_main_process
     if main:
         out.mkdir(parents=True, exist_ok=True)
