@@ -65,7 +65,8 @@ class TrialPlan:
         """What every trial sets: log every step, no evaluation, checkpoint or tracker."""
         return {
             "training.max_steps": self.max_steps, "training.log_every_steps": 1, "training.eval_every_steps": None,
-            "checkpoint.save_final_model": False, "checkpoint.every_steps": None, "checkpoint.resume": "never",
+            "checkpoint.enabled": False, "checkpoint.save_final_model": False, "checkpoint.every_steps": None,
+            "checkpoint.resume": "never",
             "logging.trackers": ["none"], "logging.progress": False, "logging.level": "quiet",
             "output_dir": str(output_dir),
         }
