@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -229,6 +230,7 @@ def test_resolved_file_is_trained_as_is(tmp_path, cache_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("RUN_SLOW_TESTS"), reason="minutes of training: set RUN_SLOW_TESTS=1")
 def test_full_default_run_meets_the_loss_target(tmp_path):
     """The bare `overdrive train` (only the cache redirected): minutes on two cores."""
     proc = run_cli("train", f"data.cache_dir={tmp_path / 'cache'}", cwd=tmp_path, timeout=1800)
