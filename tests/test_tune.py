@@ -125,6 +125,13 @@ def test_warm_up_is_excluded_and_compile_time_is_paid_back_only_on_long_runs():
     assert compiled.run_tokens_per_s(100_000) > eager.run_tokens_per_s(100_000)
 
 
+def test_a_full_measurement_is_20_steps_unless_the_steps_are_very_slow():
+    final = TrialPlan.measuring(6.0).rungs[-1]
+    assert not measurement(0.1, 3 + 19).reached(final) and measurement(0.1, 3 + 70).reached(final)
+    assert not measurement(3.0, 3 + 4).reached(final)  # 12 s: not yet 3 x 6 s
+    assert measurement(4.0, 3 + 5).reached(final)  # 20 s over 5 steps: slow enough to know
+
+
 def fake_search(speeds: dict[str, float], mode: str = "staged", budget_s=None, clock=None):
     """A search whose trials are simulated from a per-micro-batch step time."""
     space = build_space(config(micro_batch_size=8, gradient_accumulation_steps=2), CPU,

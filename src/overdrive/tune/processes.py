@@ -174,6 +174,9 @@ def serve(modules: list[str]) -> None:
         exits[pid] = request["exit"]
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
         print(json.dumps({"pid": pid}), flush=True)
+    # End of input: the tuner has finished, or died. No trial may outlive it.
+    for pid in list(exits):
+        kill_tree(pid)
     reap()
 
 

@@ -32,17 +32,21 @@ _OOM_MARKS = ("out of memory", "outofmemoryerror", "can't allocate memory", "can
 @dataclass(frozen=True)
 class Rung:
     """A measurement milestone: reached after `min_steps` timed steps that took at least
-    `min_seconds` (or after `max_steps`, for very fast steps)."""
+    `min_seconds` (or after `max_steps`, for very fast steps), or once timed steps took
+    `cap_seconds` if there are `floor_steps` of them: a candidate ten times slower than the
+    rest is known to be slow well before its 20th step."""
 
     min_steps: int
     min_seconds: float
     max_steps: int
+    cap_seconds: Optional[float] = None
+    floor_steps: int = 3
 
 
 @dataclass(frozen=True)
 class TrialPlan:
     warmup_steps: int = 3
-    rungs: tuple[Rung, ...] = (Rung(3, 15.0 / 9, 30), Rung(8, 15.0 / 3, 100), Rung(20, 15.0, 300))
+    rungs: tuple[Rung, ...] = (Rung(3, 15.0 / 9, 30), Rung(8, 15.0 / 3, 100, 15.0, 4), Rung(20, 15.0, 300, 45.0, 5))
     startup_timeout_s: float = 600.0
     """Until the first step: model build, data, and torch.compile's compile time."""
     stall_timeout_s: float = 120.0
@@ -54,7 +58,8 @@ class TrialPlan:
     def measuring(cls, seconds: float, **kwargs: Any) -> "TrialPlan":
         """Rungs for a complete measurement of `seconds` of timed steps (at least 20 steps),
         reached through 1/9 and 1/3 of it: each rung is three times longer than the last."""
-        rungs = (Rung(3, seconds / 9, 30), Rung(8, seconds / 3, 100), Rung(20, seconds, 300))
+        rungs = (Rung(3, seconds / 9, 30), Rung(8, seconds / 3, 100, seconds, 4),
+                 Rung(20, seconds, 300, 3 * seconds, 5))
         return cls(rungs=rungs, **kwargs)
 
     @property
@@ -110,8 +115,10 @@ class Measurement:
             self.peak_memory_mb = max(self.peak_memory_mb or 0.0, float(record["peak_memory_mb"]))
 
     def reached(self, rung: Rung) -> bool:
-        n = len(self.step_s)
-        return n >= rung.min_steps and (sum(self.step_s) >= rung.min_seconds or n >= rung.max_steps)
+        n, seconds = len(self.step_s), sum(self.step_s)
+        if rung.cap_seconds is not None and n >= rung.floor_steps and seconds >= rung.cap_seconds:
+            return True
+        return n >= rung.min_steps and (seconds >= rung.min_seconds or n >= rung.max_steps)
 
     def median_step_s(self, upto: Optional[int] = None) -> float:
         times = self.step_s[:upto] if upto else self.step_s
