@@ -78,6 +78,9 @@ class Search:
             candidates = self._admit(self.space.grid(), dominance=False)
             self._race("grid", candidates, [], halving=False)
         else:
+            every = self.space.grid()
+            fitting = sum(1 for c in every if self.fits(c)[0])
+            self.log(f"memory estimate: {fitting} of {len(every)} combinations fit")
             finalists = [self.space.baseline]
             for stage, dims in STAGES:
                 pool = [v for f in finalists for v in self.space.variations(f, dims)]
