@@ -7,7 +7,7 @@ import json
 import pytest
 from conftest import PEER_CONFIGS
 
-from overdrive.config import load_config, resolve
+from overdrive.config import RunConfig, load_config, resolve
 from overdrive.errors import Problem, UserError
 from overdrive.strategies import accelerator_kwargs, deepspeed, fsdp, problems
 
@@ -129,7 +129,12 @@ def test_fill_auto_reports_contradictions_naming_the_key():
 
 
 def test_extra_contradicting_the_schema_is_refused_before_launch():
-    cfg = cfg_of("parallel.strategy=deepspeed", "parallel.deepspeed.extra.gradient_accumulation_steps=8")
+    items = ["parallel.strategy=deepspeed", "parallel.deepspeed.extra.gradient_accumulation_steps=8"]
+    # Validation already refuses it when the config is resolved, naming the key...
+    with pytest.raises(UserError, match="training.gradient_accumulation_steps"):
+        cfg_of(*items)
+    # ...and so does the strategy's own check for a config built without validation.
+    cfg = RunConfig.model_validate({"parallel": {"strategy": "deepspeed", "deepspeed": {"extra": {"gradient_accumulation_steps": 8}}}})
     assert [p.key for p in problems(cfg, 2)] == ["training.gradient_accumulation_steps"]
 
 
