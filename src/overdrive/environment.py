@@ -17,12 +17,12 @@ from typing import Any, Optional
 PACKAGES = ("torch", "accelerate", "transformers", "deepspeed", "datasets", "tokenizers", "pydantic")
 
 
-def versions() -> dict[str, Optional[str]]:
+def versions(packages: tuple[str, ...] = PACKAGES) -> dict[str, Optional[str]]:
     """Installed versions from package metadata: nothing is imported, so this stays fast."""
     from overdrive import __version__
 
     found: dict[str, Optional[str]] = {"python": platform.python_version(), "overdrive": __version__}
-    for name in PACKAGES:
+    for name in packages:
         try:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

@@ -7,9 +7,11 @@ fast; `detect(light=False)` asks torch, which is exact and what training uses.
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,17 @@ class Hardware:
         first = self.gpus[0]
         major, minor = first.compute_capability
         return f"{self.gpu_count} x {first.name} ({first.memory_bytes / 2**30:.0f} GiB, sm_{major}{minor}); {cpu}"
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name (for caches keyed by machine, and for reports)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _ram_bytes() -> int:

@@ -11,7 +11,6 @@ from vendor data sheets) or, on a CPU, from a measured matrix multiply, cached.
 from __future__ import annotations
 
 import json
-import platform
 import resource
 import sys
 import time
@@ -19,6 +18,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
+
+from overdrive.hardware import cpu_model
 
 # Dense (not sparse) bf16 peak FLOPs/s per device, from vendor data sheets. Matched as a
 # substring of torch.cuda.get_device_name(); the first match wins, so specific names first.
@@ -72,19 +73,9 @@ def measure_matmul_flops(dtype: torch.dtype = torch.float32, sizes=(512, 1024, 2
     return best
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def cpu_peak_flops(dtype: torch.dtype, cache_dir: Optional[Path]) -> float:
     """Measured CPU matmul peak, cached per (CPU, threads, dtype, torch) in `cache_dir`."""
-    key = f"{_cpu_name()}|threads={torch.get_num_threads()}|{dtype}|torch={torch.__version__}"
+    key = f"{cpu_model()}|threads={torch.get_num_threads()}|{dtype}|torch={torch.__version__}"
     path = Path(cache_dir) / "peak_flops.json" if cache_dir else None
     cache: dict[str, float] = {}
     if path and path.exists():

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
+from overdrive import environment
 from overdrive.config.schema import RunConfig
+from overdrive.hardware import cpu_model
 
 FORMAT = 1
 PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "datasets", "tokenizers", "overdrive")
@@ -36,30 +36,14 @@ _IGNORED = {
 
 
 def versions() -> dict[str, Optional[str]]:
-    found: dict[str, Optional[str]] = {"python": platform.python_version()}
-    for name in PACKAGES:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
-    return found
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return environment.versions(PACKAGES)
 
 
 def machine() -> dict[str, Any]:
     from overdrive import hardware
 
     hw = hardware.detect(light=True)
-    return {"cpu": _cpu_model(), "cores": hw.cpu_cores, "ram_gib": round(hw.ram_bytes / 2**30),
+    return {"cpu": cpu_model(), "cores": hw.cpu_cores, "ram_gib": round(hw.ram_bytes / 2**30),
             "gpus": [[g.name, round(g.memory_bytes / 2**30)] for g in hw.gpus]}
 
 
