@@ -65,7 +65,26 @@ def main(argv: list[str] | None = None) -> int:
         args = command_parser.parse_args(argv[1:])
     from overdrive.errors import run_reporting_errors
 
-    return run_reporting_errors(module.run, args)
+    code = run_reporting_errors(module.run, args)
+    if getattr(args, "resolved", None):
+        _exit_worker(code)
+    return code
+
+
+def _exit_worker(code: int) -> None:
+    """A launched worker whose work is done and saved leaves without interpreter finalisation.
+
+    Native teardown of gloo / DeepSpeed state intermittently aborts (SIGABRT) after a
+    successful run, and the elastic agent would then report the whole job as failed.
+    Exit handlers still run (they flush logs and trackers); only finalisation is skipped.
+    """
+    import atexit
+    import os
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
