@@ -145,6 +145,15 @@ def test_a_different_world_size_keeps_the_global_batch():
     assert [c.kind for c in fp.compare(dump(), dump(parallel={"strategy": "fsdp"})).changes] == ["layout"]
 
 
+def test_an_automatic_micro_batch_is_judged_by_its_global_batch():
+    saved = dump(training={"micro_batch_size": 4, "gradient_accumulation_steps": 4}, launch={"num_processes": 2})
+    auto = dump(training={"micro_batch_size": "auto", "global_batch_size": 32}, launch={"num_processes": 4})
+    result = fp.compare(saved, auto)
+    assert not result.of("math") and not result.refusal and result.accumulation is None
+    other = dump(training={"micro_batch_size": "auto", "global_batch_size": 64})
+    assert [c.key for c in fp.compare(saved, other).of("math")] == ["training.global_batch_size"]
+
+
 def write_checkpoint_with_config(tmp_path, cfg: RunConfig, step=10):
     root = store.checkpoints_dir(cfg.output_dir)
     tmp = store.begin(root, step)
@@ -223,7 +232,7 @@ def test_a_nonfinite_step_leaves_weights_and_moments_untouched(fused):
     if guard.allows_step():
         opt.step()
     assert param.detach()[0] < 1.0 and int(opt.state[param]["step"]) == 1
-    assert guard.read() == (1, 1, 0)
+    assert guard.read() == nonfinite.Counts(1, 1, 0, 0)
 
 
 def test_the_guard_counts_runs_and_decides_at_logging_steps():
@@ -231,15 +240,19 @@ def test_the_guard_counts_runs_and_decides_at_logging_steps():
     guard = nonfinite.NonfiniteGuard("skip", opt, torch.device("cpu"))
     for value in (1.0, float("inf"), float("nan"), float("nan"), 2.0):
         guard.check(torch.tensor(value))
-    skipped, worst, current = guard.read()
-    assert (skipped, worst, current) == (3, 3, 0)
-    assert nonfinite.verdict("skip", 5, 2.0, skipped, worst, 5) == ""
-    assert "3 steps in a row" in nonfinite.verdict("skip", 3, 2.0, skipped, worst, 5)
+    guard.scaler_skipped()
+    counts = guard.read()
+    assert counts == nonfinite.Counts(skipped=3, worst_run=3, in_a_row=0, scaler_skips=1)
+    assert counts.record() == {"nonfinite_skipped": 3, "loss_scale_skips": 1}
+    assert "fp16 loss scaler" in counts.note(5)
+    assert counts.verdict("skip", 5, 2.0, 5) == ""
+    assert "3 steps in a row" in counts.verdict("skip", 3, 2.0, 5)
+    assert guard.read() == nonfinite.Counts()
     assert "not applied" in nonfinite.verdict("stop", 5, 2.0, 1, 1, 5)
     assert nonfinite.verdict("ignore", 1, float("nan"), 9, 9, 5) == ""
     ignore = nonfinite.NonfiniteGuard("ignore", opt, torch.device("cpu"))
     ignore.check(torch.tensor(float("nan")))
-    assert ignore.allows_step() and ignore.read() == (0, 0, 0)
+    assert ignore.allows_step() and ignore.read() == nonfinite.Counts()
 
 
 # ---------------------------------------------------------------- signals
@@ -275,3 +288,21 @@ def test_the_failure_summary_names_the_rank_that_died_first():
     assert "also ended: rank 0 (SIGTERM)" in text
     crashed = describe(ChildFailedError("overdrive.cli", {3: ProcessFailure(1, 7, 1, "<N/A>")}))
     assert "rank 3" in crashed and "exited with code 1" in crashed
+
+
+# ---------------------------------------------------------------- the data order
+
+def test_each_epoch_order_depends_only_on_the_seed_and_the_epoch():
+    from overdrive.data import EpochShuffle
+
+    sampler = EpochShuffle(100, 96, seed=3)
+    orders = []
+    for epoch in (0, 1, 2):
+        sampler.set_epoch(epoch)
+        orders.append(list(sampler))
+    fresh = EpochShuffle(100, 96, seed=3)
+    fresh.set_epoch(2)  # a resumed run enters epoch 2 directly
+    assert list(fresh) == orders[2] and orders[0] != orders[1]
+    assert len(orders[0]) == 96 == len(set(orders[0]))
+    unshuffled = EpochShuffle(100, 96, seed=3, shuffle=False)
+    assert list(unshuffled) == list(range(96))

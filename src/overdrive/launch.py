@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -192,17 +194,34 @@ def launch_workers(resolved: Any, worker: Optional[Sequence[str]] = None,
     path = resolved_path(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(resolved.to_json())
-    command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(local_port(cfg)),
-               *(worker if worker is not None else train_worker(path))]
     env = worker_environment(cfg)
     env.update(extra_env or {})
-    return run_agent(command, env)
+    # Restarts (launch.max_restarts) start a new agent rather than asking torch's agent to
+    # restart its workers: its rendezvous store outlives the restart (torch 2.13, static and
+    # c10d alike), and a restarted rank can read a dead peer's gloo address from it and fail
+    # with "Connection refused". A new agent brings a new store. The workers resume from the
+    # last checkpoint either way.
+    once = cfg.model_copy(update={"launch": cfg.launch.model_copy(update={"max_restarts": 0})})
+    for attempt in range(cfg.launch.max_restarts + 1):
+        # overdrive.elastic is torch.distributed.run ending with one line naming a failed rank.
+        command = [sys.executable, "-m", "overdrive.elastic", *torchrun_args(local_port(once)),
+                   *(worker if worker is not None else train_worker(path))]
+        code = run_agent(command, env)
+        if code == 0 or code >= 128 or attempt == cfg.launch.max_restarts:  # done, or stopped by a signal
+            return code
+        print(f"overdrive: restarting the workers ({attempt + 1} of {cfg.launch.max_restarts} restarts); "
+              "they resume from the last checkpoint", file=sys.stderr, flush=True)
+    return code
 
 
 def run_agent(command: Sequence[str], env: Mapping[str, str]) -> int:
     # A subprocess rather than torch.distributed.run.main() in this process: the workers
     # get exactly `env`, and this process's own environment and state stay untouched.
     process = subprocess.Popen(list(command), env=dict(env))
+    # A SIGTERM sent to this process alone (`kill <pid>`, a scheduler) is passed on: the
+    # agent forwards it to the workers, which save a checkpoint and stop.
+    forwarding = threading.current_thread() is threading.main_thread()  # handlers live in the main thread
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: process.send_signal(signum)) if forwarding else None
     try:
         return process.wait()
     except KeyboardInterrupt:
@@ -214,6 +233,9 @@ def run_agent(command: Sequence[str], env: Mapping[str, str]) -> int:
             process.terminate()
             process.wait()
         return 130
+    finally:
+        if forwarding:
+            signal.signal(signal.SIGTERM, previous)
 
 
 # --------------------------------------------------------------------------- equivalents

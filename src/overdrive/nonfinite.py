@@ -23,6 +23,7 @@ sync). Counters stay on the device and are read at logging steps, which sync any
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -32,6 +33,29 @@ def _inner(optimizer: Any) -> Any:
     while hasattr(optimizer, "optimizer"):  # AcceleratedOptimizer and friends
         optimizer = optimizer.optimizer
     return optimizer
+
+
+@dataclass
+class Counts:
+    """What the guard saw since the last logging step."""
+
+    skipped: int = 0  # steps with a non-finite norm (skipped, except under DeepSpeed)
+    worst_run: int = 0  # the longest run of them in a row
+    in_a_row: int = 0  # the run still going on
+    scaler_skips: int = 0  # fp16: steps the loss scaler skipped (gradient overflow)
+
+    def record(self) -> dict[str, int]:
+        return {"nonfinite_skipped": self.skipped, "loss_scale_skips": self.scaler_skips}
+
+    def note(self, step: int) -> str:
+        if not self.scaler_skips:
+            return ""
+        return (f"step {step}: {self.scaler_skips} step(s) skipped by the fp16 loss scaler (gradient overflow; "
+                "it lowered the scale), not a bad loss")
+
+    def verdict(self, mode: str, limit: int, loss: float, step: int) -> str:
+        """Why the run must stop now (empty: it goes on)."""
+        return verdict(mode, limit, loss, self.skipped, self.worst_run, step)
 
 
 class NonfiniteGuard:
@@ -45,6 +69,7 @@ class NonfiniteGuard:
         self._optimizer = inner
         zeros = lambda: torch.zeros((), device=device)  # noqa: E731
         self.skipped, self.in_a_row, self.worst_run = zeros(), zeros(), zeros()
+        self.scaler_skips = 0
         self._host_ok = True
 
     @property
@@ -74,12 +99,17 @@ class NonfiniteGuard:
         """False only on the host path, for a step to skip."""
         return self._host_ok
 
-    def read(self) -> tuple[int, int, int]:
-        """(steps skipped, longest run of bad steps, current run) since the last read. A sync."""
+    def scaler_skipped(self) -> None:
+        self.scaler_skips += 1
+
+    def read(self) -> Counts:
+        """The counts since the last read (a sync: call it at logging steps)."""
         values = torch.stack([self.skipped, self.worst_run, self.in_a_row]).tolist()
+        counts = Counts(int(values[0]), int(values[1]), int(values[2]), self.scaler_skips)
         self.skipped.zero_()
         self.worst_run.copy_(self.in_a_row)
-        return int(values[0]), int(values[1]), int(values[2])
+        self.scaler_skips = 0
+        return counts
 
     def run_length(self) -> int:
         """Bad steps in a row right now (a sync; for checkpoints)."""

@@ -4,8 +4,10 @@
 data, optimizer, schedule), then runs `training.max_steps` optimizer steps. Each optimizer
 step is `training.gradient_accumulation_steps` micro-batches under
 `accelerator.accumulate`; the loss is summed on the device and read (a host-device sync)
-only at logging steps. Everything that says where the loop is lives in `LoopState`, and
-the end of `_after_step` is the one place where a checkpoint would be taken.
+only at logging steps. Everything that says where the loop is lives in `LoopState`; the end
+of each step is the one place where a checkpoint is taken (checkpoint/: atomic saves,
+exact resume, stopping on SIGTERM), and a non-finite step is kept out of the weights by
+nonfinite.py.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from typing import Any, Optional
 
 import torch
 
+from overdrive import checkpoint
 from overdrive import data as data_mod
 from overdrive import model as model_mod
-from overdrive import telemetry
+from overdrive import nonfinite, telemetry
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 from overdrive.tokenizer import build_tokenizer
@@ -48,6 +51,8 @@ class TrainResult:
     elapsed_s: float = 0.0
     is_main_process: bool = True
     stopped_early: str = ""
+    stopped_by: int = 0  # the signal (SIGTERM, SIGINT) that stopped the run after a checkpoint
+    checkpoint: Optional[Path] = None  # the last checkpoint written or resumed from
 
 
 # ---------------------------------------------------------------- optimizer and schedule
@@ -196,12 +201,19 @@ def _maybe_compile(model, cfg: RunConfig, accelerator):
 
 # ---------------------------------------------------------------- the loop
 
-def batches(loader, state: LoopState):
-    """Micro-batches forever, epoch after epoch; keeps the data position in `state`."""
+def batches(loader, state: LoopState, skip_first_batches=None):
+    """Micro-batches forever, epoch after epoch; keeps the data position in `state`.
+
+    A resumed run starts inside an epoch: that epoch's loader skips the batches already
+    trained on by index (nothing is loaded), so the order is the uninterrupted run's.
+    """
     while True:
         if hasattr(loader, "set_epoch"):
             loader.set_epoch(state.epoch)
-        for batch in loader:
+        epoch = loader
+        if state.batch_in_epoch and skip_first_batches is not None:
+            epoch = skip_first_batches(loader, state.batch_in_epoch)
+        for batch in epoch:
             state.batch_in_epoch += 1
             yield batch
         state.epoch += 1
@@ -233,11 +245,19 @@ def evaluate(parts: Parts, task: str) -> dict[str, float]:
     return result
 
 
-def train(resolved) -> TrainResult:
-    """Train as `resolved` says. Accepts a `Resolved` (config with provenance) or a RunConfig."""
+def train(resolved, force: bool = False) -> TrainResult:
+    """Train as `resolved` says. Accepts a `Resolved` (config with provenance) or a RunConfig.
+
+    With `checkpoint.resume=auto` it continues from the newest complete checkpoint in
+    output_dir; `force` allows that even when the config changed the math since.
+    """
     from overdrive.strategies import build_accelerator
 
-    cfg: RunConfig = getattr(resolved, "config", resolved)
+    # Before anything is built: what to resume, whether this config may, and (on a new
+    # world size) the accumulation that keeps the checkpoint's global batch.
+    plan = checkpoint.plan_resume(getattr(resolved, "config", resolved), force)
+    resolved = checkpoint.with_plan(resolved, plan)
+    cfg: RunConfig = plan.config
     t = cfg.training
     out = Path(cfg.output_dir).expanduser()
     if cfg.launch.threads_per_process:
@@ -265,22 +285,36 @@ def train(resolved) -> TrainResult:
     progress.print(f"training: {cfg.model.task}, {t.max_steps} steps, output in {out}")
     metrics = telemetry.MetricsLog(out / "metrics.jsonl", enabled=main)
     result = TrainResult(out, 0, is_main_process=main)
+    ckpt = checkpoint.Checkpointer(cfg, accelerator, parts.scheduler, plan, out / "metrics.jsonl", say=progress.print)
+    state = LoopState()
+    restored = ckpt.restore(state)
+    result.checkpoint = restored.path
+    result.first_loss, result.final_loss = restored.extra.get("first_loss"), restored.extra.get("final_loss")
     try:
-        _loop(cfg, parts, LoopState(), progress, metrics, result)
+        with checkpoint.StopRequest(checkpoint.cpu_group(), accelerator.num_processes) as stop:
+            _loop(cfg, parts, state, progress, metrics, result, ckpt, stop, restored)
     finally:
         progress.close()
+    if result.stopped_by:  # the run is not finished: its checkpoint is the result
+        accelerator.end_training()
+        return result
     _save_final(cfg, parts, out)
     accelerator.end_training()
     return result
 
 
-def _loop(cfg: RunConfig, parts: Parts, state: LoopState, progress, metrics, result: TrainResult) -> None:
+def _loop(cfg: RunConfig, parts: Parts, state: LoopState, progress, metrics, result: TrainResult,
+          ckpt: "checkpoint.Checkpointer", stop: "checkpoint.StopRequest", restored: "checkpoint.Restored") -> None:
     t, acc, model, optimizer, scheduler = cfg.training, parts.accelerator, parts.model, parts.optimizer, parts.scheduler
     world = acc.num_processes
-    data = batches(parts.train_loader, state)
+    data = batches(parts.train_loader, state, acc.skip_first_batches)
     throughput = telemetry.Throughput()
-    loss_sum = torch.zeros((), device=acc.device)  # summed on the device: no sync per step
-    micro_steps = 0
+    # Summed on the device: no sync per step. A resume carries on the interval being summed.
+    loss_sum = torch.full((), restored.pending_loss, device=acc.device)
+    micro_steps = restored.pending_micro_steps
+    guard = nonfinite.NonfiniteGuard(t.nonfinite_loss, optimizer, acc.device, scaler=acc.scaler,
+                                     deepspeed=cfg.parallel.strategy == "deepspeed")
+    guard.restore(state.nonfinite_in_a_row)
     grad_norm = None
     after_first = None  # (time, tokens) at the first log: steady-state throughput starts there
     model.train()
@@ -291,9 +325,12 @@ def _loop(cfg: RunConfig, parts: Parts, state: LoopState, progress, metrics, res
             with acc.accumulate(model):
                 loss = model(**batch).loss
                 acc.backward(loss)  # Accelerate divides by the accumulation steps: the mean of means
-                if acc.sync_gradients and t.gradient_clipping is not None:
-                    grad_norm = acc.clip_grad_norm_(model.parameters(), t.gradient_clipping)
-                optimizer.step()  # a no-op until the last micro-batch of the accumulation
+                if acc.sync_gradients and (t.gradient_clipping is not None or guard.needs_norm):
+                    # Clipping to infinity measures the norm (over all ranks) and changes nothing.
+                    grad_norm = acc.clip_grad_norm_(model.parameters(), t.gradient_clipping or math.inf)
+                    guard.check(grad_norm)  # a non-finite norm: this step will not touch the weights
+                if guard.allows_step():
+                    optimizer.step()  # a no-op until the last micro-batch of the accumulation
                 optimizer.zero_grad(set_to_none=True)
             loss_sum += loss.detach().float()
             micro_steps += 1
@@ -304,6 +341,8 @@ def _loop(cfg: RunConfig, parts: Parts, state: LoopState, progress, metrics, res
             raise RuntimeError("accumulation out of step with the data: optimizer did not step")
         if not acc.optimizer_step_was_skipped:  # fp16 overflow skips a step; the schedule waits too
             scheduler.step()
+        else:
+            guard.scaler_skipped()  # reported as such at the next log, not as a bad loss
         state.step += 1
         progress.step(state.step)
 
@@ -312,7 +351,12 @@ def _loop(cfg: RunConfig, parts: Parts, state: LoopState, progress, metrics, res
             loss_value = acc.reduce(loss_sum / micro_steps, "mean").item()
             loss_sum.zero_()
             micro_steps = 0
-            record = _train_record(cfg, parts, state, loss_value, lr, throughput.read(), grad_norm)
+            counts = guard.read()  # steps skipped since the last log
+            state.nonfinite_in_a_row = counts.in_a_row
+            record = {**_train_record(cfg, parts, state, loss_value, lr, throughput.read(), grad_norm),
+                      **counts.record()}
+            if counts.note(state.step):
+                progress.print(counts.note(state.step))
             metrics.write(record)
             acc.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"},
                     step=state.step)
@@ -321,21 +365,34 @@ def _loop(cfg: RunConfig, parts: Parts, state: LoopState, progress, metrics, res
             result.final_loss = loss_value
             if after_first is None:
                 after_first = (time.perf_counter(), state.tokens_seen)
-            if _stop_on_nonfinite(t, state, loss_value, result):
+            result.stopped_early = counts.verdict(t.nonfinite_loss, t.max_nonfinite_in_a_row, loss_value, state.step)
+            if result.stopped_early:
                 progress.print(f"stopping: {result.stopped_early}")
-                break
 
         if parts.eval_loader is not None and t.eval_every_steps and state.step % t.eval_every_steps == 0 \
-                and state.step < t.max_steps:
+                and state.step < t.max_steps and not result.stopped_early:
             _eval_and_log(cfg, parts, state, progress, metrics, result)
-        # Save point: a checkpoint of (model, optimizer, scheduler, RNG, LoopState) goes here.
+
+        # Save point: (model, optimizer, schedule, RNG, LoopState) when due, and before any stop.
+        # Every rank asks whether any rank got SIGTERM/SIGINT, so all stop after the same step.
+        signum = stop.agreed()
+        if ckpt.due(state.step, stopping=bool(signum or result.stopped_early)):
+            state.nonfinite_in_a_row = guard.run_length()
+            result.checkpoint = ckpt.save(state, loss_sum, micro_steps,
+                                          {"first_loss": result.first_loss, "final_loss": result.final_loss})
+            progress.print(f"checkpoint: {result.checkpoint}")
+        if signum:
+            result.stopped_by = signum
+            progress.print(f"stopping after step {state.step}: received {checkpoint.signal_name(signum)}")
+        if signum or result.stopped_early:
+            break
 
     result.steps = state.step
     result.elapsed_s = throughput.elapsed()
     if after_first is not None and state.step > 1:
         seconds = time.perf_counter() - after_first[0]
         result.tokens_per_s = (state.tokens_seen - after_first[1]) / max(seconds, 1e-9)
-    if parts.eval_loader is not None:
+    if parts.eval_loader is not None and not result.stopped_by:
         _eval_and_log(cfg, parts, state, progress, metrics, result)
 
 
@@ -353,18 +410,6 @@ def _train_record(cfg: RunConfig, parts: Parts, state: LoopState, loss: float, l
         "tokens": state.tokens_seen, "epoch": state.epoch,
         "peak_memory_mb": telemetry.peak_memory_mb(acc.device), "time": time.time(),
     }
-
-
-def _stop_on_nonfinite(t, state: LoopState, loss: float, result: TrainResult) -> bool:
-    """Applies `training.nonfinite_loss` at logging steps, where the loss is read anyway."""
-    if math.isfinite(loss) or t.nonfinite_loss == "ignore":
-        state.nonfinite_in_a_row = 0
-        return False
-    state.nonfinite_in_a_row += 1
-    if t.nonfinite_loss == "stop" or state.nonfinite_in_a_row >= t.max_nonfinite_in_a_row:
-        result.stopped_early = f"loss is {loss} at step {state.step} (training.nonfinite_loss={t.nonfinite_loss})"
-        return True
-    return False
 
 
 def _eval_and_log(cfg: RunConfig, parts: Parts, state: LoopState, progress, metrics, result: TrainResult) -> None:

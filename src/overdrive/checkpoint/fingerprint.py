@@ -84,6 +84,8 @@ def kind_of(key: str) -> tuple[str, str]:
 
 def global_batch(config: Mapping[str, Any]) -> int:
     t, launch = config["training"], config["launch"]
+    if t["micro_batch_size"] == "auto":  # the micro-batch is found at start-up; the global batch is given
+        return int(t["global_batch_size"])
     return int(t["micro_batch_size"]) * int(t["gradient_accumulation_steps"]) * int(launch["num_processes"])
 
 
@@ -152,12 +154,17 @@ def compare(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Comparison:
 
     g_old, g_new = global_batch(saved), global_batch(current)
     w_old, w_new = int(saved["launch"]["num_processes"]), int(current["launch"]["num_processes"])
-    micro = int(current["training"]["micro_batch_size"])
+    micro = current["training"]["micro_batch_size"]
     if w_old != w_new:
         if sharded(saved):
             result.refusal = (f"the checkpoint holds one shard per rank for {w_old} processes "
                               f"({saved['parallel']['strategy']}); it cannot be loaded by {w_new}")
             return result
+        if micro == "auto":  # autobatch keeps training.global_batch_size on any world size
+            if g_new != g_old:
+                result.changes.append(Change("training.global_batch_size", g_old, g_new, "math", GLOBAL_BATCH_WHY))
+            return result
+        micro = int(micro)
         if g_new != g_old:
             if g_old % (micro * w_new):
                 result.refusal = (f"the global batch of {g_old} cannot be kept on {w_new} processes with micro-batch "

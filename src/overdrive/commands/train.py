@@ -3,6 +3,9 @@
 Bare, it trains the embedded default: a small GPT-2-style model from scratch on the Python
 standard library's own source. With several processes configured it starts the workers,
 each of which re-enters this command with `--resolved` and trains.
+
+Run again, the same command continues from the newest complete checkpoint in output_dir
+(`checkpoint.resume=auto`); `--force` resumes even when the config changed the math.
 """
 
 from __future__ import annotations
@@ -21,6 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--resolved", metavar="PATH",
         help="train exactly this resolved config (written by the launcher; nothing is re-resolved)",
+    )
+    parser.add_argument(
+        "--force", action="store_true",
+        help="resume from the checkpoint in output_dir even though the config changed keys that alter the math "
+        "(the message without --force lists them)",
     )
     parser.add_argument(
         "--print-launch", action="store_true",
@@ -57,17 +65,48 @@ def run(args: argparse.Namespace) -> int:
         from overdrive.config import check_for_train
 
         check_for_train(resolved)
+    force = getattr(args, "force", False)
     if not in_worker and cfg.launch.num_processes > 1:
-        from overdrive.launch import launch_workers
-
-        return int(launch_workers(resolved) or 0)
+        return _launch(resolved, force)
 
     from overdrive.trainer import train
 
-    result = train(resolved)
+    result = train(resolved, force=force)
+    if result.stopped_by:
+        if result.is_main_process:
+            _how_to_resume(result.checkpoint, result.stopped_by, in_worker)
+        return 128 + result.stopped_by
     if result.is_main_process and cfg.logging.level != "quiet":
         _summary(result, cfg)
     return 1 if result.stopped_early else 0
+
+
+def _launch(resolved, force: bool) -> int:
+    """Start the workers. The resume is judged here first, so a refusal is one message before
+    anything starts, and a new world size reaches the workers with its accumulation."""
+    from overdrive import checkpoint, launch
+
+    resolved = checkpoint.with_plan(resolved, checkpoint.plan_resume(resolved.config, force))
+    worker = launch.train_worker(launch.resolved_path(resolved.config)) + (["--force"] if force else [])
+    code = int(launch.launch_workers(resolved, worker=worker) or 0)
+    if code:
+        found = checkpoint.latest_complete(checkpoint.checkpoints_dir(resolved.config.output_dir), checksums=False)
+        _how_to_resume(found.found.path if found.found else None, code - 128 if code > 128 else 0, False)
+    return code
+
+
+def _how_to_resume(path, signum: int, in_worker: bool) -> None:
+    import shlex
+
+    from overdrive.checkpoint import signal_name
+
+    why = f"stopped by {signal_name(signum)}" if signum else "the job failed"
+    where = f"the last checkpoint is {path}" if path else "there is no checkpoint yet"
+    if in_worker:
+        print(f"overdrive: {why}; {where}. Run the same command again to resume.", file=sys.stderr)
+    else:
+        command = shlex.join(["overdrive", *sys.argv[1:]])
+        print(f"overdrive: {why}; {where}. To resume, run the same command again:\n  {command}", file=sys.stderr)
 
 
 def _summary(result, cfg) -> None:
