@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=10, help="steps not timed")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup-rounds", type=int, default=1, help="rounds run first and not counted")
-    parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--precision", default="no", choices=["no", "bf16", "fp16"])
     parser.add_argument("--cache-dir", default="~/.cache/overdrive")
