@@ -354,7 +354,7 @@ def _loop(cfg: RunConfig, parts: Parts, state: LoopState, progress, metrics, res
             counts = guard.read()  # steps skipped since the last log
             state.nonfinite_in_a_row = counts.in_a_row
             record = {**_train_record(cfg, parts, state, loss_value, lr, throughput.read(), grad_norm),
-                      **counts.record()}
+                      **counts.record(), "elapsed_s": throughput.elapsed()}
             if counts.note(state.step):
                 progress.print(counts.note(state.step))
             metrics.write(record)
@@ -414,7 +414,7 @@ def _train_record(cfg: RunConfig, parts: Parts, state: LoopState, loss: float, l
 
 def _eval_and_log(cfg: RunConfig, parts: Parts, state: LoopState, progress, metrics, result: TrainResult) -> None:
     values = evaluate(parts, cfg.model.task)
-    metrics.write({"step": state.step, **values})
+    metrics.write({"step": state.step, **values, "time": time.time()})
     parts.accelerator.log(values, step=state.step)
     progress.log(state.step, values)
     result.eval = values

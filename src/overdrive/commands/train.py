@@ -121,11 +121,11 @@ def _summary(result, cfg) -> None:
         f"run directory: {out}",
         f"  metrics.jsonl, resolved.json{', model/ (save_pretrained)' if cfg.checkpoint.save_final_model else ''}",
         "next:",
-        f"  overdrive report {out}                      # curves, throughput, memory",
-        "  overdrive explain                              # every value of this run and where it came from",
-        "  overdrive train lr=3e-4 training.max_steps=600  # any key can be set like this",
-        "  overdrive train parallel.strategy=fsdp launch.num_processes=2   # the same run on 2 processes",
+        f"  overdrive report {out}    # loss curves, throughput, MFU, memory",
+        "  overdrive explain lr=3e-4    # every effective value and the layer that set it",
+        "  overdrive train parallel.strategy=fsdp launch.num_processes=2    # the same run, sharded over 2 processes",
+        "  overdrive train parallel.strategy=deepspeed parallel.deepspeed.zero_stage=3 launch.num_processes=2",
     ]
     if cfg.checkpoint.save_final_model:
-        lines.append(f"  model.name_or_path={out / 'model'}              # start from the trained model")
+        lines.append(f"  overdrive train model.name_or_path={out / 'model'}    # continue from the trained model")
     print("\n".join(lines))
