@@ -163,8 +163,9 @@ def write_checkpoint_with_config(tmp_path, cfg: RunConfig, step=10):
 
 def test_plan_resume_refuses_math_changes_without_force(tmp_path):
     out = str(tmp_path / "run")
-    write_checkpoint_with_config(tmp_path, RunConfig.model_validate({"output_dir": out}))
-    harmless = session.plan_resume(RunConfig.model_validate({"output_dir": out, "logging": {"level": "quiet"}}))
+    base = {"output_dir": out, "training": {"max_steps": 300}}
+    write_checkpoint_with_config(tmp_path, RunConfig.model_validate(base))
+    harmless = session.plan_resume(RunConfig.model_validate({**base, "logging": {"level": "quiet"}}))
     assert harmless.checkpoint.name == "step-00000010"
     assert any("logging.level" in note for note in harmless.notes)
     changed = RunConfig.model_validate({"output_dir": out, "training": {"seed": 1, "max_steps": 500}})
@@ -176,8 +177,8 @@ def test_plan_resume_refuses_math_changes_without_force(tmp_path):
     forced = session.plan_resume(changed, force=True)
     assert forced.checkpoint is not None and any("--force" in note for note in forced.notes)
     with pytest.raises(UserError, match="cannot be loaded"):
-        session.plan_resume(RunConfig.model_validate({"output_dir": out, "parallel": {"strategy": "fsdp"}}), force=True)
-    never = RunConfig.model_validate({"output_dir": out, "checkpoint": {"resume": "never"}, "training": {"seed": 1}})
+        session.plan_resume(RunConfig.model_validate({**base, "parallel": {"strategy": "fsdp"}}), force=True)
+    never = RunConfig.model_validate({**base, "checkpoint": {"resume": "never"}, "training": {"seed": 1}})
     assert session.plan_resume(never).checkpoint is None
 
 

@@ -80,7 +80,8 @@ def test_a_dead_rank_is_restarted_and_the_job_ends_on_the_uninterrupted_loss(ref
 
 def test_a_killed_rank_ends_the_job_within_seconds_naming_it_then_zero3_resumes_exactly(cache, tmp_path):
     out = tmp_path / "run"
-    args = job(out, cache, "parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3")
+    # ZeRO-3 steps are the slowest on CPU (many small gathers): a shorter run, compared with itself.
+    args = job(out, cache, "parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3", "training.max_steps=12")
     proc = start(args, cwd=tmp_path)
     wait_for(checkpoint_then(out, 5, 3), proc, what="checkpoint 5 and three more steps")
     killed_at = kill_rank(out, 1)
@@ -90,15 +91,17 @@ def test_a_killed_rank_ends_the_job_within_seconds_naming_it_then_zero3_resumes_
     assert code == 1
     assert seconds < 30
     assert "rank 1 (local rank 1" in stderr and "was killed by SIGKILL" in stderr
-    assert "To resume, run the same command again" in stderr and "step-00000005" in stderr
+    newest = max(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-"))
+    saved_at = int(newest[5:])
+    assert "To resume, run the same command again" in stderr and f"last checkpoint is {out}/checkpoints/{newest}" in stderr
     before = losses(out)
-    assert max(before) > 5
+    assert max(before) > saved_at
 
     again = run(args, cwd=tmp_path)  # the same command (the port is a harmless change)
     assert again.returncode == 0, again.stderr[-3000:]
     after = losses(out)
-    assert steps_logged(out) == list(range(1, MAX_STEPS + 1))
-    assert_same_losses(before, after, [s for s in before if s > 5])  # bitwise against itself
+    assert steps_logged(out) == list(range(1, 13))
+    assert_same_losses(before, after, [s for s in before if s > saved_at])  # bitwise against itself
 
 
 def test_sigterm_to_the_launcher_stops_every_rank_after_the_same_step_then_fsdp2_resumes(reference, cache, tmp_path):
