@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -112,6 +113,13 @@ def load() -> str:
 
 def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="overdrive-bench-tune-"))
+    try:
+        return measure(work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def measure(work: Path) -> int:
     job = json.loads(json.dumps(JOB))
     job["data"]["cache_dir"] = str(work / "cache")
     run_yaml = work / "bench.yaml"
