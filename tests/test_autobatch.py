@@ -146,9 +146,6 @@ def test_under_deepspeed_the_plugin_is_built_from_integers_and_gets_the_final_sp
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [4, 4, 4, 4, 4, 16]
 
 
-@pytest.mark.xfail(reason="config validation (strategies.deepspeed.fill_auto) reports DeepSpeed's micro-batch and "
-                   "train_batch_size \"auto\" entries as unfillable when training.micro_batch_size is auto, "
-                   "although the trainer resolves auto to integers before the plugin is built", strict=False)
 def test_deepspeed_accepts_micro_batch_auto():
     from overdrive.config import load_config
 

@@ -108,7 +108,8 @@ def training_rules(cfg: RunConfig, chains: Chains) -> list[Problem]:
 def deepspeed_dict_problems(cfg: RunConfig) -> list[Problem]:
     """The DeepSpeed dict overdrive would hand over, checked before launch: verbatim entries
     in parallel.deepspeed.extra that contradict the run config, or "auto" with nothing to fill."""
-    if cfg.parallel.strategy != "deepspeed":
+    if cfg.parallel.strategy != "deepspeed" or cfg.training.micro_batch_size == "auto":
+        # `auto` is resolved to integers before the plugin is built, and the dict checked then.
         return []
     from overdrive.strategies import deepspeed  # pure dict work: imports neither torch nor deepspeed
 
