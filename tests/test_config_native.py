@@ -8,6 +8,7 @@ import pytest
 
 from conftest import PEER_CONFIGS, run_cli
 from overdrive.config import resolve
+from overdrive.config.schema import RunConfig
 from overdrive.errors import UserError
 
 REFUSED = {
@@ -77,7 +78,8 @@ def test_deepspeed_json_autos_and_legacy_sections():
     assert zero3.config.parallel.strategy == "deepspeed" and ds.zero_stage == 3
     assert ds.offload_optimizer == "cpu" and ds.offload_param == "cpu"
     assert ds.reduce_bucket_size == "auto"  # left for the run config to fill
-    assert zero3.config.training.micro_batch_size == 16  # "auto": the run config's own value
+    # "auto": the run config's own value, here the default
+    assert zero3.config.training.micro_batch_size == RunConfig().training.micro_batch_size
     assert any("legacy section name" in w.message for w in zero3.warnings)
     old = resolve([PEER_CONFIGS / "transformers/tests/deepspeed/ds_config_zero3.json"], env={})
     assert old.config.parallel.deepspeed.zero3_save_16bit_model is True  # stage3_gather_fp16_weights_on_model_save

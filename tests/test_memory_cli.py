@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from conftest import run_cli
+from overdrive.config.schema import RunConfig
 
 LLAMA_7B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": 4096,
@@ -68,8 +69,12 @@ def test_estimate_run_yaml(tmp_path, capsys):
     data = json.loads(capsys.readouterr().out)
     assert (data["devices"], data["micro_batch"], data["seq_len"], data["precision"]) == (2, 4, 128, "bf16")
     assert [row["strategy"] for row in data["rows"]] == ["ddp", "zero2"]
-    # The default model: GPT-2, 4 layers x 256, 8192-token vocabulary.
-    assert 3e6 < data["parameters"] < 6e6
+    # The default model, a GPT-2 counted by hand: tied embeddings, positions, 12d^2 + 13d per
+    # layer (attention, MLP, two LayerNorms, biases), the final LayerNorm.
+    default = RunConfig()
+    arch, vocab = default.model.architecture, default.tokenizer.vocab_size
+    d, layers, positions = arch["n_embd"], arch["n_layer"], arch["n_positions"]
+    assert data["parameters"] == vocab * d + positions * d + layers * (12 * d * d + 13 * d) + 2 * d
 
 
 @pytest.mark.parametrize("args,message", [
@@ -99,10 +104,12 @@ def test_plan_default_run(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["plan", f"output_dir={out}", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["global_batch"] == 16 * 1 * 1
-    assert data["tokens_per_step"] == 16 * 256
+    training, seq_len = RunConfig().training, RunConfig().data.max_length
+    global_batch = training.micro_batch_size * training.gradient_accumulation_steps
+    assert data["global_batch"] == global_batch
+    assert data["tokens_per_step"] == global_batch * seq_len
     assert not data["data_exact"] and "bytes per token" in data["data_basis"] and "standard-library" in data["data_basis"]
-    assert data["steps_per_epoch"] == int(data["data_tokens"] * 0.98) // 256 // 16
+    assert data["steps_per_epoch"] == int(data["data_tokens"] * 0.98) // seq_len // global_batch
     assert data["memory"]["strategy"] == "ddp" and data["memory"]["total_bytes"] > 0
     assert data["step_time_s"] is None
 
@@ -122,7 +129,7 @@ def test_plan_predicts_step_time_from_metrics(tmp_path, capsys):
     assert data["global_batch"] == 8 * 2 * 2
     assert data["tokens_per_s"] == 2048.0
     assert data["step_time_s"] == pytest.approx(32 * 256 / 2048.0)
-    assert data["total_time_s"] == pytest.approx(data["step_time_s"] * 300)
+    assert data["total_time_s"] == pytest.approx(data["step_time_s"] * RunConfig().training.max_steps)
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "global batch 32" in text and "tokens/s measured" in text and "estimate:" in text

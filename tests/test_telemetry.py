@@ -118,3 +118,12 @@ def test_trackers_auto_means_tensorboard_when_installed():
 def test_flat_config_gives_dotted_scalar_keys():
     flat = telemetry.flat_config({"optim": {"lr": 1e-3, "betas": [0.9, 0.95]}, "output_dir": "runs/x", "x": None})
     assert flat == {"optim.lr": 1e-3, "optim.betas": "[0.9, 0.95]", "output_dir": "runs/x", "x": "None"}
+
+
+def test_mfu_remeasures_a_cpu_peak_the_run_outpaces(tmp_path, monkeypatch):
+    measurements = iter([1e10, 4e10])  # the first taken under load, the second when the cores are free
+    monkeypatch.setattr(telemetry, "measure_matmul_flops", lambda *a, **k: next(measurements))
+    peak = telemetry.DevicePeak(torch.device("cpu"), "no", tmp_path)
+    assert peak.mfu(5e9) == pytest.approx(0.5)
+    assert peak.mfu(2e10) == pytest.approx(0.5)  # faster than the first peak: measured again
+    assert peak.flops == 4e10

@@ -124,7 +124,7 @@ class Parts:
     eval_loader: Any
     tokenizer: Any
     flops_per_token: float
-    peak_flops: Optional[float]
+    peak: telemetry.DevicePeak
     seq_len: int
 
 
@@ -186,7 +186,7 @@ def build_parts(cfg: RunConfig, accelerator) -> Parts:
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
     model = _maybe_compile(model, cfg, accelerator)
-    peak = telemetry.device_peak_flops(accelerator.device, cfg.precision.mixed_precision, cache_dir)
+    peak = telemetry.DevicePeak(accelerator.device, cfg.precision.mixed_precision, cache_dir)
     return Parts(accelerator, model, optimizer, scheduler, train_loader, eval_loader, tokenizer, fpt, peak,
                  d.max_length)
 
@@ -400,7 +400,7 @@ def _train_record(cfg: RunConfig, parts: Parts, state: LoopState, loss: float, l
                   grad_norm) -> dict[str, Any]:
     acc = parts.accelerator
     per_device = tokens_per_s / acc.num_processes
-    mfu = parts.flops_per_token * per_device / parts.peak_flops if parts.peak_flops else None
+    mfu = parts.peak.mfu(parts.flops_per_token * per_device)
     return {
         "step": state.step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "seq_len": parts.seq_len,
         "micro_batch_size": cfg.training.micro_batch_size, "gradient_accumulation_steps":
