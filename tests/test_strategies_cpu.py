@@ -35,7 +35,7 @@ def test_deepspeed_gets_gloo_named_and_ds_accelerator_in_the_worker_env():
     handlers = accelerator_kwargs(cfg, 2)["kwargs_handlers"]
     assert [h.backend for h in handlers if isinstance(h, InitProcessGroupKwargs)] == ["gloo"]
     assert cpu.worker_env(cfg) == {"DS_ACCELERATOR": "cpu"}
-    assert cpu.worker_env(cfg_of("parallel.strategy=ddp")) == {}
+    assert cpu.worker_env(cfg_of("parallel.strategy=ddp")) == {"DS_ACCELERATOR": "cpu"}  # Accelerate imports it too
 
 
 def test_fsdp_on_cpu_is_promoted_after_construction():

@@ -18,8 +18,10 @@ already trained on without loading them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -33,6 +35,26 @@ from overdrive.errors import Problem, UserError
 
 TRAINER_STATE = "trainer_state.json"
 START_OVER = "start over instead: checkpoint.resume=never, or a new output_dir"
+
+
+class _TiedWeightsNotice(logging.Filter):
+    """Drops Accelerate's "Removed shared tensor ..." warning, printed on every save of a
+    model whose input and output embeddings are tied: `load_state` ties them again, and
+    resume is checked bit for bit, so for our saves it is noise, not news."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Removed shared tensor" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_tied_weights():
+    accelerate_logger = logging.getLogger("accelerate.utils.other")
+    notice = _TiedWeightsNotice()
+    accelerate_logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        accelerate_logger.removeFilter(notice)
 
 
 def read_state(path: Path) -> dict[str, Any]:
@@ -235,7 +257,8 @@ class Checkpointer:
         if self.main:
             store.begin(self.root, step)
         acc.wait_for_everyone()
-        acc.save_state(str(tmp))
+        with _quiet_tied_weights():
+            acc.save_state(str(tmp))
         losses = acc.gather(pending_loss.detach().float().reshape(1)).tolist()
         if self.main:
             self._write_trainer_state(tmp, state, losses, pending_micro_steps, extra)

@@ -52,8 +52,10 @@ def construct_with_cpu_flag(cfg: RunConfig) -> bool:
 
 def worker_env(cfg: RunConfig) -> dict[str, str]:
     """Environment variables a worker needs before it imports anything (set by launch.py)."""
-    if cfg.parallel.strategy == "deepspeed" and on_cpu(cfg):
-        # Read once, at `import deepspeed`: too late to set from inside the worker.
+    if on_cpu(cfg):
+        # Read once, at `import deepspeed`: too late to set from inside the worker. Not only
+        # for DeepSpeed runs: Accelerate's `unwrap_model` imports deepspeed whenever it is
+        # installed, and an unset DS_ACCELERATOR makes that import warn on every CPU run.
         return {"DS_ACCELERATOR": "cpu"}
     return {}
 
