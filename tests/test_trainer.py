@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from overdrive import trainer
+from overdrive import optimization, trainer
 from overdrive.config.schema import RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,18 +76,18 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------- pure parts
 
 def test_warmup_then_cosine_to_the_floor():
-    f = lambda step: trainer.lr_factor(step, "cosine", warmup_steps=4, max_steps=20, min_lr_ratio=0.1)
+    f = lambda step: optimization.lr_factor(step, "cosine", warmup_steps=4, max_steps=20, min_lr_ratio=0.1)
     assert [round(f(s), 3) for s in range(5)] == [0.2, 0.4, 0.6, 0.8, 1.0]
     assert f(20) == pytest.approx(0.1) and f(12) == pytest.approx(0.55)
-    assert trainer.lr_factor(12, "linear", 4, 20, 0.1) == pytest.approx(0.5)
-    assert trainer.lr_factor(19, "constant", 4, 20, 0.1) == 1.0
+    assert optimization.lr_factor(12, "linear", 4, 20, 0.1) == pytest.approx(0.5)
+    assert optimization.lr_factor(19, "constant", 4, 20, 0.1) == 1.0
 
 
 def test_no_weight_decay_on_biases_and_norms():
     from overdrive.model import build_model
 
     model = build_model(RunConfig.model_validate({"model": {"architecture": TINY_ARCH}}), vocab_size=100)
-    decay, no_decay = trainer.param_groups(model, 0.1)
+    decay, no_decay = optimization.param_groups(model, 0.1)
     names = {id(p): n for n, p in model.named_parameters()}
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(".bias" in names[id(p)] or "ln_" in names[id(p)] for p in no_decay["params"])
@@ -95,9 +95,9 @@ def test_no_weight_decay_on_biases_and_norms():
 
 
 def test_adamw_kernel_choice():
-    assert trainer.adamw_kernel("auto", "cpu") == {"fused": True, "foreach": False}  # torch >= 2.4 fuses on CPU
-    assert trainer.adamw_kernel("foreach", "cuda") == {"fused": False, "foreach": True}
-    assert trainer.adamw_kernel("for-loop", "cuda") == {"fused": False, "foreach": False}
+    assert optimization.adamw_kernel("auto", "cpu") == {"fused": True, "foreach": False}  # torch >= 2.4 fuses on CPU
+    assert optimization.adamw_kernel("foreach", "cuda") == {"fused": False, "foreach": True}
+    assert optimization.adamw_kernel("for-loop", "cuda") == {"fused": False, "foreach": False}
 
 
 # ---------------------------------------------------------------- end to end
@@ -142,7 +142,7 @@ def test_accumulation_is_exact_and_the_schedule_counts_optimizer_steps(tmp_path,
     la, lb = records(tmp_path / "a" / "run"), records(tmp_path / "b" / "run")
     assert [r["loss"] for r in la] == pytest.approx([r["loss"] for r in lb], rel=1e-5)
     # One schedule step per optimizer step, not per micro-batch.
-    expected = [1e-2 * trainer.lr_factor(s - 1, "cosine", 2, 6, 0.1) for s in range(1, 7)]
+    expected = [1e-2 * optimization.lr_factor(s - 1, "cosine", 2, 6, 0.1) for s in range(1, 7)]
     assert [r["lr"] for r in la] == pytest.approx(expected)
     assert la[-1]["tokens"] == lb[-1]["tokens"] == 6 * 8 * 32
 
