@@ -12,7 +12,6 @@ what each worker's environment holds.
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import socket
 import subprocess
@@ -238,73 +237,6 @@ def run_agent(command: Sequence[str], env: Mapping[str, str]) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
-# --------------------------------------------------------------------------- equivalents
-
-
-def _quote(args: Sequence[str]) -> str:
-    return " ".join(shlex.quote(str(a)) for a in args)
-
-
-def launch_lines(resolved: Any) -> dict[str, str]:
-    """The same run as torchrun, `accelerate launch` and srun command lines."""
-    from overdrive import export
-
-    cfg: RunConfig = resolved.config
-    path = resolved_path(cfg)
-    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(process_env(cfg).items()))
-    worker = train_worker(path)
-    torchrun = f"{env} torchrun {_quote(torchrun_args(cfg))} {_quote(worker)}"
-    accelerate = f"{env} accelerate launch {_quote(export.accelerate_flags(cfg))} {_quote(worker)}"
-    srun = ('MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1) '
-            f"srun --nodes={cfg.launch.num_machines} --ntasks-per-node=1 bash -c "
-            + shlex.quote(f"{env} python -m torch.distributed.run {_slurm_torchrun(cfg)} {_quote(worker)}"))
-    return {"torchrun": torchrun, "accelerate": accelerate, "srun": srun}
-
-
-def _slurm_torchrun(cfg: RunConfig) -> str:
-    # Under SLURM the first node of the allocation is the rendezvous host and c10d assigns
-    # ranks, so one script serves every node.
-    launch = cfg.launch
-    return (f"--nnodes {launch.num_machines} --nproc-per-node {local_processes(cfg)} "
-            f"--max-restarts {launch.max_restarts} --rdzv-backend c10d "
-            f"--rdzv-endpoint \"$MASTER_ADDR:{launch.main_process_port}\" --rdzv-id \"$SLURM_JOB_ID\"")
-
-
-def sbatch_script(resolved: Any, job_name: str = "overdrive") -> str:
-    """An sbatch script for the same run. It carries the resolved config itself, so the job
-    runs the values resolved now, whatever the compute nodes' environment holds."""
-    cfg: RunConfig = resolved.config
-    launch = cfg.launch
-    out = Path(cfg.output_dir).resolve()
-    path = out / "resolved.json"
-    gpus = "" if launch.use_cpu else f"#SBATCH --gpus-per-node={local_processes(cfg)}\n"
-    exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(process_env(cfg).items()))
-    unset = " ".join(f"${{!{p}@}}" for p in STRIPPED_PREFIXES)
-    return f"""#!/bin/bash
-#SBATCH --job-name={job_name}
-#SBATCH --nodes={launch.num_machines}
-#SBATCH --ntasks-per-node=1
-{gpus}#SBATCH --cpus-per-task={max(threads_per_process(cfg) * local_processes(cfg), 1)}
-#SBATCH --output={out}/slurm-%j.out
-# Written by `overdrive slurm`: {launch.num_processes} process(es) on {launch.num_machines} machine(s),
-# strategy {cfg.parallel.strategy}. output_dir must be on a file system every node sees.
-set -euo pipefail
-
-mkdir -p {shlex.quote(str(out))}
-cat > {shlex.quote(str(path))} <<'OVERDRIVE_RESOLVED'
-{resolved.to_json()}
-OVERDRIVE_RESOLVED
-
-# Accelerate's own variables are already part of the resolved config above.
-for name in {unset}; do unset "$name"; done
-{exports}
-export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-
-srun python -m torch.distributed.run {_slurm_torchrun(cfg)} \\
-    {_quote(train_worker(path))}
-"""
-
-
 # --------------------------------------------------------------------------- user scripts
 
 
@@ -402,13 +334,3 @@ def run_user_script(resolved_file: str, script: str, script_args: Sequence[str])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def print_launch(resolved: Any) -> int:
-    """`overdrive train --print-launch`: the same run as other launchers would start it."""
-    check(resolved.config)
-    lines = launch_lines(resolved)
-    print(f"# workers read {resolved_path(resolved.config)} (written by `overdrive train` when it launches)")
-    for name in ("torchrun", "accelerate", "srun"):
-        print(f"\n# {name}\n{lines[name]}")
-    return 0

@@ -11,17 +11,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("-o", "--output", metavar="FILE", help="write the script here (default: stdout)")
     parser.add_argument("--job-name", default="overdrive", help="SLURM job name")
+    parser.add_argument("--force", action="store_true", help="overwrite the output file if it exists")
 
 
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from overdrive import launch
+    from overdrive import launch, launch_lines
     from overdrive.commands.explain import resolve_from_args
+    from overdrive.errors import keep_existing_files
 
+    keep_existing_files((args.output,), args.force)
     resolved = resolve_from_args(args)
     launch.check(resolved.config)
-    script = launch.sbatch_script(resolved, args.job_name)
+    script = launch_lines.sbatch_script(resolved, args.job_name)
     if args.output:
         Path(args.output).write_text(script)
         Path(args.output).chmod(0o755)

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     resolved, in_worker = _load(args)
     cfg = resolved.config
     if getattr(args, "print_launch", False):
-        from overdrive.launch import print_launch
+        from overdrive.launch_lines import print_launch
 
         return print_launch(resolved)
     if not in_worker:
