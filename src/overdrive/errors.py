@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Callable, Optional
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Union
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,14 @@ class UserError(Exception):
         lines = [f"overdrive: {self.title}:"] if len(self.problems) > 1 or self.title else []
         lines += [f"  - {p.render()}" for p in self.problems]
         return "\n".join(lines)
+
+
+def keep_existing_files(paths: Iterable[Union[str, Path, None]], force: bool) -> None:
+    """Refuse, before any work, to write over files the user already has, unless --force."""
+    existing = [Path(p) for p in paths if p is not None and Path(p).exists()]
+    if existing and not force:
+        raise UserError([Problem(str(p), "exists and would be overwritten",
+                                 fix="pass --force to overwrite it, or write to another path") for p in existing])
 
 
 def run_reporting_errors(function: Callable, *args) -> int:

@@ -68,16 +68,14 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.config.env_report import accelerate_default_config_path
     from overdrive.console import get_console, is_interactive
     from overdrive.environment import hardware
-    from overdrive.errors import UserError
+    from overdrive.errors import keep_existing_files
 
     console = get_console(quiet=args.quiet)
     output = Path(args.output)
     acc_path = accelerate_default_config_path() if args.accelerate_default else None
-    if args.non_interactive and not args.force:
+    if args.non_interactive:
         # Fail before any work: a script must never clobber a file it did not mean to.
-        for path in (output, acc_path):
-            if path is not None and path.exists():
-                raise UserError(f"{path} exists; pass --force to overwrite it, or -o another path")
+        keep_existing_files((output, acc_path), args.force)
 
     tty = is_interactive() and not args.quiet
 

@@ -12,6 +12,7 @@ import argparse
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("files", nargs="+", metavar="FILE", help="Accelerate YAML/JSON and DeepSpeed JSON files")
     parser.add_argument("-o", "--output", metavar="FILE", help="write the overdrive YAML here (default: stdout)")
+    parser.add_argument("--force", action="store_true", help="overwrite files that already exist")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -21,7 +22,9 @@ def run(args: argparse.Namespace) -> int:
 
     from overdrive import export
     from overdrive.config import resolve
+    from overdrive.errors import keep_existing_files
 
+    keep_existing_files((args.output,), args.force)
     # Only the files: neither Accelerate's default config nor this shell's variables.
     resolved = resolve(args.files, env={}, accelerate_default=False)
     for warning in resolved.warnings:
