@@ -5,12 +5,24 @@ The job is shrunk through the environment layer (OVERDRIVE_* variables), which s
 the command line: a command that sets a key itself still gets its own value. Installing
 (`bash scripts/setup.sh`) is what CI does before these tests run, so that step is dropped,
 and so is the README's test command, which is what runs this file.
+
+A block fails on its first failing command (`set -euo pipefail`), and also when a command it
+started in the background (`&`) failed (checked with `wait -n -p`, bash 5.1 or later). A line
+starting with `! ` shows a command that must fail (a refusal): bash's `set -e` would not check
+it, so the test does.
+
+What one CPU-only machine without a network cannot run stays in ```text blocks, each with a
+sentence naming the block that rehearses it: the two-machine commands of multi-node.md.
+There is no SLURM here either: `sbatch` on the test's PATH is a stand-in that checks the
+script's syntax with `bash -n` and says that it submitted nothing.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -38,25 +50,67 @@ TOY = {
     "OVERDRIVE_LAUNCH__USE_CPU": "true",
     "OVERDRIVE_LOGGING__TRACKERS": "[]",
 }
+# What a page needs beyond TOY. checkpoints.md stops a run once its first step is logged, and
+# the run must still be going when the signal comes: 2000 steps (a few seconds), one thread so
+# that another busy process on the machine cannot slow it down by orders of magnitude either.
+PAGE_ENV = {
+    "checkpoints.md": {"OVERDRIVE_TRAINING__MAX_STEPS": "2000", "OVERDRIVE_LAUNCH__THREADS_PER_PROCESS": "1"},
+}
+
+# LLaMA-7B's config.json (LlamaConfig's keys), for the memory estimates.
+LLAMA_7B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+    "max_position_embeddings": 2048, "hidden_act": "silu", "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+}
+
+# No SLURM here: `sbatch` checks the script it is given and submits nothing.
+SBATCH = """#!/usr/bin/env bash
+script="${@: -1}"
+bash -n "$script" && echo "sbatch (test stand-in): $script is valid bash; nothing submitted, there is no SLURM here"
+"""
+
+# After a block: every command it started with `&` must have succeeded too.
+BACKGROUND_CHECK = """
+while true; do
+  __job=; wait -n -p __job && continue
+  __status=$?; [ -z "${__job:-}" ] && break
+  echo "a command started in the background (pid $__job) exited with $__status" >&2; exit "$__status"
+done
+"""
 
 USER_SCRIPT = '''\
 """A plain Accelerate script: everything about how to run comes from the environment."""
+import sys
+
 import torch
 from accelerate import Accelerator
 
 accelerator = Accelerator()
-model = torch.nn.Linear(8, 1)
+# Token ids in, as in a language model: the weights may be bf16 (DeepSpeed casts them), the input needs no cast.
+model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1)), batch_size=8)
+samples = torch.utils.data.TensorDataset(torch.randint(0, 16, (64,)), torch.randn(64, 1))
+data = torch.utils.data.DataLoader(samples, batch_size=8)
 model, optimizer, data = accelerator.prepare(model, optimizer, data)
 for x, y in data:
     with accelerator.accumulate(model):
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-accelerator.print(f"user script done on {accelerator.num_processes} process(es), {accelerator.distributed_type}")
+accelerator.print(f"user script done on {accelerator.num_processes} process(es), {accelerator.distributed_type}, "
+                  f"arguments {sys.argv[1:]}")
 '''
+
+
+def must_fail(line: str) -> str:
+    """`! command` shows a command that must fail. Under `set -e` bash ignores the status of a
+    negated command, so it is checked explicitly."""
+    command = line[2:]
+    assert not command.rstrip().endswith("\\"), f"a `! ` command is one line: {line}"
+    return (f"if {command}\nthen echo {shlex.quote('expected to fail, but succeeded: ' + command)} >&2; exit 1\nfi")
 
 
 def bash_blocks(path: Path) -> list[str]:
@@ -64,7 +118,7 @@ def bash_blocks(path: Path) -> list[str]:
     for block in BLOCK.findall(path.read_text()):
         block = block.replace("bash scripts/setup.sh && ", "")
         # The README's test command is what runs this file: running it here would recurse.
-        lines = [line for line in block.splitlines()
+        lines = [must_fail(line) if line.startswith("! ") else line for line in block.splitlines()
                  if line.strip() != "bash scripts/setup.sh" and "-m pytest" not in line]
         blocks.append("\n".join(lines))
     return blocks
@@ -77,13 +131,26 @@ def scratch_dir(tmp_path: Path) -> Path:
     shutil.copytree(REPO / "examples", work / "examples")
     (work / ".venv").mkdir()
     (work / ".venv" / "bin").symlink_to(Path(sys.executable).parent)
-    (work / "run.yaml").write_text("optim:\n  lr: 1.0e-3\noutput_dir: runs/run\n")
+    (work / "run.yaml").write_text("optim:\n  lr: 3.0e-4\noutput_dir: runs/run\n")
     shutil.copy(PEER_CONFIGS / "transformers/tests/deepspeed/ds_config_zero2.json", work / "ds_config.json")
     (work / "accelerate_config.yaml").write_text(
         "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nmixed_precision: 'no'\n"
         "num_processes: 1\nuse_cpu: false\ndeepspeed_config:\n  zero_stage: 2\n  zero3_init_flag: false\n")
     (work / "train.py").write_text(USER_SCRIPT)
+    llama = json.dumps(LLAMA_7B, indent=2) + "\n"
+    (work / "path" / "to" / "llama-7b").mkdir(parents=True)
+    (work / "path" / "to" / "llama-7b" / "config.json").write_text(llama)
+    (work / "config.json").write_text(llama)
     return work
+
+
+def stand_ins(tmp_path: Path) -> Path:
+    """Commands the docs show that this machine has no real use for, put first on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(SBATCH)
+    (bin_dir / "sbatch").chmod(0o755)
+    return bin_dir
 
 
 PAGES = [path for path in DOCS if bash_blocks(path)]
@@ -97,10 +164,10 @@ def test_the_docs_have_commands():
 def test_every_command_block_runs(path, tmp_path):
     # One scratch directory per page: its blocks build on each other (train, then report).
     work = scratch_dir(tmp_path)
-    env = dict(os.environ, **TOY, OVERDRIVE_DATA__CACHE_DIR=str(tmp_path / "cache"))
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    env = {**os.environ, **TOY, **PAGE_ENV.get(path.name, {}), "OVERDRIVE_DATA__CACHE_DIR": str(tmp_path / "cache")}
+    env["PATH"] = os.pathsep.join([str(stand_ins(tmp_path)), str(Path(sys.executable).parent), env["PATH"]])
     for index, block in enumerate(bash_blocks(path)):
-        result = subprocess.run(["bash", "-c", "set -euo pipefail\n" + block + "\nwait\n"], cwd=work, env=env,
-                                capture_output=True, text=True, timeout=900)
+        result = subprocess.run(["bash", "-c", "set -euo pipefail\n" + block + "\n" + BACKGROUND_CHECK], cwd=work,
+                                env=env, capture_output=True, text=True, timeout=900)
         assert result.returncode == 0, (f"{path.name} block {index}:\n{block}\n--- stdout\n{result.stdout[-3000:]}"
                                         f"\n--- stderr\n{result.stderr[-3000:]}")

@@ -186,5 +186,6 @@ def coerce(key: str, value: Any) -> Any:
 
 
 def is_secret(key: str) -> bool:
-    lowered = key.lower()
+    # The key's own name, not its sections: `tokenizer.vocab_size` is no token.
+    lowered = key.rsplit(".", 1)[-1].lower()
     return any(marker in lowered for marker in SECRET_MARKERS)
