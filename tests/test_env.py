@@ -87,7 +87,7 @@ def test_masking_and_selection():
     assert {"FSDP_CPU_RAM_EFFICIENT_LOADING", "OVERDRIVE_TRAINING__MAX_STEPS", "TORCH_LOGS",
             "PYTORCH_CUDA_ALLOC_CONF"} <= set(listed)
     assert masked_value("HTTPS_PROXY", "http://u:p@proxy:3128") == "http://***@proxy:3128"
-    assert masked_value("SOME_KEY_ID", "abc") == "***"
+    assert masked_value("AWS_ACCESS_KEY_ID", "abc") == "***"
 
 
 def test_default_config_path_follows_accelerate():

@@ -207,19 +207,17 @@ def _jsonable(value: Any) -> Any:
 
 
 def accelerate_default() -> dict[str, Any]:
-    from overdrive.config.env_report import MASK, accelerate_default_config_path
-    from overdrive.config.schema import SECRET_MARKERS
+    from overdrive.config.env_report import MASK, accelerate_default_config_path, is_secret_name
 
     path = accelerate_default_config_path()
     info: dict[str, Any] = {"path": str(path), "exists": path.is_file(), "content": None}
     if info["exists"]:
         lines = path.read_text(errors="replace").splitlines()
-        # A default config holds no credentials by design, but it is a user-edited file. The
-        # schema's markers, not the bare "KEY" used for variables: `fsdp_..._key` is no secret.
+        # A default config holds no credentials by design, but it is a user-edited file.
         masked = []
         for line in lines:
             name, colon, _ = line.partition(":")
-            secret = colon and any(marker in name.lower() for marker in SECRET_MARKERS)
+            secret = colon and is_secret_name(name.strip())
             masked.append(f"{name}: {MASK}" if secret else line)
         info["content"] = "\n".join(masked)
     return info

@@ -40,9 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _shown(key: str, value: Any) -> str:
-    from overdrive.config.keys import is_secret
+    from overdrive.config.env_report import is_secret_name
 
-    if is_secret(key) and value:
+    if is_secret_name(key) and value:
         return "***"
     if isinstance(value, (dict, list, tuple)):
         return json.dumps(value, default=str)
@@ -64,10 +64,10 @@ def _flat_values(config) -> dict[str, Any]:
 
 
 def _mask_secrets(node: Any, parent: str = "") -> Any:
-    from overdrive.config.keys import is_secret
+    from overdrive.config.env_report import is_secret_name
 
     if isinstance(node, dict):
-        return {k: ("***" if is_secret(k) and v else _mask_secrets(v, k)) for k, v in node.items()}
+        return {k: ("***" if is_secret_name(k) and v else _mask_secrets(v, k)) for k, v in node.items()}
     return node
 
 

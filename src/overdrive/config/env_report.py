@@ -44,7 +44,6 @@ RUN_VARIABLES = frozenset(
         "DEEPSPEED_ACCELERATOR",
     }
 )
-SECRET_NAME_PARTS = ("TOKEN", "KEY", "PASSWORD", "SECRET")
 MASK = "***"
 # user:password@ in a URL (HF_ENDPOINT, proxies): the host is useful, the credentials are not.
 _URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
@@ -54,9 +53,21 @@ def _environ(environ: Optional[Mapping[str, str]]) -> Mapping[str, str]:
     return os.environ if environ is None else environ
 
 
+# Words of a name that mark a credential (HF_TOKEN, hub_token, MLFLOW_TRACKING_PASSWORD), and
+# the words that make "key" one (WANDB_API_KEY, AWS_ACCESS_KEY_ID; not `fsdp_..._key`).
+_CREDENTIAL_WORDS = frozenset({"token", "password", "passwd", "secret", "apikey", "credentials"})
+_KEY_KINDS = frozenset({"api", "access", "private", "secret", "auth", "signing", "encryption"})
+
+
 def is_secret_name(name: str) -> bool:
-    upper = name.upper()
-    return any(part in upper for part in SECRET_NAME_PARTS)
+    """A config key (`parallel.deepspeed.extra.hub_token`) or environment variable (`HF_TOKEN`)
+    whose value is a credential, judged by the words of its own name: not by the sections it
+    sits in (`tokenizer.*`), nor by a word that only contains one (TOKENIZERS_PARALLELISM)."""
+    words = [word for word in re.split(r"[^a-z0-9]+", name.rsplit(".", 1)[-1].lower()) if word]
+    if words[-2:] in (["token", "id"], ["token", "ids"]):  # pad_token_id: a number in the vocabulary
+        return False
+    keyed = any(word == "key" and before in _KEY_KINDS for before, word in zip(words, words[1:]))
+    return keyed or any(word in _CREDENTIAL_WORDS for word in words)
 
 
 def masked_value(name: str, value: str) -> str:

@@ -10,7 +10,7 @@ from typing import Any, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from overdrive.config.schema import ALIASES, OPEN_MAPPINGS, SECRET_MARKERS, RunConfig
+from overdrive.config.schema import ALIASES, OPEN_MAPPINGS, RunConfig
 
 
 def _is_section(annotation: Any) -> bool:
@@ -183,9 +183,3 @@ def coerce(key: str, value: Any) -> Any:
             except ValidationError:
                 return value
     return value
-
-
-def is_secret(key: str) -> bool:
-    # The key's own name, not its sections: `tokenizer.vocab_size` is no token.
-    lowered = key.rsplit(".", 1)[-1].lower()
-    return any(marker in lowered for marker in SECRET_MARKERS)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from overdrive.config import keys, native
+from overdrive.config.env_report import is_secret_name
 from overdrive.config.schema import RunConfig
 from overdrive.config.sources import load_file
 from overdrive.errors import Problem
@@ -168,7 +169,8 @@ def cli_layer(arguments: Iterable[str]) -> LayerOutput:
             out.errors.append(Problem(argument, "expected key=value", "cli", "e.g. optim.lr=3e-4 or lr=3e-4"))
             continue
         key = keys.expand_alias(key.strip())
-        origin = Origin("cli", argument)
+        # The origin is printed by explain and kept in resolved.json: never a credential.
+        origin = Origin("cli", f"{argument.partition('=')[0]}=***" if is_secret_name(key) else argument)
         if keys.is_known(key):
             out.settings.append(Setting(key, value, origin))
         elif key in keys.section_keys():

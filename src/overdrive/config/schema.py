@@ -406,5 +406,3 @@ ALIASES: dict[str, str] = {
 # Fields whose values are free-form mappings: their sub-keys are not checked against the
 # schema (they belong to Transformers or DeepSpeed), but each still carries its origin.
 OPEN_MAPPINGS = frozenset({"model.architecture", "parallel.deepspeed.extra"})
-
-SECRET_MARKERS = ("token", "api_key", "apikey", "password", "secret")
