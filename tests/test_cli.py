@@ -47,3 +47,16 @@ def test_missing_file_is_a_clear_error():
 def test_config_reference_is_up_to_date():
     result = run_cli("docs", "--check", "-o", str(REPO / "docs" / "config.md"))
     assert result.returncode == 0, "docs/config.md is stale: run `overdrive docs`"
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """`overdrive estimate --json | head -1`: the pipe closes before the output is written."""
+    code = ("import sys\nfrom overdrive.errors import run_reporting_errors\n"
+            "def write():\n    while True:\n        sys.stdout.write('x' * 65536)\n"
+            "sys.exit(run_reporting_errors(write))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(10)
+    proc.stdout.close()  # as `head` does once it has its line
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr

@@ -62,3 +62,10 @@ def run_reporting_errors(function: Callable, *args) -> int:
     except KeyboardInterrupt:
         print("overdrive: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # `overdrive estimate --json | head`: the reader left. Python's documented remedy:
+        # point stdout at devnull so the interpreter's final flush does not fail again.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

@@ -219,7 +219,9 @@ def _map_accelerate_deepspeed(ds: Mapping[str, Any], c: _Collector, base_dir: Pa
             c.error(path + (key,), "DeepSpeed's own multi-node launcher is not used: overdrive launches with torch.distributed.run",
                     "remove it and set launch.num_machines, launch.machine_rank, launch.main_process_ip")
         elif key == "deepspeed_multinode_launcher":
-            c.warn(path + (key,), "ignored: overdrive launches with torch.distributed.run")
+            # "standard" is Accelerate's torchrun-style launcher: what overdrive does anyway.
+            if value not in (None, "standard"):
+                c.warn(path + (key,), f"{value} ignored: overdrive launches with torch.distributed.run")
         elif key == "deepspeed_moe_layer_cls_names":
             c.warn(path + (key,), "ignored: mixture-of-experts leaf modules are not configured by overdrive")
         elif key == "deepspeed_config_file":
