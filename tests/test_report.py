@@ -43,6 +43,7 @@ def make_run(run_dir: Path, seed: int = 0, strategy: str = "ddp", steps: int = 3
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     if with_resolved:
         config = RunConfig.model_validate({"parallel": {"strategy": strategy}, "launch": {"num_processes": 2},
+                                           "training": {"micro_batch_size": 16, "max_steps": steps}, "optim": {"lr": 1e-3},
                                            "output_dir": str(run_dir)}).model_dump(mode="json")
         origins = {"parallel.strategy": "cli", "launch.num_processes": "file run.yaml:3", "optim.lr": "default"}
         (run_dir / "resolved.json").write_text(json.dumps({"config": config, "origins": origins}))
