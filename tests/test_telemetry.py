@@ -127,3 +127,11 @@ def test_mfu_remeasures_a_cpu_peak_the_run_outpaces(tmp_path, monkeypatch):
     assert peak.mfu(5e9) == pytest.approx(0.5)
     assert peak.mfu(2e10) == pytest.approx(0.5)  # faster than the first peak: measured again
     assert peak.flops == 4e10
+
+
+def test_measuring_the_peak_leaves_the_global_random_stream_alone():
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    telemetry.measure_matmul_flops(sizes=(64,), repeats=1)
+    assert torch.equal(torch.rand(4), expected)

@@ -64,8 +64,10 @@ def measure_matmul_flops(dtype: torch.dtype = torch.float32, sizes=(512, 1024, 2
     repeat slowed by another process or a size that misses the cache should not lower it.
     """
     best = 0.0
+    # Its own generator: a probe taken mid-run must not move the run's random stream.
+    generator = torch.Generator().manual_seed(0)
     for n in sizes:
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a, b = (torch.randn(n, n, dtype=dtype, generator=generator) for _ in range(2))
         torch.mm(a, b)  # warm-up: the first call pays for allocation and kernel selection
         for _ in range(repeats):
             start = time.perf_counter()
