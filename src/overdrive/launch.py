@@ -1,4 +1,5 @@
-"""Starting the workers: torch.distributed.run (the elastic agent), many machines, SLURM.
+"""Starting the workers: torch.distributed.run (the elastic agent), many machines, user
+scripts. The same run as other launchers' command lines and an sbatch script: launch_lines.py.
 
 `overdrive train` with `launch.num_processes > 1` calls `launch_workers(resolved)`: the
 resolved config is written to `<output_dir>/resolved.json`, and the elastic agent starts

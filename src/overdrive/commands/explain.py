@@ -50,10 +50,12 @@ def _shown(key: str, value: Any) -> str:
 
 
 def _flat_values(config) -> dict[str, Any]:
+    from overdrive.config.schema import OPEN_MAPPINGS
+
     flat: dict[str, Any] = {}
 
     def walk(node: Any, prefix: str) -> None:
-        if isinstance(node, dict) and node and prefix not in ("model.architecture", "parallel.deepspeed.extra"):
+        if isinstance(node, dict) and node and prefix not in OPEN_MAPPINGS:
             for name, child in node.items():
                 walk(child, f"{prefix}.{name}" if prefix else name)
         else:

@@ -10,7 +10,35 @@ from typing import Any, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from overdrive.config.schema import ALIASES, OPEN_MAPPINGS, RunConfig
+from overdrive.config.schema import OPEN_MAPPINGS, RunConfig
+
+# Short names accepted on the command line and in overrides (`lr=3e-4`).
+ALIASES: dict[str, str] = {
+    "lr": "optim.lr",
+    "learning_rate": "optim.lr",
+    "batch_size": "training.micro_batch_size",
+    "micro_batch_size": "training.micro_batch_size",
+    "mbs": "training.micro_batch_size",
+    "accum": "training.gradient_accumulation_steps",
+    "gradient_accumulation_steps": "training.gradient_accumulation_steps",
+    "steps": "training.max_steps",
+    "max_steps": "training.max_steps",
+    "seed": "training.seed",
+    "clip": "training.gradient_clipping",
+    "precision": "precision.mixed_precision",
+    "mixed_precision": "precision.mixed_precision",
+    "strategy": "parallel.strategy",
+    "zero_stage": "parallel.deepspeed.zero_stage",
+    "zero": "parallel.deepspeed.zero_stage",
+    "nproc": "launch.num_processes",
+    "num_processes": "launch.num_processes",
+    "seq_len": "data.max_length",
+    "max_length": "data.max_length",
+    "model": "model.name_or_path",
+    "data": "data.source",
+    "compile": "compile.backend",
+    "out": "output_dir",
+}
 
 
 def _is_section(annotation: Any) -> bool:

@@ -7,7 +7,8 @@ from typing import Any, get_args, get_origin
 
 from pydantic import BaseModel
 
-from overdrive.config.schema import ALIASES, RunConfig
+from overdrive.config.keys import ALIASES
+from overdrive.config.schema import RunConfig
 
 HEADER = """# Configuration reference
 
