@@ -186,7 +186,7 @@ def write(tuned, grid, runs, speed, compiled, tune_s, grid_s, cache_s, hit, same
         "",
         f"`bench/bench_tune.py`, measured {time.strftime('%Y-%m-%d %H:%M')} on {m['cpu']}, {m['cores']} cores, "
         f"{m['ram_gib']} GiB, no GPU (torch {v['torch']}); load average before: {load_before}, after: {load()} "
-        "(the machine is shared: other processes compete for the cores throughout).",
+        "(the machine is shared with other work).",
         "",
         f"Job: GPT-2 {arch['n_layer']} layers x {arch['n_embd']} wide, vocabulary {JOB['tokenizer']['vocab_size']}, "
         f"{JOB['data']['max_length']} tokens per sample, global batch {tuned['global_batch']} on one process, "
@@ -258,12 +258,14 @@ def write(tuned, grid, runs, speed, compiled, tune_s, grid_s, cache_s, hit, same
     for c in tuned["candidates"]:
         lines.append(f"| {c['label']} | {c['status']} | {c['tokens_per_s'] or 0:,.0f} | {c['run_tokens_per_s'] or 0:,.0f} "
                      f"| {c['reason']} |")
-    lines += ["", "Numbers are as measured on a shared, loaded machine: single trials vary by tens of percent "
-              "from one minute to the next, which is why the comparison above re-measures the picks in rounds. "
-              "The configuration as given uses both cores (torch's default); with other processes on the same two "
-              "cores, every OpenMP parallel region waits for a descheduled thread, which makes it several times "
-              "slower than one thread here. On an idle machine that gap, and so the speedup over the "
-              "configuration as given, would be much smaller; the comparison with the grid does not depend on it."]
+    lines += ["", "Single trials vary by tens of percent from one minute to the next on a shared machine, which is "
+              "why the comparison above re-measures the picks in rounds. The load averages above say how busy the "
+              "cores were: with other processes on the same two cores, every OpenMP parallel region of a "
+              "two-thread run waits for a descheduled thread, so one thread per process wins under load and the "
+              "speedup over the configuration as given (two threads, torch's default) is largest then. The "
+              "comparison with the grid does not depend on it. The time ratio does: each trial pays a fixed cost "
+              "(a fresh process, the model and data built) that early stopping cannot save, and the faster the "
+              "steps, the larger that cost's share."]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text("\n".join(lines) + "\n")
 
