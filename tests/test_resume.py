@@ -90,7 +90,7 @@ def test_a_corrupt_checkpoint_and_a_half_written_save_are_skipped(reference, kil
     (newest / "optimizer.bin").write_bytes(bytes(data))
     # A save killed half-way: its temp dir, part of its files, no manifest.
     partial = checkpoints / f".tmp-step-{int(newest.name[5:]) + 5:08d}"
-    partial.mkdir()
+    partial.mkdir(exist_ok=True)  # the SIGKILL may have landed in that very save
     (partial / "model.safetensors").write_bytes(b"\0" * 1000)
 
     proc = run(command(out, cache, *RUN), cwd=work)
