@@ -117,18 +117,22 @@ class DevicePeak:
     """A device's peak FLOPs/s and the MFU of an achieved rate against it.
 
     On a CPU the peak is measured, and a measurement taken while other processes held the
-    cores is too low: when the run itself goes faster than the peak, the peak is measured
-    again (a probe of tens of milliseconds, at a logging step) and the best is kept.
+    cores is too low: the first time the run itself goes faster than the peak, the peak is
+    measured again (a probe of tens of milliseconds, at a logging step) and the best is kept.
+    Once only: a run that still outpaces it (the FLOP count is a model, not a measurement)
+    must not pay for a probe at every log.
     """
 
     def __init__(self, device: torch.device, mixed_precision: str, cache_dir: Optional[Path]):
         self.device, self.mixed_precision, self.cache_dir = device, mixed_precision, cache_dir
         self.flops = device_peak_flops(device, mixed_precision, cache_dir)
+        self.may_remeasure = device.type == "cpu"
 
     def mfu(self, achieved_flops: float) -> Optional[float]:
         if self.flops is None:
             return None
-        if achieved_flops > self.flops and self.device.type == "cpu":
+        if achieved_flops > self.flops and self.may_remeasure:
+            self.may_remeasure = False
             self.flops = max(self.flops, device_peak_flops(self.device, self.mixed_precision, self.cache_dir) or 0.0)
         return achieved_flops / self.flops
 

@@ -24,9 +24,9 @@ from overdrive import checkpoint
 from overdrive import data as data_mod
 from overdrive import model as model_mod
 from overdrive import nonfinite, telemetry
-from overdrive.optimization import make_optimizer, make_scheduler
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
+from overdrive.optimization import make_optimizer, make_scheduler
 from overdrive.tokenizer import build_tokenizer
 
 
