@@ -16,10 +16,12 @@ from pathlib import Path
 import torch
 from transformers import get_scheduler
 
-from overdrive import build_accelerator, load_config
+from overdrive import build_accelerator
+
+from overdrive import load_config
 from overdrive.data import content_hash, eval_loader, iter_column, load_splits, tokenize_splits, train_loader
-from overdrive.model import build_model
-from overdrive.tokenizer import build_tokenizer
+from overdrive.training.model import build_model
+from overdrive.training.tokenizer import build_tokenizer
 
 
 def main(argv: list[str]) -> int:

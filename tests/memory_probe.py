@@ -115,7 +115,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from overdrive.config.schema import RunConfig
-    from overdrive.strategies import build_accelerator
+    from overdrive import build_accelerator
 
     cfg = RunConfig.model_validate_json(Path(args.config).read_text())
     accelerator = build_accelerator(cfg)
@@ -123,7 +123,7 @@ def main() -> None:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from overdrive.optimization import param_groups
+    from overdrive.training.optimization import param_groups
 
     torch.manual_seed(0)
     arch = {k: v for k, v in cfg.model.architecture.items() if k != "model_type"}

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from overdrive import autobatch
+from overdrive.training import autobatch
 from overdrive.config.schema import RunConfig
 from overdrive.errors import UserError
 from overdrive.memory.report import Capacity
@@ -117,8 +117,8 @@ def test_predicted_then_confirmed_on_an_accelerator():
 DEEPSPEED = """
 import json, sys
 from overdrive.config import load_config
-from overdrive.strategies import build_accelerator
-from overdrive import autobatch
+from overdrive import build_accelerator
+from overdrive.training import autobatch
 from overdrive.memory.report import Capacity
 cap = Capacity(8 * 2**30, 8 * 2**30, "host", "test")
 cfg = autobatch.predicted_config(load_config(cli=sys.argv[1:]), capacity=cap)
@@ -157,8 +157,7 @@ def test_deepspeed_accepts_micro_batch_auto():
 def _train(tmp_path, name: str, **training) -> list[dict]:
     from accelerate.state import AcceleratorState
 
-    from overdrive import trainer
-
+    from overdrive.training import loop as trainer
     data = json.loads(json.dumps(TINY))
     data["model"]["architecture"].update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     data["training"].update(max_steps=3, log_every_steps=1, eval_every_steps=None, **training)

@@ -10,7 +10,7 @@ import signal
 import pytest
 import torch
 
-from overdrive import nonfinite
+from overdrive.training import nonfinite
 from overdrive.checkpoint import fingerprint as fp
 from overdrive.checkpoint import session, store
 from overdrive.checkpoint.signals import StopRequest
@@ -279,7 +279,7 @@ def test_a_second_ctrl_c_stops_at_once():
 def test_the_failure_summary_names_the_rank_that_died_first():
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from overdrive.elastic import describe
+    from overdrive.launch.elastic import describe
 
     # The agent stops the survivors with SIGTERM, often within the same second.
     error = ChildFailedError("overdrive.cli", {0: ProcessFailure(0, 100, -signal.SIGTERM, "<N/A>"),

@@ -9,7 +9,7 @@ import pytest
 from conftest import PEER_CONFIGS, run_cli
 from overdrive.config import check_for_train, hardware_warnings, resolve
 from overdrive.errors import UserError
-from overdrive.hardware import Gpu, Hardware
+from overdrive.system.hardware import Gpu, Hardware
 
 
 def problems_of(*files, cli=(), env=None) -> str:

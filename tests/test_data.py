@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from overdrive import data, tokenizer
+from overdrive import data
+
+from overdrive.training import tokenizer
 from overdrive.config.schema import RunConfig
 from overdrive.errors import UserError
 
@@ -62,7 +64,7 @@ def test_local_files_of_each_format(tmp_path, fmt):
         datasets.Dataset.from_list(ROWS).to_parquet(str(path))
     else:
         path.write_text("\n".join(r["text"] for r in ROWS))
-    train, validation = data.load_source(str(path), cache_dir=tmp_path / "ds")
+    train, validation = data.sources.load_source(str(path), cache_dir=tmp_path / "ds")
     assert validation is None
     # Plain text is one document per file (a language model wants documents, not lines).
     assert len(train) == (1 if fmt == "txt" else len(ROWS))
@@ -136,7 +138,7 @@ def test_causal_lm_packs_documents_with_eos_and_caches_tokens(tmp_path, small_bp
     assert (stream == small_bpe.eos_token_id).sum() == len(splits.train)  # one EOS per document
     assert len(tokens.train) == len(stream) // 16
     # Same text and tokenizer: read from the cache, not tokenized again.
-    monkeypatch.setattr(data, "token_stream", lambda *a, **k: pytest.fail("tokenized again"))
+    monkeypatch.setattr(data.tokens, "token_stream", lambda *a, **k: pytest.fail("tokenized again"))
     again = data.tokenize_splits(splits, small_bpe, "causal-lm", 16, tmp_path / "cache")
     np.testing.assert_array_equal(again.train.tokens, stream)
 
@@ -149,13 +151,13 @@ def test_classification_maps_string_labels_and_pads(tmp_path, small_bpe):
     assert tokens.label_names == ["neg", "pos"]
     rows = [tokens.train[i] for i in range(3)]
     assert all(len(r["input_ids"]) <= 12 for r in rows)
-    batch = data.PadCollator(small_bpe.pad_token_id)(rows)
+    batch = data.tokens.PadCollator(small_bpe.pad_token_id)(rows)
     assert batch["input_ids"].shape[0] == 3 and batch["attention_mask"].sum() == sum(len(r["input_ids"]) for r in rows)
     assert set(batch["labels"].tolist()) <= {0, 1}
 
 
 def test_train_loader_uses_whole_global_batches(tmp_path):
-    dataset = data.PackedBlocks(np.arange(100 * 8, dtype=np.uint16), 8)  # 100 samples
+    dataset = data.tokens.PackedBlocks(np.arange(100 * 8, dtype=np.uint16), 8)  # 100 samples
     loader = data.train_loader(dataset, micro_batch_size=4, accumulation=3, world_size=2, seed=0,
                                num_workers=0, pin_memory=False)
     assert len(loader) == 96 // 4  # 4 x 3 x 2 = 24 per global batch; 4 of them fit

@@ -9,9 +9,9 @@ import pytest
 import yaml
 from conftest import PEER_CONFIGS, REPO, run_cli
 
-from overdrive import export
+from overdrive.interop import writing as export
 from overdrive.config import resolve
-from overdrive.strategies import deepspeed
+from overdrive.interop import deepspeed_config
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 # Every key the two formats carry, to compare after a round trip.
@@ -77,7 +77,7 @@ def test_exported_files_are_accepted_and_round_trip(config, tmp_path, monkeypatc
     for key in CARRIED if ds_file else set(CARRIED) - BATCH:
         assert same(value_at(back, key), value_at(cfg, key)), key
     if ds_file:
-        assert deepspeed.ds_config(back, 2, 64) == deepspeed.ds_config(cfg, 2, 64)
+        assert deepspeed_config.ds_config(back, 2, 64) == deepspeed_config.ds_config(cfg, 2, 64)
 
 
 def test_deepspeed_json_for_a_ddp_run_is_refused(tmp_path):

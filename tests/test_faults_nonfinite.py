@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from overdrive import model as model_mod
-from overdrive import trainer
+from overdrive.training import model as model_mod
+from overdrive.training import loop as trainer
 from overdrive.config.schema import RunConfig
 
 # No dropout: runs are compared with each other, and the first run in a fresh cache draws

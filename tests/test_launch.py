@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from conftest import REPO, run_cli
 
-from overdrive import launch
+from overdrive.launch import process, workers
 from overdrive.config import Resolved, load_config, resolve
 from overdrive.config.schema import LaunchConfig, RunConfig
 from overdrive.errors import UserError
@@ -23,7 +23,7 @@ def cfg_of(*cli: str) -> RunConfig:
 
 
 def test_single_machine_static_rendezvous():
-    args = launch.torchrun_args(cfg_of("launch.num_processes=4", "launch.main_process_port=29555", "launch.max_restarts=2"))
+    args = workers.torchrun_args(cfg_of("launch.num_processes=4", "launch.main_process_port=29555", "launch.max_restarts=2"))
     assert args == ["--nnodes", "1", "--nproc-per-node", "4", "--max-restarts", "2", "--monitor-interval", "1.0",
                     "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", "29555"]
 
@@ -31,7 +31,7 @@ def test_single_machine_static_rendezvous():
 def test_multi_node_splits_processes_over_machines():
     cfg = cfg_of("launch.num_processes=16", "launch.num_machines=2", "launch.machine_rank=1",
                  "launch.main_process_ip=10.0.0.1")
-    args = launch.torchrun_args(cfg)
+    args = workers.torchrun_args(cfg)
     assert args[args.index("--nnodes") + 1] == "2"
     assert args[args.index("--nproc-per-node") + 1] == "8"
     assert args[args.index("--node-rank") + 1] == "1"
@@ -41,7 +41,7 @@ def test_multi_node_splits_processes_over_machines():
 def test_c10d_rendezvous_needs_no_node_rank():
     cfg = cfg_of("launch.num_processes=4", "launch.num_machines=2", "launch.main_process_ip=10.0.0.1",
                  "launch.rdzv_backend=c10d", "launch.rdzv_id=job7")
-    args = launch.torchrun_args(cfg)
+    args = workers.torchrun_args(cfg)
     assert "--node-rank" not in args
     assert args[args.index("--rdzv-endpoint") + 1] == "10.0.0.1:29500"
     assert args[args.index("--rdzv-id") + 1] == "job7"
@@ -54,12 +54,12 @@ def test_a_busy_port_on_one_machine_is_swapped_for_a_free_one():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        cfg = launch.local_port(cfg_of("launch.num_processes=2", f"launch.main_process_port={port}"))
+        cfg = workers.local_port(cfg_of("launch.num_processes=2", f"launch.main_process_port={port}"))
         assert cfg.launch.main_process_port != port
         # Several machines agreed on the port: it is kept (and torchrun reports a clash).
         multi = cfg_of("launch.num_processes=2", "launch.num_machines=2", "launch.main_process_ip=127.0.0.1",
                        f"launch.main_process_port={port}")
-        assert launch.local_port(multi).launch.main_process_port == port
+        assert workers.local_port(multi).launch.main_process_port == port
 
 
 # --------------------------------------------------------------------------- worker environment
@@ -67,14 +67,14 @@ def test_a_busy_port_on_one_machine_is_swapped_for_a_free_one():
 
 def test_worker_environment(monkeypatch):
     base = {"PATH": "/bin", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "ACCELERATE_MIXED_PRECISION": "fp16"}
-    env = launch.worker_environment(cfg_of("parallel.strategy=deepspeed", "launch.num_processes=2",
+    env = process.worker_environment(cfg_of("parallel.strategy=deepspeed", "launch.num_processes=2",
                                            "launch.threads_per_process=3", "launch.use_cpu=true"), base)
     # Accelerate's own variables are already folded into the resolved config: not passed on.
     assert not [k for k in env if k.startswith(("ACCELERATE_", "FSDP_"))]
     assert env["OMP_NUM_THREADS"] == "3" and env["PATH"] == "/bin"
     assert env["DS_ACCELERATOR"] == "cpu"  # before deepspeed is imported in the worker
-    monkeypatch.setattr(launch.os, "cpu_count", lambda: 8)
-    assert launch.worker_environment(cfg_of("launch.num_processes=4"), {})["OMP_NUM_THREADS"] == "2"
+    monkeypatch.setattr(process.os, "cpu_count", lambda: 8)
+    assert process.worker_environment(cfg_of("launch.num_processes=4"), {})["OMP_NUM_THREADS"] == "2"
 
 
 # --------------------------------------------------------------------------- refusing before start
@@ -88,7 +88,7 @@ def test_launch_refuses_before_any_worker_starts(tmp_path, monkeypatch):
     monkeypatch.setattr(subprocess, "Popen", no_process)
     cfg = RunConfig(launch=LaunchConfig(num_processes=3, num_machines=2), output_dir=str(tmp_path / "run"))
     with pytest.raises(UserError) as raised:
-        launch.launch_workers(Resolved(config=cfg, origins={}))
+        workers.launch_workers(Resolved(config=cfg, origins={}))
     text = str(raised.value)
     assert "launch.num_processes" in text and "launch.main_process_ip" in text
     assert not (tmp_path / "run").exists()
@@ -132,14 +132,13 @@ def test_print_launch_lines_are_accepted_by_their_launchers(tmp_path):
     from accelerate.commands.launch import launch_command_parser
     from torch.distributed.run import get_args_parser
 
-    from overdrive import export
-
+    from overdrive.interop import writing as export
     cfg = resolve([REPO / "configs" / "zero3.yaml"], env={}, accelerate_default=False).config
-    worker = launch.train_worker(tmp_path / "resolved.json")
+    worker = workers.train_worker(tmp_path / "resolved.json")
     args = launch_command_parser().parse_args([*export.accelerate_flags(cfg), *worker])
     assert args.use_deepspeed and args.zero_stage == 3 and args.num_processes == 2
     assert args.mixed_precision == "bf16" and args.module and args.training_script == "overdrive.cli"
-    torchrun = get_args_parser().parse_args([*launch.torchrun_args(cfg), *worker])
+    torchrun = get_args_parser().parse_args([*workers.torchrun_args(cfg), *worker])
     assert torchrun.nproc_per_node == "2" and torchrun.module
 
 

@@ -13,7 +13,8 @@ import pytest
 
 from overdrive.config.schema import RunConfig
 from overdrive.errors import UserError
-from overdrive.report import load_run, summarize, write_report
+from overdrive.reports.summary import load_run, summarize
+from overdrive.reports.write import write_report
 
 OVERDRIVE = [sys.executable, "-m", "overdrive.cli"]
 

@@ -10,6 +10,7 @@ from conftest import PEER_CONFIGS
 from overdrive.config import RunConfig, load_config, resolve
 from overdrive.errors import Problem, UserError
 from overdrive.strategies import accelerator_kwargs, deepspeed, fsdp, problems
+from overdrive.interop import deepspeed_config
 
 TRANSFORMERS_DS = PEER_CONFIGS / "transformers" / "tests" / "deepspeed"
 TOY = ["model.architecture.n_embd=32", "model.architecture.n_head=2", "model.architecture.n_layer=2"]
@@ -70,7 +71,7 @@ def test_deepspeed_dict_is_complete_and_filled_from_the_run_config():
                  "training.gradient_clipping=0.5", "precision.mixed_precision=bf16",
                  "parallel.deepspeed.offload_optimizer=nvme", "parallel.deepspeed.offload_param=cpu",
                  "parallel.deepspeed.nvme_path=/scratch/nvme", "parallel.deepspeed.extra.steps_per_print=7")
-    ds = deepspeed.ds_config(cfg, world_size=2)
+    ds = deepspeed_config.ds_config(cfg, world_size=2)
     assert "auto" not in [value for _, value in leaves(ds)]
     assert ds["train_micro_batch_size_per_gpu"] == 4
     assert ds["gradient_accumulation_steps"] == 3
@@ -92,7 +93,7 @@ def test_deepspeed_dict_is_complete_and_filled_from_the_run_config():
 
 def test_unknown_hidden_size_leaves_bucket_autos_for_prepare():
     cfg = cfg_of("parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3")
-    ds = deepspeed.fill_auto(deepspeed.template(cfg), cfg, 1, hidden_size=None)
+    ds = deepspeed_config.fill_auto(deepspeed_config.template(cfg), cfg, 1, hidden_size=None)
     assert ds["zero_optimization"]["reduce_bucket_size"] == "auto"
     assert ds["train_micro_batch_size_per_gpu"] == cfg.training.micro_batch_size
 
@@ -102,7 +103,7 @@ def test_fill_auto_fills_every_auto_of_the_transformers_configs(name):
     raw = json.loads((TRANSFORMERS_DS / name).read_text())
     cfg = resolve([TRANSFORMERS_DS / name], cli=["training.micro_batch_size=4", *TOY], env={},
                   accelerate_default=False).config
-    filled = deepspeed.fill_auto(raw, cfg, world_size=2, hidden_size=32)
+    filled = deepspeed_config.fill_auto(raw, cfg, world_size=2, hidden_size=32)
     assert [key for key, value in leaves(filled) if value == "auto"] == []
     assert filled["train_batch_size"] == 4 * 1 * 2
     assert filled["optimizer"]["params"]["lr"] == cfg.optim.lr
@@ -118,13 +119,13 @@ def test_fill_auto_reports_contradictions_naming_the_key():
     user = {"train_batch_size": 99, "gradient_accumulation_steps": 2, "bf16": {"enabled": True},
             "zero_optimization": {"stage": 2}}
     found: list[Problem] = []
-    deepspeed.fill_auto(user, cfg, world_size=2, hidden_size=32, problems=found)
+    deepspeed_config.fill_auto(user, cfg, world_size=2, hidden_size=32, problems=found)
     keys = {p.key for p in found}
     assert "training.micro_batch_size" in keys  # train_batch_size 99 != 4 x 2 x 2
     assert "precision.mixed_precision" in keys  # bf16 enabled, but precision is "no"
     assert any("16" in p.message and "99" in p.message for p in found)
     with pytest.raises(UserError) as raised:
-        deepspeed.fill_auto(user, cfg, world_size=2, hidden_size=32)
+        deepspeed_config.fill_auto(user, cfg, world_size=2, hidden_size=32)
     assert "training.micro_batch_size" in str(raised.value)
 
 

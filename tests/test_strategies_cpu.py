@@ -50,7 +50,8 @@ def test_an_explicit_backend_wins():
 LONE_PROCESS = """
 import json, sys, torch
 from overdrive.config import load_config
-from overdrive.strategies import build_accelerator, shard_fraction
+from overdrive import build_accelerator
+from overdrive.strategies import shard_fraction
 cfg = load_config(cli=sys.argv[1:], env={})
 acc = build_accelerator(cfg)
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
@@ -84,7 +85,7 @@ def test_accelerates_own_switches_do_not_override_the_strategy():
     (cpu=True); the config already read it (launch.use_cpu), so it must not act again."""
     import os
 
-    code = ("from overdrive.config import load_config; from overdrive.strategies import build_accelerator; "
+    code = ("from overdrive.config import load_config; from overdrive import build_accelerator; "
             "import sys; acc = build_accelerator(load_config(cli=sys.argv[1:])); "
             "print(str(acc.distributed_type).split('.')[-1])")
     env = {**os.environ, "ACCELERATE_USE_CPU": "true"}

@@ -60,7 +60,7 @@ def test_two_processes_match_one(name, base, tmp_path):
 def test_transformers_deepspeed_configs_run_on_cpu(name, extra, base, tmp_path):
     """A DeepSpeed JSON written for the Transformers Trainer, as it is, with its "auto"s filled."""
     from overdrive.config import Resolved
-    from overdrive.strategies import deepspeed
+    from overdrive.interop import deepspeed_config
 
     path = TRANSFORMERS_DS / name
     done = train(str(path), *extra, "launch.num_processes=2", "training.micro_batch_size=4",
@@ -70,7 +70,7 @@ def test_transformers_deepspeed_configs_run_on_cpu(name, extra, base, tmp_path):
     assert len(losses) == 4 and losses[-1] < losses[0]
     # The dict the workers ran: every "auto" filled from the run config, offload kept.
     cfg = Resolved.from_json((tmp_path / "resolved.json").read_text()).config
-    ds = deepspeed.ds_config(cfg, world_size=2)
+    ds = deepspeed_config.ds_config(cfg, world_size=2)
     flat = json.dumps(ds)
     assert '"auto"' not in flat
     assert ds["train_batch_size"] == 4 * 1 * 2

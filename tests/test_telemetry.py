@@ -8,9 +8,7 @@ import json
 import pytest
 import torch
 
-from overdrive import telemetry
-
-
+from overdrive.training import telemetry
 def test_flops_per_token_is_6n_plus_the_attention_term():
     # PaLM appendix B: 6N + 12 * n_layer * n_embd * seq_len.
     assert telemetry.flops_per_token(1_000_000, 4, 256, 512) == 6e6 + 12 * 4 * 256 * 512

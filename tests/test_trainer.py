@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from overdrive import optimization, trainer
+from overdrive.training import optimization
+
+from overdrive.training import loop as trainer
 from overdrive.config.schema import RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,7 +86,7 @@ def test_warmup_then_cosine_to_the_floor():
 
 
 def test_no_weight_decay_on_biases_and_norms():
-    from overdrive.model import build_model
+    from overdrive.training.model import build_model
 
     model = build_model(RunConfig.model_validate({"model": {"architecture": TINY_ARCH}}), vocab_size=100)
     decay, no_decay = optimization.param_groups(model, 0.1)

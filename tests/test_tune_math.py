@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from overdrive import trainer
+from overdrive.training import loop as trainer
 from overdrive.config import resolve
 from overdrive.tune import TrialPlan, TuneOptions, make_job, run
 from overdrive.tune.space import apply

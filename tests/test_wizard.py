@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from overdrive import wizard, wizard_files
+from overdrive.wizard import questions as wizard
+
+from overdrive.wizard import files as wizard_files
 from overdrive.config.schema import RunConfig
 from overdrive.errors import UserError
 
@@ -219,7 +221,7 @@ def test_wizard_in_a_real_terminal_then_explain_and_train(tmp_path):
     explain = subprocess.run(OVERDRIVE + ["explain", str(out)], env=env, capture_output=True, text=True, timeout=120)
     assert explain.returncode == 0, explain.stdout + explain.stderr
 
-    if importlib.util.find_spec("overdrive.trainer") is None:
+    if importlib.util.find_spec("overdrive.training.loop") is None:
         pytest.skip("overdrive train is not available yet")
     run_dir = tmp_path / "run"
     train = subprocess.run(

@@ -18,7 +18,7 @@ def __getattr__(name: str):
 
         return RunConfig
     if name == "build_accelerator":
-        from overdrive.strategies import build_accelerator
+        from overdrive.launch.process import build_accelerator
 
         return build_accelerator
     raise AttributeError(f"module 'overdrive' has no attribute {name!r}")

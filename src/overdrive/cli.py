@@ -12,7 +12,6 @@ import importlib
 import sys
 
 from overdrive import __version__
-
 # name -> (module, one-line help). Order is the order shown in --help.
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("overdrive.commands.train", "train a model from a run config (bare: the embedded default)"),

@@ -12,7 +12,7 @@ What a checkpoint holds, and who writes it:
   whole config with its fingerprint.
 
 The data position is restored by the sampler: each epoch's order depends only on the seed
-and the epoch number (data.py), and `accelerator.skip_first_batches` drops the indices
+and the epoch number (data/loaders.py), and `accelerator.skip_first_batches` drops the indices
 already trained on without loading them.
 """
 

@@ -20,14 +20,14 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from overdrive.console import get_console, print_table
-    from overdrive.report import config_differences, flatten, load_run, metric_rows, summarize
+    from overdrive.reports.summary import config_differences, flatten, load_run, metric_rows, summarize
 
     a, b = load_run(args.run_a), load_run(args.run_b)
     sa, sb = summarize(a), summarize(b)
     differences = config_differences(a, b)
     metrics = metric_rows(sa, sb)
     if args.plot:
-        from overdrive.report_plots import plot_compare
+        from overdrive.reports.plots import plot_compare
 
         plot_compare(a, b, Path(args.plot))
     if args.json:

@@ -64,10 +64,12 @@ def _presets(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     from rich.text import Text
 
-    from overdrive import wizard, wizard_files
+    from overdrive.wizard import questions as wizard
+
+    from overdrive.wizard import files as wizard_files
     from overdrive.config.env_report import accelerate_default_config_path
     from overdrive.console import get_console, is_interactive
-    from overdrive.environment import hardware
+    from overdrive.system.report import hardware
     from overdrive.errors import keep_existing_files
 
     console = get_console(quiet=args.quiet)
@@ -120,8 +122,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _confirm_path(path: Path, args, read, say, what: str, allow_other: bool = True):
     """`path` if it may be written, another path the user typed, or None to write nothing."""
-    from overdrive import wizard
-
+    from overdrive.wizard import questions as wizard
     while path.exists() and not args.force:
         ask = wizard.Asker(read=read, say=say)
         if ask("overwrite", f"{path} exists. Overwrite this {what}?", wizard.yes_no, False):

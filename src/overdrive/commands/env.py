@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from overdrive.environment import collect, to_markdown
+    from overdrive.system.report import collect, to_markdown
 
     report = collect(with_hardware=not args.no_hardware)
     if args.json:

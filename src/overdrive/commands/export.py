@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from overdrive import export
+    from overdrive.interop import writing as export
     from overdrive.commands.explain import resolve_from_args
     from overdrive.errors import UserError, keep_existing_files
 

@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from overdrive import export
+    from overdrive.interop import writing as export
     from overdrive.config import resolve
     from overdrive.errors import keep_existing_files
 

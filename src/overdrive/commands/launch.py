@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from overdrive import launch
+    from overdrive.launch import user_script as launch
     from overdrive.errors import UserError
 
     if args.worker:

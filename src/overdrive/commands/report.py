@@ -16,7 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from overdrive.console import get_console, is_interactive, print_table
-    from overdrive.report import METRICS, fmt, write_report
+    from overdrive.reports.summary import METRICS, fmt
+    from overdrive.reports.write import write_report
 
     console = get_console(quiet=args.quiet)
     if is_interactive() and not args.quiet:

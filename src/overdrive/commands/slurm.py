@@ -17,7 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from overdrive import launch, launch_lines
+    from overdrive.launch import workers as launch
+
+    from overdrive.launch import lines as launch_lines
     from overdrive.commands.explain import resolve_from_args
     from overdrive.errors import keep_existing_files
 

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     resolved, in_worker = _load(args)
     cfg = resolved.config
     if getattr(args, "print_launch", False):
-        from overdrive.launch_lines import print_launch
+        from overdrive.launch.lines import print_launch
 
         return print_launch(resolved)
     if not in_worker:
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     if not in_worker and cfg.launch.num_processes > 1:
         return _launch(resolved, force)
 
-    from overdrive.trainer import train
+    from overdrive.training.loop import train
 
     result = train(resolved, force=force)
     if result.stopped_by:
@@ -84,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
 def _launch(resolved, force: bool) -> int:
     """Start the workers. The resume is judged here first, so a refusal is one message before
     anything starts, and a new world size reaches the workers with its accumulation."""
-    from overdrive import checkpoint, launch
-
+    from overdrive import checkpoint
+    from overdrive.launch import workers as launch
     resolved = checkpoint.with_plan(resolved, checkpoint.plan_resume(resolved.config, force))
     worker = launch.train_worker(launch.resolved_path(resolved.config)) + (["--force"] if force else [])
     code = int(launch.launch_workers(resolved, worker=worker) or 0)

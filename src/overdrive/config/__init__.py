@@ -136,15 +136,13 @@ def load_config(*files: str | Path, overrides: Mapping[str, Any] | None = None, 
 
 
 def hardware_warnings(resolved: Resolved, hardware=None) -> list[Problem]:
-    from overdrive import hardware as hw
-
+    from overdrive.system import hardware as hw
     return validate.hardware_problems(resolved.config, resolved.chains, hardware or hw.detect(light=True))
 
 
 def check_for_train(resolved: Resolved, hardware=None) -> None:
     """Before training: what this machine lacks of what the config asks is an error."""
-    from overdrive import hardware as hw
-
+    from overdrive.system import hardware as hw
     problems = validate.hardware_problems(resolved.config, resolved.chains, hardware or hw.detect(light=False))
     if problems:
         raise UserError(problems, title="this machine cannot run the config as written")

@@ -16,54 +16,19 @@ merge keeps, per key, the whole chain of settings so `explain --key` can show wh
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from overdrive.config import keys, native
+from overdrive.config import keys
 from overdrive.config.env_report import is_secret_name
+from overdrive.config.provenance import LayerOutput, Origin, Setting
 from overdrive.config.schema import RunConfig
 from overdrive.config.sources import load_file
 from overdrive.errors import Problem
+from overdrive.interop import reading as native
 
 LAYERS = ("default", "accelerate-default", "file", "env", "cli", "override")
 META_KEYS = ("extends", "layer")
-
-
-@dataclass(frozen=True)
-class Origin:
-    """Where a value came from: the layer, and the file:line or variable when there is one."""
-
-    layer: str
-    source: str = ""
-    line: int | None = None
-
-    def __str__(self) -> str:
-        if not self.source:
-            return self.layer
-        return f"{self.layer} {self.source}" + (f":{self.line}" if self.line else "")
-
-
-@dataclass(frozen=True)
-class Setting:
-    key: str
-    value: Any
-    origin: Origin
-    # "deepspeed" when the value was written explicitly in a DeepSpeed JSON: DeepSpeed will
-    # insist on it, so a different winning value is a contradiction, not an override.
-    native: str = ""
-
-
-@dataclass
-class LayerOutput:
-    settings: list[Setting] = field(default_factory=list)
-    errors: list[Problem] = field(default_factory=list)
-    warnings: list[Problem] = field(default_factory=list)
-
-    def extend(self, other: "LayerOutput") -> None:
-        self.settings += other.settings
-        self.errors += other.errors
-        self.warnings += other.warnings
 
 
 def flatten_schema_mapping(data: Mapping[str, Any], origin_for, prefix: str = "") -> LayerOutput:

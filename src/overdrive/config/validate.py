@@ -111,12 +111,10 @@ def deepspeed_dict_problems(cfg: RunConfig) -> list[Problem]:
     if cfg.parallel.strategy != "deepspeed" or cfg.training.micro_batch_size == "auto":
         # `auto` is resolved to integers before the plugin is built, and the dict checked then.
         return []
-    from overdrive.strategies import deepspeed  # pure dict work: imports neither torch nor deepspeed
+    from overdrive.interop.deepspeed_config import ds_config  # pure dict work: no torch, no deepspeed
 
-    extra = {k: v for k, v in cfg.parallel.deepspeed.extra.items() if k not in deepspeed.CLIENT_SIDE_SECTIONS}
     found: list[Problem] = []
-    deepspeed.fill_auto(deepspeed.deep_merge(deepspeed.template(cfg), extra), cfg, cfg.launch.num_processes, None,
-                        problems=found)
+    ds_config(cfg, cfg.launch.num_processes, problems=found, find_hidden_size=False)
     return found
 
 

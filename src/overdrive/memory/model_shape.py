@@ -46,7 +46,7 @@ def load_run_config(path: Optional[str], cli: list[str] = ()):
 
 def hf_config_for_run(cfg) -> Any:
     """The Transformers config a run would build, without weights or tokenizer."""
-    from overdrive.model import model_config
+    from overdrive.training.model import model_config
 
     _quiet_transformers()
     vocab = None if cfg.model.name_or_path else cfg.tokenizer.vocab_size

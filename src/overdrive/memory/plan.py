@@ -29,7 +29,6 @@ def data_size(cfg) -> DataSize:
     """Training tokens before the validation hold-out, and how they were counted."""
     try:  # exact, when the data pipeline can say from its cache without tokenizing
         from overdrive import data
-
         counter = getattr(data, "cached_token_count", None)
         tokens = counter(cfg) if counter else None
         if tokens:

@@ -1,7 +1,7 @@
 """Run config -> Accelerator. One pure function per strategy, one place that builds.
 
 `accelerator_kwargs(cfg, world_size)` returns the keyword arguments for `Accelerator(...)`;
-`build_accelerator(cfg)` constructs it. Plugins are always built explicitly from the config,
+`construct_accelerator(cfg)` constructs it. Plugins are always built explicitly from the config,
 so nothing is read from `ACCELERATE_*` environment variables behind the user's back.
 
     ddp.py        DistributedDataParallel, and the single-process path
@@ -40,21 +40,19 @@ def problems(cfg: RunConfig, world_size: int | None = None) -> list[Problem]:
 
     found = cpu.problems(cfg)
     if cfg.parallel.strategy == "deepspeed":
-        from overdrive.strategies import deepspeed
+        from overdrive.interop.deepspeed_config import ds_config
 
-        extra = {k: v for k, v in cfg.parallel.deepspeed.extra.items() if k not in deepspeed.CLIENT_SIDE_SECTIONS}
-        merged = deepspeed.deep_merge(deepspeed.template(cfg), extra)
-        deepspeed.fill_auto(merged, cfg, world_size or cfg.launch.num_processes, None, problems=found)
+        ds_config(cfg, world_size or cfg.launch.num_processes, problems=found, find_hidden_size=False)
     return found
 
 
-def build_accelerator(cfg: RunConfig, world_size: int | None = None, **extra_kwargs: Any):
-    """An Accelerator configured from `cfg` alone.
+def construct_accelerator(cfg: RunConfig, world_size: int | None = None, **extra_kwargs: Any):
+    """An Accelerator configured from `cfg` alone, in a process already prepared for it
+    (`overdrive.build_accelerator` prepares the process, then calls this).
 
     `extra_kwargs` (log_with, project_dir, ...) are merged into the Accelerator call;
     `kwargs_handlers` given there are added to overdrive's own.
     """
-    from overdrive import launch
     from overdrive.errors import UserError
     from overdrive.strategies import cpu
 
@@ -63,12 +61,8 @@ def build_accelerator(cfg: RunConfig, world_size: int | None = None, **extra_kwa
     if found:
         raise UserError(found)
 
-    # 1. The process environment first: DeepSpeed reads DS_ACCELERATOR once, when it is first
-    #    imported, which happens while its plugin is built in step 2; and a lone process
-    #    (no launcher) running DeepSpeed or FSDP still needs rank variables for its
-    #    one-member process group.
-    launch.prepare_this_process(cfg)
-
+    # 1. The process environment (DS_ACCELERATOR, rank variables) was set by the caller:
+    #    launch/process.py, the one place that writes it.
     # 2. Arguments from the config: every plugin built here, explicitly.
     kwargs = accelerator_kwargs(cfg, world)
     for key, value in extra_kwargs.items():

@@ -85,7 +85,7 @@ def trial_config(job: Job, overrides: dict[str, Any], workdir: Path) -> str:
 
 def open_starter(job: Job, root: Path):
     """What starts trial processes for this job (close it when done)."""
-    from overdrive import launch
+    from overdrive.launch import process as launch
     from overdrive.tune import processes
 
     # The environment an `overdrive train` worker would get (Accelerate's variables removed:

@@ -17,9 +17,9 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from overdrive import environment
+from overdrive.system import report as environment
 from overdrive.config.schema import RunConfig
-from overdrive.hardware import cpu_model
+from overdrive.system.hardware import cpu_model
 
 FORMAT = 1
 PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "datasets", "tokenizers", "overdrive")
@@ -40,8 +40,7 @@ def versions() -> dict[str, Optional[str]]:
 
 
 def machine() -> dict[str, Any]:
-    from overdrive import hardware
-
+    from overdrive.system import hardware
     hw = hardware.detect(light=True)
     return {"cpu": cpu_model(), "cores": hw.cpu_cores, "ram_gib": round(hw.ram_bytes / 2**30),
             "gpus": [[g.name, round(g.memory_bytes / 2**30)] for g in hw.gpus]}

@@ -24,7 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-PRELOAD = ["torch", "accelerate", "datasets", "transformers", "overdrive.trainer", "overdrive.strategies",
+PRELOAD = ["torch", "accelerate", "datasets", "transformers", "overdrive.training.loop", "overdrive.strategies",
            "overdrive.launch", "overdrive.tune.trials"]
 
 

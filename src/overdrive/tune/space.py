@@ -7,7 +7,7 @@ the hardware differs. Mixed precision is the one option that changes rounding, a
 tuned only among the precisions this hardware supports.
 
 Building the space needs no torch (so `overdrive tune` can answer from its cache at once):
-the facts about the machine come from `overdrive.hardware` and the file system. Pruning by
+the facts about the machine come from `overdrive.system.hardware` and the file system. Pruning by
 memory (`fits_by_estimate`) does import torch, to build the model on the meta device.
 """
 
@@ -100,8 +100,7 @@ class Facts:
 def detect_facts(cfg: RunConfig) -> Facts:
     from importlib.util import find_spec
 
-    from overdrive import hardware
-
+    from overdrive.system import hardware
     hw = hardware.detect(light=True)
     gpu = hw.gpu_count > 0 and not cfg.launch.use_cpu
     compiler, note = "", ""

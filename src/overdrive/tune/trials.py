@@ -200,7 +200,7 @@ def _train(resolved) -> int:
         from overdrive.launch import launch_workers
 
         return int(launch_workers(resolved) or 0)
-    from overdrive.trainer import train
+    from overdrive.training.loop import train
 
     return 1 if train(resolved).stopped_early else 0
 
@@ -209,7 +209,7 @@ def prepare_data(path: str) -> int:
     """Build the tokenizer and the token cache once, before any trial is timed."""
     from overdrive import data
     from overdrive.config import Resolved
-    from overdrive.tokenizer import build_tokenizer
+    from overdrive.training.tokenizer import build_tokenizer
 
     cfg = Resolved.from_json(Path(path).read_text()).config
     splits = data.load_splits(cfg)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from overdrive.config.native_tables import DEEPSPEED_CONFIG_KEYS
+from overdrive.interop.tables import DEEPSPEED_CONFIG_KEYS
 
 
 def _is_auto(value: Any) -> bool:

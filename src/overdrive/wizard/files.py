@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from overdrive.wizard import Answers
+from overdrive.wizard.questions import Answers
 
 
 def run_config(a: Answers) -> dict[str, Any]:

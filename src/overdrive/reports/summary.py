@@ -297,20 +297,6 @@ def summary_markdown(run: Run, summary: dict[str, Any], images: list[Path]) -> s
     return "\n".join(out) + "\n"
 
 
-def write_report(run_dir: str | Path, out_dir: Optional[str | Path] = None) -> tuple[Path, list[Path], dict]:
-    """Plots and summary.md under `<run>/report/`. Returns (summary path, images, summary)."""
-    from overdrive.report_plots import plot_run
-
-    run = load_run(run_dir)
-    target = Path(out_dir) if out_dir else run.path / "report"
-    target.mkdir(parents=True, exist_ok=True)
-    summary = summarize(run)
-    images = plot_run(run, target)
-    path = target / "summary.md"
-    path.write_text(summary_markdown(run, summary, images))
-    return path, images, summary
-
-
 def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in config.items():

@@ -22,12 +22,13 @@ import torch
 
 from overdrive import checkpoint
 from overdrive import data as data_mod
-from overdrive import model as model_mod
-from overdrive import nonfinite, telemetry
+from overdrive.training import model as model_mod
+from overdrive.training import nonfinite
+from overdrive.training import telemetry
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
-from overdrive.optimization import make_optimizer, make_scheduler
-from overdrive.tokenizer import build_tokenizer
+from overdrive.training.optimization import make_optimizer, make_scheduler
+from overdrive.training.tokenizer import build_tokenizer
 
 
 @dataclass
@@ -76,7 +77,7 @@ def _micro_batch(cfg: RunConfig) -> int:
     mbs = cfg.training.micro_batch_size
     if mbs == "auto":
         raise UserError(Problem("training.micro_batch_size", "`auto` must be resolved before the parts are built",
-                                fix="train() resolves it (overdrive.autobatch); or set an integer"))
+                                fix="train() resolves it (overdrive.training.autobatch); or set an integer"))
     return mbs
 
 
@@ -195,7 +196,7 @@ def train(resolved, force: bool = False) -> TrainResult:
     With `checkpoint.resume=auto` it continues from the newest complete checkpoint in
     output_dir; `force` allows that even when the config changed the math since.
     """
-    from overdrive.strategies import build_accelerator
+    from overdrive.launch.process import build_accelerator
 
     # Before anything is built: what to resume, whether this config may, and (on a new
     # world size) the accumulation that keeps the checkpoint's global batch.
@@ -209,8 +210,7 @@ def train(resolved, force: bool = False) -> TrainResult:
     trackers = telemetry.resolve_trackers(cfg.logging.trackers)
     auto = cfg.training.micro_batch_size == "auto"
     if auto:  # the largest micro-batch that fits, the global batch kept (overdrive/autobatch.py)
-        from overdrive import autobatch
-
+        from overdrive.training import autobatch
         cfg = autobatch.predicted_config(cfg)  # integers before any strategy plugin is built
     accelerator = build_accelerator(cfg, log_with=trackers or None, project_dir=str(out))
     if auto:

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from overdrive.config.schema import RunConfig
-from overdrive.launch import (STRIPPED_PREFIXES, check, local_processes, process_env, resolved_path,
-                              threads_per_process, torchrun_args, train_worker)
+from overdrive.launch.process import STRIPPED_PREFIXES, local_processes, process_env, threads_per_process
+from overdrive.launch.workers import check, resolved_path, torchrun_args, train_worker
 
 
 def _quote(args: Sequence[str]) -> str:
@@ -18,8 +18,7 @@ def _quote(args: Sequence[str]) -> str:
 
 def launch_lines(resolved: Any) -> dict[str, str]:
     """The same run as torchrun, `accelerate launch` and srun command lines."""
-    from overdrive import export
-
+    from overdrive.interop import writing as export
     cfg: RunConfig = resolved.config
     path = resolved_path(cfg)
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(process_env(cfg).items()))

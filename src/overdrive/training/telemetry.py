@@ -20,7 +20,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from overdrive.hardware import cpu_model
+from overdrive.system.hardware import cpu_model
 
 # Dense (not sparse) bf16 peak FLOPs/s per device, from vendor data sheets. Matched as a
 # substring of torch.cuda.get_device_name(); the first match wins, so specific names first.

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from overdrive.report import Run, fmt, fmt_bytes, fmt_seconds, series, steady_rate, summarize
+from overdrive.reports.summary import Run, fmt, fmt_bytes, fmt_seconds, series, steady_rate, summarize
 
 
 def _pyplot():

@@ -20,7 +20,6 @@ PACKAGES = ("torch", "accelerate", "transformers", "deepspeed", "datasets", "tok
 def versions(packages: tuple[str, ...] = PACKAGES) -> dict[str, Optional[str]]:
     """Installed versions from package metadata: nothing is imported, so this stays fast."""
     from overdrive import __version__
-
     found: dict[str, Optional[str]] = {"python": platform.python_version(), "overdrive": __version__}
     for name in packages:
         try:

@@ -40,16 +40,14 @@ def deepspeed_json(cfg: RunConfig, batch_auto: bool = False, hidden_size: Option
     the world size it actually runs at. `batch_auto` leaves the micro-batch `"auto"` too, for
     a user's script whose DataLoader decides it.
     """
-    from overdrive.strategies import deepspeed
+    from overdrive.interop import deepspeed_config
 
     if cfg.parallel.strategy != "deepspeed":
         raise UserError(Problem("parallel.strategy", f"is {cfg.parallel.strategy}: there is no DeepSpeed config to write",
                                 fix="set parallel.strategy=deepspeed, or leave out --deepspeed"))
-    extra = {k: v for k, v in cfg.parallel.deepspeed.extra.items() if k not in deepspeed.CLIENT_SIDE_SECTIONS}
-    merged = deepspeed.deep_merge(deepspeed.template(cfg), extra)
-    config = deepspeed.fill_auto(merged, cfg, cfg.launch.num_processes, hidden_size)
+    config = deepspeed_config.ds_config(cfg, cfg.launch.num_processes, hidden_size, find_hidden_size=False)
     for key in _TEMPLATE_ONLY:
-        if key not in extra:
+        if key not in deepspeed_config.passed_on_extra(cfg):
             config.pop(key, None)
     config["train_batch_size"] = "auto"
     if batch_auto:

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from overdrive.config.native_tables import (
+from overdrive.interop.tables import (
     ACCELERATE_ENV_DIRECT,
     ACCELERATE_KEYS,
     ACCELERATE_TOP,
@@ -30,7 +30,9 @@ from overdrive.config.native_tables import (
     TPU_ONLY_KEYS,
     ZERO_KEYS,
 )
-from overdrive.config.native_deepspeed import map_deepspeed
+from overdrive.interop.deepspeed_reading import map_deepspeed
+from overdrive.config.keys import coerce
+from overdrive.config.provenance import LayerOutput, Origin, Setting
 from overdrive.config.sources import LoadedFile, load_file
 from overdrive.errors import Problem
 
@@ -59,16 +61,12 @@ class _Collector:
 
     def __init__(self, origin_for: Callable[[tuple[str, ...]], Any], where: Callable[[tuple[str, ...]], str],
                  native: str = ""):
-        from overdrive.config.layers import LayerOutput
-
         self.out = LayerOutput()
         self.origin_for = origin_for
         self.where = where
         self.native = native
 
     def set(self, key: str, value: Any, *path: str) -> None:
-        from overdrive.config.layers import Setting
-
         self.out.settings.append(Setting(key, value, self.origin_for(path), self.native))
 
     def error(self, path: tuple[str, ...], message: str, fix: str = "") -> None:
@@ -79,8 +77,6 @@ class _Collector:
 
 
 def map_file(loaded: LoadedFile, kind: str, layer: str):
-    from overdrive.config.layers import Origin
-
     def origin_for(path: tuple[str, ...]) -> Origin:
         return Origin(layer, str(loaded.path), loaded.line(*path) or None)
 
@@ -253,8 +249,6 @@ def _map_accelerate_deepspeed(ds: Mapping[str, Any], c: _Collector, base_dir: Pa
 def _report_inline_conflicts(inline: Mapping[str, Any], ds_out, c: _Collector, path: tuple[str, ...]) -> None:
     """Accelerate refuses inline deepspeed_config values next to a deepspeed_config_file;
     overdrive reports each one that disagrees with the file, naming both places."""
-    from overdrive.config.keys import coerce
-
     from_file = {s.key: s for s in ds_out.settings}
     for key, value in inline.items():
         target = ZERO_KEYS.get(key) or ("precision.mixed_precision" if key == "mixed_precision" else None)
@@ -323,8 +317,6 @@ def _map_dynamo(dynamo: Mapping[str, Any], c: _Collector, legacy: bool) -> None:
 
 def map_accelerate_env(environ: Mapping[str, str]):
     """The variables Accelerate documents and reads, mapped like the config keys they mirror."""
-    from overdrive.config.layers import Origin
-
     names: dict[tuple[str, ...], str] = {}
     pseudo: dict[str, Any] = {}
     for name, value in environ.items():

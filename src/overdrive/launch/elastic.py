@@ -1,6 +1,6 @@
 """torch.distributed.run, ending with one line that names the rank that failed.
 
-launch.py starts `python -m overdrive.elastic <torchrun arguments> <worker command>`. The
+launch.py starts `python -m overdrive.launch.elastic <torchrun arguments> <worker command>`. The
 agent is torch's own, with torchrun's arguments: it watches the workers every
 `launch.monitor_interval` seconds, and when one dies it stops the others (SIGTERM, then
 SIGKILL after its shutdown timeout) or, with `launch.max_restarts`, starts them all again

@@ -158,7 +158,7 @@ def make_probe(cfg: RunConfig, device) -> Probe:
     """Forward and backward of the (unsharded) model at a given micro-batch on `device`."""
     import torch
 
-    from overdrive import model as model_mod
+    from overdrive.training import model as model_mod
     from overdrive.memory.model_shape import hf_config_for_run
 
     config = hf_config_for_run(cfg)  # what the estimator sizes: the tokenizer's vocabulary, no weights

@@ -1,0 +1,9 @@
+"""Starting processes: the environment of this process and its workers, torch.distributed.run
+(the elastic agent), many machines, SLURM, users' own scripts, elastic restarts.
+
+    process.py      the environment a worker (or a lone process) needs; build_accelerator
+    workers.py      checks, torchrun arguments, the agent, restarts
+    elastic.py      torch.distributed.run ending with one line naming the failed rank
+    lines.py        the same run as torchrun / accelerate launch / srun lines and an sbatch script
+    user_script.py  a user's own Accelerate script under the configured strategy
+"""

@@ -1,0 +1,105 @@
+"""This process and its workers: their environment, decided from the run config alone.
+
+With config/, this package is the only place that reads or writes os.environ: it decides
+what each worker's environment holds, and prepares a lone process (a one-process run, a
+notebook) the way the launcher prepares a worker.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Mapping, Optional
+
+from overdrive.config.schema import RunConfig
+from overdrive.strategies import cpu
+
+# Variables Accelerate reads to configure itself. The config's env layer has already folded
+# them into the resolved config; a worker must not see them again, or a stale one would
+# change the strategy behind the resolved values (plugins read them for any empty field).
+STRIPPED_PREFIXES = ("ACCELERATE_", "FSDP_")
+# With these set, Accelerate switches strategy or device by itself whenever no plugin says
+# otherwise (and it sets the first two itself once a plugin is built, for the whole process).
+STRATEGY_SWITCHES = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_MEGATRON_LM",
+                     "ACCELERATE_USE_CPU", "ACCELERATE_USE_PARALLELISM_CONFIG")
+
+
+def local_processes(cfg: RunConfig) -> int:
+    return max(cfg.launch.num_processes // max(cfg.launch.num_machines, 1), 1)
+
+
+def threads_per_process(cfg: RunConfig) -> int:
+    """torch intra-op threads per worker: configured, else this machine's cores shared out."""
+    if cfg.launch.threads_per_process:
+        return cfg.launch.threads_per_process
+    return max(1, (os.cpu_count() or 1) // local_processes(cfg))
+
+
+def needs_launcher(cfg: RunConfig) -> bool:
+    return cfg.launch.num_processes > 1 or cfg.launch.num_machines > 1
+
+
+def inside_worker() -> bool:
+    """True in a process started by torch.distributed.run (or any launcher setting ranks)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def process_env(cfg: RunConfig) -> dict[str, str]:
+    """Variables overdrive sets for a worker, from the config alone."""
+    env = {"OMP_NUM_THREADS": str(threads_per_process(cfg)), "MKL_NUM_THREADS": str(threads_per_process(cfg))}
+    env.update(cpu.worker_env(cfg))
+    if cfg.launch.debug:
+        # Accelerate takes its debug switch from this variable only.
+        env.update(ACCELERATE_DEBUG_MODE="true", TORCH_DISTRIBUTED_DEBUG="DETAIL")
+    if cfg.launch.enable_cpu_affinity:
+        env["ACCELERATE_CPU_AFFINITY"] = "1"
+    if cfg.launch.gpu_ids != "all" and not cfg.launch.use_cpu:
+        env["CUDA_VISIBLE_DEVICES"] = cfg.launch.gpu_ids
+    return env
+
+
+def worker_environment(cfg: RunConfig, base: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """This process's environment minus Accelerate's variables, plus `process_env`."""
+    source = os.environ if base is None else base
+    env = {k: v for k, v in source.items() if not k.startswith(STRIPPED_PREFIXES)}
+    env.update(process_env(cfg))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def prepare_this_process(cfg: RunConfig) -> None:
+    """Called by build_accelerator before anything imports deepspeed.
+
+    Inside a worker the launcher already set everything; a lone process (one-process run,
+    a notebook) gets DS_ACCELERATOR and, for DeepSpeed or FSDP, the rank variables of a
+    one-member process group, as Accelerate's docs prescribe for single-process DeepSpeed.
+    Either way Accelerate's strategy switches are removed: the config decides.
+    """
+    # The config's environment layer has read these already; they must not act twice.
+    for name in STRATEGY_SWITCHES:
+        os.environ.pop(name, None)
+    for key, value in cpu.worker_env(cfg).items():
+        os.environ.setdefault(key, value)
+    if cfg.parallel.strategy in ("deepspeed", "fsdp") and not inside_worker() and "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
+def build_accelerator(cfg: RunConfig, world_size: Optional[int] = None, **extra_kwargs: Any):
+    """An Accelerator configured from `cfg` alone, in a process prepared for it.
+
+    The process environment comes first: DeepSpeed reads DS_ACCELERATOR once, when it is
+    first imported (while its plugin is built), and a lone process running DeepSpeed or FSDP
+    needs the rank variables of a one-member process group. Then strategies/ builds every
+    plugin from the config and constructs the Accelerator.
+    """
+    from overdrive.strategies import construct_accelerator
+
+    prepare_this_process(cfg)
+    return construct_accelerator(cfg, world_size, **extra_kwargs)

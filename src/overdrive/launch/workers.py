@@ -1,0 +1,154 @@
+"""Starting the workers: torch.distributed.run (the elastic agent), many machines, user
+scripts. The same run as other launchers' command lines and an sbatch script: launch_lines.py.
+
+`overdrive train` with `launch.num_processes > 1` calls `launch_workers(resolved)`: the
+resolved config is written to `<output_dir>/resolved.json`, and the elastic agent starts
+`python -m overdrive.cli train --resolved <file>` on every local rank, so every rank runs
+exactly the same values and nothing is re-resolved in a different environment.
+
+This module (with config/) is the only place that reads or writes os.environ: it decides
+what each worker's environment holds.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+from overdrive import strategies
+from overdrive.config.schema import RunConfig
+from overdrive.errors import Problem, UserError
+from overdrive.launch.process import free_port, local_processes, worker_environment
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def problems(cfg: RunConfig) -> list[Problem]:
+    """World size and rendezvous problems, named by key, found before anything starts."""
+    launch, found = cfg.launch, []
+    if launch.num_processes % launch.num_machines:
+        found.append(Problem("launch.num_processes", f"{launch.num_processes} processes do not divide evenly over "
+                             f"{launch.num_machines} machines", fix="make it a multiple of launch.num_machines (it is the total)"))
+    if launch.machine_rank >= launch.num_machines:
+        found.append(Problem("launch.machine_rank", f"is {launch.machine_rank}, but ranks go 0..{launch.num_machines - 1}",
+                             fix="set launch.machine_rank to this machine's index"))
+    if launch.num_machines > 1 and not launch.main_process_ip:
+        found.append(Problem("launch.main_process_ip", "must be set when launch.num_machines > 1",
+                             fix="set launch.main_process_ip to the address of machine 0"))
+    return found + strategies.problems(cfg)
+
+
+def check(cfg: RunConfig) -> None:
+    found = problems(cfg)
+    if found:
+        raise UserError(found, title="cannot launch")
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def local_port(cfg: RunConfig) -> RunConfig:
+    """One machine: nobody else needs to know the rendezvous port, so a busy one (another
+    run on this machine) is swapped for a free one instead of failing inside torchrun."""
+    launch = cfg.launch
+    if launch.num_machines > 1 or not port_in_use(launch.main_process_port):
+        return cfg
+    port = free_port()
+    print(f"overdrive: port {launch.main_process_port} is in use; rendezvous on {port} instead "
+          "(set launch.main_process_port to choose)", file=sys.stderr)
+    return cfg.model_copy(update={"launch": launch.model_copy(update={"main_process_port": port})})
+
+
+def torchrun_args(cfg: RunConfig, rendezvous: Optional[str] = None) -> list[str]:
+    """Arguments for torch.distributed.run (before the worker command)."""
+    launch = cfg.launch
+    backend = rendezvous or launch.rdzv_backend
+    args = ["--nnodes", str(launch.num_machines), "--nproc-per-node", str(local_processes(cfg)),
+            "--max-restarts", str(launch.max_restarts), "--monitor-interval", str(launch.monitor_interval)]
+    address = launch.main_process_ip or "127.0.0.1"
+    if backend == "c10d":
+        # Elastic: ranks are assigned by the rendezvous, so no machine needs to know its own.
+        args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{address}:{launch.main_process_port}",
+                 "--rdzv-id", launch.rdzv_id]
+    else:
+        args += ["--node-rank", str(launch.machine_rank), "--master-addr", address,
+                 "--master-port", str(launch.main_process_port)]
+    return args
+
+
+def train_worker(resolved_path: str | Path) -> list[str]:
+    return ["-m", "overdrive.cli", "train", "--resolved", str(resolved_path)]
+
+
+def resolved_path(cfg: RunConfig) -> Path:
+    # Several launchers may share one output_dir (a shared file system, or two simulated
+    # machines on one host): each machine writes its own copy so none reads another's.
+    name = "resolved.json" if cfg.launch.machine_rank == 0 else f"resolved.machine{cfg.launch.machine_rank}.json"
+    return Path(cfg.output_dir) / name
+
+
+def launch_workers(resolved: Any, worker: Optional[Sequence[str]] = None,
+                   extra_env: Optional[Mapping[str, str]] = None) -> int:
+    """Start this machine's workers under the elastic agent; wait; return its exit code.
+
+    Everything is checked before any process starts. `worker` replaces the default
+    `-m overdrive.cli train --resolved <file>` (used by `overdrive launch` and tests).
+    """
+    cfg: RunConfig = resolved.config
+    check(cfg)
+    path = resolved_path(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(resolved.to_json())
+    env = worker_environment(cfg)
+    env.update(extra_env or {})
+    # Restarts (launch.max_restarts) start a new agent rather than asking torch's agent to
+    # restart its workers: its rendezvous store outlives the restart (torch 2.13, static and
+    # c10d alike), and a restarted rank can read a dead peer's gloo address from it and fail
+    # with "Connection refused". A new agent brings a new store. The workers resume from the
+    # last checkpoint either way.
+    once = cfg.model_copy(update={"launch": cfg.launch.model_copy(update={"max_restarts": 0})})
+    for attempt in range(cfg.launch.max_restarts + 1):
+        # overdrive.launch.elastic is torch.distributed.run ending with one line naming a failed rank.
+        command = [sys.executable, "-m", "overdrive.launch.elastic", *torchrun_args(local_port(once)),
+                   *(worker if worker is not None else train_worker(path))]
+        code = run_agent(command, env)
+        if code == 0 or code >= 128 or attempt == cfg.launch.max_restarts:  # done, or stopped by a signal
+            return code
+        print(f"overdrive: restarting the workers ({attempt + 1} of {cfg.launch.max_restarts} restarts); "
+              "they resume from the last checkpoint", file=sys.stderr, flush=True)
+    return code
+
+
+def run_agent(command: Sequence[str], env: Mapping[str, str]) -> int:
+    # A subprocess rather than torch.distributed.run.main() in this process: the workers
+    # get exactly `env`, and this process's own environment and state stay untouched.
+    process = subprocess.Popen(list(command), env=dict(env))
+    # A SIGTERM sent to this process alone (`kill <pid>`, a scheduler) is passed on: the
+    # agent forwards it to the workers, which save a checkpoint and stop.
+    forwarding = threading.current_thread() is threading.main_thread()  # handlers live in the main thread
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: process.send_signal(signum)) if forwarding else None
+    try:
+        return process.wait()
+    except KeyboardInterrupt:
+        # The agent got the same SIGINT (same process group) and is stopping its workers:
+        # give it time to do so rather than orphaning them.
+        try:
+            process.wait(timeout=60)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            process.terminate()
+            process.wait()
+        return 130
+    finally:
+        if forwarding:
+            signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,10 @@
+"""The training loop and what it is built from.
+
+    loop.py          `train(cfg)`: build the parts, run the optimizer steps, save, report
+    model.py         the model through the Transformers Auto classes
+    tokenizer.py     a pretrained tokenizer, or a byte-level BPE trained on the data and cached
+    optimization.py  AdamW and its learning-rate schedule
+    telemetry.py     throughput, MFU, peak memory, metrics.jsonl, progress, trackers
+    autobatch.py     `training.micro_batch_size: auto`
+    nonfinite.py     keeping a NaN/inf step out of the weights
+"""

@@ -1,0 +1,1 @@
+"""`overdrive config`: the interactive questions (questions.py) and the files they become (files.py)."""
