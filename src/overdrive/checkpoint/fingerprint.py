@@ -25,6 +25,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
+from overdrive.strategies import registry
+
 # key or prefix -> why a change matters. The longest matching entry wins, so an exception
 # to a section ("data.num_workers" inside "data.") is written as a longer entry.
 _RULES: dict[str, tuple[str, str]] = {
@@ -91,12 +93,7 @@ def global_batch(config: Mapping[str, Any]) -> int:
 
 def sharded(config: Mapping[str, Any]) -> bool:
     """True when the strategy writes optimizer state (or weights) as one shard per rank."""
-    p = config["parallel"]
-    if p["strategy"] == "deepspeed":
-        return int(p["deepspeed"]["zero_stage"]) >= 1
-    if p["strategy"] == "fsdp":
-        return p["fsdp"]["state_dict_type"] == "sharded_state_dict"
-    return False
+    return registry.of(config).checkpoint_per_rank(config)
 
 
 def fingerprint(config: Mapping[str, Any]) -> str:

@@ -13,6 +13,7 @@ from overdrive.config.keys import coerce
 from overdrive.config.layers import Setting
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem
+from overdrive.strategies import registry
 
 Chains = Mapping[str, list[Setting]]
 
@@ -45,7 +46,8 @@ def deepspeed_contradictions(chains: Chains) -> list[Problem]:
 def strategy_rules(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]:
     errors, warnings = [], []
     ds, fsdp = cfg.parallel.deepspeed, cfg.parallel.fsdp
-    if cfg.parallel.strategy == "deepspeed":
+    strategy = registry.of(cfg)
+    if strategy is registry.DEEPSPEED:
         if ds.offload_param != "none" and ds.zero_stage < 3:
             errors.append(Problem("parallel.deepspeed.offload_param", f"offloads parameters, which needs ZeRO-3 (zero_stage is {ds.zero_stage})",
                                   _where(chains, "parallel.deepspeed.offload_param"), "set parallel.deepspeed.zero_stage=3 or offload_param=none"))
@@ -66,16 +68,17 @@ def strategy_rules(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[
                     _where(chains, "parallel.deepspeed.train_batch_size"),
                     'write "auto" for train_batch_size, or change the micro-batch, accumulation or num_processes'))
     # Settings for a strategy that is not the one chosen: often a stale default config.
-    for section, name in (("parallel.deepspeed.", "deepspeed"), ("parallel.fsdp.", "fsdp")):
-        if cfg.parallel.strategy == name:
+    for other in registry.STRATEGIES.values():
+        if other is strategy or not other.section:
             continue
-        stray = sorted(k for k in chains if k.startswith(section) and _set_explicitly(chains, k)
+        name = other.name
+        stray = sorted(k for k in chains if other.owns(k) and _set_explicitly(chains, k)
                        and not k.startswith("parallel.deepspeed.extra"))
         if stray:
             warnings.append(Problem(stray[0], f"has no effect: parallel.strategy is {cfg.parallel.strategy} "
                                     f"({len(stray)} {name} key(s) set, e.g. here)", _where(chains, stray[0]),
                                     f"set parallel.strategy={name} if you meant it, else remove them"))
-    if cfg.parallel.strategy == "fsdp" and fsdp.version == 1 and fsdp.offload_params and not fsdp.reshard_after_forward:
+    if strategy is registry.FSDP and fsdp.version == 1 and fsdp.offload_params and not fsdp.reshard_after_forward:
         warnings.append(Problem("parallel.fsdp.offload_params", "CPU offload with SHARD_GRAD_OP is unsupported by FSDP1", _where(chains, "parallel.fsdp.offload_params")))
     return errors, warnings
 
@@ -108,7 +111,7 @@ def training_rules(cfg: RunConfig, chains: Chains) -> list[Problem]:
 def deepspeed_dict_problems(cfg: RunConfig) -> list[Problem]:
     """The DeepSpeed dict overdrive would hand over, checked before launch: verbatim entries
     in parallel.deepspeed.extra that contradict the run config, or "auto" with nothing to fill."""
-    if cfg.parallel.strategy != "deepspeed" or cfg.training.micro_batch_size == "auto":
+    if registry.of(cfg) is not registry.DEEPSPEED or cfg.training.micro_batch_size == "auto":
         # `auto` is resolved to integers before the plugin is built, and the dict checked then.
         return []
     from overdrive.interop.deepspeed_config import ds_config  # pure dict work: no torch, no deepspeed

@@ -1,6 +1,6 @@
 """Run config -> the files `accelerate launch` reads: an Accelerate YAML and a DeepSpeed JSON.
 
-The opposite direction (those files -> run config) is config/native.py; `overdrive import`
+The opposite direction (those files -> run config) is interop/reading.py; `overdrive import`
 uses it and writes back only what differs from the schema defaults. A round trip keeps
 every value the two formats can carry (launch, strategy, precision, compile, and the whole
 DeepSpeed dict); model, data and the optimizer stay in the run config, because an
@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
+from overdrive.strategies import registry
 
 # Entries overdrive's template adds for its own runs that Accelerate adds again by itself;
 # leaving them out keeps an exported JSON free of what a user never wrote.
@@ -22,13 +23,7 @@ _TEMPLATE_ONLY = ("zero_allow_untested_optimizer",)
 
 
 def distributed_type(cfg: RunConfig) -> str:
-    if cfg.parallel.strategy == "deepspeed":
-        return "DEEPSPEED"
-    if cfg.parallel.strategy == "fsdp":
-        return "FSDP"
-    if cfg.launch.num_processes == 1 and cfg.launch.num_machines == 1:
-        return "NO"
-    return "MULTI_CPU" if cfg.launch.use_cpu else "MULTI_GPU"
+    return registry.of(cfg).distributed_type(cfg)
 
 
 def deepspeed_json(cfg: RunConfig, batch_auto: bool = False, hidden_size: Optional[int] = None) -> dict[str, Any]:
@@ -42,7 +37,7 @@ def deepspeed_json(cfg: RunConfig, batch_auto: bool = False, hidden_size: Option
     """
     from overdrive.interop import deepspeed_config
 
-    if cfg.parallel.strategy != "deepspeed":
+    if registry.of(cfg) is not registry.DEEPSPEED:
         raise UserError(Problem("parallel.strategy", f"is {cfg.parallel.strategy}: there is no DeepSpeed config to write",
                                 fix="set parallel.strategy=deepspeed, or leave out --deepspeed"))
     config = deepspeed_config.ds_config(cfg, cfg.launch.num_processes, hidden_size, find_hidden_size=False)
@@ -74,7 +69,10 @@ def accelerate_config(cfg: RunConfig, deepspeed_file: Optional[str] = None) -> d
         "main_process_port": launch.main_process_port,
         "rdzv_backend": launch.rdzv_backend,
         "same_network": launch.same_network,
-        "use_cpu": launch.use_cpu,
+        # Accelerate acts on use_cpu only where the launch decides the distributed type
+        # (NO / MULTI_CPU): with it, its state ignores DEEPSPEED and FSDP. On a CPU those two
+        # run through DS_ACCELERATOR=cpu and the gloo backend instead (strategies/cpu.py).
+        "use_cpu": launch.use_cpu and registry.of(cfg).accelerate_type is None,
     }
     if launch.main_process_ip:
         out["main_process_ip"] = launch.main_process_ip

@@ -12,7 +12,7 @@ import socket
 from typing import Any, Mapping, Optional
 
 from overdrive.config.schema import RunConfig
-from overdrive.strategies import cpu
+from overdrive.strategies import cpu, registry
 
 # Variables Accelerate reads to configure itself. The config's env layer has already folded
 # them into the resolved config; a worker must not see them again, or a stale one would
@@ -86,7 +86,7 @@ def prepare_this_process(cfg: RunConfig) -> None:
         os.environ.pop(name, None)
     for key, value in cpu.worker_env(cfg).items():
         os.environ.setdefault(key, value)
-    if cfg.parallel.strategy in ("deepspeed", "fsdp") and not inside_worker() and "RANK" not in os.environ:
+    if registry.of(cfg).always_grouped and not inside_worker() and "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 from overdrive.config.schema import RunConfig
 from overdrive.launch.process import STRIPPED_PREFIXES, process_env
 from overdrive.launch.workers import check, local_port, resolved_path, run_agent, torchrun_args
+from overdrive.strategies import registry
 
 
 def user_script_env(cfg: RunConfig, files_dir: Path) -> dict[str, str]:
@@ -35,7 +36,8 @@ def user_script_env(cfg: RunConfig, files_dir: Path) -> dict[str, str]:
     files_dir = files_dir.resolve()
     files_dir.mkdir(parents=True, exist_ok=True)
     acc_path = files_dir / "accelerate.yaml"
-    ds_path = files_dir / "deepspeed.json" if cfg.parallel.strategy == "deepspeed" else None
+    native_file = registry.of(cfg).native_file  # DeepSpeed's JSON, beside the Accelerate YAML
+    ds_path = files_dir / native_file if native_file else None
     # Batch sizes stay "auto": the script's own DataLoader decides them. Bucket sizes come
     # from the configured model, since the script's model may have no `config` to fill them.
     from overdrive.interop.deepspeed_config import hidden_size_of

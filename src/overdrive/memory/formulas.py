@@ -248,30 +248,34 @@ step, ZeRO-3 and FSDP 3*Psi (ZeRO paper sec. 7); offload adds host transfers and
 optimizer step. FSDP2 before ZeRO-3: the same volume, without a separate runtime."""
 
 
+# Each estimator row (STRATEGIES) and the formula that fills it.
+_ROWS = {
+    "ddp": ddp,
+    "zero1": lambda shape, setup: zero12(shape, setup, 1),
+    "zero2": lambda shape, setup: zero12(shape, setup, 2),
+    "zero2_offload": lambda shape, setup: zero12(shape, setup, 2, offload=True),
+    "zero3": zero3,
+    "zero3_offload_optimizer": lambda shape, setup: zero3(shape, setup, offload_optimizer=True),
+    "zero3_offload": lambda shape, setup: zero3(shape, setup, offload_optimizer=True, offload_param=True),
+    "fsdp2": fsdp2,
+    "fsdp2_offload": lambda shape, setup: fsdp2(shape, setup, offload=True),
+}
+
+
 def model_state_row(strategy: str, shape: ModelShape, setup: Setup) -> Row:
-    if strategy == "ddp":
-        return ddp(shape, setup)
-    if strategy in ("zero1", "zero2"):
-        return zero12(shape, setup, int(strategy[-1]))
-    if strategy == "zero2_offload":
-        return zero12(shape, setup, 2, offload=True)
-    if strategy == "zero3":
-        return zero3(shape, setup)
-    if strategy == "zero3_offload_optimizer":
-        return zero3(shape, setup, offload_optimizer=True)
-    if strategy == "zero3_offload":
-        return zero3(shape, setup, offload_optimizer=True, offload_param=True)
-    if strategy == "fsdp2":
-        return fsdp2(shape, setup)
-    if strategy == "fsdp2_offload":
-        return fsdp2(shape, setup, offload=True)
-    raise ValueError(f"unknown strategy {strategy!r}")
+    if strategy not in _ROWS:
+        raise ValueError(f"unknown strategy {strategy!r}")
+    return _ROWS[strategy](shape, setup)
+
+
+# Rows whose compute runs under autocast over fp32 weights (the others cast the model).
+_AUTOCAST_ROWS = ("ddp",)
 
 
 def uses_autocast(strategy: str, setup: Setup) -> bool:
     """DDP computes under autocast with fp32 weights; DeepSpeed casts the model; FSDP2 gathers
     in the policy's dtype. Decides the residual stream's dtype in activations.py."""
-    return setup.mixed and strategy == "ddp"
+    return setup.mixed and strategy in _AUTOCAST_ROWS
 
 
 def _dtype(nbytes: int) -> str:

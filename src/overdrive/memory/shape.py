@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from overdrive.strategies import registry
+
 Precision = Literal["no", "fp16", "bf16"]
 Target = Literal["cuda", "cpu"]
 
@@ -135,8 +137,7 @@ def setup_for_run(cfg, target: Target = "cuda", **changes) -> Setup:
         precision="bf16" if precision == "fp8" else precision,
         micro_batch=_int_or_none(t.micro_batch_size) or 1,
         seq_len=cfg.data.max_length,
-        checkpointing=cfg.model.gradient_checkpointing or (
-            cfg.parallel.strategy == "fsdp" and cfg.parallel.fsdp.activation_checkpointing),
+        checkpointing=cfg.model.gradient_checkpointing or registry.of(cfg).activation_checkpointing(cfg),
         target=target,
         reduce_bucket_size=_int_or_none(zero_extra.get("reduce_bucket_size", ds.reduce_bucket_size)),
         prefetch_bucket_size=_int_or_none(zero_extra.get("stage3_prefetch_bucket_size", ds.stage3_prefetch_bucket_size)),
@@ -155,18 +156,4 @@ def setup_for_run(cfg, target: Target = "cuda", **changes) -> Setup:
 
 def strategy_of_run(cfg) -> str:
     """The estimator row a run config selects."""
-    p = cfg.parallel
-    if p.strategy == "fsdp":
-        return "fsdp2_offload" if p.fsdp.offload_params else "fsdp2"
-    if p.strategy == "deepspeed":
-        ds = p.deepspeed
-        if ds.zero_stage == 3:
-            if ds.offload_param != "none":
-                return "zero3_offload"
-            return "zero3_offload_optimizer" if ds.offload_optimizer != "none" else "zero3"
-        if ds.zero_stage == 0:
-            return "ddp"
-        if ds.offload_optimizer != "none":
-            return "zero2_offload"  # ZeRO-1 with offload holds what ZeRO-2 with offload holds
-        return f"zero{ds.zero_stage}"
-    return "ddp"
+    return registry.of(cfg).estimator_row(cfg)

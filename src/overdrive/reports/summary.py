@@ -200,17 +200,15 @@ def _model_name(cfg: dict[str, Any]) -> Optional[str]:
 
 
 def _strategy(cfg: dict[str, Any]) -> Optional[str]:
-    strategy = _get(cfg, "parallel.strategy")
-    if strategy == "deepspeed":
-        text = f"deepspeed ZeRO-{_get(cfg, 'parallel.deepspeed.zero_stage')}"
-        offload = [f"{what} to {dev}" for what, dev in (
-            ("optimizer", _get(cfg, "parallel.deepspeed.offload_optimizer")),
-            ("params", _get(cfg, "parallel.deepspeed.offload_param"))) if dev not in (None, "none")]
-        return text + (f" (offload {', '.join(offload)})" if offload else "")
-    if strategy == "fsdp":
-        reshard = _get(cfg, "parallel.fsdp.reshard_after_forward")
-        return f"fsdp{_get(cfg, 'parallel.fsdp.version') or ''} (reshard_after_forward={reshard})"
-    return strategy
+    from overdrive.strategies import registry
+
+    name = _get(cfg, "parallel.strategy")
+    if name not in registry.STRATEGIES:  # a run from an older or foreign config: say what it says
+        return name
+    try:
+        return registry.named(name).label(cfg)
+    except (KeyError, AttributeError, TypeError):  # a partial config: the name is all there is
+        return name
 
 
 # ---------------------------------------------------------------- formatting

@@ -214,8 +214,11 @@ def confirm(cfg: RunConfig, accelerator, probe: Optional[Probe] = None, capacity
     import torch
 
     device = accelerator.device
-    ds = cfg.parallel.deepspeed
-    if probe is None and not (cfg.parallel.strategy == "deepspeed" and ds.zero_stage == 3 and ds.zero3_init):
+    from overdrive.strategies import registry
+
+    # Parameters built already sharded (ZeRO-3 with zero3_init) cannot be probed whole.
+    prebuilt_sharded = registry.of(cfg).sharding(cfg).parameters and cfg.parallel.deepspeed.zero3_init
+    if probe is None and not prebuilt_sharded:
         probe = make_probe(cfg, device)
 
     def agree(m: int) -> int:

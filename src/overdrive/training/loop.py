@@ -27,6 +27,7 @@ from overdrive.training import nonfinite
 from overdrive.training import telemetry
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
+from overdrive.strategies import registry
 from overdrive.training.optimization import make_optimizer, make_scheduler
 from overdrive.training.tokenizer import build_tokenizer
 
@@ -257,7 +258,7 @@ def _loop(cfg: RunConfig, parts: Parts, state: LoopState, progress, metrics, res
     loss_sum = torch.full((), restored.pending_loss, device=acc.device)
     micro_steps = restored.pending_micro_steps
     guard = nonfinite.NonfiniteGuard(t.nonfinite_loss, optimizer, acc.device, scaler=acc.scaler,
-                                     deepspeed=cfg.parallel.strategy == "deepspeed")
+                                     deepspeed=registry.of(cfg).engine_steps_optimizer)
     guard.restore(state.nonfinite_in_a_row)
     grad_norm = None
     after_first = None  # (time, tokens) at the first log: steady-state throughput starts there

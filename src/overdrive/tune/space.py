@@ -210,11 +210,12 @@ def _strategy_option(name: str) -> Option:
 
 def _baseline_strategy(cfg: RunConfig) -> Option:
     from overdrive.memory.shape import strategy_of_run
+    from overdrive.strategies import registry
 
-    p = cfg.parallel
-    if p.strategy == "ddp":
+    p, strategy = cfg.parallel, registry.of(cfg)
+    if strategy is registry.DDP:
         return _strategy_option("ddp")
-    if p.strategy == "fsdp":
+    if strategy is registry.FSDP:
         return Option("strategy", "fsdp2" + (" offload" if p.fsdp.offload_params else ""),
                       (("parallel.strategy", "fsdp"), ("parallel.fsdp.reshard_after_forward", p.fsdp.reshard_after_forward),
                        ("parallel.fsdp.offload_params", p.fsdp.offload_params)))

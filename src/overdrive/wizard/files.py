@@ -14,7 +14,25 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from overdrive.strategies import registry
 from overdrive.wizard.questions import Answers
+
+
+def _deepspeed_section(a: Answers) -> dict[str, Any]:
+    ds: dict[str, Any] = {"zero_stage": a.zero_stage, "offload_optimizer": a.offload_optimizer}
+    if a.zero_stage == 3:
+        ds["offload_param"] = a.offload_param
+    if a.nvme_path:
+        ds["nvme_path"] = a.nvme_path
+    return ds
+
+
+def _fsdp_section(a: Answers) -> dict[str, Any]:
+    return {"reshard_after_forward": a.reshard_after_forward, "offload_params": a.fsdp_offload_params}
+
+
+# The strategy's own section of the run config (`parallel.<name>`), from the answers asked for it.
+_STRATEGY_SECTIONS = {registry.DEEPSPEED.name: _deepspeed_section, registry.FSDP.name: _fsdp_section}
 
 
 def run_config(a: Answers) -> dict[str, Any]:
@@ -25,15 +43,9 @@ def run_config(a: Answers) -> dict[str, Any]:
     cfg["precision"] = {"mixed_precision": a.mixed_precision}
     cfg["training"] = {"gradient_accumulation_steps": a.accum}
     parallel: dict[str, Any] = {"strategy": a.strategy}
-    if a.strategy == "deepspeed":
-        ds: dict[str, Any] = {"zero_stage": a.zero_stage, "offload_optimizer": a.offload_optimizer}
-        if a.zero_stage == 3:
-            ds["offload_param"] = a.offload_param
-        if a.nvme_path:
-            ds["nvme_path"] = a.nvme_path
-        parallel["deepspeed"] = ds
-    elif a.strategy == "fsdp":
-        parallel["fsdp"] = {"reshard_after_forward": a.reshard_after_forward, "offload_params": a.fsdp_offload_params}
+    section = _STRATEGY_SECTIONS.get(a.strategy)
+    if section:
+        parallel[a.strategy] = section(a)
     cfg["parallel"] = parallel
     if a.compile_backend:
         cfg["compile"] = {"backend": a.compile_backend}
@@ -111,64 +123,12 @@ def hardware_line(hw: dict[str, Any]) -> str:
 
 
 def accelerate_config(a: Answers) -> dict[str, Any]:
-    """The same choices as Accelerate's ClusterConfig, for plain `accelerate launch`."""
-    cpu = a.machine_type == "cpu"
-    if a.strategy == "deepspeed":
-        distributed_type = "DEEPSPEED"
-    elif a.strategy == "fsdp":
-        distributed_type = "FSDP"
-    elif a.num_processes > 1:
-        distributed_type = "MULTI_CPU" if cpu else "MULTI_GPU"
-    else:
-        distributed_type = "NO"
-    cfg: dict[str, Any] = {
-        "compute_environment": "LOCAL_MACHINE",
-        "debug": False,
-        "distributed_type": distributed_type,
-        "downcast_bf16": "no",
-        "enable_cpu_affinity": False,
-        "gpu_ids": "all",
-        "machine_rank": a.machine_rank,
-        "main_training_function": "main",
-        "mixed_precision": a.mixed_precision,
-        "num_machines": a.num_machines,
-        "num_processes": a.num_processes,
-        "rdzv_backend": "static",
-        "same_network": True,
-        # With use_cpu Accelerate ignores DeepSpeed and FSDP, so only plain data parallel sets it
-        # (DeepSpeed on a CPU wants DS_ACCELERATOR=cpu instead).
-        "use_cpu": cpu and a.strategy == "ddp",
-    }
-    if a.num_machines > 1:
-        cfg.update(main_process_ip=a.main_process_ip, main_process_port=a.main_process_port)
-    if a.strategy == "deepspeed":
-        ds: dict[str, Any] = {
-            "zero_stage": a.zero_stage,
-            "offload_optimizer_device": a.offload_optimizer,
-            "offload_param_device": a.offload_param,
-            "gradient_accumulation_steps": a.accum,
-            "zero3_init_flag": False,
-        }
-        if a.zero_stage == 3:
-            ds["zero3_save_16bit_model"] = True
-        if a.offload_optimizer == "nvme":
-            ds["offload_optimizer_nvme_path"] = a.nvme_path
-        if a.offload_param == "nvme":
-            ds["offload_param_nvme_path"] = a.nvme_path
-        cfg["deepspeed_config"] = ds
-    if a.strategy == "fsdp":
-        cfg["fsdp_config"] = {
-            "fsdp_version": 2,
-            "fsdp_reshard_after_forward": a.reshard_after_forward,
-            "fsdp_offload_params": a.fsdp_offload_params,
-            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-            "fsdp_cpu_ram_efficient_loading": True,
-            "fsdp_activation_checkpointing": False,
-        }
-    if a.compile_backend:
-        cfg["dynamo_config"] = {"dynamo_backend": a.compile_backend.upper()}
-    return cfg
+    """The same choices as Accelerate's ClusterConfig, for plain `accelerate launch`: written
+    by interop/writing.py (the one writer of Accelerate YAML) from the run config the answers make."""
+    from overdrive.config.schema import RunConfig
+    from overdrive.interop import writing
+
+    return writing.accelerate_config(RunConfig.model_validate(run_config(a)))
 
 
 def write_accelerate_default(a: Answers, path) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from overdrive.errors import Problem, UserError
+from overdrive.strategies import registry
 
 OFFLOAD = ("none", "cpu", "nvme")
 
@@ -210,30 +211,41 @@ def ask_all(ask: Asker, hw: dict[str, Any], suggest: Callable[..., Optional[dict
         a.notes.append(f"memory estimate: {tip['why']}")
     for note in a.notes[before:]:  # said now: it is the reason for the next default
         ask.say(f"note: {note}")
-    a.strategy = ask("strategy", "Parallelism strategy?", choice(("ddp", "deepspeed", "fsdp")),
+    a.strategy = ask("strategy", "Parallelism strategy?", choice(registry.NAMES),
                      (tip or {}).get("strategy", "ddp"), "ddp / deepspeed (ZeRO) / fsdp (FSDP2)")
-    if a.strategy == "deepspeed":
-        a.zero_stage = int(ask("zero_stage", "DeepSpeed ZeRO stage?", choice(("0", "1", "2", "3")),
-                               str((tip or {}).get("zero_stage", 2)),
-                               "1: optimizer states, 2: + gradients, 3: + parameters"))
-        if a.zero_stage >= 1:
-            a.offload_optimizer = ask("offload_optimizer", "Offload optimizer states?", choice(OFFLOAD),
-                                      (tip or {}).get("offload_optimizer", "none"), "none / cpu / nvme")
-        if a.zero_stage == 3:
-            a.offload_param = ask("offload_param", "Offload parameters?", choice(OFFLOAD),
-                                  (tip or {}).get("offload_param", "none"), "none / cpu / nvme")
-        if "nvme" in (a.offload_optimizer, a.offload_param):
-            a.nvme_path = ask("nvme_path", "Directory on a local NVMe disk for offload?", text_value(True), None)
-    elif a.strategy == "fsdp":
-        a.reshard_after_forward = ask("reshard_after_forward", "Free gathered parameters after forward?",
-                                      yes_no, True, "yes: ZeRO-3-like, no: ZeRO-2-like, more memory")
-        a.fsdp_offload_params = ask("fsdp_offload_params", "Offload parameters to the CPU?", yes_no,
-                                    (tip or {}).get("fsdp_offload_params", False))
+    follow_up = _STRATEGY_QUESTIONS.get(a.strategy)
+    if follow_up:
+        follow_up(a, ask, tip or {})
     use_compile = ask("use_compile", "Use torch.compile?", yes_no, False, "yes / no")
     if use_compile:
         a.compile_backend = ask("compile", "torch.compile backend?", choice(dynamo_backends()), "inductor")
     a.accum = ask("accum", "Gradient accumulation steps?", integer(1), 1, "micro-batches per optimizer step")
     return a
+
+
+def _ask_deepspeed(a: Answers, ask: Callable[..., Any], tip: dict[str, Any]) -> None:
+    a.zero_stage = int(ask("zero_stage", "DeepSpeed ZeRO stage?", choice(("0", "1", "2", "3")),
+                           str(tip.get("zero_stage", 2)),
+                           "1: optimizer states, 2: + gradients, 3: + parameters"))
+    if a.zero_stage >= 1:
+        a.offload_optimizer = ask("offload_optimizer", "Offload optimizer states?", choice(OFFLOAD),
+                                  tip.get("offload_optimizer", "none"), "none / cpu / nvme")
+    if a.zero_stage == 3:
+        a.offload_param = ask("offload_param", "Offload parameters?", choice(OFFLOAD),
+                              tip.get("offload_param", "none"), "none / cpu / nvme")
+    if "nvme" in (a.offload_optimizer, a.offload_param):
+        a.nvme_path = ask("nvme_path", "Directory on a local NVMe disk for offload?", text_value(True), None)
+
+
+def _ask_fsdp(a: Answers, ask: Callable[..., Any], tip: dict[str, Any]) -> None:
+    a.reshard_after_forward = ask("reshard_after_forward", "Free gathered parameters after forward?",
+                                  yes_no, True, "yes: ZeRO-3-like, no: ZeRO-2-like, more memory")
+    a.fsdp_offload_params = ask("fsdp_offload_params", "Offload parameters to the CPU?", yes_no,
+                                tip.get("fsdp_offload_params", False))
+
+
+# The questions a strategy's own settings section asks (`parallel.<name>`), after the strategy.
+_STRATEGY_QUESTIONS = {registry.DEEPSPEED.name: _ask_deepspeed, registry.FSDP.name: _ask_fsdp}
 
 
 def _processes(num_machines: int) -> Callable[[str], int]:

@@ -1,0 +1,166 @@
+"""What each strategy is, described once, for the rest of overdrive to ask.
+
+Code outside strategies/ does not compare `parallel.strategy` to names: it asks the
+description of the run's strategy (`of(cfg)`) what it needs to know (does it shard the
+parameters? is its checkpoint one shard per rank? which Accelerate distributed type?).
+
+Pure: imports neither torch nor accelerate, so `overdrive explain` and `--help` stay fast.
+Every question takes the run config, as a RunConfig or as its JSON dump (a resolved.json
+or a checkpoint's saved config): both are read through `_get`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+
+def _get(tree: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        tree = tree[part] if isinstance(tree, Mapping) else getattr(tree, part)
+    return tree
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """Which training state a strategy splits over the ranks, and which it keeps on the host."""
+
+    parameters: bool = False
+    gradients: bool = False
+    optimizer_state: bool = False
+    offload_parameters: bool = False
+    offload_optimizer_state: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.parameters or self.gradients or self.optimizer_state
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    title: str
+    # Accelerate's DistributedType for this strategy; None: decided by the launch (NO/MULTI_CPU/MULTI_GPU).
+    accelerate_type: Optional[str]
+    # Its own settings section, `parallel.<name>`; None: nothing beyond the common keys.
+    section: Optional[str]
+    # A process group (and rank variables) even as a lone process: Accelerate's plugins expect one.
+    always_grouped: bool
+    # The optimizer step runs inside the strategy's own engine (DeepSpeed), not the torch optimizer.
+    engine_steps_optimizer: bool
+    # A file of its own that `accelerate launch` reads beside the Accelerate YAML.
+    native_file: Optional[str]
+    _sharding: Callable[[Any], Sharding]
+    _checkpoint_per_rank: Callable[[Any], bool]
+    _estimator_row: Callable[[Any], str]
+    _label: Callable[[Any], str]
+
+    def sharding(self, cfg: Any) -> Sharding:
+        return self._sharding(cfg)
+
+    def checkpoint_per_rank(self, cfg: Any) -> bool:
+        """True when the checkpoint's optimizer state (or weights) is written as one shard per rank."""
+        return self._checkpoint_per_rank(cfg)
+
+    def estimator_row(self, cfg: Any) -> str:
+        """The memory estimator's row (overdrive.memory.formulas.STRATEGIES) this run selects."""
+        return self._estimator_row(cfg)
+
+    def label(self, cfg: Any) -> str:
+        """One line for reports: the strategy and what it was set to."""
+        return self._label(cfg)
+
+    def distributed_type(self, cfg: Any) -> str:
+        """Accelerate's DistributedType for this run (an Accelerate YAML's `distributed_type`)."""
+        if self.accelerate_type:
+            return self.accelerate_type
+        if _get(cfg, "launch.num_processes") == 1 and _get(cfg, "launch.num_machines") == 1:
+            return "NO"
+        return "MULTI_CPU" if _get(cfg, "launch.use_cpu") else "MULTI_GPU"
+
+    def activation_checkpointing(self, cfg: Any) -> bool:
+        """The strategy's own activation checkpointing (beside model.gradient_checkpointing)."""
+        return self.name == "fsdp" and bool(_get(cfg, "parallel.fsdp.activation_checkpointing"))
+
+    def owns(self, key: str) -> bool:
+        """True when a dotted key belongs to this strategy's settings section."""
+        return bool(self.section) and key.startswith(f"{self.section}.")
+
+
+def _zero_sharding(cfg: Any) -> Sharding:
+    stage = int(_get(cfg, "parallel.deepspeed.zero_stage"))
+    return Sharding(parameters=stage >= 3, gradients=stage >= 2, optimizer_state=stage >= 1,
+                    offload_parameters=stage >= 3 and _get(cfg, "parallel.deepspeed.offload_param") != "none",
+                    offload_optimizer_state=stage >= 1 and _get(cfg, "parallel.deepspeed.offload_optimizer") != "none")
+
+
+def _fsdp_sharding(cfg: Any) -> Sharding:
+    # FSDP2 always shards all three between uses; reshard_after_forward decides whether the
+    # gathered parameters are freed after forward (ZeRO-3-like) or kept to backward (ZeRO-2-like).
+    offload = bool(_get(cfg, "parallel.fsdp.offload_params"))
+    return Sharding(parameters=bool(_get(cfg, "parallel.fsdp.reshard_after_forward")), gradients=True,
+                    optimizer_state=True, offload_parameters=offload, offload_optimizer_state=offload)
+
+
+def _zero_row(cfg: Any) -> str:
+    stage = int(_get(cfg, "parallel.deepspeed.zero_stage"))
+    offload_opt = _get(cfg, "parallel.deepspeed.offload_optimizer") != "none"
+    if stage == 3:
+        if _get(cfg, "parallel.deepspeed.offload_param") != "none":
+            return "zero3_offload"
+        return "zero3_offload_optimizer" if offload_opt else "zero3"
+    if stage == 0:
+        return "ddp"
+    if offload_opt:
+        return "zero2_offload"  # ZeRO-1 with offload holds what ZeRO-2 with offload holds
+    return f"zero{stage}"
+
+
+def _zero_label(cfg: Any) -> str:
+    text = f"deepspeed ZeRO-{_get(cfg, 'parallel.deepspeed.zero_stage')}"
+    offload = [f"{what} to {dev}" for what, dev in (
+        ("optimizer", _get(cfg, "parallel.deepspeed.offload_optimizer")),
+        ("params", _get(cfg, "parallel.deepspeed.offload_param"))) if dev not in (None, "none")]
+    return text + (f" (offload {', '.join(offload)})" if offload else "")
+
+
+def _fsdp_label(cfg: Any) -> str:
+    return (f"fsdp{_get(cfg, 'parallel.fsdp.version') or ''} "
+            f"(reshard_after_forward={_get(cfg, 'parallel.fsdp.reshard_after_forward')})")
+
+
+DDP = Strategy(
+    name="ddp", title="plain data parallel (also one process)", accelerate_type=None, section=None,
+    always_grouped=False, engine_steps_optimizer=False, native_file=None,
+    _sharding=lambda cfg: Sharding(), _checkpoint_per_rank=lambda cfg: False,
+    _estimator_row=lambda cfg: "ddp", _label=lambda cfg: "ddp")
+
+DEEPSPEED = Strategy(
+    name="deepspeed", title="DeepSpeed ZeRO", accelerate_type="DEEPSPEED", section="parallel.deepspeed",
+    always_grouped=True, engine_steps_optimizer=True, native_file="deepspeed.json",
+    _sharding=_zero_sharding,
+    _checkpoint_per_rank=lambda cfg: int(_get(cfg, "parallel.deepspeed.zero_stage")) >= 1,
+    _estimator_row=_zero_row, _label=_zero_label)
+
+FSDP = Strategy(
+    name="fsdp", title="PyTorch FSDP2", accelerate_type="FSDP", section="parallel.fsdp",
+    always_grouped=True, engine_steps_optimizer=False, native_file=None,
+    _sharding=_fsdp_sharding,
+    _checkpoint_per_rank=lambda cfg: _get(cfg, "parallel.fsdp.state_dict_type") == "sharded_state_dict",
+    _estimator_row=lambda cfg: "fsdp2_offload" if _get(cfg, "parallel.fsdp.offload_params") else "fsdp2",
+    _label=_fsdp_label)
+
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (DDP, DEEPSPEED, FSDP)}
+NAMES = tuple(STRATEGIES)
+
+
+def named(name: str) -> Strategy:
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise ValueError(f"unknown strategy {name!r}: one of {', '.join(NAMES)}") from None
+
+
+def of(cfg: Any) -> Strategy:
+    """The strategy a run config (RunConfig, or its JSON dump) uses."""
+    return named(_get(cfg, "parallel.strategy"))
