@@ -15,7 +15,6 @@ whichever happens to be running); the table reports the median and the best.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -67,7 +66,9 @@ def fresh_model(cfg: RunConfig, tokenizer):
 
 def run_overdrive(cfg: RunConfig, args) -> float:
     trainer.train(cfg)
-    logged = [json.loads(line) for line in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    from overdrive.training import metrics
+
+    logged = metrics.read(metrics.path_in(cfg.output_dir)).records
     start = next(r for r in logged if r["step"] == args.warmup)
     end = next(r for r in logged if r["step"] == args.steps)
     return (end["tokens"] - start["tokens"]) / (end["time"] - start["time"])

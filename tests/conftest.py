@@ -10,9 +10,15 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PEER_CONFIGS = REPO.parent / "shared" / "peer-configs"
-if not PEER_CONFIGS.is_dir():  # CI clones main with shared/ beside it
-    PEER_CONFIGS = Path(os.environ.get("OVERDRIVE_PEER_CONFIGS", "/work/shared/peer-configs"))
+# Accelerate's and Transformers' own config files, copied with the tests (see the README there).
+PEER_CONFIGS = REPO / "tests" / "fixtures" / "peer-configs"
+# A larger collection beside the checkout, when there is one, adds cases (skipped when absent).
+SHARED_PEER_CONFIGS = Path(os.environ.get("OVERDRIVE_PEER_CONFIGS") or REPO.parent / "shared" / "peer-configs")
+NO_SHARED_PEER_CONFIGS = f"no {SHARED_PEER_CONFIGS} beside the checkout: only tests/fixtures/peer-configs is read"
+
+
+def peer_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.suffix in (".yaml", ".json")) if root.is_dir() else []
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import PEER_CONFIGS, run_cli
+from conftest import NO_SHARED_PEER_CONFIGS, PEER_CONFIGS, SHARED_PEER_CONFIGS, peer_files, run_cli
 from overdrive.config import resolve
 from overdrive.config.schema import RunConfig
 from overdrive.errors import UserError
@@ -16,7 +16,8 @@ REFUSED = {
     "0_28_0_mpi.yaml": "mpirun_config.mpirun_hostfile",
     "invalid_keys.yaml": "invalid_key",
 }
-ALL_PEER_FILES = sorted(p for p in PEER_CONFIGS.rglob("*") if p.suffix in (".yaml", ".json"))
+ALL_PEER_FILES = peer_files(PEER_CONFIGS)
+SHARED_FILES = peer_files(SHARED_PEER_CONFIGS)
 
 
 def test_peer_configs_are_present():
@@ -25,6 +26,16 @@ def test_peer_configs_are_present():
 
 @pytest.mark.parametrize("path", ALL_PEER_FILES, ids=lambda p: str(p.relative_to(PEER_CONFIGS)))
 def test_every_peer_config_loads_or_is_refused_naming_the_key(path):
+    loads_or_is_refused(path)
+
+
+@pytest.mark.skipif(not SHARED_FILES, reason=NO_SHARED_PEER_CONFIGS)
+def test_every_shared_peer_config_loads_or_is_refused_naming_the_key():
+    for path in SHARED_FILES:
+        loads_or_is_refused(path)
+
+
+def loads_or_is_refused(path):
     if path.name in REFUSED:
         with pytest.raises(UserError) as error:
             resolve([path], env={})

@@ -133,3 +133,18 @@ def test_plan_predicts_step_time_from_metrics(tmp_path, capsys):
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "global batch 32" in text and "tokens/s measured" in text and "estimate:" in text
+
+
+def test_reading_a_model_config_leaves_transformers_log_level_as_it_was():
+    from transformers.utils import logging
+
+    from overdrive.config.schema import RunConfig as Config
+    from overdrive.memory.model_shape import hf_config_for_run
+
+    before = logging.get_verbosity()
+    logging.set_verbosity_info()
+    try:
+        hf_config_for_run(Config())
+        assert logging.get_verbosity() == logging.INFO
+    finally:
+        logging.set_verbosity(before)

@@ -118,7 +118,7 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir):
     # From about ln(vocab) down.
     assert abs(result.first_loss - math.log(512)) < 0.3
     assert result.final_loss < 0.9 * result.first_loss and result.eval["eval_loss"] < result.first_loss
-    assert json.loads((run / "resolved.json").read_text())["training"]["max_steps"] == 30
+    assert json.loads((run / "resolved.json").read_text())["config"]["training"]["max_steps"] == 30
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

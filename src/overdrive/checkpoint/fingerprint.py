@@ -25,6 +25,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
+from overdrive.config.keys import flatten  # open mappings (model.architecture, deepspeed extra) entry by entry
 from overdrive.strategies import registry
 
 # key or prefix -> why a change matters. The longest matching entry wins, so an exception
@@ -62,18 +63,6 @@ _RULES: dict[str, tuple[str, str]] = {
 _BATCH_KEYS = {"training.micro_batch_size", "training.gradient_accumulation_steps", "training.global_batch_size",
                "launch.num_processes", "launch.num_machines"}
 GLOBAL_BATCH_WHY = "the samples per optimizer step, so every update and the data position"
-
-
-def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in values.items():
-        path = f"{prefix}{key}"
-        # Open mappings (model.architecture, deepspeed extra) are compared entry by entry.
-        if isinstance(value, Mapping) and value:
-            flat.update(flatten(value, path + "."))
-        else:
-            flat[path] = value
-    return flat
 
 
 def kind_of(key: str) -> tuple[str, str]:

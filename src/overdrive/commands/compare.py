@@ -20,7 +20,8 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from overdrive.console import get_console, print_table
-    from overdrive.reports.summary import config_differences, flatten, load_run, metric_rows, summarize
+    from overdrive.config.keys import flatten
+    from overdrive.reports.summary import config_differences, load_run, metric_rows, summarize
 
     a, b = load_run(args.run_a), load_run(args.run_b)
     sa, sb = summarize(a), summarize(b)

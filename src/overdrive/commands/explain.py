@@ -50,19 +50,10 @@ def _shown(key: str, value: Any) -> str:
 
 
 def _flat_values(config) -> dict[str, Any]:
+    from overdrive.config.keys import flatten
     from overdrive.config.schema import OPEN_MAPPINGS
 
-    flat: dict[str, Any] = {}
-
-    def walk(node: Any, prefix: str) -> None:
-        if isinstance(node, dict) and node and prefix not in OPEN_MAPPINGS:
-            for name, child in node.items():
-                walk(child, f"{prefix}.{name}" if prefix else name)
-        else:
-            flat[prefix] = node
-
-    walk(config.model_dump(mode="json"), "")
-    return flat
+    return flatten(config.model_dump(mode="json"), keep_whole=OPEN_MAPPINGS)
 
 
 def _mask_secrets(node: Any, parent: str = "") -> Any:

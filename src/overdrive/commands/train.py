@@ -82,11 +82,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _launch(resolved, force: bool) -> int:
-    """Start the workers. The resume is judged here first, so a refusal is one message before
+    """Start the workers. The resume is judged here, once, so a refusal is one message before
     anything starts, and a new world size reaches the workers with its accumulation."""
     from overdrive import checkpoint
     from overdrive.launch import workers as launch
-    resolved = checkpoint.with_plan(resolved, checkpoint.plan_resume(resolved.config, force))
+    from overdrive.training.settle import judge_resume
+
+    resolved = judge_resume(resolved, force)  # handed to the workers in the resolved file
     worker = launch.train_worker(launch.resolved_path(resolved.config)) + (["--force"] if force else [])
     code = int(launch.launch_workers(resolved, worker=worker) or 0)
     if code:

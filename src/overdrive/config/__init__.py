@@ -30,14 +30,21 @@ class Resolved:
     origins: dict[str, Origin]
     chains: dict[str, list[Setting]] = field(default_factory=dict)
     warnings: list[Problem] = field(default_factory=list)
+    # The resume judged once, by whoever starts the run (training/settle.py): the checkpoint
+    # it resumes ({"checkpoint": path or None, "force": bool, "notes": [...]}), handed to
+    # the workers in the resolved file so they do not judge it again.
+    resume: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         """The hand-off to workers and the record in output_dir: values and their origins."""
-        return json.dumps({
+        data: dict[str, Any] = {
             "config": self.config.model_dump(mode="json"),
             "origins": {key: str(origin) for key, origin in sorted(self.origins.items())},
             "origin_records": {key: [o.layer, o.source, o.line] for key, o in sorted(self.origins.items())},
-        }, indent=2)
+        }
+        if self.resume is not None:
+            data["resume"] = self.resume
+        return json.dumps(data, indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> "Resolved":
@@ -45,7 +52,7 @@ class Resolved:
         config = RunConfig.model_validate(data["config"])
         records = data.get("origin_records", {})
         origins = {key: Origin(*record) for key, record in records.items()}
-        return cls(config=config, origins=origins)
+        return cls(config=config, origins=origins, resume=data.get("resume"))
 
 
 def accelerate_default_path(environ: Mapping[str, str] | None = None) -> Path:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
-from typing import Any, Union, get_args, get_origin
+from typing import Any, Iterable, Mapping, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -211,3 +211,21 @@ def coerce(key: str, value: Any) -> Any:
             except ValidationError:
                 return value
     return value
+
+
+def flatten(values: Mapping[str, Any], prefix: str = "", keep_whole: Iterable[str] = ()) -> dict[str, Any]:
+    """Nested values (a config's JSON dump, a saved config) -> {dotted key: value}.
+
+    Non-empty mappings are walked, open ones (model.architecture, deepspeed extra) entry by
+    entry; an empty mapping stays a value, so "no entries" is still compared. Mappings whose
+    dotted key is in `keep_whole` stay one value.
+    """
+    whole = frozenset(keep_whole)
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value and path not in whole:
+            flat.update(flatten(value, path + ".", whole))
+        else:
+            flat[path] = value
+    return flat

@@ -18,7 +18,9 @@ from overdrive.strategies import registry
 Chains = Mapping[str, list[Setting]]
 
 
-def _where(chains: Chains, key: str) -> str:
+def _where(chains: Chains | None, key: str) -> str:
+    if chains is None:  # a resolved config checked again: its origins are not at hand
+        return ""
     chain = chains.get(key)
     return str(chain[-1].origin) if chain else "default"
 
@@ -83,7 +85,9 @@ def strategy_rules(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[
     return errors, warnings
 
 
-def launch_rules(cfg: RunConfig, chains: Chains) -> list[Problem]:
+def launch_rules(cfg: RunConfig, chains: Chains | None = None) -> list[Problem]:
+    """World size and rendezvous rules. Without `chains` (a config already resolved, checked
+    again by the launcher) the problems name the key but not where its value came from."""
     launch, problems = cfg.launch, []
     if launch.num_processes % launch.num_machines:
         problems.append(Problem("launch.num_processes", f"{launch.num_processes} processes do not divide evenly over {launch.num_machines} machines",

@@ -22,6 +22,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from overdrive import strategies
 from overdrive.config.schema import RunConfig
+from overdrive.config.validate import launch_rules  # the same rules `overdrive explain` applies
 from overdrive.errors import Problem, UserError
 from overdrive.launch.process import free_port, local_processes, worker_environment
 
@@ -31,17 +32,7 @@ from overdrive.launch.process import free_port, local_processes, worker_environm
 
 def problems(cfg: RunConfig) -> list[Problem]:
     """World size and rendezvous problems, named by key, found before anything starts."""
-    launch, found = cfg.launch, []
-    if launch.num_processes % launch.num_machines:
-        found.append(Problem("launch.num_processes", f"{launch.num_processes} processes do not divide evenly over "
-                             f"{launch.num_machines} machines", fix="make it a multiple of launch.num_machines (it is the total)"))
-    if launch.machine_rank >= launch.num_machines:
-        found.append(Problem("launch.machine_rank", f"is {launch.machine_rank}, but ranks go 0..{launch.num_machines - 1}",
-                             fix="set launch.machine_rank to this machine's index"))
-    if launch.num_machines > 1 and not launch.main_process_ip:
-        found.append(Problem("launch.main_process_ip", "must be set when launch.num_machines > 1",
-                             fix="set launch.main_process_ip to the address of machine 0"))
-    return found + strategies.problems(cfg)
+    return launch_rules(cfg) + strategies.problems(cfg)
 
 
 def check(cfg: RunConfig) -> None:

@@ -20,8 +20,18 @@ from overdrive.memory.activations import Activations, estimate_activations
 from overdrive.memory.formulas import STRATEGIES, Row, model_state_row, uses_autocast, zero_paper_bytes
 from overdrive.memory.shape import ModelShape, Setup
 
-__all__ = ["Estimate", "ModelShape", "Row", "STRATEGIES", "Setup", "estimate", "estimate_row",
-           "zero_paper_bytes"]
+__all__ = ["Estimate", "ModelShape", "OOM_MARKS", "Row", "STRATEGIES", "Setup", "estimate", "estimate_row",
+           "mentions_out_of_memory", "zero_paper_bytes"]
+
+# How running out of memory reads in an error or a log: CUDA's and torch's messages, the
+# CPU allocator's, and glibc's "Cannot allocate memory".
+OOM_MARKS = ("out of memory", "outofmemoryerror", "can't allocate memory", "cannot allocate memory",
+             "defaultcpuallocator")
+
+
+def mentions_out_of_memory(text: str) -> bool:
+    lowered = text.lower()
+    return any(mark in lowered for mark in OOM_MARKS)
 
 
 @dataclass

@@ -9,9 +9,10 @@ imported here, inside functions, so `overdrive --help` stays light.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from overdrive.errors import Problem, UserError
 from overdrive.memory.shape import ModelShape
@@ -30,11 +31,19 @@ class Source:
     attn_implementation: Optional[str] = None
 
 
-def _quiet_transformers() -> None:
-    # Config validation warns about token ids of a small inline vocabulary: noise for an estimate.
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Transformers' log level at error while a config is read, then back to what it was.
+
+    Config validation warns about token ids of a small inline vocabulary: noise for an estimate."""
     from transformers.utils import logging
 
+    before = logging.get_verbosity()
     logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(before)
 
 
 def load_run_config(path: Optional[str], cli: list[str] = ()):
@@ -48,10 +57,10 @@ def hf_config_for_run(cfg) -> Any:
     """The Transformers config a run would build, without weights or tokenizer."""
     from overdrive.training.model import model_config
 
-    _quiet_transformers()
     vocab = None if cfg.model.name_or_path else cfg.tokenizer.vocab_size
     try:
-        return model_config(cfg, vocab)
+        with _quiet_transformers():
+            return model_config(cfg, vocab)
     except UserError:
         raise
     except Exception as error:  # offline hub name, bad local directory
@@ -60,7 +69,11 @@ def hf_config_for_run(cfg) -> Any:
 
 
 def resolve_source(spec: str, cli: list[str] = ()) -> Source:
-    _quiet_transformers()
+    with _quiet_transformers():
+        return _resolve_source(spec, cli)
+
+
+def _resolve_source(spec: str, cli: list[str]) -> Source:
     path = Path(spec).expanduser()
     if path.suffix.lower() in _YAML:
         if not path.is_file():

@@ -6,7 +6,6 @@ cached; otherwise it is the raw text's bytes over BYTES_PER_TOKEN, and the plan 
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,17 +100,10 @@ class Throughput:
 
 def measured_throughput(cfg, micro_batch: int) -> Optional[Throughput]:
     """Median tokens/s of the last logged steps in `<output_dir>/metrics.jsonl`, if any."""
-    path = Path(cfg.output_dir).expanduser() / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and record.get("tokens_per_s"):
-            records.append(record)
+    from overdrive.training import metrics
+
+    path = metrics.path_in(cfg.output_dir)
+    records = [r for r in metrics.read(path).records if r.get("tokens_per_s")]
     if not records:
         return None
     # The first logged step includes compilation and warm-up: leave it out when there are more.

@@ -26,18 +26,17 @@ class Capacity:
 
 
 def detect_capacity(gpu_memory_gib: Optional[float] = None, host_memory_gib: Optional[float] = None) -> Capacity:
-    """GPU memory via torch.cuda when a GPU is present (or given), else host RAM via psutil."""
-    import psutil
+    """GPU memory via torch.cuda when a GPU is present (or given), else host RAM: both from
+    the machine's one detection (system/hardware.py)."""
+    from overdrive.system import hardware
 
-    host = int(host_memory_gib * GIB) if host_memory_gib else psutil.virtual_memory().total
+    host = int(host_memory_gib * GIB) if host_memory_gib else hardware.ram_bytes()
     if gpu_memory_gib:
         return Capacity(int(gpu_memory_gib * GIB), host, "gpu", f"{gpu_memory_gib:g} GiB per GPU (given)")
-    import torch
-
-    if torch.cuda.is_available():
-        sizes = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
-        name = torch.cuda.get_device_name(0)
-        return Capacity(min(sizes), host, "gpu", f"{name}, {min(sizes) / GIB:.1f} GiB")
+    gpus = hardware.gpus_from_torch()
+    if gpus:
+        smallest = min(gpus, key=lambda g: g.memory_bytes)
+        return Capacity(smallest.memory_bytes, host, "gpu", f"{gpus[0].name}, {smallest.memory_bytes / GIB:.1f} GiB")
     return Capacity(host, host, "host", f"host RAM (no GPU), {host / GIB:.1f} GiB shared by the processes")
 
 

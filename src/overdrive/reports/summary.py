@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from overdrive.config.keys import flatten
 from overdrive.errors import UserError
+from overdrive.training import metrics as metrics_file
 
 # Peak memory has been logged under several names and units; all are read, in bytes.
 _MEMORY_KEY = re.compile(r"^(peak|max)_mem(ory)?(_allocated|_reserved)?(_(?P<unit>bytes|b|kb|kib|mb|mib|gb|gib))?$")
@@ -54,21 +56,13 @@ def load_run(path: str | Path) -> Run:
     run_dir = Path(path)
     if not run_dir.is_dir():
         raise UserError(f"{run_dir}: no such run directory")
-    metrics = run_dir / "metrics.jsonl"
+    metrics = metrics_file.path_in(run_dir)
     if not metrics.is_file():
         raise UserError(f"{metrics}: no metrics in this run directory (is it the run's output_dir?)")
     run = Run(run_dir)
-    for line in metrics.read_text(errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:  # a line cut short by a killed run
-            run.bad_lines += 1
-            continue
-        if not isinstance(record, dict):
-            run.bad_lines += 1
-            continue
+    logged = metrics_file.read(metrics)
+    run.bad_lines = logged.bad_lines
+    for record in logged.records:
         if _number(record.get("eval_loss")) is not None:
             run.evals.append(record)
         if _number(record.get("loss")) is not None or (
@@ -293,16 +287,6 @@ def summary_markdown(run: Run, summary: dict[str, Any], images: list[Path]) -> s
     if images:
         out += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in images]
     return "\n".join(out) + "\n"
-
-
-def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, dict) and value:
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def config_differences(a: Run, b: Run) -> list[tuple[str, Any, Any]]:

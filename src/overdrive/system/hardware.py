@@ -1,5 +1,7 @@
 """What this machine has: GPUs, their memory and precision support, CPU cores, RAM.
 
+The one place that detects the machine: `overdrive env` (system/report.py), the hardware
+checks of explain/train, plan, the tuner and telemetry's CPU peak all read it from here.
 `detect(light=True)` answers without importing torch (nvidia-smi, /proc), so `explain` stays
 fast; `detect(light=False)` asks torch, which is exact and what training uses.
 """
@@ -20,12 +22,22 @@ class Gpu:
     memory_bytes: int
     compute_capability: tuple[int, int]
 
+    @property
+    def bf16(self) -> bool:  # bf16 tensor cores from Ampere (8.0)
+        return self.compute_capability >= (8, 0)
+
+    @property
+    def fp8(self) -> bool:  # FP8 tensor cores from Ada/Hopper (8.9)
+        return self.compute_capability >= (8, 9)
+
 
 @dataclass(frozen=True)
 class Hardware:
     gpus: tuple[Gpu, ...] = field(default_factory=tuple)
     cpu_cores: int = 1
     ram_bytes: int = 0
+    cpu_model: str = ""
+    cpu_flags: frozenset[str] = field(default=frozenset(), repr=False)
 
     @property
     def gpu_count(self) -> int:
@@ -33,11 +45,17 @@ class Hardware:
 
     @property
     def supports_bf16(self) -> bool:
-        return not self.gpus or all(g.compute_capability >= (8, 0) for g in self.gpus)
+        return not self.gpus or all(g.bf16 for g in self.gpus)
 
     @property
     def supports_fp8(self) -> bool:
-        return bool(self.gpus) and all(g.compute_capability >= (8, 9) for g in self.gpus)
+        return bool(self.gpus) and all(g.fp8 for g in self.gpus)
+
+    @property
+    def cpu_bf16_native(self) -> bool:
+        # Native bf16 matmuls on x86 need AVX512-BF16 or AMX; without them bf16 autocast on
+        # the CPU still works but is emulated and usually slower than fp32.
+        return bool(self.cpu_flags & {"avx512_bf16", "amx_bf16"})
 
     def describe(self) -> str:
         cpu = f"{self.cpu_cores} CPU cores, {self.ram_bytes / 2**30:.0f} GiB RAM"
@@ -48,18 +66,45 @@ class Hardware:
         return f"{self.gpu_count} x {first.name} ({first.memory_bytes / 2**30:.0f} GiB, sm_{major}{minor}); {cpu}"
 
 
+def cpu_info() -> tuple[str, frozenset[str]]:
+    """CPU model name and feature flags from /proc/cpuinfo (Linux); elsewhere platform's guess."""
+    model, flags = "", frozenset()
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("model name", "Model", "cpu model") and not model:
+            model = value.strip()
+        elif key in ("flags", "Features") and not flags:
+            flags = frozenset(value.split())
+    return model or platform.processor() or platform.machine(), flags
+
+
 def cpu_model() -> str:
     """The CPU's marketing name (for caches keyed by machine, and for reports)."""
+    return cpu_info()[0]
+
+
+def physical_cores() -> int | None:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
+        import psutil
+
+        return psutil.cpu_count(logical=False)
+    except Exception:  # psutil missing or unable to tell
+        return None
+
+
+def ram_bytes() -> int:
+    """Total RAM; 0 when it cannot be told."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except Exception:
         pass
-    return platform.processor() or platform.machine()
-
-
-def _ram_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -84,7 +129,7 @@ def _gpus_from_nvidia_smi() -> tuple[Gpu, ...]:
     return tuple(gpus)
 
 
-def _gpus_from_torch() -> tuple[Gpu, ...]:
+def gpus_from_torch() -> tuple[Gpu, ...]:
     import torch
 
     if not torch.cuda.is_available():
@@ -97,5 +142,6 @@ def _gpus_from_torch() -> tuple[Gpu, ...]:
 
 
 def detect(light: bool = True) -> Hardware:
-    gpus = _gpus_from_nvidia_smi() if light else _gpus_from_torch()
-    return Hardware(gpus=gpus, cpu_cores=os.cpu_count() or 1, ram_bytes=_ram_bytes())
+    gpus = _gpus_from_nvidia_smi() if light else gpus_from_torch()
+    model, flags = cpu_info()
+    return Hardware(gpus=gpus, cpu_cores=os.cpu_count() or 1, ram_bytes=ram_bytes(), cpu_model=model, cpu_flags=flags)

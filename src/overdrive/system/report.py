@@ -11,7 +11,6 @@ import os
 import platform
 import sys
 from importlib import metadata
-from pathlib import Path
 from typing import Any, Optional
 
 PACKAGES = ("torch", "accelerate", "transformers", "deepspeed", "datasets", "tokenizers", "pydantic")
@@ -29,57 +28,19 @@ def versions(packages: tuple[str, ...] = PACKAGES) -> dict[str, Optional[str]]:
     return found
 
 
-def _cpu_info() -> tuple[Optional[str], set[str]]:
-    """CPU model name and feature flags from /proc/cpuinfo (Linux); elsewhere platform's guess."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return platform.processor() or None, set()
-    model, flags = None, set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key in ("model name", "Model", "cpu model") and model is None:
-            model = value.strip()
-        elif key in ("flags", "Features") and not flags:
-            flags = set(value.split())
-    return model or platform.processor() or None, flags
-
-
-def _ram_bytes() -> Optional[int]:
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().total)
-    except Exception:
-        pass
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def hardware() -> dict[str, Any]:
-    """CPU, RAM, GPUs and the precisions they support. Imports torch."""
-    model, flags = _cpu_info()
-    try:
-        import psutil
+    """CPU, RAM, GPUs and the precisions they support (system/hardware.py's detection),
+    with the CUDA and NCCL builds torch reports. Imports torch."""
+    from overdrive.system import hardware as detection
 
-        physical = psutil.cpu_count(logical=False)
-    except Exception:
-        physical = None
+    machine = detection.detect(light=True)  # CPU and RAM; the GPUs are torch's, below
     info: dict[str, Any] = {
         "platform": platform.platform(),
-        "cpu_model": model,
+        "cpu_model": machine.cpu_model or None,
         "cpu_logical_cores": os.cpu_count(),
-        "cpu_physical_cores": physical,
-        # Native bf16 matmuls on x86 need AVX512-BF16 or AMX; without them bf16 autocast on
-        # the CPU still works but is emulated and usually slower than fp32.
-        "cpu_bf16_native": bool(flags & {"avx512_bf16", "amx_bf16"}),
-        "ram_bytes": _ram_bytes(),
+        "cpu_physical_cores": detection.physical_cores(),
+        "cpu_bf16_native": machine.cpu_bf16_native,
+        "ram_bytes": machine.ram_bytes or None,
         "gpus": [],
         "cuda": None,
         "nccl": None,
@@ -99,20 +60,10 @@ def hardware() -> dict[str, Any]:
         info["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
     except Exception:
         pass
-    for index in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(index)
-        capability = (props.major, props.minor)
-        info["gpus"].append(
-            {
-                "index": index,
-                "name": props.name,
-                "memory_bytes": int(props.total_memory),
-                "capability": f"{props.major}.{props.minor}",
-                # bf16 from Ampere (8.0); FP8 tensor cores from Ada/Hopper (8.9).
-                "bf16": capability >= (8, 0),
-                "fp8": capability >= (8, 9),
-            }
-        )
+    for index, gpu in enumerate(detection.gpus_from_torch()):
+        major, minor = gpu.compute_capability
+        info["gpus"].append({"index": index, "name": gpu.name, "memory_bytes": int(gpu.memory_bytes),
+                             "capability": f"{major}.{minor}", "bf16": gpu.bf16, "fp8": gpu.fp8})
     return info
 
 

@@ -37,9 +37,10 @@ from typing import Any, Callable, Optional
 
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
+from overdrive.memory import mentions_out_of_memory
+from overdrive.strategies import registry
 
 HEADROOM = 0.10
-_OOM_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory", "defaultcpuallocator")
 
 Probe = Callable[[int], Optional[str]]  # size -> None when it ran, else why not
 
@@ -183,8 +184,7 @@ def make_probe(cfg: RunConfig, device) -> Probe:
             loss.backward()
             return None
         except (torch.OutOfMemoryError, RuntimeError) as error:
-            text = str(error).lower()
-            if isinstance(error, torch.OutOfMemoryError) or any(w in text for w in _OOM_WORDS):
+            if isinstance(error, torch.OutOfMemoryError) or mentions_out_of_memory(str(error)):
                 return "out of memory"
             raise
         finally:
@@ -214,8 +214,6 @@ def confirm(cfg: RunConfig, accelerator, probe: Optional[Probe] = None, capacity
     import torch
 
     device = accelerator.device
-    from overdrive.strategies import registry
-
     # Parameters built already sharded (ZeRO-3 with zero3_init) cannot be probed whole.
     prebuilt_sharded = registry.of(cfg).sharding(cfg).parameters and cfg.parallel.deepspeed.zero3_init
     if probe is None and not prebuilt_sharded:

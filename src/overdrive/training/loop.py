@@ -25,6 +25,7 @@ from overdrive import data as data_mod
 from overdrive.training import model as model_mod
 from overdrive.training import nonfinite
 from overdrive.training import telemetry
+from overdrive.training.evaluation import evaluate
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 from overdrive.strategies import registry
@@ -166,100 +167,94 @@ def batches(loader, state: LoopState, skip_first_batches=None):
         state.batch_in_epoch = 0
 
 
-def evaluate(parts: Parts, task: str) -> dict[str, float]:
-    """Mean loss (and accuracy for classification) over the validation subset."""
-    acc, model = parts.accelerator, parts.model
-    loss_sum = torch.zeros((), device=acc.device)
-    n_batches, correct, seen = 0, torch.zeros((), device=acc.device), 0
-    model.eval()
-    with torch.no_grad():
-        for batch in parts.eval_loader:
-            out = model(**batch)
-            loss_sum += out.loss.detach().float()
-            n_batches += 1
-            if task == "sequence-classification":
-                preds, labels = acc.gather_for_metrics((out.logits.argmax(dim=-1), batch["labels"]))
-                correct += (preds == labels).sum()
-                seen += labels.numel()
-    model.train()
-    mean_loss = acc.reduce(loss_sum / max(n_batches, 1), "mean").item()  # sync point
-    result = {"eval_loss": mean_loss}
-    if task == "causal-lm":
-        result["eval_perplexity"] = math.exp(min(mean_loss, 50.0))
-    else:
-        result["eval_accuracy"] = correct.item() / max(seen, 1)
-    return result
-
-
-def train(resolved, force: bool = False) -> TrainResult:
-    """Train as `resolved` says. Accepts a `Resolved` (config with provenance) or a RunConfig.
+def train(run, force: bool = False) -> TrainResult:
+    """Train as `run` says: a `Resolved` (config with provenance) or a RunConfig.
 
     With `checkpoint.resume=auto` it continues from the newest complete checkpoint in
     output_dir; `force` allows that even when the config changed the math since.
     """
     from overdrive.launch.process import build_accelerator
+    from overdrive.training.settle import as_resolved, settle
 
-    # Before anything is built: what to resume, whether this config may, and (on a new
-    # world size) the accumulation that keeps the checkpoint's global batch.
-    plan = checkpoint.plan_resume(getattr(resolved, "config", resolved), force)
-    resolved = checkpoint.with_plan(resolved, plan)
-    cfg: RunConfig = plan.config
-    t = cfg.training
-    out = Path(cfg.output_dir).expanduser()
-    if cfg.launch.threads_per_process:
-        torch.set_num_threads(cfg.launch.threads_per_process)
-    trackers = telemetry.resolve_trackers(cfg.logging.trackers)
-    auto = cfg.training.micro_batch_size == "auto"
-    if auto:  # the largest micro-batch that fits, the global batch kept (overdrive/autobatch.py)
-        from overdrive.training import autobatch
-        cfg = autobatch.predicted_config(cfg)  # integers before any strategy plugin is built
-    accelerator = build_accelerator(cfg, log_with=trackers or None, project_dir=str(out))
-    if auto:
-        cfg = autobatch.confirm(cfg, accelerator)  # probed on this device, agreed by all ranks
+    given = as_resolved(run).config  # output_dir, threads and trackers: settling changes none of them
+    out = Path(given.output_dir).expanduser()
+    if given.launch.threads_per_process:
+        torch.set_num_threads(given.launch.threads_per_process)
+    trackers = telemetry.resolve_trackers(given.logging.trackers)
+    # The resume plan and the auto micro-batch, settled once into the config that runs.
+    settled = settle(run, force, lambda cfg: build_accelerator(cfg, log_with=trackers or None, project_dir=str(out)))
+    cfg, accelerator = settled.config, settled.accelerator
     main = accelerator.is_main_process
     if main:
         out.mkdir(parents=True, exist_ok=True)
-        text = resolved.to_json() if hasattr(resolved, "to_json") else cfg.model_dump_json(indent=2)
-        (out / "resolved.json").write_text(text)
+        (out / "resolved.json").write_text(settled.resolved.to_json())
     parts = build_parts(cfg, accelerator)
     if trackers:
         accelerator.init_trackers(cfg.logging.project_name, config=telemetry.flat_config(cfg.model_dump(mode="json")))
 
-    show = main and cfg.logging.level != "quiet"
-    progress = telemetry.ProgressDisplay(t.max_steps, enabled=show, bar=cfg.logging.progress)
-    progress.print(f"training: {cfg.model.task}, {t.max_steps} steps, output in {out}")
-    metrics = telemetry.MetricsLog(out / "metrics.jsonl", enabled=main)
-    result = TrainResult(out, 0, is_main_process=main)
-    ckpt = checkpoint.Checkpointer(cfg, accelerator, parts.scheduler, plan, out / "metrics.jsonl", say=progress.print)
+    progress = telemetry.ProgressDisplay(cfg.training.max_steps, enabled=main and cfg.logging.level != "quiet",
+                                         bar=cfg.logging.progress)
+    progress.print(f"training: {cfg.model.task}, {cfg.training.max_steps} steps, output in {out}")
+    ckpt = checkpoint.Checkpointer(cfg, accelerator, parts.scheduler, settled.plan, out / "metrics.jsonl",
+                                   say=progress.print)
     state = LoopState()
     restored = ckpt.restore(state)
-    result.checkpoint = restored.path
-    result.first_loss, result.final_loss = restored.extra.get("first_loss"), restored.extra.get("final_loss")
     try:
         with checkpoint.StopRequest(checkpoint.cpu_group(), accelerator.num_processes) as stop:
-            _loop(cfg, parts, state, progress, metrics, result, ckpt, stop, restored)
+            run_state = Session(cfg, parts, state, restored, ckpt, stop, progress,
+                                telemetry.MetricsLog(out / "metrics.jsonl", enabled=main))
+            outcome = _loop(run_state)
     finally:
         progress.close()
-    if result.stopped_by:  # the run is not finished: its checkpoint is the result
-        accelerator.end_training()
-        return result
-    _save_final(cfg, parts, out)
+    result = TrainResult(out, state.step, is_main_process=main, **vars(outcome))
+    if not result.stopped_by:  # a stopped run is not finished: its checkpoint is the result
+        _save_final(cfg, parts, out)
     accelerator.end_training()
     return result
 
 
-def _loop(cfg: RunConfig, parts: Parts, state: LoopState, progress, metrics, result: TrainResult,
-          ckpt: "checkpoint.Checkpointer", stop: "checkpoint.StopRequest", restored: "checkpoint.Restored") -> None:
+@dataclass
+class Session:
+    """What the loop works with, built by train() before the first step."""
+
+    cfg: RunConfig
+    parts: Parts
+    state: LoopState
+    restored: "checkpoint.Restored"
+    ckpt: "checkpoint.Checkpointer"
+    stop: "checkpoint.StopRequest"
+    progress: "telemetry.ProgressDisplay"
+    metrics: "telemetry.MetricsLog"
+
+
+@dataclass
+class Outcome:
+    """What the loop found out; train() turns it into the TrainResult."""
+
+    first_loss: Optional[float] = None
+    final_loss: Optional[float] = None
+    eval: dict[str, float] = field(default_factory=dict)
+    stopped_early: str = ""
+    stopped_by: int = 0
+    checkpoint: Optional[Path] = None
+    tokens_per_s: float = 0.0
+    elapsed_s: float = 0.0
+
+
+def _loop(run: Session) -> Outcome:
+    cfg, parts, state, progress, metrics = run.cfg, run.parts, run.state, run.progress, run.metrics
     t, acc, model, optimizer, scheduler = cfg.training, parts.accelerator, parts.model, parts.optimizer, parts.scheduler
     world = acc.num_processes
     data = batches(parts.train_loader, state, acc.skip_first_batches)
     throughput = telemetry.Throughput()
     # Summed on the device: no sync per step. A resume carries on the interval being summed.
-    loss_sum = torch.full((), restored.pending_loss, device=acc.device)
-    micro_steps = restored.pending_micro_steps
+    loss_sum = torch.full((), run.restored.pending_loss, device=acc.device)
+    micro_steps = run.restored.pending_micro_steps
     guard = nonfinite.NonfiniteGuard(t.nonfinite_loss, optimizer, acc.device, scaler=acc.scaler,
                                      deepspeed=registry.of(cfg).engine_steps_optimizer)
     guard.restore(state.nonfinite_in_a_row)
+    outcome = Outcome(run.restored.extra.get("first_loss"), run.restored.extra.get("final_loss"),
+                      checkpoint=run.restored.path)
     grad_norm = None
     after_first = None  # (time, tokens) at the first log: steady-state throughput starts there
     model.train()
@@ -306,39 +301,39 @@ def _loop(cfg: RunConfig, parts: Parts, state: LoopState, progress, metrics, res
             acc.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"},
                     step=state.step)
             progress.log(state.step, record)
-            result.first_loss = loss_value if result.first_loss is None else result.first_loss
-            result.final_loss = loss_value
+            outcome.first_loss = loss_value if outcome.first_loss is None else outcome.first_loss
+            outcome.final_loss = loss_value
             if after_first is None:
                 after_first = (time.perf_counter(), state.tokens_seen)
-            result.stopped_early = counts.verdict(t.nonfinite_loss, t.max_nonfinite_in_a_row, loss_value, state.step)
-            if result.stopped_early:
-                progress.print(f"stopping: {result.stopped_early}")
+            outcome.stopped_early = counts.verdict(t.nonfinite_loss, t.max_nonfinite_in_a_row, loss_value, state.step)
+            if outcome.stopped_early:
+                progress.print(f"stopping: {outcome.stopped_early}")
 
         if parts.eval_loader is not None and t.eval_every_steps and state.step % t.eval_every_steps == 0 \
-                and state.step < t.max_steps and not result.stopped_early:
-            _eval_and_log(cfg, parts, state, progress, metrics, result)
+                and state.step < t.max_steps and not outcome.stopped_early:
+            outcome.eval = _eval_and_log(run)
 
         # Save point: (model, optimizer, schedule, RNG, LoopState) when due, and before any stop.
         # Every rank asks whether any rank got SIGTERM/SIGINT, so all stop after the same step.
-        signum = stop.agreed()
-        if ckpt.due(state.step, stopping=bool(signum or result.stopped_early)):
+        signum = run.stop.agreed()
+        if run.ckpt.due(state.step, stopping=bool(signum or outcome.stopped_early)):
             state.nonfinite_in_a_row = guard.run_length()
-            result.checkpoint = ckpt.save(state, loss_sum, micro_steps,
-                                          {"first_loss": result.first_loss, "final_loss": result.final_loss})
-            progress.print(f"checkpoint: {result.checkpoint}")
+            outcome.checkpoint = run.ckpt.save(state, loss_sum, micro_steps,
+                                               {"first_loss": outcome.first_loss, "final_loss": outcome.final_loss})
+            progress.print(f"checkpoint: {outcome.checkpoint}")
         if signum:
-            result.stopped_by = signum
+            outcome.stopped_by = signum
             progress.print(f"stopping after step {state.step}: received {checkpoint.signal_name(signum)}")
-        if signum or result.stopped_early:
+        if signum or outcome.stopped_early:
             break
 
-    result.steps = state.step
-    result.elapsed_s = throughput.elapsed()
+    outcome.elapsed_s = throughput.elapsed()
     if after_first is not None and state.step > 1:
         seconds = time.perf_counter() - after_first[0]
-        result.tokens_per_s = (state.tokens_seen - after_first[1]) / max(seconds, 1e-9)
-    if parts.eval_loader is not None and not result.stopped_by:
-        _eval_and_log(cfg, parts, state, progress, metrics, result)
+        outcome.tokens_per_s = (state.tokens_seen - after_first[1]) / max(seconds, 1e-9)
+    if parts.eval_loader is not None and not outcome.stopped_by:
+        outcome.eval = _eval_and_log(run)
+    return outcome
 
 
 def _train_record(cfg: RunConfig, parts: Parts, state: LoopState, loss: float, lr: float, tokens_per_s: float,
@@ -357,12 +352,12 @@ def _train_record(cfg: RunConfig, parts: Parts, state: LoopState, loss: float, l
     }
 
 
-def _eval_and_log(cfg: RunConfig, parts: Parts, state: LoopState, progress, metrics, result: TrainResult) -> None:
-    values = evaluate(parts, cfg.model.task)
-    metrics.write({"step": state.step, **values, "time": time.time()})
-    parts.accelerator.log(values, step=state.step)
-    progress.log(state.step, values)
-    result.eval = values
+def _eval_and_log(run: Session) -> dict[str, float]:
+    values = evaluate(run.parts, run.cfg.model.task)
+    run.metrics.write({"step": run.state.step, **values, "time": time.time()})
+    run.parts.accelerator.log(values, step=run.state.step)
+    run.progress.log(run.state.step, values)
+    return values
 
 
 def _save_final(cfg: RunConfig, parts: Parts, out: Path) -> None:

@@ -20,6 +20,8 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from overdrive.config.keys import flatten
+from overdrive.training.metrics import MetricsLog  # noqa: F401 - the writer, kept where the loop finds it
 from overdrive.system.hardware import cpu_model
 
 # Dense (not sparse) bf16 peak FLOPs/s per device, from vendor data sheets. Matched as a
@@ -170,20 +172,6 @@ class Throughput:
         return self.clock() - self.start
 
 
-class MetricsLog:
-    """Appends one JSON object per line to metrics.jsonl (main process only)."""
-
-    def __init__(self, path: Path, enabled: bool = True):
-        self.path, self.enabled = Path(path), enabled
-        if enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(self, record: Mapping[str, Any]) -> None:
-        if self.enabled:
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-
-
 def _eta(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
@@ -257,13 +245,5 @@ def resolve_trackers(requested: list[str]) -> list[str]:
 
 def flat_config(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """Dotted keys with scalar values: what trackers' hyper-parameter tables accept."""
-    flat: dict[str, Any] = {}
-    for key, value in values.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            flat.update(flat_config(value, name + "."))
-        elif isinstance(value, (bool, int, float, str)):
-            flat[name] = value
-        else:
-            flat[name] = str(value)
-    return flat
+    return {key: value if isinstance(value, (bool, int, float, str)) else str(value)
+            for key, value in flatten(values, prefix).items() if not isinstance(value, Mapping)}

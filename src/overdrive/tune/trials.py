@@ -18,16 +18,14 @@ so compile cost is measured, not guessed: see `Measurement.overhead_s`.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-_OOM_MARKS = ("out of memory", "outofmemoryerror", "can't allocate memory", "cannot allocate memory",
-              "defaultcpuallocator")
-
+from overdrive.memory import mentions_out_of_memory
+from overdrive.training import metrics
 
 @dataclass(frozen=True)
 class Rung:
@@ -158,32 +156,6 @@ class Outcome:
     seconds: float = 0.0
 
 
-class _Tail:
-    """New complete lines of a file another process appends to."""
-
-    def __init__(self, path: Path):
-        self.path, self.offset, self.partial = path, 0, ""
-
-    def records(self) -> list[dict[str, Any]]:
-        try:
-            with self.path.open() as f:
-                f.seek(self.offset)
-                text = f.read()
-                self.offset = f.tell()
-        except FileNotFoundError:
-            return []
-        text, out = self.partial + text, []
-        *lines, self.partial = text.split("\n")
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict) and "loss" in record:
-                out.append(record)
-        return out
-
-
 # ------------------------------------------------------------------ processes
 
 def run_resolved(path: str) -> int:
@@ -228,9 +200,8 @@ def _tail(log: Path, lines: int = 15) -> str:
 
 
 def _failure(code: int, tail: str) -> tuple[str, str]:
-    lowered = tail.lower()
     last = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "")
-    if code == -9 or any(mark in lowered for mark in _OOM_MARKS):
+    if code == -9 or mentions_out_of_memory(tail):
         return "oom", f"out of memory (exit {code}){': ' + last if last else ''}"
     return "crashed", f"exit {code}{': ' + last[:200] if last else ''}"
 
@@ -267,7 +238,7 @@ def run_trial(resolved_json: str, workdir: Path, plan: TrialPlan, starter, decid
     workdir.mkdir(parents=True, exist_ok=True)
     path, log = workdir / "trial.json", workdir / "trial.log"
     path.write_text(resolved_json)
-    tail = _Tail(workdir / "out" / "metrics.jsonl")
+    tail = metrics.Tail(metrics.path_in(workdir / "out"))
     m = Measurement(warmup_steps=plan.warmup_steps)
     started = last_step = time.monotonic()
     rung = 0
@@ -282,7 +253,7 @@ def run_trial(resolved_json: str, workdir: Path, plan: TrialPlan, starter, decid
     try:
         while True:
             code = process.poll()  # before reading: lines written just before an exit are still read
-            records = tail.records()
+            records = [r for r in tail.records() if "loss" in r]  # training records only
             for record in records:
                 m.add(record)
             now = time.monotonic()

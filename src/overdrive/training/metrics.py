@@ -1,0 +1,85 @@
+"""`<output_dir>/metrics.jsonl`: its one writer and its one reader.
+
+One JSON object per line, appended by the main process: train lines carry `step`, `loss`,
+`lr`, `tokens_per_s`, `seq_len`, `micro_batch_size`, `mixed_precision`, `mfu` (and more);
+eval lines carry `eval_loss`. A run killed mid-write can leave a last line cut short, and a
+file another process is still appending to can end in a partial line: readers skip both.
+
+Pure (json and files only): `overdrive report`, `plan`, the tuner and bench read it without torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+FILE_NAME = "metrics.jsonl"
+
+
+def path_in(output_dir: str | Path) -> Path:
+    return Path(output_dir).expanduser() / FILE_NAME
+
+
+class MetricsLog:
+    """Appends one JSON object per line to metrics.jsonl (main process only)."""
+
+    def __init__(self, path: Path, enabled: bool = True):
+        self.path, self.enabled = Path(path), enabled
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+@dataclass
+class Records:
+    records: list[dict[str, Any]] = field(default_factory=list)
+    bad_lines: int = 0  # not JSON objects: a line cut short by a killed run
+
+
+def _parse(lines: list[str], into: Records) -> Records:
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            into.bad_lines += 1
+            continue
+        if isinstance(record, dict):
+            into.records.append(record)
+        else:
+            into.bad_lines += 1
+    return into
+
+
+def read(path: str | Path) -> Records:
+    """Every record of a metrics.jsonl (a missing file has none)."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except FileNotFoundError:
+        return Records()
+    return _parse(text.splitlines(), Records())
+
+
+class Tail:
+    """The new complete records of a metrics.jsonl another process is appending to."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.partial = Path(path), 0, ""
+
+    def records(self) -> list[dict[str, Any]]:
+        try:
+            with self.path.open() as f:
+                f.seek(self.offset)
+                text = f.read()
+                self.offset = f.tell()
+        except FileNotFoundError:
+            return []
+        *lines, self.partial = (self.partial + text).split("\n")
+        return _parse(lines, Records()).records

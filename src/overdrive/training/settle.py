@@ -1,0 +1,104 @@
+"""The run config settled once, before the loop: what resolved.json records is what runs.
+
+    settled = settle(run, force, build)     # resume plan, auto micro-batch, the Accelerator
+    settled.config                          # the config every part is built from, fixed from here on
+    settled.resolved.to_json()              # -> <output_dir>/resolved.json
+
+In order:
+1. The resume: what to resume, whether this config may, and (on a new world size) the
+   accumulation that keeps the checkpoint's global batch. Judged once: by the launcher when
+   there is one (`judge_resume`, handed to the workers in the resolved file), else here.
+2. `training.micro_batch_size: auto` predicted by the memory estimator, so every strategy's
+   plugin is built from integers.
+3. The Accelerator, built by the caller's `build(config)`.
+4. The auto micro-batch confirmed on this device and agreed by all ranks.
+Each changed value gets its origin, so `resolved.json` says why it differs from the input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from overdrive import checkpoint
+from overdrive.config import Origin, Resolved
+from overdrive.config.schema import RunConfig
+
+
+@dataclass(frozen=True)
+class Settled:
+    resolved: Resolved  # the config as it runs, with the origin of every value
+    plan: "checkpoint.ResumePlan"
+    accelerator: Any
+
+    @property
+    def config(self) -> RunConfig:
+        return self.resolved.config
+
+
+def as_resolved(run: Resolved | RunConfig) -> Resolved:
+    """A bare RunConfig (the Python API) as a Resolved whose origins are unknown."""
+    return run if isinstance(run, Resolved) else Resolved(config=run, origins={})
+
+
+def _record(plan: "checkpoint.ResumePlan") -> dict[str, Any]:
+    return {"checkpoint": str(plan.checkpoint) if plan.checkpoint else None, "force": plan.force,
+            "notes": list(plan.notes)}
+
+
+def _with_plan(resolved: Resolved, plan: "checkpoint.ResumePlan") -> Resolved:
+    return replace(checkpoint.with_plan(resolved, plan), resume=_record(plan))
+
+
+def judge_resume(run: Resolved | RunConfig, force: bool = False) -> Resolved:
+    """The launcher's judgement: refused before any worker starts, else handed to them."""
+    resolved = as_resolved(run)
+    return _with_plan(resolved, checkpoint.plan_resume(resolved.config, force))
+
+
+def _same(a: Optional[str | Path], b: Optional[str | Path]) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and Path(a).resolve() == Path(b).resolve())
+
+
+def resume_plan(resolved: Resolved, force: bool = False) -> "checkpoint.ResumePlan":
+    """The handed judgement while the checkpoint it names is still the newest one; a checkpoint
+    written since (the elastic agent restarted the workers after a save) is judged here."""
+    handed, cfg = resolved.resume, resolved.config
+    if handed is not None:
+        newest = checkpoint.latest_complete(checkpoint.checkpoints_dir(cfg.output_dir), checksums=False).found
+        judged = handed.get("checkpoint")
+        if _same(newest.path if newest else None, judged):
+            try:
+                saved = checkpoint.read_state(Path(judged)) if judged else None
+            except (OSError, ValueError):  # judged again below, which says what is wrong with it
+                saved = None
+            if saved is not None or not judged:
+                return checkpoint.ResumePlan(cfg, Path(judged) if judged else None, saved,
+                                             list(handed.get("notes", [])), bool(handed.get("force", force)))
+    return checkpoint.plan_resume(cfg, force)
+
+
+def _with_auto(resolved: Resolved, final: RunConfig, device: str) -> Resolved:
+    origins = dict(resolved.origins)
+    why = Origin("auto", f"training.micro_batch_size=auto: the largest that fits on {device}, agreed by all ranks")
+    for key in ("training.micro_batch_size", "training.gradient_accumulation_steps"):
+        section, name = key.split(".")
+        if getattr(getattr(final, section), name) != getattr(getattr(resolved.config, section), name):
+            origins[key] = why
+    return replace(resolved, config=final, origins=origins)
+
+
+def settle(run: Resolved | RunConfig, force: bool, build: Callable[[RunConfig], Any]) -> Settled:
+    """Steps 1 to 4 above; `build(config)` constructs the Accelerator for `config`."""
+    resolved = as_resolved(run)
+    plan = resume_plan(resolved, force)
+    resolved = _with_plan(resolved, plan)
+    if resolved.config.training.micro_batch_size != "auto":
+        return Settled(resolved, plan, build(resolved.config))
+    from overdrive.training import autobatch
+
+    predicted = autobatch.predicted_config(resolved.config)  # integers before any strategy plugin is built
+    accelerator = build(predicted)
+    final = autobatch.confirm(predicted, accelerator)  # probed on this device, agreed by all ranks
+    return Settled(_with_auto(resolved, final, str(accelerator.device)), plan, accelerator)
