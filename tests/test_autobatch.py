@@ -137,6 +137,7 @@ DS_ITEMS = [f"model.architecture.{k}={v}" for k, v in TINY["model"]["architectur
     "launch.use_cpu=true"]
 
 
+@pytest.mark.slow
 def test_under_deepspeed_the_plugin_is_built_from_integers_and_gets_the_final_split():
     # Resolved with an integer micro-batch (see the next test); predicted_config then does what
     # it does for `auto`: the global batch alone decides.
@@ -176,6 +177,7 @@ def _train(tmp_path, name: str, **training) -> list[dict]:
             if '"loss"' in line]
 
 
+@pytest.mark.slow
 def test_train_with_auto_keeps_the_global_batch_and_the_losses(tmp_path, monkeypatch):
     fixed = _train(tmp_path, "fixed", micro_batch_size=16, gradient_accumulation_steps=1, global_batch_size=None)
     auto = _train(tmp_path, "auto")  # everything fits: one micro-batch of 16

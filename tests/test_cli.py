@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO, run_cli
+
+pytestmark = pytest.mark.slow  # every test here starts processes or trains
 
 HEAVY = ("torch", "transformers", "deepspeed", "accelerate", "datasets")
 

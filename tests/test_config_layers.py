@@ -54,6 +54,7 @@ def test_each_layer_wins_in_turn(tmp_path):
             layers["env"] = {"HF_HOME": str(tmp_path / "empty")}
 
 
+@pytest.mark.slow
 def test_explain_key_names_the_winning_layer(tmp_path):
     layers = _write_all_layers(tmp_path)
     env = {"HF_HOME": layers["env"]["HF_HOME"], "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"}
@@ -132,6 +133,7 @@ def test_extends_is_relative_and_cycles_are_reported(tmp_path):
         resolve([a], env={})
 
 
+@pytest.mark.slow
 def test_python_tags_are_refused_not_executed(tmp_path):
     marker = tmp_path / "executed"
     path = tmp_path / "evil.yaml"

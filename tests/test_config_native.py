@@ -45,6 +45,7 @@ def loads_or_is_refused(path):
         assert any(origin.source.startswith(str(path.parent.parent)) for origin in resolved.origins.values())
 
 
+@pytest.mark.slow
 def test_invalid_keys_names_both_keys_with_lines():
     path = PEER_CONFIGS / "accelerate/tests/test_configs/invalid_keys.yaml"
     result = run_cli("explain", str(path))
@@ -53,6 +54,7 @@ def test_invalid_keys_names_both_keys_with_lines():
     assert f"another_invalid_key: not an Accelerate config key  [{path}:15]" in result.stderr
 
 
+@pytest.mark.slow
 def test_explain_shows_fsdp_settings_with_file_and_line():
     path = PEER_CONFIGS / "accelerate/tests/test_configs/latest_fsdp.yaml"
     result = run_cli("explain", str(path))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import run_cli
 
 from overdrive.config.env_report import is_secret_name, run_variables
@@ -20,6 +21,7 @@ def test_credentials_are_told_from_names_that_only_mention_a_token():
         assert not is_secret_name(name), name
 
 
+@pytest.mark.slow
 def test_explain_shows_tokenizer_values():
     result = run_cli("explain", "--all", "tokenizer.vocab_size=4096")
     assert result.returncode == 0, result.stderr
@@ -27,6 +29,7 @@ def test_explain_shows_tokenizer_values():
     assert "4096" in line and "***" not in line
 
 
+@pytest.mark.slow
 def test_explain_json_masks_a_hub_token_but_not_pad_token_id():
     result = run_cli("explain", "--json", "model.architecture.pad_token_id=0",
                      "parallel.deepspeed.extra.hub_token=hf_abc")

@@ -18,6 +18,7 @@ def problems_of(*files, cli=(), env=None) -> str:
     return error.value.render()
 
 
+@pytest.mark.slow
 def test_misspelled_nested_key_exits_2_with_line_and_suggestion(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("parallel:\n  deepspeed:\n    zero_stag: 3\n")
@@ -28,6 +29,7 @@ def test_misspelled_nested_key_exits_2_with_line_and_suggestion(tmp_path):
     assert "did you mean `parallel.deepspeed.zero_stage`?" in result.stderr
 
 
+@pytest.mark.slow
 def test_five_mistakes_are_reported_in_one_run(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(
@@ -114,6 +116,7 @@ def test_missing_hardware_is_a_warning_to_explain_and_an_error_to_train():
         check_for_train(resolve([], cli=["launch.num_processes=4"], env={}), V100)
 
 
+@pytest.mark.slow
 def test_explain_prints_hardware_warnings_and_exits_0():
     path = PEER_CONFIGS / "accelerate/examples/config_yaml_templates/fp8.yaml"
     result = run_cli("explain", str(path))
@@ -121,6 +124,7 @@ def test_explain_prints_hardware_warnings_and_exits_0():
     assert "fp8 needs a GPU" in result.stderr
 
 
+@pytest.mark.slow
 def test_secrets_are_never_printed(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("parallel:\n  deepspeed:\n    extra:\n      hub_token: hf_SECRET123\n")

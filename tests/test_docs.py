@@ -160,6 +160,7 @@ def test_the_docs_have_commands():
     assert sum(len(bash_blocks(path)) for path in PAGES) >= 10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: p.name)
 def test_every_command_block_runs(path, tmp_path):
     # One scratch directory per page: its blocks build on each other (train, then report).

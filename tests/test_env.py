@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from overdrive.config.env_report import accelerate_default_config_path, masked_value, run_variables
 
 BIN = Path(sys.executable).parent / "overdrive"
@@ -37,6 +39,7 @@ def overdrive_env(env: dict[str, str], *flags: str) -> str:
     return result.stdout
 
 
+@pytest.mark.slow
 def test_markdown_report(tmp_path):
     out = overdrive_env(shell(tmp_path))
     assert "secret" not in out
@@ -62,6 +65,7 @@ def test_markdown_report(tmp_path):
     assert "| precision.mixed_precision | `fp16` | `no` | ACCELERATE_MIXED_PRECISION |" in out
 
 
+@pytest.mark.slow
 def test_json_and_no_default_config(tmp_path):
     env = shell(tmp_path, default_config=None)
     text = overdrive_env(env, "--json", "--no-hardware")
@@ -97,6 +101,7 @@ def test_default_config_path_follows_accelerate():
     assert accelerate_default_config_path({}) == Path("~/.cache/huggingface/accelerate/default_config.yaml").expanduser()
 
 
+@pytest.mark.slow
 def test_a_broken_default_config_is_reported_not_fatal(tmp_path):
     broken = "distributed_type: FSDP\nfsdp_config:\n  fsdp_bogus_key: 1\nmixed_precision: bf17\n"
     out = overdrive_env(shell(tmp_path, default_config=broken), "--no-hardware")

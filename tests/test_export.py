@@ -80,6 +80,7 @@ def test_exported_files_are_accepted_and_round_trip(config, tmp_path, monkeypatc
         assert deepspeed_config.ds_config(back, 2, 64) == deepspeed_config.ds_config(cfg, 2, 64)
 
 
+@pytest.mark.slow
 def test_deepspeed_json_for_a_ddp_run_is_refused(tmp_path):
     done = run_cli("export", str(REPO / "configs" / "ddp.yaml"), "--deepspeed", str(tmp_path / "ds.json"))
     assert done.returncode == 2 and "parallel.strategy" in done.stderr
@@ -93,6 +94,7 @@ def test_exported_json_keeps_autos_accelerate_fills(tmp_path):
     assert ds["gradient_accumulation_steps"] == 1 and ds["bf16"]["enabled"] is True
 
 
+@pytest.mark.slow
 def test_export_then_import_cli(tmp_path):
     run = tmp_path / "run.yaml"
     run.write_text(yaml.safe_dump({
@@ -118,6 +120,7 @@ def test_export_then_import_cli(tmp_path):
         assert same(value_at(back, key), value_at(original, key)), key
 
 
+@pytest.mark.slow
 def test_files_the_user_has_are_kept_unless_forced(tmp_path):
     run, acc = tmp_path / "run.yaml", tmp_path / "acc.yaml"
     run.write_text("optim:\n  lr: 3.0e-4\n")
@@ -134,6 +137,7 @@ def test_files_the_user_has_are_kept_unless_forced(tmp_path):
     assert "bf16" in acc.read_text()
 
 
+@pytest.mark.slow
 def test_import_writes_only_non_defaults_of_a_peer_file(tmp_path):
     out = tmp_path / "run.yaml"
     done = run_cli("import", str(PEER_CONFIGS / "accelerate" / "examples" / "config_yaml_templates" / "fsdp.yaml"),

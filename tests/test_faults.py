@@ -16,6 +16,8 @@ import pytest
 from checkpoint_probe import (assert_same_losses, checkpoint_then, command, finish, kill_group, losses, run, start,
                               steps_logged, wait_for, warm_cache, worker_pids)
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains
+
 MAX_STEPS = 24
 RUN = [f"training.max_steps={MAX_STEPS}", "training.micro_batch_size=4", "training.eval_every_steps=null",
        "checkpoint.every_steps=5", "launch.num_processes=2", "data.max_bytes=60000"]

@@ -13,6 +13,8 @@ from overdrive.training import model as model_mod
 from overdrive.training import loop as trainer
 from overdrive.config.schema import RunConfig
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains
+
 # No dropout: runs are compared with each other, and the first run in a fresh cache draws
 # from the RNG to measure the CPU's peak FLOPS.
 ARCH = {"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 32, "n_positions": 64,

@@ -102,6 +102,7 @@ def test_launch_refuses_before_any_worker_starts(tmp_path, monkeypatch):
     (["parallel.strategy=deepspeed", "launch.num_processes=2", "training.micro_batch_size=4",
       "parallel.deepspeed.train_batch_size=16"], "parallel.deepspeed.train_batch_size"),
 ])
+@pytest.mark.slow
 def test_train_fails_fast_naming_the_key(items, key, tmp_path):
     done = run_cli("train", *items, f"output_dir={tmp_path / 'run'}", timeout=60)
     assert done.returncode == 2, done.stderr
@@ -110,6 +111,7 @@ def test_train_fails_fast_naming_the_key(items, key, tmp_path):
     assert not (tmp_path / "run" / "resolved.json").exists()  # no worker was started
 
 
+@pytest.mark.slow
 def test_user_script_launch_refuses_too(tmp_path):
     script = tmp_path / "script.py"
     script.write_text("raise SystemExit('must not run')\n")
@@ -120,6 +122,7 @@ def test_user_script_launch_refuses_too(tmp_path):
 # --------------------------------------------------------------------------- equivalent command lines
 
 
+@pytest.mark.slow
 def test_print_launch_lines_are_accepted_by_their_launchers(tmp_path):
     done = run_cli("train", str(REPO / "configs" / "zero3.yaml"), f"output_dir={tmp_path}", "--print-launch", timeout=60)
     assert done.returncode == 0, done.stderr
@@ -142,6 +145,7 @@ def test_print_launch_lines_are_accepted_by_their_launchers(tmp_path):
     assert torchrun.nproc_per_node == "2" and torchrun.module
 
 
+@pytest.mark.slow
 def test_slurm_script(tmp_path):
     job = tmp_path / "job.sbatch"
     done = run_cli("slurm", str(REPO / "configs" / "multi-node.yaml"), f"output_dir={tmp_path / 'run'}",

@@ -3,7 +3,10 @@ each, train one job together; its losses are those of one process at the same gl
 
 from __future__ import annotations
 
+import pytest
 from strategy_probe import GLOBAL_BATCH, REPO, TOLERANCE, free_port, losses_of, reference_losses, train
+
+pytestmark = pytest.mark.slow  # every test here starts processes or trains
 
 
 def test_two_launchers_train_one_job(tmp_path_factory, tmp_path):

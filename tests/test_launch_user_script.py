@@ -11,6 +11,8 @@ import sys
 import pytest
 from strategy_probe import REPO, free_port
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains
+
 SCRIPT = REPO / "tests" / "user_script_probe.py"
 # ZeRO-3 with parameters and optimizer states offloaded to CPU memory (DeepSpeedCPUAdam).
 RUNS = {"ddp": "ddp.yaml", "deepspeed": "zero3-offload.yaml", "fsdp": "fsdp.yaml"}

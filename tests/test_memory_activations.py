@@ -70,6 +70,7 @@ def _config(checkpointing: bool, seq_len: int) -> RunConfig:
                                      "data": {"max_length": seq_len}, "launch": {"use_cpu": True}})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["full", "checkpointed"])
 @pytest.mark.parametrize("seq_len", [128, 512])
 def test_activation_estimate_matches_measurement(checkpointing, seq_len):
@@ -104,6 +105,7 @@ def test_head_is_counted():
     assert act.head + act.logits > act.layer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_heads,checkpointing,attn", [(2, False, "sdpa"), (4, False, "eager"), (2, True, "sdpa")],
                          ids=["gqa-sdpa", "mha-eager", "gqa-checkpointed"])
 def test_llama_class_activations(kv_heads, checkpointing, attn):

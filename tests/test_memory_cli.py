@@ -30,6 +30,7 @@ def llama_dir(tmp_path):
     return path
 
 
+@pytest.mark.slow
 def test_estimate_7b_config_json(llama_dir, tmp_path):
     plot = tmp_path / "bars.png"
     done = run_cli("estimate", str(llama_dir / "config.json"), "--devices", "4", "--precision", "bf16",
@@ -50,6 +51,7 @@ def test_estimate_7b_config_json(llama_dir, tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_estimate_table_from_a_directory(llama_dir):
     done = run_cli("estimate", str(llama_dir), "--devices", "8", "--gpu-memory", "80")
     assert done.returncode == 0, done.stderr
@@ -77,6 +79,7 @@ def test_estimate_run_yaml(tmp_path, capsys):
     assert data["parameters"] == vocab * d + positions * d + layers * (12 * d * d + 13 * d) + 2 * d
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,message", [
     (["estimate", "no/such-model-anywhere"], "neither a local path"),
     (["estimate", "missing.yaml"], "no such run config"),
@@ -88,6 +91,7 @@ def test_estimate_user_errors(args, message):
     assert message in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_commands_do_not_import_torch_to_parse():
     code = ("import sys, argparse\nimport overdrive.cli as cli\ncli.build_parser()\n"
             "from overdrive.commands import estimate, plan\n"

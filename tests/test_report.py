@@ -51,6 +51,7 @@ def make_run(run_dir: Path, seed: int = 0, strategy: str = "ddp", steps: int = 3
     return run_dir
 
 
+@pytest.mark.slow
 def test_report_writes_plots_and_summary(tmp_path):
     run = make_run(tmp_path / "run1")
     result = subprocess.run(OVERDRIVE + ["report", str(run)], capture_output=True, text=True, timeout=120)
@@ -97,6 +98,7 @@ def test_sparse_metrics_without_resolved(tmp_path):
     assert "could not be read" in text and "No resolved.json" in text and "mean MFU" not in text
 
 
+@pytest.mark.slow
 def test_missing_run_dir_and_metrics_name_the_path(tmp_path):
     with pytest.raises(UserError, match="nowhere"):
         load_run(tmp_path / "nowhere")
@@ -106,6 +108,7 @@ def test_missing_run_dir_and_metrics_name_the_path(tmp_path):
     assert result.returncode == 2 and "nowhere" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_compare(tmp_path):
     a = make_run(tmp_path / "ddp", seed=1, strategy="ddp")
     b = make_run(tmp_path / "fsdp", seed=2, strategy="fsdp")

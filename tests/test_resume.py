@@ -12,6 +12,8 @@ import pytest
 from checkpoint_probe import (checkpoint_then, command, finish, kill_group, losses, records, run, start,
                               steps_logged, wait_for, warm_cache)
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains
+
 MAX_STEPS = 36
 # ~13 optimizer steps per epoch: the resumed part of the run crosses epoch boundaries.
 RUN = [f"training.max_steps={MAX_STEPS}", "data.max_bytes=40000", "training.micro_batch_size=8",

@@ -65,6 +65,7 @@ print(json.dumps({"type": str(acc.distributed_type).split(".")[-1], "n": acc.num
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, expected", [
     (["parallel.strategy=fsdp"], "FSDP"),
     (["parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3", "training.micro_batch_size=2",
@@ -80,6 +81,7 @@ def test_a_lone_process_runs_the_sharded_strategies(strategy, expected):
     assert result == {"type": expected, "n": 1, "fraction": 1.0}
 
 
+@pytest.mark.slow
 def test_accelerates_own_switches_do_not_override_the_strategy():
     """ACCELERATE_USE_CPU=true in the shell would make Accelerate drop the DeepSpeed plugin
     (cpu=True); the config already read it (launch.use_cpu), so it must not act again."""

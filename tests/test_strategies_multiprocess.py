@@ -18,6 +18,8 @@ import pytest
 from conftest import PEER_CONFIGS
 from strategy_probe import GLOBAL_BATCH, REPO, TOLERANCE, free_port, losses_of, reference_losses, train
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains
+
 CONFIGS = REPO / "configs"
 TRANSFORMERS_DS = PEER_CONFIGS / "transformers" / "tests" / "deepspeed"
 STRATEGIES = {

@@ -104,6 +104,7 @@ def test_adamw_kernel_choice():
 
 # ---------------------------------------------------------------- end to end
 
+@pytest.mark.slow
 def test_tiny_run_end_to_end(tmp_path, cache_dir):
     result = trainer.train(tiny(tmp_path, cache_dir))
     run = tmp_path / "run"
@@ -128,6 +129,7 @@ def test_tiny_run_end_to_end(tmp_path, cache_dir):
     assert model(input_ids=ids).logits.shape[-1] == 512
 
 
+@pytest.mark.slow
 def test_accumulation_is_exact_and_the_schedule_counts_optimizer_steps(tmp_path, cache_dir):
     common = {"training": {"max_steps": 6, "log_every_steps": 1, "eval_every_steps": None, "gradient_clipping": 1.0},
               "data": {"validation_fraction": 0.0}, "scheduler": {"warmup_steps": 2}}
@@ -149,6 +151,7 @@ def test_accumulation_is_exact_and_the_schedule_counts_optimizer_steps(tmp_path,
     assert la[-1]["tokens"] == lb[-1]["tokens"] == 6 * 8 * 32
 
 
+@pytest.mark.slow
 def test_bf16_mixed_precision_trains_on_cpu(tmp_path, cache_dir):
     result = trainer.train(tiny(tmp_path, cache_dir, precision={"mixed_precision": "bf16"},
                                 training={"max_steps": 20, "eval_every_steps": None}))
@@ -172,6 +175,7 @@ def sentiment_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_sequence_classification_learns_well_above_chance(tmp_path, cache_dir):
     # A hub-layout directory (train/validation files): the same `load_dataset` path as a hub name.
     repo = tmp_path / "sentiment"
@@ -188,6 +192,7 @@ def test_sequence_classification_learns_well_above_chance(tmp_path, cache_dir):
     assert result.eval["eval_accuracy"] >= 0.85  # chance is 0.5
 
 
+@pytest.mark.slow
 def test_trackers_write_tensorboard_events(tmp_path, cache_dir):
     pytest.importorskip("tensorboard")
     trainer.train(tiny(tmp_path, cache_dir, logging={"trackers": ["auto"]},
@@ -202,6 +207,7 @@ def run_cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.Completed
                           cwd=cwd, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_default_run_from_the_command_line(tmp_path, cache_dir):
     """`overdrive train` as the README's first command, shortened: the embedded default on
     a slice of the standard library, 40 steps (warm-up shortened to match). The full default
@@ -220,6 +226,7 @@ def test_default_run_from_the_command_line(tmp_path, cache_dir):
     assert resolved["origins"]["training.max_steps"].startswith("cli")
 
 
+@pytest.mark.slow
 def test_resolved_file_is_trained_as_is(tmp_path, cache_dir):
     from overdrive.config import resolve
 
@@ -244,6 +251,7 @@ def test_full_default_run_meets_the_loss_target(tmp_path):
     assert losses[-1] < 0.6 * losses[0]
 
 
+@pytest.mark.slow
 def test_programmatic_example_runs(tmp_path, cache_dir):
     proc = subprocess.run(
         [sys.executable, str(REPO / "examples" / "train_distributed.py"), f"data.cache_dir={cache_dir}",

@@ -207,6 +207,7 @@ def tuned_once(tmp_path_factory):
     return tmp, run_yaml, argv, main(argv)
 
 
+@pytest.mark.slow
 def test_tune_writes_a_tune_layer_that_explain_attributes_to_tune(tuned_once, capsys):
     tmp, run_yaml, argv, code = tuned_once
     assert code == 0
@@ -222,6 +223,7 @@ def test_tune_writes_a_tune_layer_that_explain_attributes_to_tune(tuned_once, ca
     assert resolved.origins["optim.lr"].layer == "default"
 
 
+@pytest.mark.slow
 def test_the_cache_answers_without_trials_or_torch_and_never_overwrites(tuned_once, capsys):
     tmp, run_yaml, argv, _ = tuned_once
     script = ("import json, sys; from overdrive.cli import main; code = main(sys.argv[1:]); "
@@ -242,6 +244,7 @@ def test_the_cache_answers_without_trials_or_torch_and_never_overwrites(tuned_on
     assert json.loads(again.stdout.strip().splitlines()[-1])["torch"] is False
 
 
+@pytest.mark.slow
 def test_the_table_lists_every_candidate_with_status_speed_and_memory(tuned_once):
     tmp, run_yaml, argv, _ = tuned_once
     from overdrive.tune import cache

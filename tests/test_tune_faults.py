@@ -7,6 +7,7 @@ import json
 import socket
 
 import psutil
+import pytest
 import yaml
 
 from overdrive.config import resolve
@@ -37,6 +38,7 @@ def test_exit_codes_and_logs_are_classified():
     assert status == "crashed" and reason.endswith("ValueError: bad value")
 
 
+@pytest.mark.slow
 def test_a_crashing_and_a_hanging_trial_are_reported_and_skipped(tmp_path):
     data = json.loads(json.dumps(TINY))
     data["data"]["cache_dir"] = str(tmp_path / "cache")

@@ -20,6 +20,8 @@ from overdrive.config import resolve
 from overdrive.tune import TrialPlan, TuneOptions, make_job, run
 from overdrive.tune.space import apply
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains
+
 STEPS = 12
 TINY = {
     "model": {"architecture": {"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 32, "n_positions": 64,

@@ -113,6 +113,7 @@ def test_memory_estimate_suggests_a_strategy(tmp_path):
     assert wizard.memory_suggestion(a, CPU_BOX, said.append) is None and "no memory estimate" in a.notes[-1]
 
 
+@pytest.mark.slow
 def test_non_interactive_flags_write_the_nested_schema(tmp_path):
     out = tmp_path / "ds.yaml"
     model = str(tiny_model(tmp_path))
@@ -153,6 +154,7 @@ def test_non_interactive_flags_write_the_nested_schema(tmp_path):
     assert out.read_text() == before
 
 
+@pytest.mark.slow
 def test_bad_flag_is_rejected_with_the_same_message(tmp_path):
     result = subprocess.run(OVERDRIVE + ["config", "--non-interactive", "-o", str(tmp_path / "x.yaml"),
                                          "--strategy", "deepspeed", "--zero-stage", "5"],
@@ -175,6 +177,7 @@ def test_fsdp_accelerate_default_is_fsdp2(tmp_path):
                                                 "fsdp": {"reshard_after_forward": False, "offload_params": False}}
 
 
+@pytest.mark.slow
 def test_wizard_in_a_real_terminal_then_explain_and_train(tmp_path):
     pexpect = pytest.importorskip("pexpect")
     out = tmp_path / "run.yaml"
