@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from overdrive.config.schema import RunConfig
-from overdrive.strategies import cpu
+from overdrive.strategies import cpu, registry
 from overdrive.strategies.compile import dynamo_plugin
 
 
@@ -20,7 +20,7 @@ def base_kwargs(cfg: RunConfig, world_size: int) -> dict[str, Any]:
     backend = cpu.process_group_backend(cfg)
     # Only when there is a process group to make: a lone DDP process has none, and naming a
     # backend there makes Accelerate ask torch.distributed for a world size that does not exist.
-    grouped = world_size > 1 or cfg.parallel.strategy in ("deepspeed", "fsdp")
+    grouped = world_size > 1 or registry.of(cfg).always_grouped
     if backend is not None and grouped:
         from accelerate.utils import InitProcessGroupKwargs
 

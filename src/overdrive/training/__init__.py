@@ -1,6 +1,9 @@
 """The training loop and what it is built from.
 
     loop.py          `train(cfg)`: build the parts, run the optimizer steps, save, report
+    settle.py        the run config settled once: the resume plan, the auto micro-batch, the Accelerator
+    evaluation.py    the validation pass
+    metrics.py       metrics.jsonl: its one writer and its one reader (pure)
     model.py         the model through the Transformers Auto classes
     tokenizer.py     a pretrained tokenizer, or a byte-level BPE trained on the data and cached
     optimization.py  AdamW and its learning-rate schedule

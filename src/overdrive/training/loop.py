@@ -1,7 +1,8 @@
 """The training loop, readable top to bottom.
 
-`train(resolved)` builds everything from the run config (accelerator, tokenizer, model,
-data, optimizer, schedule), then runs `training.max_steps` optimizer steps. Each optimizer
+`train(resolved)` settles the run config once (training/settle.py), builds everything from
+it (accelerator, tokenizer, model, data, optimizer, schedule), then runs `training.max_steps`
+optimizer steps (`_loop`, given one `Session`, returning an `Outcome`). Each optimizer
 step is `training.gradient_accumulation_steps` micro-batches under
 `accelerator.accumulate`; the loss is summed on the device and read (a host-device sync)
 only at logging steps. Everything that says where the loop is lives in `LoopState`; the end
@@ -195,15 +196,14 @@ def train(run, force: bool = False) -> TrainResult:
     progress = telemetry.ProgressDisplay(cfg.training.max_steps, enabled=main and cfg.logging.level != "quiet",
                                          bar=cfg.logging.progress)
     progress.print(f"training: {cfg.model.task}, {cfg.training.max_steps} steps, output in {out}")
+    metrics = telemetry.MetricsLog(out / "metrics.jsonl", enabled=main)
     ckpt = checkpoint.Checkpointer(cfg, accelerator, parts.scheduler, settled.plan, out / "metrics.jsonl",
                                    say=progress.print)
     state = LoopState()
     restored = ckpt.restore(state)
     try:
         with checkpoint.StopRequest(checkpoint.cpu_group(), accelerator.num_processes) as stop:
-            run_state = Session(cfg, parts, state, restored, ckpt, stop, progress,
-                                telemetry.MetricsLog(out / "metrics.jsonl", enabled=main))
-            outcome = _loop(run_state)
+            outcome = _loop(Session(cfg, parts, state, restored, ckpt, stop, progress, metrics))
     finally:
         progress.close()
     result = TrainResult(out, state.step, is_main_process=main, **vars(outcome))
