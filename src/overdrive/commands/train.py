@@ -66,8 +66,11 @@ def run(args: argparse.Namespace) -> int:
 
         check_for_train(resolved)
     force = getattr(args, "force", False)
-    if not in_worker and cfg.launch.num_processes > 1:
-        return _launch(resolved, force)
+    if not in_worker:
+        from overdrive.launch.process import needs_launcher
+
+        if needs_launcher(cfg):  # several processes, or one on the GPUs in launch.gpu_ids
+            return _launch(resolved, force)
 
     from overdrive.training.loop import train
 

@@ -127,6 +127,15 @@ def check(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]
     return errors, warnings
 
 
+def listed_gpu_ids(text: str) -> list[int] | None:
+    """`launch.gpu_ids` as indices ("0,1,3"), or None when it is not a comma list of them."""
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        return None
+    return ids if ids and len(set(ids)) == len(ids) and min(ids) >= 0 else None
+
+
 def hardware_problems(cfg: RunConfig, chains: Chains, hardware) -> list[Problem]:
     """What this machine cannot do of what the config asks, saying what was detected."""
     problems, detected = [], hardware.describe()
@@ -138,13 +147,23 @@ def hardware_problems(cfg: RunConfig, chains: Chains, hardware) -> list[Problem]
     if precision == "bf16" and on_gpu and not hardware.supports_bf16:
         problems.append(Problem("precision.mixed_precision", "bf16 needs compute capability 8.0 or newer",
                                 _where(chains, "precision.mixed_precision"), f"use fp16; detected: {detected}"))
-    if cfg.launch.backend == "nccl" and hardware.gpu_count == 0:
-        problems.append(Problem("launch.backend", "nccl needs CUDA GPUs", _where(chains, "launch.backend"), f"use auto or gloo; detected: {detected}"))
+    # "nccl needs CUDA GPUs" and the other CPU-only refusals live in strategies/cpu.py.
     if cfg.launch.gpu_ids != "all" and hardware.gpu_count == 0 and not cfg.launch.use_cpu:
         problems.append(Problem("launch.gpu_ids", f"asks for GPUs {cfg.launch.gpu_ids}", _where(chains, "launch.gpu_ids"),
                                 f"remove it or set launch.use_cpu=true; detected: {detected}"))
+    usable = hardware.gpu_count
+    if cfg.launch.gpu_ids != "all" and on_gpu:
+        ids = listed_gpu_ids(cfg.launch.gpu_ids)
+        missing = [i for i in ids or [] if i >= hardware.gpu_count]
+        if ids is None or missing:
+            problems.append(Problem("launch.gpu_ids", f"is {cfg.launch.gpu_ids!r}: " + (
+                f"GPU {missing[0]} does not exist (indices go 0..{hardware.gpu_count - 1})" if ids is not None
+                else "not a comma list of GPU indices"), _where(chains, "launch.gpu_ids"), f"detected: {detected}"))
+        usable = len(ids or [])
     local = cfg.launch.num_processes // max(cfg.launch.num_machines, 1)
-    if on_gpu and local > hardware.gpu_count:
-        problems.append(Problem("launch.num_processes", f"{local} processes per machine but {hardware.gpu_count} GPU(s)",
+    if on_gpu and local > usable:
+        which = f"launch.gpu_ids lists {usable}" if cfg.launch.gpu_ids != "all" else f"{usable} GPU(s)"
+        problems.append(Problem("launch.num_processes", f"{local} processes per machine but {which}: two processes "
+                                "would share a GPU (NCCL refuses: \"Duplicate GPU detected\")",
                                 _where(chains, "launch.num_processes"), f"at most one process per GPU; detected: {detected}"))
     return problems

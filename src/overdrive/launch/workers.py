@@ -29,8 +29,9 @@ from overdrive.launch.process import free_port, local_processes, worker_environm
 # --------------------------------------------------------------------------- checks
 
 
-def problems(cfg: RunConfig) -> list[Problem]:
-    """World size and rendezvous problems, named by key, found before anything starts."""
+def problems(cfg: RunConfig, gpus: Optional[int] = None) -> list[Problem]:
+    """World size and rendezvous problems, named by key, found before anything starts.
+    `gpus`: judge for machines with that many GPUs (a script for a cluster), not this one."""
     launch, found = cfg.launch, []
     if launch.num_processes % launch.num_machines:
         found.append(Problem("launch.num_processes", f"{launch.num_processes} processes do not divide evenly over "
@@ -41,11 +42,11 @@ def problems(cfg: RunConfig) -> list[Problem]:
     if launch.num_machines > 1 and not launch.main_process_ip:
         found.append(Problem("launch.main_process_ip", "must be set when launch.num_machines > 1",
                              fix="set launch.main_process_ip to the address of machine 0"))
-    return found + strategies.problems(cfg)
+    return found + strategies.problems(cfg, gpus=gpus)
 
 
-def check(cfg: RunConfig) -> None:
-    found = problems(cfg)
+def check(cfg: RunConfig, gpus: Optional[int] = None) -> None:
+    found = problems(cfg, gpus)
     if found:
         raise UserError(found, title="cannot launch")
 

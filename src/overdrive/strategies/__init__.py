@@ -30,15 +30,16 @@ def accelerator_kwargs(cfg: RunConfig, world_size: int = 1) -> dict[str, Any]:
     return module.accelerator_kwargs(cfg, world_size)
 
 
-def problems(cfg: RunConfig, world_size: int | None = None) -> list[Problem]:
-    """What this strategy cannot do with this config on this machine, named by key.
+def problems(cfg: RunConfig, world_size: int | None = None, gpus: int | None = None) -> list[Problem]:
+    """What this strategy cannot do with this config on this machine (or, given `gpus`, on
+    machines with that many GPUs: a script written for a cluster), named by key.
 
     Includes the DeepSpeed dict's contradictions (an explicit `parallel.deepspeed.extra`
     entry against the run config). Cheap: builds no plugin and imports no deepspeed.
     """
     from overdrive.strategies import cpu
 
-    found = cpu.problems(cfg)
+    found = cpu.problems(cfg, gpus)
     if cfg.parallel.strategy == "deepspeed":
         from overdrive.interop.deepspeed_config import ds_config
 
