@@ -257,7 +257,8 @@ def _loop(cfg: RunConfig, parts: Parts, state: LoopState, progress, metrics, res
     loss_sum = torch.full((), restored.pending_loss, device=acc.device)
     micro_steps = restored.pending_micro_steps
     guard = nonfinite.NonfiniteGuard(t.nonfinite_loss, optimizer, acc.device, scaler=acc.scaler,
-                                     deepspeed=cfg.parallel.strategy == "deepspeed")
+                                     deepspeed=cfg.parallel.strategy == "deepspeed",
+                                     dynamic_loss_scale=nonfinite.deepspeed_scales_loss(cfg))
     guard.restore(state.nonfinite_in_a_row)
     grad_norm = None
     after_first = None  # (time, tokens) at the first log: steady-state throughput starts there
