@@ -136,6 +136,23 @@ def listed_gpu_ids(text: str) -> list[int] | None:
     return ids if ids and len(set(ids)) == len(ids) and min(ids) >= 0 else None
 
 
+def nvme_problems(cfg: RunConfig, chains: Chains) -> list[Problem]:
+    """DeepSpeed nvme offload writes swap files under nvme_path on every node: it must be a
+    writable directory here (DeepSpeed only finds out at its first swap-out)."""
+    import os
+
+    ds = cfg.parallel.deepspeed
+    if cfg.parallel.strategy != "deepspeed" or "nvme" not in (ds.offload_optimizer, ds.offload_param) or not ds.nvme_path:
+        return []
+    path = os.path.expanduser(ds.nvme_path)
+    why = ("does not exist" if not os.path.exists(path) else "is not a directory" if not os.path.isdir(path)
+           else "is not writable" if not os.access(path, os.W_OK | os.X_OK) else "")
+    if not why:
+        return []
+    return [Problem("parallel.deepspeed.nvme_path", f"{ds.nvme_path} {why}", _where(chains, "parallel.deepspeed.nvme_path"),
+                    "point it at a writable directory on a fast local disk (it must exist on every node)")]
+
+
 def hardware_problems(cfg: RunConfig, chains: Chains, hardware) -> list[Problem]:
     """What this machine cannot do of what the config asks, saying what was detected."""
     problems, detected = [], hardware.describe()
@@ -148,6 +165,7 @@ def hardware_problems(cfg: RunConfig, chains: Chains, hardware) -> list[Problem]
         problems.append(Problem("precision.mixed_precision", "bf16 needs compute capability 8.0 or newer",
                                 _where(chains, "precision.mixed_precision"), f"use fp16; detected: {detected}"))
     # "nccl needs CUDA GPUs" and the other CPU-only refusals live in strategies/cpu.py.
+    problems += nvme_problems(cfg, chains)
     if cfg.launch.gpu_ids != "all" and hardware.gpu_count == 0 and not cfg.launch.use_cpu:
         problems.append(Problem("launch.gpu_ids", f"asks for GPUs {cfg.launch.gpu_ids}", _where(chains, "launch.gpu_ids"),
                                 f"remove it or set launch.use_cpu=true; detected: {detected}"))

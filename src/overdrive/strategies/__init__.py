@@ -19,15 +19,16 @@ from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem
 
 
-def accelerator_kwargs(cfg: RunConfig, world_size: int = 1) -> dict[str, Any]:
-    """Keyword arguments for `Accelerator(...)`, from the config and the world size alone."""
+def accelerator_kwargs(cfg: RunConfig, world_size: int = 1, gpus: int | None = None) -> dict[str, Any]:
+    """Keyword arguments for `Accelerator(...)`, from the config and the world size alone.
+    `gpus`: describe the machine (its GPU count) instead of asking torch on this one."""
     if cfg.parallel.strategy == "deepspeed":
         from overdrive.strategies import deepspeed as module
     elif cfg.parallel.strategy == "fsdp":
         from overdrive.strategies import fsdp as module
     else:
         from overdrive.strategies import ddp as module
-    return module.accelerator_kwargs(cfg, world_size)
+    return module.accelerator_kwargs(cfg, world_size, gpus)
 
 
 def problems(cfg: RunConfig, world_size: int | None = None, gpus: int | None = None) -> list[Problem]:

@@ -72,9 +72,9 @@ def process_group_backend(cfg: RunConfig, gpus: Optional[int] = None) -> str | N
     return None if cfg.launch.backend == "auto" else cfg.launch.backend
 
 
-def construct_with_cpu_flag(cfg: RunConfig) -> bool:
+def construct_with_cpu_flag(cfg: RunConfig, gpus: Optional[int] = None) -> bool:
     """The `cpu=` argument of Accelerator: True on CPU, except for DeepSpeed (see above)."""
-    return on_cpu(cfg) and cfg.parallel.strategy != "deepspeed"
+    return on_cpu(cfg, gpus) and cfg.parallel.strategy != "deepspeed"
 
 
 def worker_env(cfg: RunConfig, gpus: Optional[int] = None) -> dict[str, str]:
