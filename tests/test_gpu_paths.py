@@ -172,15 +172,16 @@ def test_an_fp8_engine_that_is_not_installed_is_named_not_swapped():
 
 
 def test_deepspeed_fp16_overflows_are_the_loss_scalers_not_bad_steps():
+    from overdrive.strategies import loss_scaler_owns_overflows
     from overdrive.training import nonfinite
 
     cfg = cfg_of("parallel.strategy=deepspeed", "precision.mixed_precision=fp16")
-    assert nonfinite.deepspeed_scales_loss(cfg)
-    assert not nonfinite.deepspeed_scales_loss(cfg_of("parallel.strategy=deepspeed", "precision.mixed_precision=fp16",
+    assert loss_scaler_owns_overflows(cfg)
+    assert not loss_scaler_owns_overflows(cfg_of("parallel.strategy=deepspeed", "precision.mixed_precision=fp16",
                                                       "parallel.deepspeed.loss_scale=1024"))
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])
     guard = nonfinite.NonfiniteGuard("stop", optimizer, torch.device("cpu"), deepspeed=True,
-                                     dynamic_loss_scale=nonfinite.deepspeed_scales_loss(cfg))
+                                     dynamic_loss_scale=loss_scaler_owns_overflows(cfg))
     for _ in range(6):  # DeepSpeed reports an overflowing step's gradient norm as inf
         guard.check(torch.tensor(float("inf")))
     counts = guard.read()

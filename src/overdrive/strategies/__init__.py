@@ -31,6 +31,19 @@ def accelerator_kwargs(cfg: RunConfig, world_size: int = 1, gpus: int | None = N
     return module.accelerator_kwargs(cfg, world_size, gpus)
 
 
+def shards_parameters(cfg: RunConfig) -> bool:
+    """FSDP and ZeRO-3: no rank ever holds the whole model (outside a gather)."""
+    strategy = cfg.parallel.strategy
+    return strategy == "fsdp" or (strategy == "deepspeed" and cfg.parallel.deepspeed.zero_stage == 3)
+
+
+def loss_scaler_owns_overflows(cfg: RunConfig) -> bool:
+    """DeepSpeed fp16 with dynamic loss scaling (`loss_scale: 0`): DeepSpeed skips a step whose
+    gradients overflow and lowers the scale itself (a fixed scale skips nothing)."""
+    return (cfg.parallel.strategy == "deepspeed" and cfg.precision.mixed_precision == "fp16"
+            and not cfg.parallel.deepspeed.loss_scale)
+
+
 def problems(cfg: RunConfig, world_size: int | None = None, gpus: int | None = None) -> list[Problem]:
     """What this strategy cannot do with this config on this machine (or, given `gpus`, on
     machines with that many GPUs: a script written for a cluster), named by key.

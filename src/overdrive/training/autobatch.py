@@ -140,11 +140,6 @@ def probe_terms(cfg: RunConfig, micro: int, measured_bytes: int, device_bytes: i
     ]
 
 
-def shards_parameters(cfg: RunConfig) -> bool:
-    ds = cfg.parallel.deepspeed
-    return cfg.parallel.strategy == "fsdp" or (cfg.parallel.strategy == "deepspeed" and ds.zero_stage == 3)
-
-
 def choose(cfg: RunConfig, world: int, probe: Optional[Probe], on_gpu: bool, capacity: Optional[Any] = None,
            agree: Callable[[int], int] = lambda m: m, predicted: Optional[int] = -1) -> Choice:
     """The largest micro-batch that fits, by prediction, probe and agreement (see above).
@@ -277,6 +272,8 @@ def confirm(cfg: RunConfig, accelerator, probe: Optional[Probe] = None, capacity
     import torch
 
     device = accelerator.device
+    from overdrive.strategies import shards_parameters
+
     if probe is None and not shards_parameters(cfg):
         probe = make_probe(cfg, device)
 

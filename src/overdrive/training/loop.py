@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from overdrive import checkpoint
+from overdrive import checkpoint, strategies
 from overdrive import data as data_mod
 from overdrive.training import model as model_mod
 from overdrive.training import nonfinite
@@ -258,7 +258,7 @@ def _loop(cfg: RunConfig, parts: Parts, state: LoopState, progress, metrics, res
     micro_steps = restored.pending_micro_steps
     guard = nonfinite.NonfiniteGuard(t.nonfinite_loss, optimizer, acc.device, scaler=acc.scaler,
                                      deepspeed=cfg.parallel.strategy == "deepspeed",
-                                     dynamic_loss_scale=nonfinite.deepspeed_scales_loss(cfg))
+                                     dynamic_loss_scale=strategies.loss_scaler_owns_overflows(cfg))
     guard.restore(state.nonfinite_in_a_row)
     grad_norm = None
     after_first = None  # (time, tokens) at the first log: steady-state throughput starts there

@@ -34,12 +34,6 @@ from typing import Any, Optional
 import torch
 
 
-def deepspeed_scales_loss(cfg: Any) -> bool:
-    """True when DeepSpeed's dynamic loss scaler skips overflowing steps by itself."""
-    return (cfg.parallel.strategy == "deepspeed" and cfg.precision.mixed_precision == "fp16"
-            and not cfg.parallel.deepspeed.loss_scale)
-
-
 def _inner(optimizer: Any) -> Any:
     while hasattr(optimizer, "optimizer"):  # AcceleratedOptimizer and friends
         optimizer = optimizer.optimizer
