@@ -347,3 +347,10 @@ def test_nccl_on_cpu_is_refused_in_one_place():
     assert hardware_problems(cfg, {}, Hardware()) == []
     assert [p.key for p in cpu.problems(cfg, gpus=0)] == ["launch.backend"]
     assert cpu.problems(cfg, gpus=8) == []
+
+
+def test_deepspeed_activation_checkpointing_says_it_does_nothing_for_transformers():
+    from overdrive.config import resolve
+
+    resolved = resolve([], cli=["parallel.strategy=deepspeed", "parallel.deepspeed.activation_checkpointing=true"], env={})
+    assert any(w.key == "parallel.deepspeed.activation_checkpointing" for w in resolved.warnings)

@@ -331,7 +331,8 @@ class LaunchConfig(Section):
     )
     gpu_ids: str = Field("all", description="GPUs to use on each machine (`all` or a comma list).")
     backend: Literal["auto", "nccl", "gloo", "mpi", "xccl", "hccl"] = Field(
-        "auto", description="Process-group backend: `auto` is nccl on CUDA, gloo on CPU."
+        "auto", description="Process-group backend: `auto` is nccl on CUDA (with a gloo side for FSDP CPU offload and "
+        "full state dicts), gloo on CPU."
     )
     timeout_minutes: int = Field(
         60, ge=1, description="How long a collective waits for the slowest rank before the job fails. Covers the "

@@ -55,6 +55,12 @@ def strategy_rules(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[
         if "nvme" in (ds.offload_optimizer, ds.offload_param) and not ds.nvme_path:
             errors.append(Problem("parallel.deepspeed.nvme_path", "nvme offload needs a directory", _where(chains, "parallel.deepspeed.offload_optimizer"),
                                   "set parallel.deepspeed.nvme_path to a directory on a fast local disk"))
+        if ds.activation_checkpointing and not cfg.model.gradient_checkpointing:
+            # DeepSpeed's section configures deepspeed.checkpointing.checkpoint, which only models
+            # written for it call; Transformers models checkpoint through torch.utils.checkpoint.
+            warnings.append(Problem("parallel.deepspeed.activation_checkpointing", "has no effect on Transformers models "
+                                    "(they do not call DeepSpeed's checkpointing)", _where(chains, "parallel.deepspeed.activation_checkpointing"),
+                                    "set model.gradient_checkpointing=true to recompute activations"))
         micro = cfg.training.micro_batch_size
         if ds.train_batch_size is not None and micro != "auto":
             expected = micro * cfg.training.gradient_accumulation_steps * cfg.launch.num_processes
