@@ -60,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
 
         return print_launch(resolved)
     if not in_worker:
+        from overdrive.launch.process import hide_gpus_for_cpu_runs
+
+        hide_gpus_for_cpu_runs(cfg)  # before anything here asks CUDA
         # What this machine lacks (bf16, GPUs, ...) stops the run before anything starts;
         # workers skip it: the launcher checked the same resolved config.
         from overdrive.config import check_for_train

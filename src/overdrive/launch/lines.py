@@ -76,6 +76,7 @@ def sbatch_script(resolved: Any, job_name: str = "overdrive") -> str:
 # strategy {cfg.parallel.strategy}, {f"{gpus} GPU(s) per machine" if gpus else "CPU only"} (launch.gpus_per_machine,
 # launch.use_cpu). output_dir must be on a file system every node sees. The log goes to the
 # directory sbatch is run from: Slurm opens it before this script can create output_dir.
+# Cores: whole nodes (--exclusive) unless launch.threads_per_process asks for a number per process.
 set -euo pipefail
 
 mkdir -p {shlex.quote(str(out))}

@@ -87,6 +87,14 @@ def worker_environment(cfg: RunConfig, base: Optional[Mapping[str, str]] = None)
     return env
 
 
+def hide_gpus_for_cpu_runs(cfg: RunConfig) -> None:
+    """`launch.use_cpu` in a lone process: hide the GPUs, as the launcher does for workers.
+    Effective only before CUDA is initialised here (`overdrive train` calls this before its
+    hardware check asks torch; a notebook that already used a GPU keeps seeing it)."""
+    if cfg.launch.use_cpu and not inside_worker():
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 def prepare_this_process(cfg: RunConfig) -> None:
     """Called by build_accelerator before anything imports deepspeed.
 
@@ -98,10 +106,7 @@ def prepare_this_process(cfg: RunConfig) -> None:
     # The config's environment layer has read these already; they must not act twice.
     for name in STRATEGY_SWITCHES:
         os.environ.pop(name, None)
-    if cfg.launch.use_cpu and not inside_worker():
-        # Effective while CUDA is not initialised in this process (a notebook that already
-        # used a GPU keeps seeing it; Accelerate is still built with cpu=True there).
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    hide_gpus_for_cpu_runs(cfg)
     for key, value in cpu.worker_env(cfg).items():
         os.environ.setdefault(key, value)
     if cfg.parallel.strategy in ("deepspeed", "fsdp") and not inside_worker() and "RANK" not in os.environ:
