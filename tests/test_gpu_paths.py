@@ -354,3 +354,9 @@ def test_deepspeed_activation_checkpointing_says_it_does_nothing_for_transformer
 
     resolved = resolve([], cli=["parallel.strategy=deepspeed", "parallel.deepspeed.activation_checkpointing=true"], env={})
     assert any(w.key == "parallel.deepspeed.activation_checkpointing" for w in resolved.warnings)
+
+
+def test_torchao_fp8_under_fsdp_names_the_loading_key_accelerate_would_refuse():
+    cfg = cfg_of("precision.mixed_precision=fp8", "precision.fp8.backend=AO", "parallel.strategy=fsdp")
+    with pytest.raises(UserError, match="parallel.fsdp.cpu_ram_efficient_loading"):
+        accelerator_kwargs(cfg, 2, gpus=8)

@@ -32,6 +32,11 @@ def fp8_recipe(cfg: RunConfig) -> Optional[Any]:
                 interval=f.interval, margin=f.margin, override_linear_precision=tuple(f.override_linear_precision),
                 use_autocast_during_eval=f.use_autocast_during_eval, use_mxfp8_block_scaling=False)
         if f.backend == "AO":
+            if cfg.parallel.strategy == "fsdp" and cfg.parallel.fsdp.cpu_ram_efficient_loading:
+                # Accelerate refuses the pair in Accelerator.__init__; said here by key instead.
+                raise UserError(Problem("parallel.fsdp.cpu_ram_efficient_loading", "cannot be combined with torchao fp8 "
+                                        "(precision.fp8.backend=AO) under FSDP2",
+                                        fix="set parallel.fsdp.cpu_ram_efficient_loading=false"))
             # torchao's Float8LinearConfig has no format/amax/margin fields; Accelerate's defaults
             # (pad_inner_dim, fp8 all-gather under FSDP2) are stated so no variable changes them.
             return AORecipeKwargs(pad_inner_dim=True, enable_fsdp_float8_all_gather=True)
