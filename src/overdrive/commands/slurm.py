@@ -25,7 +25,9 @@ def run(args: argparse.Namespace) -> int:
 
     keep_existing_files((args.output,), args.force)
     resolved = resolve_from_args(args)
-    launch.check(resolved.config)
+    from overdrive.strategies.cpu import target_gpus
+
+    launch.check(resolved.config, gpus=target_gpus(resolved.config))  # the cluster's machines, not this one
     script = launch_lines.sbatch_script(resolved, args.job_name)
     if args.output:
         Path(args.output).write_text(script)

@@ -60,14 +60,20 @@ def run(args: argparse.Namespace) -> int:
 
         return print_launch(resolved)
     if not in_worker:
+        from overdrive.launch.process import hide_gpus_for_cpu_runs
+
+        hide_gpus_for_cpu_runs(cfg)  # before anything here asks CUDA
         # What this machine lacks (bf16, GPUs, ...) stops the run before anything starts;
         # workers skip it: the launcher checked the same resolved config.
         from overdrive.config import check_for_train
 
         check_for_train(resolved)
     force = getattr(args, "force", False)
-    if not in_worker and cfg.launch.num_processes > 1:
-        return _launch(resolved, force)
+    if not in_worker:
+        from overdrive.launch.process import needs_launcher
+
+        if needs_launcher(cfg):  # several processes, or one on the GPUs in launch.gpu_ids
+            return _launch(resolved, force)
 
     from overdrive.training.loop import train
 

@@ -323,10 +323,21 @@ class LaunchConfig(Section):
     same_network: bool = Field(True, description="Machines share a network (informational, as in Accelerate).")
     max_restarts: int = Field(0, ge=0, description="Times the elastic agent restarts failed workers (they resume from the last checkpoint).")
     monitor_interval: float = Field(1.0, gt=0, description="Seconds between the agent's health checks of its workers.")
-    use_cpu: bool = Field(False, description="Train on the CPU even when a GPU is present.")
+    use_cpu: bool = Field(False, description="Train on the CPU even when a GPU is present (the GPUs are hidden from the workers).")
+    gpus_per_machine: Optional[int] = Field(
+        None, ge=0, description="GPUs on each machine the job runs on. Empty: detected where it runs; scripts written "
+        "for another machine (`overdrive slurm`, `--print-launch`) then assume one GPU per process unless "
+        "`launch.use_cpu`. 0 says the machines have none."
+    )
     gpu_ids: str = Field("all", description="GPUs to use on each machine (`all` or a comma list).")
     backend: Literal["auto", "nccl", "gloo", "mpi", "xccl", "hccl"] = Field(
-        "auto", description="Process-group backend: `auto` is nccl on CUDA, gloo on CPU."
+        "auto", description="Process-group backend: `auto` is nccl on CUDA (with a gloo side for FSDP CPU offload and "
+        "full state dicts), gloo on CPU."
+    )
+    timeout_minutes: int = Field(
+        60, ge=1, description="How long a collective waits for the slowest rank before the job fails. Covers the "
+        "work rank 0 does alone while the others wait: tokenizing the data, checksumming checkpoints. "
+        "(torch's own default is 10 minutes on nccl.)"
     )
     threads_per_process: Optional[int] = Field(None, ge=1, description="torch intra-op threads per process. Empty: cores / local processes.")
     enable_cpu_affinity: bool = Field(False, description="Pin each process to the CPU cores near its GPU.")

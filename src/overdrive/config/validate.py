@@ -59,6 +59,12 @@ def strategy_rules(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[
         if "nvme" in (ds.offload_optimizer, ds.offload_param) and not ds.nvme_path:
             errors.append(Problem("parallel.deepspeed.nvme_path", "nvme offload needs a directory", _where(chains, "parallel.deepspeed.offload_optimizer"),
                                   "set parallel.deepspeed.nvme_path to a directory on a fast local disk"))
+        if ds.activation_checkpointing and not cfg.model.gradient_checkpointing:
+            # DeepSpeed's section configures deepspeed.checkpointing.checkpoint, which only models
+            # written for it call; Transformers models checkpoint through torch.utils.checkpoint.
+            warnings.append(Problem("parallel.deepspeed.activation_checkpointing", "has no effect on Transformers models "
+                                    "(they do not call DeepSpeed's checkpointing)", _where(chains, "parallel.deepspeed.activation_checkpointing"),
+                                    "set model.gradient_checkpointing=true to recompute activations"))
         micro = cfg.training.micro_batch_size
         if ds.train_batch_size is not None and micro != "auto":
             expected = micro * cfg.training.gradient_accumulation_steps * cfg.launch.num_processes
@@ -134,6 +140,32 @@ def check(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]
     return errors, warnings
 
 
+def listed_gpu_ids(text: str) -> list[int] | None:
+    """`launch.gpu_ids` as indices ("0,1,3"), or None when it is not a comma list of them."""
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        return None
+    return ids if ids and len(set(ids)) == len(ids) and min(ids) >= 0 else None
+
+
+def nvme_problems(cfg: RunConfig, chains: Chains) -> list[Problem]:
+    """DeepSpeed nvme offload writes swap files under nvme_path on every node: it must be a
+    writable directory here (DeepSpeed only finds out at its first swap-out)."""
+    import os
+
+    ds = cfg.parallel.deepspeed
+    if registry.of(cfg) is not registry.DEEPSPEED or "nvme" not in (ds.offload_optimizer, ds.offload_param) or not ds.nvme_path:
+        return []
+    path = os.path.expanduser(ds.nvme_path)
+    why = ("does not exist" if not os.path.exists(path) else "is not a directory" if not os.path.isdir(path)
+           else "is not writable" if not os.access(path, os.W_OK | os.X_OK) else "")
+    if not why:
+        return []
+    return [Problem("parallel.deepspeed.nvme_path", f"{ds.nvme_path} {why}", _where(chains, "parallel.deepspeed.nvme_path"),
+                    "point it at a writable directory on a fast local disk (it must exist on every node)")]
+
+
 def hardware_problems(cfg: RunConfig, chains: Chains, hardware) -> list[Problem]:
     """What this machine cannot do of what the config asks, saying what was detected."""
     problems, detected = [], hardware.describe()
@@ -145,13 +177,24 @@ def hardware_problems(cfg: RunConfig, chains: Chains, hardware) -> list[Problem]
     if precision == "bf16" and on_gpu and not hardware.supports_bf16:
         problems.append(Problem("precision.mixed_precision", "bf16 needs compute capability 8.0 or newer",
                                 _where(chains, "precision.mixed_precision"), f"use fp16; detected: {detected}"))
-    if cfg.launch.backend == "nccl" and hardware.gpu_count == 0:
-        problems.append(Problem("launch.backend", "nccl needs CUDA GPUs", _where(chains, "launch.backend"), f"use auto or gloo; detected: {detected}"))
+    # "nccl needs CUDA GPUs" and the other CPU-only refusals live in strategies/cpu.py.
+    problems += nvme_problems(cfg, chains)
     if cfg.launch.gpu_ids != "all" and hardware.gpu_count == 0 and not cfg.launch.use_cpu:
         problems.append(Problem("launch.gpu_ids", f"asks for GPUs {cfg.launch.gpu_ids}", _where(chains, "launch.gpu_ids"),
                                 f"remove it or set launch.use_cpu=true; detected: {detected}"))
+    usable = hardware.gpu_count
+    if cfg.launch.gpu_ids != "all" and on_gpu:
+        ids = listed_gpu_ids(cfg.launch.gpu_ids)
+        missing = [i for i in ids or [] if i >= hardware.gpu_count]
+        if ids is None or missing:
+            problems.append(Problem("launch.gpu_ids", f"is {cfg.launch.gpu_ids!r}: " + (
+                f"GPU {missing[0]} does not exist (indices go 0..{hardware.gpu_count - 1})" if ids is not None
+                else "not a comma list of GPU indices"), _where(chains, "launch.gpu_ids"), f"detected: {detected}"))
+        usable = len(ids or [])
     local = cfg.launch.num_processes // max(cfg.launch.num_machines, 1)
-    if on_gpu and local > hardware.gpu_count:
-        problems.append(Problem("launch.num_processes", f"{local} processes per machine but {hardware.gpu_count} GPU(s)",
+    if on_gpu and local > usable:
+        which = f"launch.gpu_ids lists {usable}" if cfg.launch.gpu_ids != "all" else f"{usable} GPU(s)"
+        problems.append(Problem("launch.num_processes", f"{local} processes per machine but {which}: two processes "
+                                "would share a GPU (NCCL refuses: \"Duplicate GPU detected\")",
                                 _where(chains, "launch.num_processes"), f"at most one process per GPU; detected: {detected}"))
     return problems

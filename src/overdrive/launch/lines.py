@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from overdrive.config.schema import RunConfig
-from overdrive.launch.process import STRIPPED_PREFIXES, local_processes, process_env, threads_per_process
+from overdrive.strategies.cpu import target_gpus
+from overdrive.launch.process import STRIPPED_PREFIXES, local_processes, process_env
 from overdrive.launch.workers import check, resolved_path, torchrun_args, train_worker
 
 
@@ -21,7 +22,8 @@ def launch_lines(resolved: Any) -> dict[str, str]:
     from overdrive.interop import writing as export
     cfg: RunConfig = resolved.config
     path = resolved_path(cfg)
-    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(process_env(cfg).items()))
+    env = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in sorted(process_env(cfg, elsewhere=True).items())),
+                    *_threads_on_the_node(cfg)])
     worker = train_worker(path)
     torchrun = f"{env} torchrun {_quote(torchrun_args(cfg))} {_quote(worker)}"
     accelerate = f"{env} accelerate launch {_quote(export.accelerate_flags(cfg))} {_quote(worker)}"
@@ -29,6 +31,16 @@ def launch_lines(resolved: Any) -> dict[str, str]:
             f"srun --nodes={cfg.launch.num_machines} --ntasks-per-node=1 bash -c "
             + shlex.quote(f"{env} python -m torch.distributed.run {_slurm_torchrun(cfg)} {_quote(worker)}"))
     return {"torchrun": torchrun, "accelerate": accelerate, "srun": srun}
+
+
+def _threads_on_the_node(cfg: RunConfig) -> list[str]:
+    """OMP/MKL threads counted where the command runs (its cores shared by its processes),
+    unless launch.threads_per_process says; never this machine's count (a login node's)."""
+    if cfg.launch.threads_per_process:
+        return []
+    n = local_processes(cfg)
+    share = f"$(( $(nproc) / {n} > 0 ? $(nproc) / {n} : 1 ))"
+    return [f"OMP_NUM_THREADS={share}", f"MKL_NUM_THREADS={share}"]
 
 
 def _slurm_torchrun(cfg: RunConfig) -> str:
@@ -47,17 +59,24 @@ def sbatch_script(resolved: Any, job_name: str = "overdrive") -> str:
     launch = cfg.launch
     out = Path(cfg.output_dir).resolve()
     path = out / "resolved.json"
-    gpus = "" if launch.use_cpu else f"#SBATCH --gpus-per-node={local_processes(cfg)}\n"
-    exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(process_env(cfg).items()))
+    gpus = target_gpus(cfg)
+    gpu_line = f"#SBATCH --gpus-per-node={gpus}\n" if gpus else ""
+    # Cores: as configured, else whole nodes whose cores the processes share (counted there).
+    cpus_line = (f"#SBATCH --cpus-per-task={launch.threads_per_process * local_processes(cfg)}\n"
+                 if launch.threads_per_process else "#SBATCH --exclusive\n")
+    exports = "\n".join([*(f"export {k}={shlex.quote(v)}" for k, v in sorted(process_env(cfg, elsewhere=True).items())),
+                         *(f"export {assignment}" for assignment in _threads_on_the_node(cfg))])
     unset = " ".join(f"${{!{p}@}}" for p in STRIPPED_PREFIXES)
     return f"""#!/bin/bash
 #SBATCH --job-name={job_name}
 #SBATCH --nodes={launch.num_machines}
 #SBATCH --ntasks-per-node=1
-{gpus}#SBATCH --cpus-per-task={max(threads_per_process(cfg) * local_processes(cfg), 1)}
-#SBATCH --output={out}/slurm-%j.out
+{gpu_line}{cpus_line}#SBATCH --output=slurm-%x-%j.out
 # Written by `overdrive slurm`: {launch.num_processes} process(es) on {launch.num_machines} machine(s),
-# strategy {cfg.parallel.strategy}. output_dir must be on a file system every node sees.
+# strategy {cfg.parallel.strategy}, {f"{gpus} GPU(s) per machine" if gpus else "CPU only"} (launch.gpus_per_machine,
+# launch.use_cpu). output_dir must be on a file system every node sees. The log goes to the
+# directory sbatch is run from: Slurm opens it before this script can create output_dir.
+# Cores: whole nodes (--exclusive) unless launch.threads_per_process asks for a number per process.
 set -euo pipefail
 
 mkdir -p {shlex.quote(str(out))}
@@ -77,7 +96,7 @@ srun python -m torch.distributed.run {_slurm_torchrun(cfg)} \\
 
 def print_launch(resolved: Any) -> int:
     """`overdrive train --print-launch`: the same run as other launchers would start it."""
-    check(resolved.config)
+    check(resolved.config, gpus=target_gpus(resolved.config))  # the machines it runs on, not this one
     lines = launch_lines(resolved)
     print(f"# workers read {resolved_path(resolved.config)} (written by `overdrive train` when it launches)")
     for name in ("torchrun", "accelerate", "srun"):

@@ -36,7 +36,10 @@ def threads_per_process(cfg: RunConfig) -> int:
 
 
 def needs_launcher(cfg: RunConfig) -> bool:
-    return cfg.launch.num_processes > 1 or cfg.launch.num_machines > 1
+    """Several processes, or one on chosen GPUs: the launcher's workers get CUDA_VISIBLE_DEVICES
+    before anything in them touches CUDA (in this process, hardware checks already have)."""
+    chosen_gpus = cfg.launch.gpu_ids != "all" and not cfg.launch.use_cpu
+    return cfg.launch.num_processes > 1 or cfg.launch.num_machines > 1 or chosen_gpus
 
 
 def inside_worker() -> bool:
@@ -50,16 +53,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def process_env(cfg: RunConfig) -> dict[str, str]:
-    """Variables overdrive sets for a worker, from the config alone."""
-    env = {"OMP_NUM_THREADS": str(threads_per_process(cfg)), "MKL_NUM_THREADS": str(threads_per_process(cfg))}
-    env.update(cpu.worker_env(cfg))
+def process_env(cfg: RunConfig, elsewhere: bool = False) -> dict[str, str]:
+    """Variables overdrive sets for a worker, from the config alone.
+
+    `elsewhere`: for a script that runs on other machines (sbatch, printed command lines).
+    Then nothing is taken from this machine: CPU or GPU follows the config
+    (`cpu.target_gpus`), and the thread count is left to the script unless configured.
+    """
+    env: dict[str, str] = {}
+    if cfg.launch.threads_per_process or not elsewhere:
+        env.update(OMP_NUM_THREADS=str(threads_per_process(cfg)), MKL_NUM_THREADS=str(threads_per_process(cfg)))
+    env.update(cpu.worker_env(cfg, cpu.target_gpus(cfg) if elsewhere else None))
     if cfg.launch.debug:
         # Accelerate takes its debug switch from this variable only.
         env.update(ACCELERATE_DEBUG_MODE="true", TORCH_DISTRIBUTED_DEBUG="DETAIL")
     if cfg.launch.enable_cpu_affinity:
         env["ACCELERATE_CPU_AFFINITY"] = "1"
-    if cfg.launch.gpu_ids != "all" and not cfg.launch.use_cpu:
+    if cfg.launch.use_cpu:
+        # Hidden, so that Accelerate, DeepSpeed and FSDP's device mesh all agree on the CPU
+        # (with GPUs visible, Accelerate would put batches on cuda:N while DeepSpeed runs on CPU).
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    elif cfg.launch.gpu_ids != "all":
         env["CUDA_VISIBLE_DEVICES"] = cfg.launch.gpu_ids
     return env
 
@@ -73,6 +87,14 @@ def worker_environment(cfg: RunConfig, base: Optional[Mapping[str, str]] = None)
     return env
 
 
+def hide_gpus_for_cpu_runs(cfg: RunConfig) -> None:
+    """`launch.use_cpu` in a lone process: hide the GPUs, as the launcher does for workers.
+    Effective only before CUDA is initialised here (`overdrive train` calls this before its
+    hardware check asks torch; a notebook that already used a GPU keeps seeing it)."""
+    if cfg.launch.use_cpu and not inside_worker():
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 def prepare_this_process(cfg: RunConfig) -> None:
     """Called by build_accelerator before anything imports deepspeed.
 
@@ -84,6 +106,7 @@ def prepare_this_process(cfg: RunConfig) -> None:
     # The config's environment layer has read these already; they must not act twice.
     for name in STRATEGY_SWITCHES:
         os.environ.pop(name, None)
+    hide_gpus_for_cpu_runs(cfg)
     for key, value in cpu.worker_env(cfg).items():
         os.environ.setdefault(key, value)
     if registry.of(cfg).always_grouped and not inside_worker() and "RANK" not in os.environ:

@@ -30,13 +30,14 @@ from overdrive.launch.process import free_port, local_processes, worker_environm
 # --------------------------------------------------------------------------- checks
 
 
-def problems(cfg: RunConfig) -> list[Problem]:
-    """World size and rendezvous problems, named by key, found before anything starts."""
-    return launch_rules(cfg) + strategies.problems(cfg)
+def problems(cfg: RunConfig, gpus: Optional[int] = None) -> list[Problem]:
+    """World size and rendezvous problems, named by key, found before anything starts.
+    `gpus`: judge for machines with that many GPUs (a script for a cluster), not this one."""
+    return launch_rules(cfg) + strategies.problems(cfg, gpus=gpus)
 
 
-def check(cfg: RunConfig) -> None:
-    found = problems(cfg)
+def check(cfg: RunConfig, gpus: Optional[int] = None) -> None:
+    found = problems(cfg, gpus)
     if found:
         raise UserError(found, title="cannot launch")
 

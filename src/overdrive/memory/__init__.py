@@ -24,9 +24,10 @@ __all__ = ["Estimate", "ModelShape", "OOM_MARKS", "Row", "STRATEGIES", "Setup", 
            "mentions_out_of_memory", "zero_paper_bytes"]
 
 # How running out of memory reads in an error or a log: CUDA's and torch's messages, the
-# CPU allocator's, and glibc's "Cannot allocate memory".
+# CPU allocator's, glibc's "Cannot allocate memory", and cuBLAS/cuDNN, which report a failed
+# workspace allocation as a status rather than as torch's OutOfMemoryError.
 OOM_MARKS = ("out of memory", "outofmemoryerror", "can't allocate memory", "cannot allocate memory",
-             "defaultcpuallocator")
+             "defaultcpuallocator", "cublas_status_alloc_failed", "cudnn_status_alloc_failed")
 
 
 def mentions_out_of_memory(text: str) -> bool:

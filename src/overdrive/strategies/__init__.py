@@ -17,28 +17,43 @@ from typing import Any
 
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem
+from overdrive.strategies import registry
 
 
-def accelerator_kwargs(cfg: RunConfig, world_size: int = 1) -> dict[str, Any]:
-    """Keyword arguments for `Accelerator(...)`, from the config and the world size alone."""
+def accelerator_kwargs(cfg: RunConfig, world_size: int = 1, gpus: int | None = None) -> dict[str, Any]:
+    """Keyword arguments for `Accelerator(...)`, from the config and the world size alone.
+    `gpus`: describe the machine (its GPU count) instead of asking torch on this one."""
     if cfg.parallel.strategy == "deepspeed":
         from overdrive.strategies import deepspeed as module
     elif cfg.parallel.strategy == "fsdp":
         from overdrive.strategies import fsdp as module
     else:
         from overdrive.strategies import ddp as module
-    return module.accelerator_kwargs(cfg, world_size)
+    return module.accelerator_kwargs(cfg, world_size, gpus)
 
 
-def problems(cfg: RunConfig, world_size: int | None = None) -> list[Problem]:
-    """What this strategy cannot do with this config on this machine, named by key.
+def shards_parameters(cfg: RunConfig) -> bool:
+    """FSDP and ZeRO-3: no rank ever holds the whole model (outside a gather)."""
+    return registry.of(cfg).sharding(cfg).parameters or registry.of(cfg) is registry.FSDP
+
+
+def loss_scaler_owns_overflows(cfg: RunConfig) -> bool:
+    """DeepSpeed fp16 with dynamic loss scaling (`loss_scale: 0`): DeepSpeed skips a step whose
+    gradients overflow and lowers the scale itself (a fixed scale skips nothing)."""
+    return (cfg.parallel.strategy == "deepspeed" and cfg.precision.mixed_precision == "fp16"
+            and not cfg.parallel.deepspeed.loss_scale)
+
+
+def problems(cfg: RunConfig, world_size: int | None = None, gpus: int | None = None) -> list[Problem]:
+    """What this strategy cannot do with this config on this machine (or, given `gpus`, on
+    machines with that many GPUs: a script written for a cluster), named by key.
 
     Includes the DeepSpeed dict's contradictions (an explicit `parallel.deepspeed.extra`
     entry against the run config). Cheap: builds no plugin and imports no deepspeed.
     """
     from overdrive.strategies import cpu
 
-    found = cpu.problems(cfg)
+    found = cpu.problems(cfg, gpus)
     if cfg.parallel.strategy == "deepspeed":
         from overdrive.interop.deepspeed_config import ds_config
 

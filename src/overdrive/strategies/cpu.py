@@ -18,41 +18,68 @@ FSDP2
     FSDP and hand it the plugin before `prepare()`; prepare then calls `fully_shard` on the
     gloo process group. FSDP1 does not run on CPU (it asks for device `cpu:0`).
 
-"No GPU" means `launch.use_cpu` is set or torch sees no CUDA device.
+"No GPU" means `launch.use_cpu` is set or the machine the job runs on has none. Where the
+job runs elsewhere (a script written on a login node), the caller says how many GPUs that
+machine has (`target_gpus`, from the config alone); otherwise torch is asked here.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem
 
 
-def on_cpu(cfg: RunConfig) -> bool:
-    """True when this run trains on CPU processes."""
+def on_cpu(cfg: RunConfig, gpus: Optional[int] = None) -> bool:
+    """True when this run trains on CPU processes. `gpus`: the GPUs of the machine the job
+    runs on, when it is not this one; None asks torch on this machine."""
     if cfg.launch.use_cpu:
         return True
-    import torch
+    if gpus is None:
+        import torch
 
-    return not torch.cuda.is_available()
+        return not torch.cuda.is_available()
+    return gpus == 0
 
 
-def process_group_backend(cfg: RunConfig) -> str | None:
+def target_gpus(cfg: RunConfig) -> int:
+    """GPUs per machine of the machines a script is written for, from the config alone:
+    `launch.gpus_per_machine`, else none with `launch.use_cpu`, else one per local process.
+    Never this machine's: a login node without GPUs writes scripts for GPU nodes."""
+    if cfg.launch.use_cpu:
+        return 0
+    if cfg.launch.gpus_per_machine is not None:
+        return cfg.launch.gpus_per_machine
+    return max(cfg.launch.num_processes // max(cfg.launch.num_machines, 1), 1)
+
+
+def fsdp_needs_host_group(cfg: RunConfig) -> bool:
+    """FSDP with CPU offload (gradients are reduced on the host for the norm and clipping) or
+    a full state dict (gathered to the CPU): Accelerate gives these a `cpu:gloo` side of the
+    process group, but decides it from FSDP_OFFLOAD_PARAMS / FSDP_STATE_DICT_TYPE in the
+    environment (accelerate/state.py), which overdrive never sets; so the backend is named here."""
+    f = cfg.parallel.fsdp
+    return cfg.parallel.strategy == "fsdp" and (f.offload_params or f.state_dict_type == "full_state_dict")
+
+
+def process_group_backend(cfg: RunConfig, gpus: Optional[int] = None) -> str | None:
     """The backend to name explicitly, or None to let Accelerate pick (nccl on CUDA)."""
-    if cfg.launch.backend != "auto":
-        return cfg.launch.backend
-    return "gloo" if on_cpu(cfg) else None
+    if on_cpu(cfg, gpus):
+        return "gloo" if cfg.launch.backend == "auto" else cfg.launch.backend
+    if fsdp_needs_host_group(cfg) and cfg.launch.backend in ("auto", "nccl"):
+        return "cuda:nccl,cpu:gloo"
+    return None if cfg.launch.backend == "auto" else cfg.launch.backend
 
 
-def construct_with_cpu_flag(cfg: RunConfig) -> bool:
+def construct_with_cpu_flag(cfg: RunConfig, gpus: Optional[int] = None) -> bool:
     """The `cpu=` argument of Accelerator: True on CPU, except for DeepSpeed (see above)."""
-    return on_cpu(cfg) and cfg.parallel.strategy != "deepspeed"
+    return on_cpu(cfg, gpus) and cfg.parallel.strategy != "deepspeed"
 
 
-def worker_env(cfg: RunConfig) -> dict[str, str]:
-    """Environment variables a worker needs before it imports anything (set by launch.py)."""
-    if on_cpu(cfg):
+def worker_env(cfg: RunConfig, gpus: Optional[int] = None) -> dict[str, str]:
+    """Environment variables a worker needs before it imports anything (set by launch/)."""
+    if on_cpu(cfg, gpus):
         # Read once, at `import deepspeed`: too late to set from inside the worker. Not only
         # for DeepSpeed runs: Accelerate's `unwrap_model` imports deepspeed whenever it is
         # installed, and an unset DS_ACCELERATOR makes that import warn on every CPU run.
@@ -85,16 +112,19 @@ def promote_to_fsdp(accelerator: Any, fsdp_plugin: Any) -> None:
     state.fsdp_plugin = fsdp_plugin
 
 
-def problems(cfg: RunConfig) -> list[Problem]:
-    """What cannot run on CPU at all, named by key (empty when on a GPU)."""
-    if not on_cpu(cfg):
+def problems(cfg: RunConfig, gpus: Optional[int] = None) -> list[Problem]:
+    """What cannot run on CPU at all, named by key (empty when on a GPU). The one home of
+    these rules; `gpus` as in `on_cpu` (a script for another machine passes `target_gpus`)."""
+    if not on_cpu(cfg, gpus):
         return []
     found = []
     if cfg.parallel.strategy == "fsdp" and cfg.parallel.fsdp.version == 1:
         found.append(Problem("parallel.fsdp.version", "FSDP1 does not run on CPU (it asks for device cpu:0)",
                              fix="use parallel.fsdp.version=2 (fully_shard), which runs on CPU over gloo"))
     if cfg.launch.backend == "nccl":
-        found.append(Problem("launch.backend", "nccl needs CUDA GPUs", fix="use launch.backend=auto (gloo on CPU)"))
+        why = "launch.use_cpu is set" if cfg.launch.use_cpu else "there is no CUDA GPU"
+        found.append(Problem("launch.backend", f"nccl needs CUDA GPUs ({why})",
+                             fix="use launch.backend=auto (gloo on CPU); for a GPU cluster set launch.gpus_per_machine"))
     if cfg.parallel.strategy == "deepspeed" and cfg.precision.mixed_precision == "fp16":
         found.append(Problem("precision.mixed_precision", "DeepSpeed's CPU accelerator has no fp16 training",
                              fix="use precision.mixed_precision=bf16 or no on CPU"))

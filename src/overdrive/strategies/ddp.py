@@ -9,11 +9,11 @@ from overdrive.config.schema import RunConfig
 from overdrive.strategies import common
 
 
-def accelerator_kwargs(cfg: RunConfig, world_size: int) -> dict[str, Any]:
+def accelerator_kwargs(cfg: RunConfig, world_size: int, gpus: int | None = None) -> dict[str, Any]:
     from accelerate.utils import DistributedDataParallelKwargs
 
     ddp = cfg.parallel.ddp
-    kwargs = common.base_kwargs(cfg, world_size)
+    kwargs = common.base_kwargs(cfg, world_size, gpus)
     kwargs["kwargs_handlers"].append(
         DistributedDataParallelKwargs(
             find_unused_parameters=ddp.find_unused_parameters,

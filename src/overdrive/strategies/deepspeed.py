@@ -34,6 +34,18 @@ def cpu_adam_available() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=1)
+def async_io_available() -> bool:
+    """Whether DeepSpeed's async_io op (nvme offload, libaio) can be built here."""
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+        return builder is not None and bool(builder.is_compatible())
+    except Exception:
+        return False
+
+
 def plugin(cfg: RunConfig, world_size: int) -> Any:
     """DeepSpeedPlugin(hf_ds_config=dict), its other fields explicit so no ACCELERATE_DEEPSPEED_*
     variable can change them."""
@@ -44,6 +56,12 @@ def plugin(cfg: RunConfig, world_size: int) -> Any:
     if ds.offload_optimizer != "none" and not cpu_adam_available():
         config["zero_force_ds_cpu_optimizer"] = False
     nvme = ds.nvme_path or "none"
+    if "nvme" in (ds.offload_optimizer, ds.offload_param) and not async_io_available():
+        from overdrive.errors import Problem, UserError
+
+        raise UserError(Problem("parallel.deepspeed.nvme_path", "nvme offload needs DeepSpeed's async_io op, which "
+                                "cannot be built here (libaio and its headers are missing)",
+                                fix="install libaio-dev (apt) or libaio-devel (yum), or offload to cpu"))
     return DeepSpeedPlugin(
         hf_ds_config=config,
         gradient_accumulation_steps=cfg.training.gradient_accumulation_steps,
@@ -60,8 +78,8 @@ def plugin(cfg: RunConfig, world_size: int) -> Any:
     )
 
 
-def accelerator_kwargs(cfg: RunConfig, world_size: int) -> dict[str, Any]:
-    kwargs = common.base_kwargs(cfg, world_size)
+def accelerator_kwargs(cfg: RunConfig, world_size: int, gpus: int | None = None) -> dict[str, Any]:
+    kwargs = common.base_kwargs(cfg, world_size, gpus)
     kwargs["deepspeed_plugin"] = plugin(cfg, world_size)
     return kwargs
 

@@ -49,8 +49,8 @@ def plugin(cfg: RunConfig) -> Any:
     return fsdp_plugin
 
 
-def accelerator_kwargs(cfg: RunConfig, world_size: int) -> dict[str, Any]:
-    kwargs = common.base_kwargs(cfg, world_size)
+def accelerator_kwargs(cfg: RunConfig, world_size: int, gpus: int | None = None) -> dict[str, Any]:
+    kwargs = common.base_kwargs(cfg, world_size, gpus)
     kwargs["fsdp_plugin"] = plugin(cfg)
     return kwargs
 

@@ -12,10 +12,13 @@ Three steps, on every process:
    every candidate size, against this device's memory (on a CPU: the RAM available now,
    shared by this machine's processes), less 10% headroom. No weights are needed.
 2. Probe: a real forward and backward pass of the model, unsharded, at the predicted size
-   on this process's device, under the configured precision and checkpointing. On a GPU an
-   out-of-memory error steps down to the next size (and a success steps up while it keeps
-   fitting, since the estimator is conservative). On a CPU only predicted sizes are tried:
-   there, running out of memory is the kernel's OOM killer, not an exception.
+   on this process's device, under the configured precision and checkpointing. On a GPU the
+   probe's peak is measured and what it does not exercise is added from the estimator
+   (`probe_terms`: the optimizer states, fp32 master weights, communication buffers, and
+   the 10% margin); a size fits only when that sum does. An out-of-memory error, or a sum
+   over the device's memory, steps down to the next size; a fit steps up while the sum keeps
+   fitting. On a CPU only predicted sizes are tried: there, running out of memory is the
+   kernel's OOM killer, not an exception.
 3. Agreement: every process takes the smallest answer of all processes, so ranks never
    disagree on the batch.
 
@@ -24,9 +27,9 @@ Step 1 runs before the Accelerator is built (`predicted_config`), so every strat
 (`confirm`), when this process's device is known and the processes can talk, and before
 anything is prepared. The trainer calls both.
 
-With ZeRO-3 and `zero3_init` (a model too large to build whole) the probe is skipped and the
-prediction stands. The probe's model is unsharded, so under ZeRO-3 or FSDP it overestimates
-memory: the answer errs on the safe side.
+Under ZeRO-3 and FSDP (parameters sharded) the probe is skipped and the prediction stands:
+the probe's model would be the whole fp32 model on one device, which is what sharding
+exists to avoid.
 """
 
 from __future__ import annotations
@@ -38,7 +41,6 @@ from typing import Any, Callable, Optional
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 from overdrive.memory import mentions_out_of_memory
-from overdrive.strategies import registry
 
 HEADROOM = 0.10
 
@@ -108,6 +110,34 @@ def _capacity():
     return cap
 
 
+def _estimate_row(cfg: RunConfig, micro: int, target: str = "cuda"):
+    from overdrive.memory import estimate
+    from overdrive.memory.model_shape import Source, hf_config_for_run, model_shape
+    from overdrive.memory.shape import setup_for_run, strategy_of_run
+
+    shape = model_shape(Source(hf_config_for_run(cfg), "model", run=cfg, task=cfg.model.task,
+                               attn_implementation=cfg.model.attn_implementation))
+    return estimate(shape, setup_for_run(cfg, target, micro_batch=micro), (strategy_of_run(cfg),)).rows[0]
+
+
+def probe_terms(cfg: RunConfig, micro: int, measured_bytes: int, device_bytes: int) -> list[tuple[str, int]]:
+    """What a micro-batch needs on a GPU: the probe's measured forward and backward (its
+    activations and whole-model gradients; the probe's weights were already resident), plus
+    what the probe never allocates, from the estimator for the configured strategy at this
+    size, plus the margin. The last term is the device's memory, negative: the size fits when
+    the terms sum to <= 0."""
+    row = _estimate_row(cfg, micro)
+    return [
+        ("forward and backward, measured by the probe", int(measured_bytes)),
+        ("weights on this rank (estimator)", row.params_bytes),
+        ("optimizer states (estimator)", row.optimizer_bytes),
+        ("fp32 master weights (estimator)", row.master_weights_bytes),
+        ("communication buffers (estimator)", row.buffers_bytes),
+        (f"margin ({HEADROOM:.0%} of the device)", int(device_bytes * HEADROOM)),
+        ("device memory", -int(device_bytes)),
+    ]
+
+
 def choose(cfg: RunConfig, world: int, probe: Optional[Probe], on_gpu: bool, capacity: Optional[Any] = None,
            agree: Callable[[int], int] = lambda m: m, predicted: Optional[int] = -1) -> Choice:
     """The largest micro-batch that fits, by prediction, probe and agreement (see above).
@@ -155,16 +185,32 @@ def _with(cfg: RunConfig, micro: int, accumulation: int) -> RunConfig:
 
 # ------------------------------------------------------------------ the real probe
 
-def make_probe(cfg: RunConfig, device) -> Probe:
-    """Forward and backward of the (unsharded) model at a given micro-batch on `device`."""
+def _is_oom(error: BaseException) -> bool:
+    import torch
+
+    return isinstance(error, torch.OutOfMemoryError) or mentions_out_of_memory(str(error))
+
+
+def make_probe(cfg: RunConfig, device, device_bytes: Optional[int] = None) -> Probe:
+    """Forward and backward of the (unsharded) model at a given micro-batch on `device`; on a
+    GPU, judged by `probe_terms` against `device_bytes` (default: the device's total)."""
     import torch
 
     from overdrive.training import model as model_mod
     from overdrive.memory.model_shape import hf_config_for_run
 
     config = hf_config_for_run(cfg)  # what the estimator sizes: the tokenizer's vocabulary, no weights
-    with torch.device(device):
-        net = model_mod.auto_class(cfg.model.task).from_config(config)
+    try:
+        with torch.device(device):
+            net = model_mod.auto_class(cfg.model.task).from_config(config)
+    except (torch.OutOfMemoryError, RuntimeError) as error:
+        if not _is_oom(error):
+            raise
+        gc.collect()
+        return lambda m: "out of memory building the whole model on one device"
+    on_gpu = device.type == "cuda"
+    if on_gpu and device_bytes is None:
+        device_bytes = torch.cuda.get_device_properties(device).total_memory
     if cfg.model.gradient_checkpointing and net.supports_gradient_checkpointing:
         kwargs = {"use_reentrant": False}  # as model.build_model turns it on
         if hasattr(net, "activation_checkpointing_enable"):
@@ -176,15 +222,25 @@ def make_probe(cfg: RunConfig, device) -> Probe:
     vocab_size, seq_len = config.vocab_size, cfg.data.max_length
 
     def probe(m: int) -> Optional[str]:
-        ids = torch.randint(0, vocab_size, (m, seq_len), device=device)
-        labels = ids if cfg.model.task == "causal-lm" else torch.zeros(m, dtype=torch.long, device=device)
+        loss = None
+        if on_gpu:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
         try:
+            ids = torch.randint(0, vocab_size, (m, seq_len), device=device)
+            labels = ids if cfg.model.task == "causal-lm" else torch.zeros(m, dtype=torch.long, device=device)
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                 loss = net(input_ids=ids, labels=labels).loss
             loss.backward()
+            if on_gpu:
+                terms = probe_terms(cfg, m, torch.cuda.max_memory_allocated(device) - before, device_bytes)
+                short = sum(b for _, b in terms)
+                if short > 0:
+                    return f"out of memory with optimizer states, buffers and margin ({short / 2**30:.2f} GiB short)"
             return None
         except (torch.OutOfMemoryError, RuntimeError) as error:
-            if isinstance(error, torch.OutOfMemoryError) or mentions_out_of_memory(str(error)):
+            if _is_oom(error):
                 return "out of memory"
             raise
         finally:
@@ -214,9 +270,9 @@ def confirm(cfg: RunConfig, accelerator, probe: Optional[Probe] = None, capacity
     import torch
 
     device = accelerator.device
-    # Parameters built already sharded (ZeRO-3 with zero3_init) cannot be probed whole.
-    prebuilt_sharded = registry.of(cfg).sharding(cfg).parameters and cfg.parallel.deepspeed.zero3_init
-    if probe is None and not prebuilt_sharded:
+    from overdrive.strategies import shards_parameters
+
+    if probe is None and not shards_parameters(cfg):
         probe = make_probe(cfg, device)
 
     def agree(m: int) -> int:
@@ -228,6 +284,7 @@ def confirm(cfg: RunConfig, accelerator, probe: Optional[Probe] = None, capacity
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)  # the run's peak memory, not the probe's
     accelerator.gradient_accumulation_steps = choice.accumulation
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is not None:

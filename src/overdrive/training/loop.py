@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from overdrive import checkpoint
+from overdrive import checkpoint, strategies
 from overdrive import data as data_mod
 from overdrive.training import model as model_mod
 from overdrive.training import nonfinite
@@ -251,7 +251,8 @@ def _loop(run: Session) -> Outcome:
     loss_sum = torch.full((), run.restored.pending_loss, device=acc.device)
     micro_steps = run.restored.pending_micro_steps
     guard = nonfinite.NonfiniteGuard(t.nonfinite_loss, optimizer, acc.device, scaler=acc.scaler,
-                                     deepspeed=registry.of(cfg).engine_steps_optimizer)
+                                     deepspeed=registry.of(cfg).engine_steps_optimizer,
+                                     dynamic_loss_scale=strategies.loss_scaler_owns_overflows(cfg))
     guard.restore(state.nonfinite_in_a_row)
     outcome = Outcome(run.restored.extra.get("first_loss"), run.restored.extra.get("final_loss"),
                       checkpoint=run.restored.path)

@@ -111,14 +111,15 @@ def flop_params(model) -> int:
     """Parameters that take part in matrix multiplies (N in 6N FLOPs per token).
 
     Tied input/output embeddings count once, as the output projection; learned position
-    embeddings are excluded.
+    embeddings are excluded. A ZeRO-3 parameter built under `zero.Init` holds nothing
+    (`numel()` 0): its whole size is `ds_numel`.
     """
     seen, total = set(), 0
     for name, param in model.named_parameters(remove_duplicate=True):
         if id(param) in seen or any(p in name for p in _POSITION_EMBEDDINGS):
             continue
         seen.add(id(param))
-        total += param.numel()
+        total += getattr(param, "ds_numel", None) or param.numel()
     return total
 
 

@@ -11,6 +11,11 @@ that norm on the device:
   host-device sync per optimizer step) and `optimizer.step()` is not called.
 - fp16 with a GradScaler: the scaler already skips steps whose gradients overflow, and
   shrinks the scale; those are counted as loss-scale overflows, not as bad losses.
+- DeepSpeed fp16 with dynamic loss scaling (`parallel.deepspeed.loss_scale: 0`, the
+  default): DeepSpeed skips an overflowing step and lowers the scale itself, and reports
+  the gradient norm as inf then; Accelerate's `optimizer_step_was_skipped` reads its
+  `overflow` flag. Those are loss-scale overflows (counted as such by the loop), normal
+  early in training, not bad losses: the guard leaves them to DeepSpeed.
 - DeepSpeed steps its own optimizer inside `backward`: a bad step cannot be undone from
   outside, so under DeepSpeed (bf16/fp32) non-finite steps are counted and the run stops
   after `training.max_nonfinite_in_a_row` of them, but they are not skipped.
@@ -60,10 +65,11 @@ class Counts:
 
 class NonfiniteGuard:
     def __init__(self, mode: str, optimizer: Any, device: torch.device, scaler: Any = None,
-                 deepspeed: bool = False):
+                 deepspeed: bool = False, dynamic_loss_scale: bool = False):
         self.mode = mode
         inner = _inner(optimizer)
-        self.active = mode != "ignore" and scaler is None
+        # A loss scaler (torch's GradScaler, or DeepSpeed's with `dynamic_loss_scale`) owns overflows.
+        self.active = mode != "ignore" and scaler is None and not dynamic_loss_scale
         self.can_skip = not deepspeed
         self.device_side = bool(getattr(inner, "defaults", {}).get("fused")) and self.can_skip
         self._optimizer = inner

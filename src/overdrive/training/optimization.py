@@ -12,12 +12,20 @@ from typing import Any
 import torch
 
 
+def full_ndim(param: torch.Tensor) -> int:
+    """Dimensions of the whole parameter. A ZeRO-3 parameter built under `zero.Init` is an
+    empty placeholder (`dim()` 0) and keeps its real shape in `ds_shape` (DeepSpeed's
+    partition_parameters.py); an FSDP2 DTensor already reports its global shape."""
+    shape = getattr(param, "ds_shape", None)
+    return len(shape) if shape is not None else param.dim()
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Decay matrices and embeddings; leave biases and norm scales (1-D tensors) alone."""
     params = [p for p in model.parameters() if p.requires_grad]
     return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for p in params if full_ndim(p) >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if full_ndim(p) < 2], "weight_decay": 0.0},
     ]
 
 

@@ -24,26 +24,31 @@ from overdrive.config.keys import flatten
 from overdrive.training.metrics import MetricsLog  # noqa: F401 - the writer, kept where the loop finds it
 from overdrive.system.hardware import cpu_model
 
-# Dense (not sparse) bf16 peak FLOPs/s per device, from vendor data sheets. Matched as a
-# substring of torch.cuda.get_device_name(); the first match wins, so specific names first.
-GPU_PEAK_FLOPS: dict[str, float] = {
-    "H100 PCIe": 756e12,
-    "H100": 989e12,  # SXM
-    "H200": 989e12,
-    "GH200": 989e12,
-    "B200": 2250e12,
-    "A100": 312e12,
-    "A800": 312e12,
-    "L40S": 362e12,
-    "L40": 181e12,
-    "L4": 121e12,
-    "A10G": 70e12,
-    "A10": 125e12,
-    "A6000": 155e12,
-    "RTX 4090": 165e12,
-    "RTX 3090": 71e12,
-    "V100": 125e12,  # fp16: no bf16 on Volta
-    "T4": 65e12,  # fp16
+# Dense (not sparse) peak FLOPs/s per device from vendor data sheets, by precision: fp32
+# without tensor cores (torch's default matmul precision), 16-bit tensor cores (fp16/bf16),
+# fp8 tensor cores (None: no fp8). Matched against torch.cuda.get_device_name() as whole
+# words ("RTX A1000" is not an A100, "L40S" is not an L40); the first match wins, so the
+# variants come before the plain name.
+GPU_PEAK_FLOPS: dict[str, tuple[float, float, Optional[float]]] = {
+    "H100 PCIe": (51e12, 756e12, 1513e12),
+    "H100 NVL": (60e12, 835e12, 1671e12),
+    "H200 NVL": (60e12, 835e12, 1671e12),
+    "GH200": (67e12, 989e12, 1979e12),
+    "H100": (67e12, 989e12, 1979e12),  # SXM
+    "H200": (67e12, 989e12, 1979e12),
+    "B200": (75e12, 2250e12, 4500e12),
+    "A100": (19.5e12, 312e12, None),
+    "A800": (19.5e12, 312e12, None),
+    "L40S": (91.6e12, 362e12, 733e12),
+    "L40": (90.5e12, 181e12, 362e12),
+    "L4": (30.3e12, 121e12, 242e12),
+    "A10G": (31.2e12, 70e12, None),
+    "A10": (31.2e12, 125e12, None),
+    "A6000": (38.7e12, 155e12, None),
+    "RTX 4090": (82.6e12, 165e12, 330e12),
+    "RTX 3090": (35.6e12, 71e12, None),
+    "V100": (15.7e12, 125e12, None),  # 16-bit: fp16 (no bf16 on Volta)
+    "T4": (8.1e12, 65e12, None),  # 16-bit: fp16
 }
 
 
@@ -52,10 +57,13 @@ def flops_per_token(n_params: int, n_layer: int, n_embd: int, seq_len: int) -> f
     return 6.0 * n_params + 12.0 * n_layer * n_embd * seq_len
 
 
-def gpu_peak_flops(device_name: str) -> Optional[float]:
-    for key, peak in GPU_PEAK_FLOPS.items():
-        if key.lower() in device_name.lower():
-            return peak
+def gpu_peak_flops(device_name: str, mixed_precision: str = "bf16") -> Optional[float]:
+    """The data-sheet peak of this GPU at the run's precision, or None when unknown."""
+    import re
+
+    for key, (fp32, half, fp8) in GPU_PEAK_FLOPS.items():
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name, re.IGNORECASE):
+            return {"no": fp32, "fp16": half, "bf16": half, "fp8": fp8 or half}.get(mixed_precision, fp32)
     return None
 
 
@@ -108,7 +116,7 @@ def cpu_peak_flops(dtype: torch.dtype, cache_dir: Optional[Path]) -> float:
 def device_peak_flops(device: torch.device, mixed_precision: str, cache_dir: Optional[Path]) -> Optional[float]:
     """Peak FLOPs/s of one device, or None when unknown (MFU is then not reported)."""
     if device.type == "cuda":
-        return gpu_peak_flops(torch.cuda.get_device_name(device))
+        return gpu_peak_flops(torch.cuda.get_device_name(device), mixed_precision)
     if device.type == "cpu":
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, torch.float32)
         return cpu_peak_flops(dtype, cache_dir)
