@@ -102,11 +102,14 @@ def test_script_conflicts_error_stops_the_run_with_one_report(assets):
     done = launch([str(REPO / "configs" / "ddp.yaml")],
                   ["training.gradient_accumulation_steps=2", f"output_dir={out}", "launch.script_conflicts=error"],
                   TRAINER, ["--model", str(model), "--data", str(data), "--output-dir", str(out),
-                            "--gradient-accumulation-steps", "1"], base)
+                            "--gradient-accumulation-steps", "1", "--max-steps", "300"], base)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
-    assert done.stderr.count("disagree on training.gradient_accumulation_steps") == 1, done.stderr[-3000:]
+    # Every disagreement of the call at once (ddp.yaml also sets the micro-batch), reported once.
+    for key in ("training.gradient_accumulation_steps", "training.micro_batch_size"):
+        assert done.stderr.count(f"disagree on {key}") == 1, done.stderr[-3000:]
     assert "launch.script_conflicts is error" in done.stderr and "the same error" in done.stderr
+    assert not (out / "checkpoint-1").exists()
 
 
 def test_training_arguments_from_the_config(assets):
@@ -138,8 +141,9 @@ output_dir: {out}
                               "weight_decay": 0.0, "adam_beta2": 0.98, "output_dir": str(out)}
     assert report["distributed_type"] == "DEEPSPEED" and report["zero_stage"] == 2 and report["ds_bf16"] is True
     assert report["global_step"] == 4 and report["forwards"] == 8
-    # Linear schedule, 1 warmup step to 0.005, then down to 0 at step 4 (logged after each step).
-    assert report["learning_rates"] == pytest.approx([0.005, 0.005 * 2 / 3, 0.005 / 3, 0.0])
+    # The lr each step ran at: Transformers' linear schedule, warmup over 1 step from 0 to
+    # optim.lr, then linear towards 0 at max_steps.
+    assert report["learning_rates"] == pytest.approx([0.0, 0.005, 0.005 * 2 / 3, 0.005 / 3])
 
 
 def test_trl_sft_trainer_under_zero3(assets):

@@ -74,6 +74,7 @@ class ScriptValues:
         self.mode = cfg.launch.script_conflicts
         self.reported: set[tuple[str, str]] = set()
         self.rank0 = os.environ.get("RANK", "0") == "0"
+        self.refused: list[Conflict] = []
 
     # ---------------------------------------------------------------- the rule
 
@@ -94,13 +95,20 @@ class ScriptValues:
             return config_value
         conflict = Conflict(key, field, config_value, self.origin_text(key), script_value, call)
         if self.mode == "error":
-            raise UserError(Problem("launch.script_conflicts", conflict.describe(fatal=True),
-                                    fix=f"remove {field}= from the script's call, or change {key} in the config"),
-                            title="the script contradicts the run config")
+            self.refused.append(conflict)
+            return config_value
         if self.rank0 and (key, field) not in self.reported:
             self.reported.add((key, field))
             print(f"overdrive: {conflict.describe(fatal=False)}", file=sys.stderr, flush=True)
         return config_value
+
+    def raise_refused(self) -> None:
+        """With `launch.script_conflicts: error`: every disagreement of one call, at once."""
+        if self.refused:
+            refused, self.refused = self.refused, []
+            raise UserError([Problem("launch.script_conflicts", c.describe(fatal=True),
+                                     fix=f"remove {c.field}= from the script's call, or change {c.key} in the config")
+                             for c in refused], title="the script contradicts the run config")
 
     # ---------------------------------------------------------------- TrainingArguments
 
@@ -124,6 +132,7 @@ class ScriptValues:
             else:
                 script_set = field.name in defaults and not _same(script_value, defaults[field.name])
             setattr(args, field.name, self.settle(field.name, field.key, config_value, script_value, script_set, call))
+        self.raise_refused()
         for name, variable in ENV_OF_FIELD.items():
             value = getattr(args, name, None)
             if value is not None:
@@ -145,6 +154,7 @@ class ScriptValues:
             kwargs["gradient_accumulation_steps"] = self.settle(
                 "gradient_accumulation_steps", "training.gradient_accumulation_steps",
                 t.gradient_accumulation_steps, kwargs["gradient_accumulation_steps"], True, call)
+        self.raise_refused()
         return kwargs
 
     def call_site(self, what: str) -> tuple[str, bool]:
