@@ -160,3 +160,13 @@ def test_trl_sft_trainer_under_zero3(assets):
     assert report["num_processes"] == 2 and report["mixed_precision"] == "bf16"
     assert report["gradient_accumulation_steps"] == 2 and report["global_step"] == 2
     assert len(report["losses"]) == 2
+
+
+def test_a_failing_script_is_reported_once_by_the_launcher(tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text('def load():\n    raise RuntimeError("the data file is empty")\n\n\nload()\n')
+    done = launch([], ["launch.num_processes=2", f"output_dir={tmp_path / 'out'}"], script, [], tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.count("Traceback") == 1 and done.stderr.count("RuntimeError: the data file is empty") == 1
+    assert "overdrive: rank " in done.stderr and "the same error" in done.stderr
+    assert 'crash.py", line 2, in load' in done.stderr and "runpy" not in done.stderr

@@ -130,7 +130,11 @@ def run_user_script(resolved_file: str, script: str, script_args: Sequence[str])
         import traceback
 
         code = 1
-        _report(f"{type(error).__name__}: {error}", traceback.format_exc())
+        tb = error.__traceback__  # from the script's own frames: ours and runpy's say nothing
+        while tb is not None and (tb.tb_frame.f_code.co_filename == __file__
+                                  or tb.tb_frame.f_code.co_filename.startswith("<frozen")):
+            tb = tb.tb_next
+        _report(f"{type(error).__name__}: {error}", "".join(traceback.format_exception(type(error), error, tb)))
     # The script has finished: run its exit handlers, flush, and leave without interpreter
     # finalisation. Tearing down native thread pools there intermittently aborts a worker
     # that has already done all its work ("terminate called without an active exception",
