@@ -124,7 +124,7 @@ def test_overdrive_options_after_the_script_are_the_scripts_and_a_warning_says_s
     done = subprocess.run([sys.executable, "-m", "overdrive.cli", "launch", "--print-env", str(script), "-c", "run.yaml"],
                           capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "warning: -c come after the script" in done.stderr and "its defaults" in done.stderr
+    assert "warning: the script's arguments include -c" in done.stderr and "its defaults" in done.stderr
 
 
 def test_a_failed_worker_is_reported_once_with_the_root_cause(tmp_path):

@@ -170,3 +170,19 @@ def test_a_failing_script_is_reported_once_by_the_launcher(tmp_path):
     assert done.stderr.count("Traceback") == 1 and done.stderr.count("RuntimeError: the data file is empty") == 1
     assert "overdrive: rank " in done.stderr and "the same error" in done.stderr
     assert 'crash.py", line 2, in load' in done.stderr and "runpy" not in done.stderr
+
+
+def test_a_direct_accelerator_call_is_settled_by_the_same_rule(tmp_path):
+    script = tmp_path / "direct.py"
+    script.write_text("from accelerate import Accelerator\n"
+                      "accelerator = Accelerator(mixed_precision='no', gradient_accumulation_steps=1)\n"
+                      "if accelerator.is_main_process:\n"
+                      "    print('SETTLED', accelerator.mixed_precision, accelerator.gradient_accumulation_steps,\n"
+                      "          accelerator.distributed_type.value, accelerator.num_processes)\n")
+    done = launch([str(REPO / "configs" / "fsdp.yaml")], ["accum=2", f"output_dir={tmp_path / 'out'}"], script, [],
+                  tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "SETTLED bf16 2 FSDP 2" in done.stdout
+    for key in ("precision.mixed_precision", "training.gradient_accumulation_steps"):
+        assert done.stderr.count(f"disagree on {key}") == 1
+    assert "(Accelerator(...) at direct.py:2)" in done.stderr

@@ -55,8 +55,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"script not found: {args.script}")
     misplaced = misplaced_options(args.script_args)
     if misplaced:
-        print(f"overdrive: warning: {' '.join(misplaced)} come after the script, so they are the script's arguments, "
-              f"not overdrive's (as with `accelerate launch`); overdrive runs with "
+        print(f"overdrive: warning: the script's arguments include {' '.join(misplaced)}: everything after the script "
+              f"is the script's, not overdrive's (as with `accelerate launch`), so overdrive runs with "
               f"{'only ' + ', '.join(args.config) if args.config else 'its defaults'}{' and -s items' if args.set else ''}. "
               f"To configure the run, put them before the script: "
               f"overdrive launch -c run.yaml -s key=value {args.script} [script args]", file=sys.stderr, flush=True)
