@@ -39,10 +39,11 @@ from overdrive.config.provenance import Origin
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 
+# Where `__new__` leaves, on the instance, what the call passed (popped in __post_init__).
+CALL_RECORD = "_overdrive_script_call"
 # Accelerate reads these when the DeepSpeed plugin is built inside TrainingArguments: they must
 # hold the values the run uses, or the plugin fills "auto" with one value and the Trainer
 # checks it against another.
-CALL_RECORD = "_overdrive_script_call"
 ENV_OF_FIELD = {"gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
                 "max_grad_norm": "ACCELERATE_GRADIENT_CLIPPING"}
 
