@@ -5,7 +5,9 @@ comes from one run config; the loop itself is the ordinary Accelerate loop.
 
     python examples/train_distributed.py                       # the embedded default job
     python examples/train_distributed.py run.yaml lr=3e-4      # files and key=value overrides
-    overdrive launch examples/train_distributed.py -c run.yaml # several processes
+    overdrive launch -c run.yaml examples/train_distributed.py run.yaml  # several processes
+
+(overdrive's `-c` goes before the script; what follows the script is the script's own argv.)
 """
 
 from __future__ import annotations

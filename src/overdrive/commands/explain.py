@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--key", help="show the whole chain for one dotted key (each layer's value, and which won)")
     parser.add_argument("--json", action="store_true", help='print {"config": ..., "origins": {dotted key: origin}}')
     parser.add_argument("--all", action="store_true", help="also list every default value")
+    parser.add_argument("--training-arguments", action="store_true",
+                        help="the Transformers TrainingArguments overdrive.hf.training_arguments(cfg) builds: "
+                             "each field, its value and the overdrive key it comes from (with --json: as JSON)")
 
 
 def _shown(key: str, value: Any) -> str:
@@ -89,6 +92,35 @@ def _explain_key(resolved, key: str) -> int:
     return 0
 
 
+def _short(text: str, width: int = 60) -> str:
+    return text if len(text) <= width else text[:width - 1] + "… (--json: all)"
+
+
+def _explain_training_arguments(resolved, as_json: bool) -> int:
+    from overdrive.hf.fields import FIELDS, UNKNOWN
+
+    rows = []
+    for field in FIELDS:
+        value = field.value(resolved.config)
+        origin = resolved.origins.get(field.key) or next(
+            (o for k, o in resolved.origins.items() if k.startswith(field.key + ".")), None)
+        shown = "(TrainingArguments default: the config's is auto)" if value is UNKNOWN else value
+        rows.append({"field": field.name, "value": shown, "key": field.key, "origin": str(origin or "default"),
+                     "under_launch": field.launch})
+    if as_json:
+        print(json.dumps(rows, indent=2, default=str))
+        return 0
+    from overdrive.console import print_table
+
+    print_table(["TrainingArguments field", "value", "overdrive key", "origin"],
+                [(r["field"], _short(_shown(r["field"], r["value"])), r["key"], r["origin"]) for r in rows],
+                title="overdrive.hf.training_arguments(cfg)")
+    print("Under `overdrive launch`, the fields whose key the config sets (origin other than default) also reach "
+          "a script's own TrainingArguments, except use_cpu, deepspeed, fsdp and fsdp_config (given through "
+          "Accelerate's environment); see docs/scripts.md.")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from overdrive.config import hardware_warnings
 
@@ -96,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
     warnings = resolved.warnings + hardware_warnings(resolved)
     if args.key:
         return _explain_key(resolved, args.key)
+    if args.training_arguments:
+        return _explain_training_arguments(resolved, args.json)
     if args.json:
         print(json.dumps({
             "config": _mask_secrets(resolved.config.model_dump(mode="json")),

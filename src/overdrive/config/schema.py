@@ -343,6 +343,10 @@ class LaunchConfig(Section):
     enable_cpu_affinity: bool = Field(False, description="Pin each process to the CPU cores near its GPU.")
     debug: bool = Field(False, description="Check collectives for mismatches (slow; for debugging hangs).")
     main_training_function: str = Field("main", description="Kept for Accelerate configs; not used by overdrive.")
+    script_conflicts: Literal["warn", "error"] = Field(
+        "warn", description="`overdrive launch`: when the script's own TrainingArguments/Accelerator call sets a value "
+        "the config also sets, differently. `warn`: rank 0 names both and the config's value is used; `error`: the run stops."
+    )
 
 
 class CheckpointConfig(Section):

@@ -26,14 +26,25 @@ def distributed_type(cfg: RunConfig) -> str:
     return registry.of(cfg).distributed_type(cfg)
 
 
-def deepspeed_json(cfg: RunConfig, batch_auto: bool = False, hidden_size: Optional[int] = None) -> dict[str, Any]:
+# What a Transformers Trainer owns in a DeepSpeed config: it fills these from its
+# TrainingArguments and refuses any explicit value that differs (trainer_config_process /
+# trainer_config_finalize in transformers/integrations/deepspeed.py), so a config handed to a
+# user's script leaves them "auto", as Transformers' own DeepSpeed configs do.
+TRAINER_OWNED = ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps",
+                 "gradient_clipping", "fp16.enabled", "bf16.enabled")
+
+
+def deepspeed_json(cfg: RunConfig, batch_auto: bool = False, hidden_size: Optional[int] = None,
+                   trainer_owned_auto: bool = False) -> dict[str, Any]:
     """The DeepSpeed dict overdrive runs, as a file for `accelerate launch`.
 
     Bucket sizes the config leaves `auto` stay `"auto"` unless `hidden_size` is given
     (Accelerate fills them from `model.config` at prepare, with the same rule, but only for
     models that have one). `train_batch_size` is always `"auto"`: Accelerate derives it for
     the world size it actually runs at. `batch_auto` leaves the micro-batch `"auto"` too, for
-    a user's script whose DataLoader decides it.
+    a user's script whose DataLoader decides it. `trainer_owned_auto` leaves everything in
+    TRAINER_OWNED `"auto"`: the values reach the Trainer's TrainingArguments instead (or, for
+    a bare `Accelerator()`, Accelerate's environment), so the two cannot disagree.
     """
     from overdrive.interop import deepspeed_config
 
@@ -47,6 +58,13 @@ def deepspeed_json(cfg: RunConfig, batch_auto: bool = False, hidden_size: Option
     config["train_batch_size"] = "auto"
     if batch_auto:
         config["train_micro_batch_size_per_gpu"] = "auto"
+    if trainer_owned_auto:
+        for path in TRAINER_OWNED:
+            *parents, leaf = path.split(".")
+            node = config
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = "auto"
     return config
 
 
@@ -161,7 +179,7 @@ def accelerate_flags(cfg: RunConfig, deepspeed_file: Optional[str] = None) -> li
 
 
 def write(cfg: RunConfig, accelerate_path: Optional[str | Path] = None, deepspeed_path: Optional[str | Path] = None,
-          batch_auto: bool = False, hidden_size: Optional[int] = None) -> list[Path]:
+          batch_auto: bool = False, hidden_size: Optional[int] = None, trainer_owned_auto: bool = False) -> list[Path]:
     """Write the requested files; the YAML points at the JSON when both are written."""
     import yaml
 
@@ -170,7 +188,7 @@ def write(cfg: RunConfig, accelerate_path: Optional[str | Path] = None, deepspee
     if deepspeed_path:
         path = Path(deepspeed_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(deepspeed_json(cfg, batch_auto, hidden_size), indent=2) + "\n")
+        path.write_text(json.dumps(deepspeed_json(cfg, batch_auto, hidden_size, trainer_owned_auto), indent=2) + "\n")
         written.append(path)
         # As given: Accelerate resolves it against the working directory `accelerate launch`
         # runs in (overdrive's import tries the YAML's directory first, then that).

@@ -28,22 +28,53 @@ def first_failure(failures: dict) -> int:
     return min(causes, key=lambda rank: (failures[rank].timestamp, rank))
 
 
+# Lines of the root cause's traceback printed: the exception and the frames nearest to it.
+TRACEBACK_LINES = 12
+
+
+def _error_text(failure: Any) -> tuple[str, str]:
+    """(message, traceback) a worker wrote to its elastic error file, or empty strings."""
+    data = failure.error_file_data.get("message") if isinstance(failure.error_file_data, dict) else None
+    if not isinstance(data, dict):
+        return "", ""
+    return str(data.get("message") or ""), str((data.get("extraInfo") or {}).get("py_callstack") or "")
+
+
 def describe(error: Any) -> str:
-    """A ChildFailedError as a sentence: which rank, how it ended, what happened to the rest."""
+    """A ChildFailedError as a sentence: which rank, how it ended, its error's last lines
+    (from the error file the worker wrote), and what happened to the rest."""
     rank = first_failure(error.failures)
     failure = error.failures[rank]
+    message, callstack = _error_text(failure)
     if failure.exitcode < 0:
         how = f"was killed by {failure.signal_name()}"
+    elif message or callstack:
+        how = f"exited with code {failure.exitcode}"
     else:
         how = f"exited with code {failure.exitcode} (its error is printed above)"
     lines = [f"overdrive: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}, host {socket.gethostname()}) "
              f"{how}; the other ranks were stopped and the job failed."]
+    if callstack:
+        tail = callstack.rstrip().splitlines()[-TRACEBACK_LINES:]
+        lines += ["  " + line for line in tail]
+    elif message:
+        lines += ["  " + line for line in message.splitlines()]
     others = sorted(r for r in error.failures if r != rank)
     if others:
-        lines.append("  also ended: " + ", ".join(
-            f"rank {r} ({error.failures[r].signal_name() if error.failures[r].exitcode < 0 else 'exit ' + str(error.failures[r].exitcode)})"
-            for r in others))
+        lines.append("  also ended: " + ", ".join(_other(error.failures[r], r, message) for r in others))
     return "\n".join(lines)
+
+
+def _other(failure: Any, rank: int, message: str) -> str:
+    if failure.exitcode < 0:
+        return f"rank {rank} ({failure.signal_name()})"
+    same = message and _error_text(failure)[0] == message
+    return f"rank {rank} (exit {failure.exitcode}{', the same error' if same else ''})"
+
+
+def exit_code(error: Any) -> int:
+    """2 when the first failure was bad input reported by overdrive in the worker, else 1."""
+    return 2 if error.failures[first_failure(error.failures)].exitcode == 2 else 1
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -55,7 +86,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run(parse_args(list(sys.argv[1:] if argv is None else argv)))
     except ChildFailedError as error:
         print(describe(error), file=sys.stderr, flush=True)
-        return 1
+        return exit_code(error)
     except SignalException as stop:
         # The agent has already passed the signal on to the workers and waited for them.
         return 128 + int(stop.sigval)

@@ -1,7 +1,12 @@
-"""A user's own Accelerate script, run with the configured strategy on every process.
+"""A user's own script (plain Accelerate, Transformers Trainer, TRL), run with the configured
+strategy, precision and accumulation on every process.
 
 `overdrive launch` writes the Accelerate YAML and DeepSpeed JSON for the run and turns them
-into the environment a bare `Accelerator()` reads, with Accelerate's own launcher code.
+into the environment a bare `Accelerator()` reads, with Accelerate's own launcher code. In
+each worker the config also reaches the script's own TrainingArguments and Accelerator calls
+(launch/script_values.py), and the CPU workarounds are applied (strategies/cpu.py), both only
+while the script runs. A worker that fails writes its error to torch's elastic error file
+instead of printing it; the launcher prints it once (launch/elastic.py).
 """
 
 from __future__ import annotations
@@ -38,12 +43,15 @@ def user_script_env(cfg: RunConfig, files_dir: Path) -> dict[str, str]:
     acc_path = files_dir / "accelerate.yaml"
     native_file = registry.of(cfg).native_file  # DeepSpeed's JSON, beside the Accelerate YAML
     ds_path = files_dir / native_file if native_file else None
-    # Batch sizes stay "auto": the script's own DataLoader decides them. Bucket sizes come
-    # from the configured model, since the script's model may have no `config` to fill them.
+    # What a Trainer owns stays "auto" (batch sizes, accumulation, clipping, precision): the
+    # Trainer fills it from its TrainingArguments, which hold the configured values (see
+    # script_values.py); for a bare Accelerator(), Accelerate fills it from the variables set
+    # below and from the script's DataLoader. Bucket sizes come from the configured model,
+    # since the script's model may have no `config` to fill them.
     from overdrive.interop.deepspeed_config import hidden_size_of
 
     hidden = hidden_size_of(cfg) if ds_path else None
-    export.write(cfg, acc_path, ds_path, batch_auto=True, hidden_size=hidden)
+    export.write(cfg, acc_path, ds_path, batch_auto=True, hidden_size=hidden, trainer_owned_auto=True)
 
     saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(STRIPPED_PREFIXES)}
     try:  # Accelerate's functions start from os.environ: start them from a clean one
@@ -61,6 +69,10 @@ def user_script_env(cfg: RunConfig, files_dir: Path) -> dict[str, str]:
     finally:
         os.environ.update(saved)
     env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(cfg.training.gradient_accumulation_steps)
+    # Read by Accelerate's DeepSpeed plugin to fill the "auto" entries of the JSON above (the
+    # precision is left out of the YAML when a DeepSpeed file holds the DeepSpeed settings).
+    env["ACCELERATE_GRADIENT_CLIPPING"] = str(cfg.training.gradient_clipping or 0.0)
+    env["ACCELERATE_MIXED_PRECISION"] = cfg.precision.mixed_precision
     if cpu.construct_with_cpu_flag(cfg):
         env["ACCELERATE_USE_CPU"] = "true"
     env.update(process_env(cfg))
@@ -69,10 +81,10 @@ def user_script_env(cfg: RunConfig, files_dir: Path) -> dict[str, str]:
 
 
 def launch_script(resolved: Any, script: str, script_args: Sequence[str]) -> int:
-    """Run a user's Accelerate script on every configured process (any process count).
+    """Run a user's script on every configured process (any process count).
 
-    Each worker enters `overdrive launch --worker`, which applies the CPU workarounds around
-    the script's own `Accelerator()` (strategies/cpu.py) and then runs the script.
+    Each worker enters `overdrive launch --worker` (run_user_script below). The agent is
+    overdrive.launch.elastic: torch.distributed.run ending with the first failure, once.
     """
     cfg: RunConfig = resolved.config
     check(cfg)
@@ -81,27 +93,50 @@ def launch_script(resolved: Any, script: str, script_args: Sequence[str]) -> int
     env = user_script_env(cfg, files_dir)
     path = files_dir / resolved_path(cfg).name
     path.write_text(resolved.to_json())
-    command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(cfg),
+    command = [sys.executable, "-m", "overdrive.launch.elastic", *torchrun_args(cfg),
                "-m", "overdrive.cli", "launch", "--worker", str(path), script, *script_args]
     return run_agent(command, env)
 
 
 def run_user_script(resolved_file: str, script: str, script_args: Sequence[str]) -> int:
-    """Inside a worker: the script runs as `__main__`, with its own argv."""
+    """Inside a worker: the script runs as `__main__`, with its own argv.
+
+    The config reaches its TrainingArguments / Accelerator calls and the CPU workarounds
+    apply only inside the `with` block. An exception is written to the error file torch's
+    agent gives every worker (TORCHELASTIC_ERROR_FILE) rather than printed by each rank:
+    the launcher prints the first failure once.
+    """
     import runpy
 
     from overdrive.config import Resolved
+    from overdrive.errors import UserError
+    from overdrive.launch import script_values
     from overdrive.strategies import cpu
 
-    cfg = Resolved.from_json(Path(resolved_file).read_text()).config
-    cpu.apply_to_user_accelerators(cfg)
+    resolved = Resolved.from_json(Path(resolved_file).read_text())
+    cfg = resolved.config
     sys.argv = [script, *script_args]
     sys.path.insert(0, str(Path(script).resolve().parent))
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        # Order matters: the CPU workaround wraps the config's Accelerator.__init__, which
+        # binds the call's arguments against Accelerate's own signature.
+        with script_values.applied(cfg, resolved.origins, script), cpu.apply_to_user_accelerators(cfg):
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except UserError as error:
+        code = 2
+        _report(error.render(), "")
+    except Exception as error:  # noqa: BLE001 - whatever the script raised, reported once
+        import traceback
+
+        code = 1
+        tb = error.__traceback__  # from the script's own frames: ours and runpy's say nothing
+        while tb is not None and (tb.tb_frame.f_code.co_filename == __file__
+                                  or tb.tb_frame.f_code.co_filename.startswith("<frozen")):
+            tb = tb.tb_next
+        _report(f"{type(error).__name__}: {error}", "".join(traceback.format_exception(type(error), error, tb)))
     # The script has finished: run its exit handlers, flush, and leave without interpreter
     # finalisation. Tearing down native thread pools there intermittently aborts a worker
     # that has already done all its work ("terminate called without an active exception",
@@ -112,3 +147,18 @@ def run_user_script(resolved_file: str, script: str, script_args: Sequence[str])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _report(message: str, callstack: str) -> None:
+    """Into torch's elastic error file (the format its ProcessFailure reads), or to stderr
+    when this worker runs without an agent."""
+    import json
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        print(callstack or message, file=sys.stderr, flush=True)
+        return
+    with open(path, "w") as f:
+        json.dump({"message": {"message": message, "extraInfo": {"py_callstack": callstack,
+                                                                  "timestamp": str(int(time.time()))}}}, f)

@@ -25,7 +25,8 @@ machine has (`target_gpus`, from the config alone); otherwise torch is asked her
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem
@@ -131,22 +132,27 @@ def problems(cfg: RunConfig, gpus: Optional[int] = None) -> list[Problem]:
     return found
 
 
-def apply_to_user_accelerators(cfg: RunConfig) -> None:
+@contextlib.contextmanager
+def apply_to_user_accelerators(cfg: RunConfig) -> Iterator[None]:
     """The same workarounds for a user's script, which builds `Accelerator()` itself.
 
     `overdrive launch` sets the environment a bare `Accelerator()` reads; what no variable
     can say on CPU (the gloo backend for DeepSpeed, the FSDP promotion) is applied around
-    the script's Accelerator construction instead. A no-op off CPU and for DDP.
+    the script's Accelerator (and, for the backend, process state) construction instead. And TrainingArguments is told that bf16
+    runs here: it refuses `bf16=True` without a bf16 GPU unless `use_cpu=True`, which the
+    worker does not need (ACCELERATE_USE_CPU says it) and which would turn DeepSpeed off.
+    Scoped: `Accelerator.__init__` and that check are replaced only inside the `with` block
+    (the script's run) and put back after, so nothing else in the process is changed.
+    A no-op off CPU.
     """
     strategy = cfg.parallel.strategy
-    if not on_cpu(cfg) or strategy == "ddp":
+    if not on_cpu(cfg):
+        yield
         return
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin, InitProcessGroupKwargs
 
     original = Accelerator.__init__
-    if getattr(original, "_overdrive_cpu", False):
-        return
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if strategy == "deepspeed":
@@ -161,5 +167,29 @@ def apply_to_user_accelerators(cfg: RunConfig) -> None:
         if strategy == "fsdp":
             promote_to_fsdp(self, kwargs["fsdp_plugin"])
 
-    __init__._overdrive_cpu = True  # type: ignore[attr-defined]
-    Accelerator.__init__ = __init__
+    import transformers.training_args as training_args
+
+    patched: list[tuple[Any, str, Any]] = [(training_args, "is_torch_bf16_gpu_available", lambda: True)]
+    if strategy != "ddp":
+        patched.append((Accelerator, "__init__", __init__))
+    if strategy == "deepspeed":
+        # TrainingArguments builds the process state itself, before any Accelerator, and
+        # names no backend for DeepSpeed: the same gloo is named there.
+        from accelerate.state import PartialState
+
+        partial_init = PartialState.__init__
+
+        def partial_state_init(self: Any, cpu: bool = False, **kwargs: Any) -> None:
+            if kwargs.get("backend") is None:
+                kwargs["backend"] = "gloo"
+            partial_init(self, cpu, **kwargs)
+
+        patched.append((PartialState, "__init__", partial_state_init))
+    saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patched]
+    try:
+        for owner, name, replacement in patched:
+            setattr(owner, name, replacement)
+        yield
+    finally:
+        for owner, name, before in saved:
+            setattr(owner, name, before)
