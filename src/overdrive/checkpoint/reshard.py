@@ -115,18 +115,15 @@ def universal_loading(engine: Any):
         config.load_universal_checkpoint = before
     for group, values in zip(groups, own):
         group.update(values)
-    # The same loader sets Adam's step as a Python number; torch's AdamW keeps it as a tensor
-    # (and its fused kernel counts a number wrongly), as every other load path does.
+    # The same loader gives every group one and the same `step` tensor; torch's AdamW
+    # increments each group's step in place, so a shared one would count every step once per
+    # group and skew Adam's bias correction. Each state gets its own.
     import torch
 
     for state in getattr(getattr(engine.optimizer, "optimizer", None), "state", {}).values():
-        if "step" in state and not torch.is_tensor(state["step"]):
-            state["step"] = torch.tensor(float(state["step"]))
-    if os.environ.get("OD_DEBUG"):
-        print("DEBUG groups", [{k: v for k, v in g.items() if k != "params"} for g in groups], flush=True)
-        base = engine.optimizer.optimizer
-        for p_, st in base.state.items():
-            print("DEBUG state", p_.shape, {k: (float(v.float().norm()) if hasattr(v, "norm") else v) for k, v in st.items()}, flush=True)
+        if "step" in state:
+            step = state["step"]
+            state["step"] = step.clone() if torch.is_tensor(step) else torch.tensor(float(step))
 
 
 def _universal_tensors(directory: Path, name: str) -> dict[str, Any]:
