@@ -63,6 +63,7 @@ _RULES: dict[str, tuple[str, str]] = {
 # The batch size keys are judged together, as the global batch (see `compare`).
 _BATCH_KEYS = {"training.micro_batch_size", "training.gradient_accumulation_steps", "training.global_batch_size",
                "launch.num_processes", "launch.num_machines"}
+MOVED_BY = "moved by"  # a layout change that a reader in routes.py carries across
 GLOBAL_BATCH_WHY = "the samples per optimizer step, so every update and the data position"
 
 
@@ -157,7 +158,7 @@ def compare(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Comparison:
             continue
         kind, why = kind_of(key)
         if kind == "layout" and movable:
-            kind, why = "harmless", f"moved by {result.route.reader}"
+            kind, why = "harmless", f"{MOVED_BY} {result.route.reader}"
         result.changes.append(Change(key, a, b, kind, why))
     if result.route.how == "refused":
         result.refusal = result.route.refusal

@@ -140,6 +140,7 @@ def plan_resume(cfg: RunConfig, force: bool = False) -> ResumePlan:
     comparison = fp.compare(saved["config"], cfg.model_dump(mode="json"))
     finished = search.found.step >= saved["config"]["training"]["max_steps"]
     different = [c.key for c in comparison.of("math") + comparison.of("layout")]
+    different += [c.key for c in comparison.of("harmless") if c.why.startswith(fp.MOVED_BY)]  # another strategy
     if comparison.world_note or comparison.refusal:
         different.append("launch.num_processes")
     if finished and different and not force:
