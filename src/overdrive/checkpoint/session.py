@@ -167,6 +167,36 @@ def plan_resume(cfg: RunConfig, force: bool = False) -> ResumePlan:
     return plan
 
 
+def describe_resume(cfg: RunConfig) -> Optional[dict[str, Any]]:
+    """What `overdrive train` with this config would resume, and how the checkpoint gets in
+    (resharded from another world size or strategy, and at what cost). None without a checkpoint."""
+    if cfg.checkpoint.resume == "never":
+        return None
+    found = store.latest_complete(store.checkpoints_dir(cfg.output_dir), checksums=False).found
+    if found is None:
+        return None
+    try:
+        saved = read_state(found.path)
+    except (OSError, ValueError):
+        return None
+    comparison = fp.compare(saved["config"], cfg.model_dump(mode="json"))
+    route = comparison.route
+    text = f"{found.path.name}: " + (route.summary() if route.how != "as saved" else "loaded as saved")
+    if comparison.refusal:
+        text = f"{found.path.name}: refused: {comparison.refusal}"
+    elif comparison.world_note:
+        text += f"; {comparison.world_note}"
+    math = [c.key for c in comparison.of("math")]
+    if math:
+        text += f"; the math changed since ({', '.join(math)}): train refuses it without --force"
+    cost = reshard.conversion_record(found.path) if route.universal else None
+    if route.universal and not comparison.refusal:
+        text += (f"; universal form converted once in {cost['seconds']:.1f} s ({cost['bytes'] / 1e6:.1f} MB beside "
+                 f"{cost['source_bytes'] / 1e6:.1f} MB)" if cost else "; converted to the universal form on resume")
+    return {"checkpoint": str(found.path), "step": found.step, "how": route.how, "resharding": route.summary(),
+            "refusal": comparison.refusal, "conversion": cost, "text": text}
+
+
 def with_plan(resolved: Any, plan: ResumePlan) -> Any:
     """`resolved` carrying the plan's config; a changed accumulation gets its origin."""
     from overdrive.config import Origin, Resolved
