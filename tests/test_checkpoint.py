@@ -341,3 +341,31 @@ def test_each_epoch_order_depends_only_on_the_seed_and_the_epoch():
     assert len(orders[0]) == 96 == len(set(orders[0]))
     unshuffled = EpochShuffle(100, 96, seed=3, shuffle=False)
     assert list(unshuffled) == list(range(96))
+
+
+@pytest.mark.parametrize("micro", [2, 4])
+def test_optimizer_step_k_takes_the_same_samples_at_any_world_size(micro):
+    """The loader as Accelerate shards it (BatchSamplerShard: micro-batch i to rank i mod world),
+    then skipped into the epoch as a resume does: step k's samples, over all ranks and
+    accumulation steps, are the same set at 1, 2 and 4 processes."""
+    from accelerate.data_loader import BatchSamplerShard, SkipBatchSampler
+
+    from overdrive.data.loaders import train_loader
+
+    dataset, global_batch = list(range(100)), 16
+
+    def steps(world: int, skip_steps: int = 0) -> list[set[int]]:
+        accumulation = global_batch // (micro * world)
+        loader = train_loader(dataset, micro, accumulation, world, seed=5)
+        loader.sampler.set_epoch(1)
+        per_rank = []
+        for rank in range(world):
+            shard = BatchSamplerShard(loader.batch_sampler, num_processes=world, process_index=rank)
+            batches = list(SkipBatchSampler(shard, skip_batches=skip_steps * accumulation))
+            per_rank.append([batches[i:i + accumulation] for i in range(0, len(batches), accumulation)])
+        return [{i for rank in per_rank for batch in rank[k] for i in batch} for k in range(len(per_rank[0]))]
+
+    at_one = steps(1)
+    assert len(at_one) == 6 and all(len(s) == global_batch for s in at_one)
+    assert steps(2) == at_one == steps(4)
+    assert steps(2, skip_steps=2) == at_one[2:] == steps(1, skip_steps=2)  # a resume at step 2 on a new world size
