@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import io
 import json
+import logging
 import os
 import shutil
 import time
@@ -94,6 +95,15 @@ def conversion_record(checkpoint: Path) -> Optional[dict]:
         return None
 
 
+class _Without(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
 @contextlib.contextmanager
 def universal_loading(engine: Any):
     """DeepSpeed reads `checkpoint.load_universal` from its config at load time only: switched on
@@ -109,10 +119,14 @@ def universal_loading(engine: Any):
     groups = getattr(getattr(engine.optimizer, "optimizer", None), "param_groups", [])
     own = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in groups]
     config.load_universal_checkpoint = True
+    deepspeed_logger = logging.getLogger("DeepSpeed")
+    no_tensor_parallelism = _Without("MPU is not provided")  # no tensor parallelism here: tp size 1 is right
+    deepspeed_logger.addFilter(no_tensor_parallelism)
     try:
         yield
     finally:
         config.load_universal_checkpoint = before
+        deepspeed_logger.removeFilter(no_tensor_parallelism)
     for group, values in zip(groups, own):
         group.update(values)
     # The same loader gives every group one and the same `step` tensor; torch's AdamW
@@ -143,14 +157,16 @@ def _universal_tensors(directory: Path, name: str) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- across strategies
 
-def _named_optimizer_params(model: Any, optimizer: Any) -> list[list[str]]:
-    """Per optimizer group, the names of its parameters (as in the unwrapped model's state dict)."""
-    names = {}
+def _named_optimizer_params(model: Any, optimizer: Any) -> tuple[list[list[str]], dict[str, tuple]]:
+    """Per optimizer group, the names of its parameters (as in the unwrapped model's state dict),
+    and each parameter's full shape (a DTensor's shape is the global one)."""
+    names, shapes = {}, {}
     for name, param in model.named_parameters():
         for prefix in ("module.", "_orig_mod."):  # DDP and torch.compile wrappers
             name = name[len(prefix):] if name.startswith(prefix) else name
         names[id(param)] = name
-    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+        shapes[name] = tuple(param.shape)
+    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups], shapes
 
 
 def _full_optimizer_state(groups: list[list[str]], optimizer: Any, saved_groups: list[dict],
@@ -167,13 +183,13 @@ def _full_optimizer_state(groups: list[list[str]], optimizer: Any, saved_groups:
             entry = state_of(index, name)
             if entry:
                 step = entry.get("step", 0)
-                entry["step"] = step.float().reshape(()) if torch.is_tensor(step) else torch.tensor(float(step))
+                entry["step"] = torch.tensor(float(step))  # its own tensor: AdamW increments it in place
                 state[name] = entry
             index += 1
     return {"state": state, "param_groups": param_groups}
 
 
-def _from_ddp(path: Path, groups: list[list[str]], optimizer: Any) -> tuple[dict, dict]:
+def _from_ddp(path: Path, groups: list[list[str]], shapes: dict, optimizer: Any) -> tuple[dict, dict]:
     import torch
     from safetensors.torch import load_file
 
@@ -189,15 +205,21 @@ def _from_ddp(path: Path, groups: list[list[str]], optimizer: Any) -> tuple[dict
     return model_sd, optim_sd
 
 
-def _from_universal(directory: Path, groups: list[list[str]], optimizer: Any) -> tuple[dict, dict]:
+def _from_universal(directory: Path, groups: list[list[str]], shapes: dict, optimizer: Any) -> tuple[dict, dict]:
     import torch
 
     common = torch.load(directory / DEEPSPEED_TAG / "zero" / "optimizer_state.pt", map_location="cpu",
                         weights_only=False)
+    # ZeRO-1/2 write a step per parameter; ZeRO-3 keeps one for all in the common state.
+    base_state = common.get("optimizer_state_dict", {}).get("state", {})
+    shared_step = next((entry.get("step") for entry in base_state.values() if "step" in entry), None)
     model_sd, moments = {}, {}
     for name in (n for g in groups for n in g):
-        found = _universal_tensors(directory, name)
+        # ZeRO-3's universal files hold each parameter flattened.
+        found = {k: v.view(shapes[name]) if k != "step" else v for k, v in _universal_tensors(directory, name).items()}
         model_sd[name] = found.pop("fp32")
+        if "step" not in found and shared_step is not None:
+            found["step"] = shared_step
         moments[name] = found
     optim_sd = _full_optimizer_state(groups, optimizer, common["param_groups"],
                                      lambda index, name: dict(moments[name]))
@@ -219,9 +241,9 @@ def load_across(accelerator: Any, path: Path, route: Route, universal: Optional[
         dcp.load({"optimizer": optim_sd}, checkpoint_id=str(path / "optimizer_0"))
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     else:
-        groups = _named_optimizer_params(model, optimizer)
+        groups, shapes = _named_optimizer_params(model, optimizer)
         read = _from_universal if universal is not None else _from_ddp
-        model_sd, optim_sd = read(universal if universal is not None else path, groups, optimizer)
+        model_sd, optim_sd = read(universal if universal is not None else path, groups, shapes, optimizer)
         # Tied weights (GPT-2's lm_head is wte) are saved once: not strict about the alias.
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                        options=StateDictOptions(full_state_dict=True, strict=False))
