@@ -100,7 +100,7 @@ def _judge(saved: dict[str, Any], cfg: RunConfig, name: str, force: bool,
         problems += [Problem(c.key, f"{c.old!r} -> {c.new!r}: {name} cannot be loaded ({c.why})",
                              fix=f"put the old value back, or {START_OVER}") for c in comparison.of("layout")]
         if comparison.refusal:
-            problems.append(Problem("training.micro_batch_size", comparison.refusal,
+            problems.append(Problem("launch.num_processes", comparison.refusal,
                                     fix=f"resume with one of those, or launch.num_processes="
                                     f"{saved['config']['launch']['num_processes']}, or {START_OVER}"))
     if problems:
