@@ -244,7 +244,11 @@ def load_across(accelerator: Any, path: Path, route: Route, universal: Optional[
         groups, shapes = _named_optimizer_params(model, optimizer)
         read = _from_universal if universal is not None else _from_ddp
         model_sd, optim_sd = read(universal if universal is not None else path, groups, shapes, optimizer)
-        # Tied weights (GPT-2's lm_head is wte) are saved once: not strict about the alias.
+        missing = sorted(set(shapes) - set(model_sd))
+        if missing:
+            raise KeyError(f"{len(missing)} parameters are not in the checkpoint, e.g. {', '.join(missing[:3])}")
+        # Every parameter is there (checked above); a tied alias (GPT-2's lm_head is wte) is saved
+        # once, so the load is not strict about the alias's second name.
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                        options=StateDictOptions(full_state_dict=True, strict=False))
     _load_the_rest(accelerator, path)
