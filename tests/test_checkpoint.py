@@ -139,10 +139,42 @@ def test_a_different_world_size_keeps_the_global_batch():
     assert not result.of("math") and not result.refusal
     odd = fp.compare(old, dump(training={"micro_batch_size": 4}, launch={"num_processes": 3}))
     assert "not a whole number" in odd.refusal
+    assert "launch.num_processes=1 (accumulation 2)" in odd.refusal and "launch.num_processes=2" in odd.refusal
+    assert "no micro-batch on 3 processes" in odd.refusal
     zero2 = dump(parallel={"strategy": "deepspeed"}, training={"micro_batch_size": 4}, launch={"num_processes": 2})
-    assert "one shard per rank" in fp.compare(zero2, dump(parallel={"strategy": "deepspeed"},
-                                                          training={"micro_batch_size": 4})).refusal
-    assert [c.kind for c in fp.compare(dump(), dump(parallel={"strategy": "fsdp"})).changes] == ["layout"]
+    resharded = fp.compare(zero2, dump(parallel={"strategy": "deepspeed"}, training={"micro_batch_size": 4}))
+    assert not resharded.refusal and resharded.accumulation == 2 and resharded.route.how == "universal"
+    moved = fp.compare(dump(), dump(parallel={"strategy": "fsdp"}))
+    assert [c.kind for c in moved.changes] == ["harmless"] and moved.route.how == "across"
+    assert [c.kind for c in fp.compare(dump(), dump(parallel={"strategy": "deepspeed"})).changes] == ["layout"]
+
+
+def test_routes_say_how_each_checkpoint_moves_and_why_some_cannot():
+    from overdrive.checkpoint import routes
+
+    def route(old, new):
+        return fp.compare(dump(**old), dump(**new)).route
+
+    two, one = {"num_processes": 2}, {"num_processes": 1}
+    zero = lambda stage, **more: {"strategy": "deepspeed", "deepspeed": {"zero_stage": stage, **more}}  # noqa: E731
+    assert route({"launch": two}, {"launch": two}).how == "as saved"
+    assert route({"launch": two}, {}).how == "accelerate"
+    assert route({"parallel": {"strategy": "fsdp"}, "launch": one}, {"parallel": {"strategy": "fsdp"}, "launch": two}
+                 ).how == "dcp"
+    offload = route({"parallel": zero(3, offload_optimizer="cpu"), "launch": two}, {"parallel": zero(3)})
+    assert offload.how == "universal" and offload.universal
+    assert offload.summary() == ("ZeRO-3 (optimizer offload to cpu) on 2 processes -> ZeRO-3 on 1 process "
+                                 "(DeepSpeed universal checkpoint)")
+    across = route({"parallel": zero(2), "launch": two}, {"parallel": {"strategy": "fsdp"}})
+    assert across.how == "across" and across.universal and "universal" in across.reader
+    stage = fp.compare(dump(parallel=zero(2)), dump(parallel=zero(3)))
+    assert stage.route.how == "refused" and "ZeRO stages" in stage.refusal
+    assert "Possible moves: DDP <-> FSDP2" in route({"parallel": {"strategy": "fsdp"}}, {"parallel": zero(2)}).refusal
+    assert routes.batch_combinations(16, 8, 4) == ("with micro-batch 8: launch.num_processes=1 (accumulation 2), "
+                                                   "launch.num_processes=2 (accumulation 1); on 4 processes: "
+                                                   "training.micro_batch_size=1 (accumulation 4), "
+                                                   "training.micro_batch_size=2 (accumulation 2), "
+                                                   "training.micro_batch_size=4 (accumulation 1)")
 
 
 def test_an_automatic_micro_batch_is_judged_by_its_global_batch():
@@ -176,8 +208,10 @@ def test_plan_resume_refuses_math_changes_without_force(tmp_path):
     assert "--force" in text and "data order" in text
     forced = session.plan_resume(changed, force=True)
     assert forced.checkpoint is not None and any("--force" in note for note in forced.notes)
-    with pytest.raises(UserError, match="cannot be loaded"):
-        session.plan_resume(RunConfig.model_validate({**base, "parallel": {"strategy": "fsdp"}}), force=True)
+    with pytest.raises(UserError, match="DeepSpeed reads only its own checkpoints"):
+        session.plan_resume(RunConfig.model_validate({**base, "parallel": {"strategy": "deepspeed"}}), force=True)
+    moved = session.plan_resume(RunConfig.model_validate({**base, "parallel": {"strategy": "fsdp"}}))
+    assert moved.route.how == "across" and any("DDP on 1 process -> FSDP2 on 1 process" in n for n in moved.notes)
     never = RunConfig.model_validate({**base, "checkpoint": {"resume": "never"}, "training": {"seed": 1}})
     assert session.plan_resume(never).checkpoint is None
 
@@ -307,3 +341,31 @@ def test_each_epoch_order_depends_only_on_the_seed_and_the_epoch():
     assert len(orders[0]) == 96 == len(set(orders[0]))
     unshuffled = EpochShuffle(100, 96, seed=3, shuffle=False)
     assert list(unshuffled) == list(range(96))
+
+
+@pytest.mark.parametrize("micro", [2, 4])
+def test_optimizer_step_k_takes_the_same_samples_at_any_world_size(micro):
+    """The loader as Accelerate shards it (BatchSamplerShard: micro-batch i to rank i mod world),
+    then skipped into the epoch as a resume does: step k's samples, over all ranks and
+    accumulation steps, are the same set at 1, 2 and 4 processes."""
+    from accelerate.data_loader import BatchSamplerShard, SkipBatchSampler
+
+    from overdrive.data.loaders import train_loader
+
+    dataset, global_batch = list(range(100)), 16
+
+    def steps(world: int, skip_steps: int = 0) -> list[set[int]]:
+        accumulation = global_batch // (micro * world)
+        loader = train_loader(dataset, micro, accumulation, world, seed=5)
+        loader.sampler.set_epoch(1)
+        per_rank = []
+        for rank in range(world):
+            shard = BatchSamplerShard(loader.batch_sampler, num_processes=world, process_index=rank)
+            batches = list(SkipBatchSampler(shard, skip_batches=skip_steps * accumulation))
+            per_rank.append([batches[i:i + accumulation] for i in range(0, len(batches), accumulation)])
+        return [{i for rank in per_rank for batch in rank[k] for i in batch} for k in range(len(per_rank[0]))]
+
+    at_one = steps(1)
+    assert len(at_one) == 6 and all(len(s) == global_batch for s in at_one)
+    assert steps(2) == at_one == steps(4)
+    assert steps(2, skip_steps=2) == at_one[2:] == steps(1, skip_steps=2)  # a resume at step 2 on a new world size

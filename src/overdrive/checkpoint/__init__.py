@@ -8,6 +8,8 @@
 
     store.py        atomic directories, manifests with sha256, finding the newest complete one, pruning
     fingerprint.py  which config changes alter the math, the world size and the global batch
+    routes.py       how a checkpoint of another world size or strategy gets in (or why it cannot)
+    reshard.py      that move: DeepSpeed's universal checkpoint, DCP, set_state_dict
     session.py      save_state / load_state and the trainer's own state
     signals.py      SIGTERM / SIGINT: stop after the step every rank agrees on
 

@@ -12,7 +12,9 @@ config given now, key by key, and sorts every difference:
   by another, so this is refused even with `--force`.
 
 The world size is handled apart: the global batch is kept by changing the accumulation,
-which only works when the checkpoint is not sharded per rank.
+and the checkpoint is resharded for the new world size (routes.py says how). A change of
+strategy is a layout change unless routes.py knows a reader from the old files into the new
+strategy (DDP <-> FSDP2, ZeRO -> FSDP2 or DDP).
 
 The fingerprint is a hash of the math-relevant values only, so two configs with the same
 fingerprint train the same numbers.
@@ -25,6 +27,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
+from overdrive.checkpoint import routes
 from overdrive.config.keys import flatten  # open mappings (model.architecture, deepspeed extra) entry by entry
 from overdrive.strategies import registry
 
@@ -62,6 +65,7 @@ _RULES: dict[str, tuple[str, str]] = {
 # The batch size keys are judged together, as the global batch (see `compare`).
 _BATCH_KEYS = {"training.micro_batch_size", "training.gradient_accumulation_steps", "training.global_batch_size",
                "launch.num_processes", "launch.num_machines"}
+MOVED_BY = "moved by"  # a layout change that a reader in routes.py carries across
 GLOBAL_BATCH_WHY = "the samples per optimizer step, so every update and the data position"
 
 
@@ -113,7 +117,8 @@ class Comparison:
     # Set when the world size changed and the accumulation must change to keep the global batch.
     accumulation: Optional[int] = None
     world_note: str = ""
-    refusal: str = ""  # a world-size change that cannot be made (not divisible, or sharded)
+    refusal: str = ""  # a world-size or strategy change that cannot be made (not divisible, no reader)
+    route: Optional[routes.Route] = None  # how the checkpoint's files get into this run
 
     def of(self, kind: str) -> list[Change]:
         return [c for c in self.changes if c.kind == kind]
@@ -125,7 +130,8 @@ _MISSING = object()
 def compare(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Comparison:
     """Every difference between the checkpoint's config and this one, classified."""
     old, new = flatten(saved), flatten(current)
-    result = Comparison()
+    result = Comparison(route=routes.route(saved, current))
+    movable = result.route.how == "across"  # the layout changes have a reader: listed, not refused
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key, _MISSING), new.get(key, _MISSING)
         if a == b:
@@ -136,16 +142,17 @@ def compare(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Comparison:
             result.changes.append(Change(key, a, b, "harmless"))
             continue
         kind, why = kind_of(key)
+        if kind == "layout" and movable:
+            kind, why = "harmless", f"{MOVED_BY} {result.route.reader}"
         result.changes.append(Change(key, a, b, kind, why))
+    if result.route.how == "refused":
+        result.refusal = result.route.refusal
+        return result
 
     g_old, g_new = global_batch(saved), global_batch(current)
     w_old, w_new = int(saved["launch"]["num_processes"]), int(current["launch"]["num_processes"])
     micro = current["training"]["micro_batch_size"]
     if w_old != w_new:
-        if sharded(saved):
-            result.refusal = (f"the checkpoint holds one shard per rank for {w_old} processes "
-                              f"({saved['parallel']['strategy']}); it cannot be loaded by {w_new}")
-            return result
         if micro == "auto":  # autobatch keeps training.global_batch_size on any world size
             if g_new != g_old:
                 result.changes.append(Change("training.global_batch_size", g_old, g_new, "math", GLOBAL_BATCH_WHY))
@@ -154,7 +161,8 @@ def compare(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Comparison:
         if g_new != g_old:
             if g_old % (micro * w_new):
                 result.refusal = (f"the global batch of {g_old} cannot be kept on {w_new} processes with micro-batch "
-                                  f"{micro}: {g_old} / ({micro} x {w_new}) is not a whole number")
+                                  f"{micro}: {g_old} / ({micro} x {w_new}) is not a whole number. It is kept "
+                                  + routes.batch_combinations(g_old, micro, w_new))
                 return result
             result.accumulation = g_old // (micro * w_new)
         accumulation = result.accumulation or int(current["training"]["gradient_accumulation_steps"])

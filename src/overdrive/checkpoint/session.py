@@ -13,7 +13,12 @@ What a checkpoint holds, and who writes it:
 
 The data position is restored by the sampler: each epoch's order depends only on the seed
 and the epoch number (data/loaders.py), and `accelerator.skip_first_batches` drops the indices
-already trained on without loading them.
+already trained on without loading them. Optimizer step k always takes samples
+[k x global batch, (k+1) x global batch) of that order, at any world size.
+
+A checkpoint of another world size or strategy is resharded on load (routes.py decides how,
+reshard.py does it with DCP or DeepSpeed's universal checkpoint); the resume says what moved
+and how long it took.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from overdrive.checkpoint import fingerprint as fp
-from overdrive.checkpoint import store
+from overdrive.checkpoint import reshard, store
+from overdrive.checkpoint.routes import Route
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 
@@ -76,18 +82,27 @@ class ResumePlan:
     saved: Optional[dict[str, Any]] = None
     notes: list[str] = field(default_factory=list)
     force: bool = False
+    route: Optional[Route] = None  # how the checkpoint loads (resharded for another world size or strategy)
 
 
 def _judge(saved: dict[str, Any], cfg: RunConfig, name: str, force: bool,
            comparison: Optional[fp.Comparison] = None) -> fp.Comparison:
     """Compare the checkpoint's config with `cfg`; raise on what cannot or may not resume."""
     comparison = comparison or fp.compare(saved["config"], cfg.model_dump(mode="json"))
-    problems = [Problem(c.key, f"{c.old!r} -> {c.new!r}: {name} cannot be loaded ({c.why})",
-                        fix=f"put the old value back, or {START_OVER}") for c in comparison.of("layout")]
-    if comparison.refusal:
-        problems.append(Problem("launch.num_processes", comparison.refusal,
-                                fix=f"resume with launch.num_processes={saved['config']['launch']['num_processes']}, "
-                                f"or {START_OVER}"))
+    route = comparison.route
+    problems = []
+    if comparison.refusal and route is not None and route.how == "refused":
+        keys = [c.key for c in comparison.of("layout")] or ["launch.num_processes"]
+        old = ", ".join(f"{c.key}={c.old}" for c in comparison.of("layout")) or \
+            f"launch.num_processes={route.source_world}"
+        problems.append(Problem(keys[0], f"{name}: {comparison.refusal}", fix=f"resume with {old}, or {START_OVER}"))
+    else:
+        problems += [Problem(c.key, f"{c.old!r} -> {c.new!r}: {name} cannot be loaded ({c.why})",
+                             fix=f"put the old value back, or {START_OVER}") for c in comparison.of("layout")]
+        if comparison.refusal:
+            problems.append(Problem("launch.num_processes", comparison.refusal,
+                                    fix=f"resume with one of those, or launch.num_processes="
+                                    f"{saved['config']['launch']['num_processes']}, or {START_OVER}"))
     if problems:
         raise UserError(problems, title=f"cannot resume from {name}")
     math = comparison.of("math")
@@ -125,6 +140,7 @@ def plan_resume(cfg: RunConfig, force: bool = False) -> ResumePlan:
     comparison = fp.compare(saved["config"], cfg.model_dump(mode="json"))
     finished = search.found.step >= saved["config"]["training"]["max_steps"]
     different = [c.key for c in comparison.of("math") + comparison.of("layout")]
+    different += [c.key for c in comparison.of("harmless") if c.why.startswith(fp.MOVED_BY)]  # another strategy
     if comparison.world_note or comparison.refusal:
         different.append("launch.num_processes")
     if finished and different and not force:
@@ -142,10 +158,43 @@ def plan_resume(cfg: RunConfig, force: bool = False) -> ResumePlan:
         plan.notes.append("--force: resuming with changed math: " + "; ".join(forced))
     if comparison.world_note:
         plan.notes.append(comparison.world_note)
+    plan.route = comparison.route
+    if plan.route is not None and plan.route.reshards:
+        plan.notes.append(f"resharding {path.name}: {plan.route.summary()}")
     if comparison.accumulation is not None:
         t = cfg.training.model_copy(update={"gradient_accumulation_steps": comparison.accumulation})
         plan.config = cfg.model_copy(update={"training": t})
     return plan
+
+
+def describe_resume(cfg: RunConfig) -> Optional[dict[str, Any]]:
+    """What `overdrive train` with this config would resume, and how the checkpoint gets in
+    (resharded from another world size or strategy, and at what cost). None without a checkpoint."""
+    if cfg.checkpoint.resume == "never":
+        return None
+    found = store.latest_complete(store.checkpoints_dir(cfg.output_dir), checksums=False).found
+    if found is None:
+        return None
+    try:
+        saved = read_state(found.path)
+    except (OSError, ValueError):
+        return None
+    comparison = fp.compare(saved["config"], cfg.model_dump(mode="json"))
+    route = comparison.route
+    text = f"{found.path.name}: " + (route.summary() if route.how != "as saved" else "loaded as saved")
+    if comparison.refusal:
+        text = f"{found.path.name}: refused: {comparison.refusal}"
+    elif comparison.world_note:
+        text += f"; {comparison.world_note}"
+    math = [c.key for c in comparison.of("math")]
+    if math:
+        text += f"; the math changed since ({', '.join(math)}): train refuses it without --force"
+    cost = reshard.conversion_record(found.path) if route.universal else None
+    if route.universal and not comparison.refusal:
+        text += (f"; universal form converted once in {cost['seconds']:.1f} s ({cost['bytes'] / 1e6:.1f} MB beside "
+                 f"{cost['source_bytes'] / 1e6:.1f} MB)" if cost else "; converted to the universal form on resume")
+    return {"checkpoint": str(found.path), "step": found.step, "how": route.how, "resharding": route.summary(),
+            "refusal": comparison.refusal, "conversion": cost, "text": text}
 
 
 def with_plan(resolved: Any, plan: ResumePlan) -> Any:
@@ -226,11 +275,27 @@ class Checkpointer:
         if path != self.plan.checkpoint:
             _judge(saved, self.cfg, path.name, self.plan.force)
         self.lineage = saved.get("lineage") or self.lineage
+        route = fp.compare(saved["config"], self.cfg.model_dump(mode="json")).route
+        started = time.perf_counter()
         try:
-            self.acc.load_state(str(path))
+            universal = self._universal(path) if route.universal else None
+            if route.how == "across":
+                reshard.load_across(self.acc, path, route, universal)
+            elif route.how == "universal":
+                with reshard.universal_loading(self.acc._models[0]):  # the DeepSpeed engine
+                    self.acc.load_state(str(universal))
+            else:
+                self.acc.load_state(str(path))
+        except UserError:
+            raise
         except Exception as error:  # shapes, missing shards: the message says what
             raise UserError(Problem("checkpoint.resume", f"{path.name} cannot be loaded into this run: "
                                     f"{type(error).__name__}: {error}", fix=START_OVER)) from None
+        if route.reshards:
+            # Accelerate counts micro-batches to know when the accumulation ends; the saved count
+            # is in the old accumulation's units. A checkpoint is always at an optimizer step.
+            self.acc.step = 0
+            self.say(f"resharded {route.summary()} in {time.perf_counter() - started:.1f} s")
         loop = saved["loop"]
         for item in dataclasses.fields(state):
             if item.name in loop:
@@ -238,15 +303,36 @@ class Checkpointer:
         # Micro-batches per rank already taken from this epoch, for this run's batch shape.
         state.batch_in_epoch = saved["samples_in_epoch"] // (self.cfg.training.micro_batch_size * self.acc.num_processes)
         restored = Restored(step=state.step, path=path, extra=saved.get("extra", {}))
-        if saved["world_size"] == self.acc.num_processes:
+        world, saved_world = self.acc.num_processes, saved["world_size"]
+        if saved_world == world:
             restored.pending_loss = saved["pending_loss"][self.acc.process_index]
             restored.pending_micro_steps = saved["pending_micro_steps"]
+        else:
+            # The loss summed since the last log, shared out so the next logged mean is over the
+            # same micro-batches: whole optimizer steps, so the count converts exactly.
+            restored.pending_loss = sum(saved["pending_loss"]) / world
+            restored.pending_micro_steps = saved["pending_micro_steps"] * saved_world // world
         if self.main:
             store.truncate(self.metrics_path, saved["metrics_bytes"])
         self.last_saved = state.step
         self.say(f"resumed from {path} (step {state.step}, epoch {state.epoch}, "
                  f"{state.batch_in_epoch} micro-batches into it)")
         return restored
+
+    def _universal(self, path: Path) -> Path:
+        """DeepSpeed's universal form of `path`: the main process converts it (once; cached in the
+        checkpoint), the others wait for it."""
+        target = path / reshard.UNIVERSAL
+        if self.main:
+            target, seconds = reshard.convert_to_universal(path)
+            if seconds is None:
+                self.say(f"checkpoint: universal form of {path.name} already converted (cached in {target})")
+            else:
+                self.say(f"checkpoint: converted {path.name} to DeepSpeed's universal checkpoint in {seconds:.1f} s "
+                         f"({reshard.disk_bytes(target) / 1e6:.1f} MB beside the checkpoint's "
+                         f"{reshard.disk_bytes(path / reshard.DEEPSPEED_TAG) / 1e6:.1f} MB, kept in {target})")
+        self.acc.wait_for_everyone()
+        return target
 
     # -------------------------------------------------------------- save
 

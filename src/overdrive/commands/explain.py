@@ -135,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
             "config": _mask_secrets(resolved.config.model_dump(mode="json")),
             "origins": {key: str(origin) for key, origin in sorted(resolved.origins.items())},
             "warnings": [problem.render() for problem in warnings],
+            "resume": _resume(resolved.config),
         }, indent=2))
         return 0
     values = _flat_values(resolved.config)
@@ -153,5 +154,15 @@ def run(args: argparse.Namespace) -> int:
         print_table(["key", "value", "origin"], [row[1:] for row in rows], title="effective configuration")
     else:
         print("every value is the schema default (the embedded job); --all lists them")
+    resume = _resume(resolved.config)
+    if resume:
+        print(f"resume: {resume['text']}")
     _print_problems("warnings", warnings)
     return 0
+
+
+def _resume(config) -> Any:
+    """The checkpoint a train with this config would continue, and how it gets in (None: none)."""
+    from overdrive.checkpoint.session import describe_resume
+
+    return describe_resume(config)

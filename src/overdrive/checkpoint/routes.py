@@ -1,0 +1,146 @@
+"""How a checkpoint gets into a run on another world size or strategy (decided from configs alone).
+
+A checkpoint records the config it was written under; comparing it with this run's config
+gives a `Route`:
+
+- as saved: same strategy, same world size. `accelerator.load_state` reads it back as is.
+- accelerate: the files hold whole tensors (DDP, FSDP2 full state dict), so any world size
+  reads them.
+- dcp: FSDP2's sharded state dict is a `torch.distributed.checkpoint` directory, which loads
+  into any sharding (DCP matches saved chunks to the new shards by global offset).
+- universal: ZeRO partitions are split per rank; DeepSpeed's universal checkpoint
+  (deepspeed/checkpoint/ds_to_universal.py) rewrites them once per parameter, and a run of
+  any world size loads that with `checkpoint.load_universal`.
+- across: another strategy. The saved weights and Adam moments are read as whole tensors
+  keyed by parameter name (from DDP's files, FSDP2's DCP, or ZeRO's universal checkpoint) and
+  placed with `torch.distributed.checkpoint.state_dict.set_state_dict`, which shards them
+  for the new strategy.
+
+Nothing here imports torch: `plan_resume` asks before anything is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+# (from, to) strategy families a checkpoint can move between, and the reader of the source.
+_ACROSS = {
+    ("ddp", "fsdp"): "DDP's whole tensors, sharded by set_state_dict",
+    ("fsdp", "ddp"): "FSDP2's DCP directory, gathered by torch.distributed.checkpoint",
+    ("deepspeed", "fsdp"): "DeepSpeed's universal checkpoint, sharded by set_state_dict",
+    ("deepspeed", "ddp"): "DeepSpeed's universal checkpoint, as whole tensors",
+}
+_INTO_DEEPSPEED = ("DeepSpeed reads only its own checkpoints (or its universal format, which only DeepSpeed "
+                   "writes)")
+
+
+def label(config: Mapping[str, Any]) -> str:
+    """The strategy as a person names it: DDP, ZeRO-2 (optimizer offload), FSDP2."""
+    p = config["parallel"]
+    if p["strategy"] == "deepspeed":
+        ds = p["deepspeed"]
+        offload = [f"{what} offload to {ds[key]}" for what, key in (("optimizer", "offload_optimizer"),
+                                                                    ("parameter", "offload_param"))
+                   if ds.get(key, "none") != "none"]
+        return f"ZeRO-{ds['zero_stage']}" + (f" ({', '.join(offload)})" if offload else "")
+    if p["strategy"] == "fsdp":
+        return f"FSDP{p['fsdp']['version']}"
+    return p["strategy"].upper()
+
+
+def _layout(config: Mapping[str, Any]) -> tuple:
+    """What decides the files' format (offload does not: ZeRO saves the same files with or without it)."""
+    p = config["parallel"]
+    if p["strategy"] == "deepspeed":
+        return ("deepspeed", int(p["deepspeed"]["zero_stage"]))
+    if p["strategy"] == "fsdp":
+        return ("fsdp", int(p["fsdp"]["version"]), p["fsdp"]["state_dict_type"])
+    return (p["strategy"],)
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" + ("" if n == 1 else "es")
+
+
+@dataclass(frozen=True)
+class Route:
+    how: str  # as saved | accelerate | dcp | universal | across | refused
+    source: str  # labels, e.g. "ZeRO-2"
+    target: str
+    source_world: int
+    target_world: int
+    reader: str = ""  # for `across`: what reads the source
+    refusal: str = ""
+
+    @property
+    def reshards(self) -> bool:
+        return self.how not in ("as saved", "refused")
+
+    @property
+    def universal(self) -> bool:
+        """The source is read through DeepSpeed's universal checkpoint (converted once, cached)."""
+        return self.source.startswith("ZeRO") and self.how in ("universal", "across")
+
+    def summary(self) -> str:
+        """"ZeRO-2 on 2 processes -> ZeRO-2 on 1 process (DeepSpeed universal checkpoint)"."""
+        via = {"accelerate": "whole tensors, read at any world size",
+               "dcp": "torch.distributed.checkpoint resharding",
+               "universal": "DeepSpeed universal checkpoint",
+               "across": self.reader}.get(self.how, self.how)
+        return (f"{self.source} on {_processes(self.source_world)} -> {self.target} on "
+                f"{_processes(self.target_world)} ({via})")
+
+
+def route(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Route:
+    """How the checkpoint written under `saved` loads into a run of `current` (or why it cannot)."""
+    w_old, w_new = int(saved["launch"]["num_processes"]), int(current["launch"]["num_processes"])
+    a, b = _layout(saved), _layout(current)
+    base = dict(source=label(saved), target=label(current), source_world=w_old, target_world=w_new)
+    if a == b:
+        if w_old == w_new:
+            return Route("as saved", **base)
+        if a[0] == "ddp" or (a[0] == "fsdp" and a[2] == "full_state_dict"):
+            return Route("accelerate", **base)
+        if a[0] == "fsdp" and a[1] == 2:
+            return Route("dcp", **base)
+        if a[0] == "deepspeed" and a[1] >= 1:
+            nvme = "nvme" in (saved["parallel"]["deepspeed"].get("offload_optimizer"),
+                              current["parallel"]["deepspeed"].get("offload_optimizer"))
+            if nvme:
+                return Route("refused", **base, refusal="ZeRO with NVMe optimizer offload keeps per-rank swap "
+                             "files that the universal checkpoint does not cover")
+            return Route("universal", **base)
+        return Route("refused", **base, refusal=f"{base['source']} checkpoints are one shard per rank and have no "
+                     "resharding reader here")
+    pair = (a[0], b[0])
+    if pair in _ACROSS and (a[0] != "deepspeed" or a[1] >= 1) and all(x[0] != "fsdp" or x[1] == 2 for x in (a, b)):
+        if a[0] == "fsdp" and a[2] != "sharded_state_dict":
+            return Route("refused", **base, refusal="only FSDP2's sharded (DCP) checkpoints move to another strategy")
+        return Route("across", **base, reader=_ACROSS[pair])
+    if b[0] == "deepspeed" and a[0] != "deepspeed":
+        why = _INTO_DEEPSPEED
+    elif a[0] == b[0] == "deepspeed":
+        why = "ZeRO stages name and partition their files differently"
+    else:
+        why = f"no reader from {base['source']} files into {base['target']}"
+    return Route("refused", **base, refusal=f"a {base['source']} checkpoint cannot continue under {base['target']}: "
+                 f"{why}. Possible moves: DDP <-> FSDP2, ZeRO-1/2/3 -> FSDP2 or DDP, and any strategy to "
+                 "another world size")
+
+
+def batch_combinations(global_batch: int, micro: int, world: int, limit: int = 8) -> str:
+    """The ways to keep `global_batch`, for a refusal: other world sizes at this micro-batch,
+    and other micro-batches on this world size."""
+    worlds = [w for w in range(1, global_batch // micro + 1) if global_batch % (micro * w) == 0][:limit]
+    micros = [m for m in range(1, global_batch // world + 1) if global_batch % (m * world) == 0][:limit]
+    parts = []
+    if worlds:
+        parts.append("with micro-batch {}: {}".format(micro, ", ".join(
+            f"launch.num_processes={w} (accumulation {global_batch // (micro * w)})" for w in worlds)))
+    if micros:
+        parts.append("on {}: {}".format(_processes(world), ", ".join(
+            f"training.micro_batch_size={m} (accumulation {global_batch // (m * world)})" for m in micros)))
+    else:
+        parts.append(f"no micro-batch on {_processes(world)}: {global_batch} is not a multiple of {world}")
+    return "; ".join(parts)
