@@ -52,12 +52,85 @@ def keep_existing_files(paths: Iterable[Union[str, Path, None]], force: bool) ->
                                  fix="pass --force to overwrite it, or write to another path") for p in existing])
 
 
-def run_reporting_errors(function: Callable, *args) -> int:
-    """Run a command; turn UserError into a message on stderr and exit code 2."""
+def writable_target(path: Union[str, Path], name: str, *, directory: bool = False) -> Path:
+    """Refuse, before any work, a place that cannot be written: a file where a directory is
+    wanted (or the reverse), or a directory this user may not write into."""
+    import os
+
+    path = Path(path).expanduser()
+    if directory:
+        if path.exists() and not path.is_dir():
+            raise UserError(Problem(name, f"{path} is a file, not a directory", fix="choose a directory path"))
+    elif path.is_dir():
+        raise UserError(Problem(name, f"{path} is a directory, not a file", fix="give a file name inside it"))
+    # The nearest existing ancestor decides whether the missing directories can be made.
+    probe = path if (directory and path.is_dir()) else path.parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(Problem(name, f"cannot write {path}: {probe} is a file", fix="choose another path"))
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(Problem(name, f"cannot write {path}: no write permission in {probe}",
+                                fix="choose a directory you can write to"))
+    return path
+
+
+def debug_enabled() -> bool:
+    import os
+
+    return os.environ.get("OVERDRIVE_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _write_traceback(command: str, text: str) -> Path | None:
+    """The full traceback, secrets masked, in a private file the user can attach to a report."""
+    import os
+    import tempfile
+    import time
+
+    from overdrive.config.redact import redact_text
+
+    directory = Path(tempfile.gettempdir())
+    name = f"overdrive-crash-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
+    try:
+        fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(f"command: {redact_text(command)}\n\n{redact_text(text)}")
+    except OSError:
+        return None
+    return directory / name
+
+
+def report_unexpected(error: BaseException, command: str) -> int:
+    """One line for an error overdrive did not foresee: what, where the traceback went."""
+    import traceback
+
+    from overdrive.config.redact import redact_text
+
+    text = "".join(traceback.format_exception(error))
+    if debug_enabled():
+        print(redact_text(text), file=sys.stderr, end="")
+    saved = _write_traceback(command, text)
+    where = f"the full traceback is in {saved}" if saved else "the traceback could not be saved"
+    summary = redact_text(f"{type(error).__name__}: {error}".splitlines()[0][:300])
+    print(f"overdrive: internal error in `{redact_text(command)}`: {summary}; {where} "
+          f"(OVERDRIVE_DEBUG=1 prints it here). Please report it.", file=sys.stderr)
+    return 1
+
+
+def render_user_error(error: "UserError") -> str:
+    from overdrive.config.redact import redact_text
+
+    return redact_text(error.render())
+
+
+def run_reporting_errors(function: Callable, *args, command: str = "overdrive") -> int:
+    """Run a command. UserError: its message on stderr and exit code 2. Anything unforeseen:
+    one line naming the command and the file holding the traceback, exit code 1. A
+    traceback on the terminal only with OVERDRIVE_DEBUG=1."""
     try:
         return int(function(*args) or 0)
     except UserError as error:
-        print(error.render(), file=sys.stderr)
+        print(render_user_error(error), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("overdrive: interrupted", file=sys.stderr)
@@ -69,3 +142,7 @@ def run_reporting_errors(function: Callable, *args) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except SystemExit:
+        raise
+    except Exception as error:  # the boundary: nothing unforeseen reaches the terminal as a traceback
+        return report_unexpected(error, command)
