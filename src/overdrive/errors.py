@@ -54,24 +54,24 @@ def keep_existing_files(paths: Iterable[Union[str, Path, None]], force: bool) ->
 
 def writable_target(path: Union[str, Path], name: str, *, directory: bool = False) -> Path:
     """Refuse, before any work, a place that cannot be written: a file where a directory is
-    wanted (or the reverse), or a directory this user may not write into."""
-    import os
+    wanted (or the reverse), a path under a file, or a directory that cannot be created or
+    written into (tried for real: permission bits do not tell for root or special file systems).
+    The directory (for a file: its parent) exists afterwards."""
+    import tempfile
 
     path = Path(path).expanduser()
-    if directory:
-        if path.exists() and not path.is_dir():
-            raise UserError(Problem(name, f"{path} is a file, not a directory", fix="choose a directory path"))
-    elif path.is_dir():
+    if directory and path.exists() and not path.is_dir():
+        raise UserError(Problem(name, f"{path} is a file, not a directory", fix="choose a directory path"))
+    if not directory and path.is_dir():
         raise UserError(Problem(name, f"{path} is a directory, not a file", fix="give a file name inside it"))
-    # The nearest existing ancestor decides whether the missing directories can be made.
-    probe = path if (directory and path.is_dir()) else path.parent
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        raise UserError(Problem(name, f"cannot write {path}: {probe} is a file", fix="choose another path"))
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UserError(Problem(name, f"cannot write {path}: no write permission in {probe}",
-                                fix="choose a directory you can write to"))
+    folder = path if directory else path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise UserError(Problem(name, f"cannot write {path}: {error.strerror or error}",
+                                fix="choose a place you can write to")) from None
     return path
 
 

@@ -137,8 +137,11 @@ _MISSING = object()
 
 
 def compare(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Comparison:
-    """Every difference between the checkpoint's config and this one, classified."""
-    old, new = flatten(saved), flatten(current)
+    """Every difference between the checkpoint's config and this one, classified.
+    Both sides are compared as stored: secrets masked (trainer_state.json never holds them)."""
+    from overdrive.config.redact import redact
+
+    old, new = flatten(redact(dict(saved))), flatten(redact(dict(current)))
     result = Comparison()
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key, _MISSING), new.get(key, _MISSING)

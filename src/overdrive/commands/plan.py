@@ -32,6 +32,9 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.memory.model_shape import Source, hf_config_for_run, load_run_config, model_shape
     from overdrive.memory.shape import setup_for_run, strategy_of_run
 
+    from overdrive.commands.estimate import check_memory_sizes
+
+    check_memory_sizes(args)
     path, cli = _split(args)
     cfg = load_run_config(path, cli)
     micro = cfg.training.micro_batch_size
