@@ -46,7 +46,8 @@ class UserError(Exception):
 
 def keep_existing_files(paths: Iterable[Union[str, Path, None]], force: bool) -> None:
     """Refuse, before any work, to write over files the user already has, unless --force."""
-    existing = [Path(p) for p in paths if p is not None and Path(p).exists()]
+    # A directory is not overwritten: `writable_target` refuses it as a file target.
+    existing = [Path(p) for p in paths if p is not None and Path(p).exists() and not Path(p).is_dir()]
     if existing and not force:
         raise UserError([Problem(str(p), "exists and would be overwritten",
                                  fix="pass --force to overwrite it, or write to another path") for p in existing])

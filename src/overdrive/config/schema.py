@@ -23,16 +23,12 @@ OffloadDevice = Literal["none", "cpu", "nvme"]
 def admits_bool(annotation: Any) -> bool:
     """Whether a field of this type may hold true/false (pydantic would otherwise read
     `true` as 1 for an int, and `Literal[0, 1, 2, 3]` would take it as 1)."""
-    if annotation is bool or annotation is Any:
-        return True
-    origin = get_origin(annotation)
+    origin, args = get_origin(annotation), get_args(annotation)
     if origin is Literal:
-        return any(isinstance(arg, bool) for arg in get_args(annotation))
-    if origin is Annotated:
-        return admits_bool(get_args(annotation)[0])
-    if origin is Union:
-        return any(admits_bool(arg) for arg in get_args(annotation))
-    return False
+        return any(isinstance(arg, bool) for arg in args)
+    if origin in (Annotated, Union):
+        return any(admits_bool(arg) for arg in (args[:1] if origin is Annotated else args))
+    return annotation is bool or annotation is Any
 
 
 class Section(BaseModel):
@@ -44,11 +40,8 @@ class Section(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        annotation = cls.model_fields[info.field_name].annotation
-        if isinstance(value, bool) and not admits_bool(annotation):
-            numeric = any(name in repr(annotation) for name in ("int", "float"))
-            raise ValueError(f"expected {'a number' if numeric else 'one of the allowed values'}, "
-                             f"got the boolean {str(value).lower()}")
+        if isinstance(value, bool) and not admits_bool(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number or one of the allowed values, got the boolean {str(value).lower()}")
         return value
 
 

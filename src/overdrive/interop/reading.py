@@ -114,26 +114,21 @@ def _distributed_type(value: Any) -> str:
 
 def _as_int(value: Any) -> int | None:
     """An integer written as one (`2`, `"2"`, `2.0`), else None; never a boolean."""
-    if isinstance(value, bool):
-        return None
     try:
-        number = float(str(value).strip())
+        number = float(str(value).strip()) if not isinstance(value, bool) else 0.5
     except ValueError:
         return None
     return int(number) if number.is_integer() else None
 
 
-# Accelerate sections that must be mappings when present: anything else is refused here,
-# before the mapping below reads them.
+# Accelerate sections that must be mappings when present: anything else is refused first.
 _SECTIONS = ("deepspeed_config", "fsdp_config", "dynamo_config", "fp8_config", "mpirun_config")
 
 
 def map_accelerate(data: Mapping[str, Any], c: _Collector, base_dir: Path, layer: str) -> None:
     data = dict(data)
-    for section in _SECTIONS:
-        if data.get(section) is not None and not isinstance(data[section], Mapping):
-            c.error((section,), f"must be a mapping of keys to values, got {data[section]!r}")
-            data.pop(section)
+    for section in [s for s in _SECTIONS if data.get(s) is not None and not isinstance(data[s], Mapping)]:
+        c.error((section,), f"must be a mapping of keys to values, got {data.pop(section)!r}")
     for key in data:
         if key not in ACCELERATE_KEYS:
             close = difflib.get_close_matches(str(key), ACCELERATE_KEYS, n=1)
@@ -269,10 +264,9 @@ def _map_accelerate_deepspeed(ds: Mapping[str, Any], c: _Collector, base_dir: Pa
         inline["mixed_precision"] = top["mixed_precision"]
     loaded = load_file(candidate, "DeepSpeed config file")
     kind = detect_kind(loaded.data)
-    if kind != "deepspeed" and (kind == "accelerate" or {str(k).split(".")[0] for k in loaded.data} & SCHEMA_SECTIONS):
-        c.error(path + ("deepspeed_config_file",), f"{candidate} is {'an Accelerate' if kind == 'accelerate' else 'an overdrive'} "
-                "config, not a DeepSpeed JSON", "point deepspeed_config_file at a DeepSpeed config (zero_optimization, ...)")
-        return
+    if kind == "accelerate" or kind == "overdrive" and {str(k).split(".")[0] for k in loaded.data} & SCHEMA_SECTIONS:
+        return c.error(path + ("deepspeed_config_file",), f"{candidate} is an {kind} config, not a DeepSpeed JSON",
+                       "point deepspeed_config_file at a DeepSpeed config (zero_optimization, ...)")
     ds_out = map_file(loaded, "deepspeed", layer)
     _report_inline_conflicts(inline, ds_out, c, path)
     c.out.extend(ds_out)

@@ -12,6 +12,7 @@ nonfinite.py.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from overdrive import data as data_mod
 from overdrive.training import model as model_mod
 from overdrive.training import nonfinite
 from overdrive.training import telemetry
+from overdrive.config.redact import redact
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 from overdrive.training.optimization import make_optimizer, make_scheduler
@@ -218,11 +220,11 @@ def train(resolved, force: bool = False) -> TrainResult:
     main = accelerator.is_main_process
     if main:
         out.mkdir(parents=True, exist_ok=True)
-        text = resolved.to_json() if hasattr(resolved, "to_json") else cfg.model_dump_json(indent=2)
-        (out / "resolved.json").write_text(text)
+        text = resolved.to_json() if hasattr(resolved, "to_json") else json.dumps(redact(cfg.model_dump(mode="json")), indent=2)
+        (out / "resolved.json").write_text(text)  # secrets masked
     parts = build_parts(cfg, accelerator)
-    if trackers:
-        accelerator.init_trackers(cfg.logging.project_name, config=telemetry.flat_config(cfg.model_dump(mode="json")))
+    if trackers:  # the trackers' hyperparameters are files too: secrets masked
+        accelerator.init_trackers(cfg.logging.project_name, config=telemetry.flat_config(redact(cfg.model_dump(mode="json"))))
 
     show = main and cfg.logging.level != "quiet"
     progress = telemetry.ProgressDisplay(t.max_steps, enabled=show, bar=cfg.logging.progress)
