@@ -90,15 +90,13 @@ def _write_traceback(command: str, text: str) -> Path | None:
 
     from overdrive.config.redact import redact_text
 
-    directory = Path(tempfile.gettempdir())
-    name = f"overdrive-crash-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
     try:
-        fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as handle:
+        fd, name = tempfile.mkstemp(prefix=f"overdrive-crash-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".txt")
+        with os.fdopen(fd, "w") as handle:  # mkstemp: readable by this user only
             handle.write(f"command: {redact_text(command)}\n\n{redact_text(text)}")
     except OSError:
         return None
-    return directory / name
+    return Path(name)
 
 
 def report_unexpected(error: BaseException, command: str) -> int:

@@ -114,7 +114,8 @@ def file_layer(path: str | Path, layer: str = "file", _stack: tuple[Path, ...] =
         bases = []
     label = loaded.data.get("layer")
     if label is not None and (not isinstance(label, str) or label in RESERVED_LABELS):
-        out.errors.append(Problem("layer", f"{label!r} cannot label a file: it names {'another layer' if label in RESERVED_LABELS else 'nothing'}",
+        reserved = isinstance(label, str)
+        out.errors.append(Problem("layer", f"{label!r} cannot label a file: {'it names another layer' if reserved else 'a label is a word'}",
                                   loaded.where("layer"), "a short word such as `tune`, or remove the key"))
         label = None
     for base in bases:

@@ -119,8 +119,9 @@ def _at(where: str, node: yaml.Node) -> str:
 
 
 def _compose(text: str, where: str) -> tuple[Any, yaml.Node | None]:
-    loader = yaml.SafeLoader(text)
+    loader = None
     try:
+        loader = yaml.SafeLoader(text)  # refuses control characters already
         node = loader.get_single_node()
         if node is not None:
             _check_shape(node, where)
@@ -130,6 +131,11 @@ def _compose(text: str, where: str) -> tuple[Any, yaml.Node | None]:
         raise UserError(Problem(
             "", f"unsafe or unknown YAML tag: {error.problem}", f"{where}:{mark.line + 1}" if mark else where,
             "remove the tag; overdrive reads plain YAML values only and never runs code from a config")) from None
+    except yaml.reader.ReaderError as error:
+        line = text.count("\n", 0, error.position) + 1
+        raise UserError(Problem("", f"not valid YAML: control character {error.character!r} is not allowed "
+                                    f"(position {error.position}, line {line})", where,
+                                "remove it; a config file is plain text")) from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         raise UserError(Problem("", f"not valid YAML: {getattr(error, 'problem', None) or error}",
@@ -138,7 +144,8 @@ def _compose(text: str, where: str) -> tuple[Any, yaml.Node | None]:
         raise UserError(Problem("", f"nested more than {MAX_DEPTH} levels deep", where,
                                 "a run config needs a few levels; check the brackets and indentation")) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     return data, node
 
 
