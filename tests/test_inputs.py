@@ -142,10 +142,34 @@ def test_misspelled_deepspeed_keys_at_any_depth_are_refused_with_did_you_mean(tm
     assert f"{path}:6]" in err and f"{path}:3]" in err  # the lines of overlap_com and gradient_clippin
 
 
-def test_a_wrong_value_in_a_passed_through_deepspeed_block_is_refused(tmp_path, monkeypatch):
-    path = write(tmp_path / "ds.json", json.dumps({"zero_optimization": {"stage": 1}, "wandb": {"enabled": "often"},
+def test_deepspeed_blocks_of_the_wrong_shape_or_removed_are_refused(tmp_path, monkeypatch):
+    path = write(tmp_path / "ds.json", json.dumps({"zero_optimization": {"stage": 1, "mics_shard_size": 2},
+                                                    "wandb": 5, "amp": {"enabled": True},
                                                     "optimizer": {"type": "AdamW", "params": 5}}))
-    refused("explain", str(path), naming=("wandb.enabled", "optimizer.params"), monkeypatch=monkeypatch)
+    refused("explain", str(path), naming=("wandb", "optimizer.params", "amp: removed from DeepSpeed",
+                                          "zero_optimization.mics_shard_size: removed"), monkeypatch=monkeypatch)
+
+
+@pytest.mark.slow
+def test_deepspeed_model_keys_read_from_source_match_its_pydantic_models():
+    # The keys are read from DeepSpeed's source without importing it (seconds): the same
+    # names as the imported models give, field names and aliases, for every block.
+    import importlib
+
+    from overdrive.interop import deepspeed_schema as schema
+
+    modules = ["deepspeed.runtime.zero.config", "deepspeed.runtime.precision_config", "deepspeed.monitor.config",
+               "deepspeed.comm.config", "deepspeed.compile.config", "deepspeed.runtime.config",
+               "deepspeed.runtime.tensor_parallel.config"]
+    loaded = [importlib.import_module(name) for name in modules]
+    for section, name in schema.SECTION_MODELS.items():
+        model = next(getattr(module, name) for module in loaded if hasattr(module, name))
+        names = set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+        assert set(schema._fields(name)) == names, section
+    zero = schema.models()["DeepSpeedZeroConfig"]
+    from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig
+
+    assert set(schema._fields("DeepSpeedZeroOffloadOptimizerConfig", zero)) == set(DeepSpeedZeroOffloadOptimizerConfig.model_fields)
 
 
 def test_a_correct_deepspeed_json_still_maps_its_extras(tmp_path, monkeypatch):

@@ -1,15 +1,17 @@
-"""A DeepSpeed JSON checked as deeply as overdrive's own keys, by DeepSpeed's own config models.
+"""A DeepSpeed JSON checked as deeply as overdrive's own keys, against DeepSpeed's own config models.
 
-Sections DeepSpeed describes with pydantic models (zero_optimization with its offload
-blocks, fp16, bf16, the monitors, comms_logger, compile, hybrid_engine, tensor_parallel) are
-validated by those very models: a misspelled key at any depth (`overlap_com`,
-`offload_param.pinn_memory`) or a value of the wrong type is an error with a did-you-mean.
-Top-level keys are checked against the names DeepSpeed's config reader knows (its
-constants, its models' fields and the literal names in `deepspeed/runtime/config.py`);
-blocks DeepSpeed has removed are refused with DeepSpeed's own words.
+DeepSpeed describes most of its blocks with pydantic models (DeepSpeedZeroConfig with its
+offload models, DeepSpeedFP16Config, DeepSpeedBF16Config, the monitor configs, ...), all
+subclasses of DeepSpeedConfigModel, which forbids unknown keys. Their field names and
+aliases are read here from the installed DeepSpeed's source with `ast`, without importing
+it: importing DeepSpeed takes seconds (torch and all its ops), reading a dozen source files
+a fraction of that. So a misspelled key at any depth (`overlap_com`,
+`offload_optimizer.pinn_memory`) is an error with a did-you-mean, naming the file and line,
+before anything starts, as DeepSpeed itself would refuse it only once the workers run.
 
-Importing DeepSpeed costs seconds, so this runs only when a DeepSpeed file is read.
-Without DeepSpeed installed, the file is mapped unchecked and a warning says so.
+Top-level keys are checked against the names DeepSpeed's config reader
+(deepspeed/runtime/config.py) and the modules it imports know; blocks DeepSpeed has removed
+are refused. Without DeepSpeed installed the file is mapped unchecked, with a warning.
 """
 
 from __future__ import annotations
@@ -17,132 +19,204 @@ from __future__ import annotations
 import ast
 import difflib
 import functools
-import importlib
+import importlib.util
 import re
-import sys
-from typing import Any, Mapping, Optional, Union, get_args, get_origin
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional
 
-# top-level key -> (module, class) of the DeepSpeed model that validates its block
+# top-level key -> the DeepSpeedConfigModel subclass that reads its block
 SECTION_MODELS = {
-    "zero_optimization": ("deepspeed.runtime.zero.config", "DeepSpeedZeroConfig"),
-    "fp16": ("deepspeed.runtime.precision_config", "DeepSpeedFP16Config"),
-    "bf16": ("deepspeed.runtime.precision_config", "DeepSpeedBF16Config"),
-    "bfloat16": ("deepspeed.runtime.precision_config", "DeepSpeedBF16Config"),
-    "tensorboard": ("deepspeed.monitor.config", "TensorBoardConfig"),
-    "wandb": ("deepspeed.monitor.config", "WandbConfig"),
-    "csv_monitor": ("deepspeed.monitor.config", "CSVConfig"),
-    "comet": ("deepspeed.monitor.config", "CometConfig"),
-    "comms_logger": ("deepspeed.comm.config", "CommsLoggerConfig"),
-    "compile": ("deepspeed.compile.config", "CompileConfig"),
-    "hybrid_engine": ("deepspeed.runtime.config", "HybridEngineConfig"),
-    "tensor_parallel": ("deepspeed.runtime.tensor_parallel.config", "TPTrainingConfig"),
+    "zero_optimization": "DeepSpeedZeroConfig",
+    "fp16": "DeepSpeedFP16Config",
+    "bf16": "DeepSpeedBF16Config",
+    "bfloat16": "DeepSpeedBF16Config",
+    "tensorboard": "TensorBoardConfig",
+    "wandb": "WandbConfig",
+    "csv_monitor": "CSVConfig",
+    "comet": "CometConfig",
+    "comms_logger": "CommsLoggerConfig",
+    "compile": "CompileConfig",
+    "hybrid_engine": "HybridEngineConfig",
+    "tensor_parallel": "TPTrainingConfig",
 }
-# Keys overdrive maps onto its own schema: their values are checked there (and written back
-# to DeepSpeed from it); DeepSpeed's models check the names of every key and the values of
-# everything passed through verbatim.
-_MAPPED = {
-    "zero_optimization": {"stage", "offload_optimizer", "offload_param", "overlap_comm", "contiguous_gradients",
-                          "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-                          "stage3_param_persistence_threshold", "stage3_max_live_parameters",
-                          "stage3_max_reuse_distance", "sub_group_size", "stage3_gather_16bit_weights_on_model_save",
-                          "stage3_gather_fp16_weights_on_model_save"},
-    "fp16": {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"},
-    "bf16": {"enabled"},
-    "bfloat16": {"enabled"},
-}
-# Blocks read by hand in DeepSpeed, not by a model: their keys are its constants.
+# Blocks DeepSpeed reads by hand, not through a model.
 _PLAIN_SECTIONS = {"optimizer": {"type", "params", "legacy_fusion"}, "scheduler": {"type", "params"}}
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
-def _deepspeed_available() -> bool:
-    import importlib.util
+@dataclass
+class Model:
+    """What DeepSpeed's source says of one config model: its keys, and the models nested in them."""
 
-    return importlib.util.find_spec("deepspeed") is not None
+    name: str
+    bases: list[str]
+    path: Path
+    module: str
+    fields: dict[str, list[str]] = field(default_factory=dict)  # key or alias -> referenced class names
+    closed: bool = True  # extra="forbid", as DeepSpeedConfigModel
 
 
 @functools.lru_cache(maxsize=1)
-def _config_module():
-    import logging
-
-    # DeepSpeed announces on stdout the accelerator it picks when first imported: noise for a
-    # config check, and it would end up inside `overdrive import ds.json > run.yaml`.
-    logging.getLogger("DeepSpeed").addFilter(_QuietAcceleratorChoice())
-    return importlib.import_module("deepspeed.runtime.config")
+def _root() -> Optional[Path]:
+    spec = importlib.util.find_spec("deepspeed")
+    return Path(spec.origin).parent if spec and spec.origin else None
 
 
-class _QuietAcceleratorChoice:
-    def filter(self, record) -> bool:
-        return not str(record.msg).startswith("Setting accelerator to")
+def _module_file(module: str) -> Optional[Path]:
+    root = _root()
+    parts = module.split(".")
+    if root is None or parts[0] != "deepspeed":
+        return None
+    base = root.joinpath(*parts[1:])
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
+def _imported_files(path: Path, module: str) -> list[Path]:
+    """The deepspeed modules `path` (module name `module`) imports from."""
+    files = []
+    package = module.split(".")[:-1] if path.name != "__init__.py" else module.split(".")
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            candidates = [name] + [f"{name}.{alias.name}" for alias in node.names]
+            files += [f for f in map(_module_file, candidates) if f is not None]
+    return files
+
+
+READER = "deepspeed.runtime.config"
+
+
+def _module_name(path: Path) -> str:
+    relative = path.relative_to(_root()).with_suffix("").parts
+    return ".".join(("deepspeed",) + tuple(p for p in relative if p != "__init__"))
+
+
+def _reader_files() -> list[Path]:
+    reader = _module_file(READER)
+    if reader is None:
+        return []
+    return list(dict.fromkeys([reader, *_imported_files(reader, READER)]))
+
+
+@functools.lru_cache(maxsize=1)
+def models() -> dict[str, Model]:
+    """Config model classes defined in DeepSpeed's config reader and the files it imports;
+    classes those models nest (offload configs) are added from their own imports on demand."""
+    found: dict[str, Model] = {}
+    for path in _reader_files():
+        _read_file(path, found)
+    for path in _reader_files()[1:]:  # a model defined one import further (tensor_parallel)
+        wanted = set(SECTION_MODELS.values()) - set(found)
+        if not wanted:
+            break
+        for imported in _imported_files(path, _module_name(path)):
+            text = imported.read_text(encoding="utf-8")
+            if any(f"class {name}(" in text for name in wanted):
+                _read_file(imported, found)
+    return found
+
+
+def _read_file(path: Path, into: dict[str, Model]) -> None:
+    for node in _tree(path).body:
+        if isinstance(node, ast.ClassDef):
+            into.setdefault(node.name, _read_class(node, path))
+
+
+def _model_named(name: str, near: Model) -> Optional[Model]:
+    found = models()
+    if name not in found:
+        for path in _imported_files(near.path, near.module):
+            _read_file(path, found)
+    return found.get(name)
+
+
+def _read_class(node: ast.ClassDef, path: Path) -> Model:
+    model = Model(node.name, [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases],
+                  path, _module_name(path))
+    for statement in node.body:
+        if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
+            names = [n.id for n in ast.walk(statement.annotation) if isinstance(n, ast.Name)]
+            names += [n.value for n in ast.walk(statement.annotation) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+            model.fields[statement.target.id] = names
+            if isinstance(statement.value, ast.Call):
+                for keyword in statement.value.keywords:
+                    if keyword.arg == "alias" and isinstance(keyword.value, ast.Constant):
+                        model.fields[str(keyword.value.value)] = names
+        elif isinstance(statement, ast.Assign) and any(getattr(t, "id", "") == "model_config" for t in statement.targets):
+            extra = [k.value.value for k in getattr(statement.value, "keywords", [])
+                     if k.arg == "extra" and isinstance(k.value, ast.Constant)]
+            model.closed = not extra or extra[0] == "forbid"
+    return model
+
+
+def _fields(name: str, near: Optional[Model] = None, seen: tuple[str, ...] = ()) -> Optional[dict[str, list[str]]]:
+    """Keys of a config model with those of its bases; None when it is not a closed config model."""
+    model = _model_named(name, near) if near is not None else models().get(name)
+    if model is None or name in seen or not model.closed:
+        return None
+    fields: dict[str, list[str]] = {}
+    for base in model.bases:
+        if base == "DeepSpeedConfigModel":
+            continue
+        inherited = _fields(base, model, seen + (name,))
+        if inherited is None:
+            return None  # a base this reading does not know: no claim about its keys
+        fields.update(inherited)
+    if "DeepSpeedConfigModel" not in model.bases and not any(base in models() for base in model.bases):
+        return None
+    fields.update(model.fields)
+    return fields
 
 
 @functools.lru_cache(maxsize=1)
 def top_level_keys() -> frozenset[str]:
-    """Every name DeepSpeed's config reader knows at the top of a config."""
-    module = _config_module()
-    from pydantic import BaseModel
-
+    """Every name DeepSpeed's config reader and the modules it imports know."""
     names: set[str] = set(SECTION_MODELS) | set(_PLAIN_SECTIONS)
-    for name, loaded in list(sys.modules.items()):
-        if not name.startswith("deepspeed") or loaded is None:
-            continue
-        for attribute, value in vars(loaded).items():
-            if attribute.isupper() and isinstance(value, str) and _NAME.fullmatch(value):
-                names.add(value)
-            elif isinstance(value, type) and issubclass(value, BaseModel) and value.__module__ == name:
-                names.update(value.model_fields)
-    # Literal names read in the config reader itself (`param_dict.get('compile', {})`).
-    tree = ast.parse(open(module.__file__, encoding="utf-8").read())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and _NAME.fullmatch(node.value):
-            names.add(node.value)
+    for path in _reader_files():
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and _NAME.fullmatch(node.value):
+                names.add(node.value)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names.add(node.target.id)
     return frozenset(names - set(removed_keys()))
 
 
-def removed_keys() -> dict[str, str]:
-    return dict(getattr(_config_module(), "_REMOVED_TOP_LEVEL_CONFIG_KEYS", {}))
-
-
-def _model(section: str):
-    module_name, class_name = SECTION_MODELS[section]
-    return getattr(importlib.import_module(module_name), class_name, None)
-
-
-def _submodel(annotation: Any):
-    from pydantic import BaseModel
-
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    if get_origin(annotation) is Union or get_origin(annotation) is Optional:
-        for arg in get_args(annotation):
-            found = _submodel(arg)
-            if found is not None:
-                return found
-    return None
-
-
-def _names_at(model, loc: tuple) -> list[str]:
-    """Field names and aliases of the (sub)model a pydantic error location points into."""
-    for part in loc[:-1]:
-        field = model.model_fields.get(part) or next(
-            (f for f in model.model_fields.values() if f.alias == part), None)
-        sub = _submodel(field.annotation) if field is not None else None
-        if sub is None:
-            return []
-        model = sub
-    names = list(model.model_fields)
-    names += [f.alias for f in model.model_fields.values() if f.alias]
-    return names
+@functools.lru_cache(maxsize=None)
+def removed_keys(table: str = "_REMOVED_TOP_LEVEL_CONFIG_KEYS") -> dict[str, str]:
+    """Keys DeepSpeed refuses as removed (top level, or `_REMOVED_ZERO_CONFIG_KEYS`), with the
+    first sentence of its reason."""
+    reader = _module_file(READER)
+    removed: dict[str, str] = {}
+    for node in ast.walk(_tree(reader)) if reader else ():
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == table for t in node.targets) \
+                and isinstance(node.value, ast.Dict):
+            for key, value in zip(node.value.keys, node.value.values):
+                text = "".join(part.value for part in ast.walk(value) if isinstance(part, ast.Constant) and isinstance(part.value, str))
+                removed[str(getattr(key, "value", ""))] = text.split(". ")[0].rstrip(".") + "."
+    return removed
 
 
 def _hint(name: str, candidates) -> str:
-    close = difflib.get_close_matches(str(name), list(candidates), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(str(name), sorted(candidates), n=1, cutoff=0.6)
     return f" (did you mean `{close[0]}`?)" if close else ""
 
 
 def check(data: Mapping[str, Any], c) -> None:
-    """Report every problem of a DeepSpeed JSON through the collector `c` (error/warn by path)."""
-    if not _deepspeed_available():
+    """Report every unknown key of a DeepSpeed JSON through the collector `c` (error/warn by path)."""
+    if _root() is None or not models():
         c.warn((), "DeepSpeed is not installed: this DeepSpeed config was not checked against its models",
                "pip install deepspeed")
         return
@@ -151,12 +225,34 @@ def check(data: Mapping[str, Any], c) -> None:
     for key, value in data.items():
         if key in removed:
             c.error((key,), f"removed from DeepSpeed: {removed[key]}", "remove the block")
-        elif key in SECTION_MODELS:
-            _check_section(key, value, c)
         elif key in _PLAIN_SECTIONS:
             _check_plain(key, value, c)
+        elif key in SECTION_MODELS:
+            if isinstance(value, Mapping):
+                _check_model(SECTION_MODELS[key], value, (key,), c)
+                gone = removed_keys("_REMOVED_ZERO_CONFIG_KEYS") if key == "zero_optimization" else {}
+                for name in [name for name in value if name in gone]:
+                    c.error((key, name), f"removed from DeepSpeed: {gone[name]}", "remove the key")
+            elif not isinstance(value, bool) or key == "compile":  # `"fp16": true` is not a block
+                c.error((key,), f"must be a mapping of keys to values, got {value!r}")
         elif key not in known:
             c.error((key,), "not a DeepSpeed config key" + _hint(key, known), "remove it or fix its spelling")
+
+
+def _check_model(name: str, block: Mapping[str, Any], path: tuple[str, ...], c, near: Optional[Model] = None) -> None:
+    fields = _fields(name, near)
+    model = _model_named(name, near) if near is not None else models().get(name)
+    if fields is None or model is None:
+        return
+    for key, value in block.items():
+        if key not in fields:
+            c.error(path + (key,), f"not a key of `{'.'.join(path)}`" + _hint(key, fields),
+                    f"remove it or fix its spelling (DeepSpeed's {name} would refuse it)")
+        elif isinstance(value, Mapping):
+            for nested in fields[key]:
+                if _fields(nested, model) is not None:
+                    _check_model(nested, value, path + (key,), c, model)
+                    break
 
 
 def _check_plain(key: str, value: Any, c) -> None:
@@ -169,44 +265,3 @@ def _check_plain(key: str, value: Any, c) -> None:
                     f"`{key}` takes {', '.join(sorted(_PLAIN_SECTIONS[key]))}")
         elif name == "params" and not isinstance(inner, Mapping):
             c.error((key, name), f"must be a mapping of parameter names to values, got {inner!r}")
-
-
-def _without_auto(node: Any) -> Any:
-    # "auto" is filled in by Accelerate before DeepSpeed sees the config.
-    if isinstance(node, Mapping):
-        return {k: _without_auto(v) for k, v in node.items() if not (isinstance(v, str) and v.strip().lower() == "auto")}
-    return node
-
-
-def _check_section(key: str, value: Any, c) -> None:
-    import logging
-
-    from pydantic import ValidationError
-
-    if not isinstance(value, Mapping):
-        if key == "compile" or not isinstance(value, bool):
-            c.error((key,), f"must be a mapping of keys to values, got {value!r}")
-        return
-    model = _model(key)
-    if model is None:
-        return
-    logger = logging.getLogger("DeepSpeed")
-    level = logger.level
-    logger.setLevel(logging.ERROR)  # deprecation notes are DeepSpeed's, and repeated per rank later
-    try:
-        model(**_without_auto(value))
-    except ValidationError as error:
-        for item in error.errors():
-            loc = tuple(str(part) for part in item["loc"])
-            if item["type"] == "extra_forbidden":
-                c.error((key, *loc), f"not a key of `{'.'.join((key, *loc[:-1]))}`" + _hint(loc[-1], _names_at(model, loc)),
-                        "remove it or fix its spelling (DeepSpeed would refuse it)")
-            elif loc and loc[0] in _MAPPED.get(key, ()):
-                continue
-            else:
-                got = item.get("input")
-                c.error((key, *loc), f"{item['msg']} (got {got!r})" if not isinstance(got, Mapping) else item["msg"])
-    except Exception as error:  # DeepSpeed's own asserts on combinations (deprecated + new key together)
-        c.error((key,), f"refused by DeepSpeed: {error}")
-    finally:
-        logger.setLevel(level)
