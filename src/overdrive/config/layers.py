@@ -70,7 +70,10 @@ def flatten_schema_mapping(data: Mapping[str, Any], origin_for, prefix: str = ""
 
 def _not_a_mapping(key: str, value: Any, origin: Origin) -> Problem:
     return Problem(key, f"needs a mapping of keys to values, got {redact.shown(key, value)!r}", str(origin),
-                   f'e.g. {key}={{"n_layer": 2}} on the command line, or a block of `key: value` lines in a file')
+                   f"e.g. {key}={_EXAMPLES.get(key, '{...}')} on the command line, or a block of `key: value` lines in a file")
+
+
+_EXAMPLES = {"model.architecture": '{"n_layer": 2}', "parallel.deepspeed.extra": '{"steps_per_print": 10}'}
 
 
 def typed_setting(key: str, text: str, origin: Origin) -> LayerOutput:
