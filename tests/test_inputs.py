@@ -134,10 +134,12 @@ def test_misspelled_deepspeed_keys_at_any_depth_are_refused_with_did_you_mean(tm
         "zero_optimization": {"stage": 2, "overlap_com": True,
                               "offload_optimizer": {"device": "cpu", "pinn_memory": True}},
         "bf16": {"enabled": "auto", "enabeld": True},
+        "activation_checkpointing": {"partition_activation": True}, "flops_profiler": {"profil_step": 2},
     }, indent=1))
     err = refused("explain", str(path), naming=(
         "gradient_clippin", "`gradient_clipping`", "zero_optimization.overlap_com", "`overlap_comm`",
-        "zero_optimization.offload_optimizer.pinn_memory", "`pin_memory`", "bf16.enabeld", str(path)),
+        "zero_optimization.offload_optimizer.pinn_memory", "`pin_memory`", "bf16.enabeld", str(path),
+        "activation_checkpointing.partition_activation", "`partition_activations`", "`profile_step`"),
         monkeypatch=monkeypatch)
     assert f"{path}:6]" in err and f"{path}:3]" in err  # the lines of overlap_com and gradient_clippin
 

@@ -9,7 +9,8 @@ a fraction of that. So a misspelled key at any depth (`overlap_com`,
 `offload_optimizer.pinn_memory`) is an error with a did-you-mean, naming the file and line,
 before anything starts, as DeepSpeed itself would refuse it only once the workers run.
 
-Top-level keys are checked against the names DeepSpeed's config reader
+Blocks DeepSpeed reads key by key (activation_checkpointing, flops_profiler) are checked
+against the keys its reader asks for. Top-level keys are checked against the names DeepSpeed's config reader
 (deepspeed/runtime/config.py) and the modules it imports know; blocks DeepSpeed has removed
 are refused. Without DeepSpeed installed the file is mapped unchecked, with a warning.
 """
@@ -42,6 +43,10 @@ SECTION_MODELS = {
 }
 # Blocks DeepSpeed reads by hand, not through a model.
 _PLAIN_SECTIONS = {"optimizer": {"type", "params", "legacy_fusion"}, "scheduler": {"type", "params"}}
+# Blocks read key by key with `get_scalar_param(block, CONSTANT, default)` in these modules:
+# their keys are the constants those calls name.
+HAND_READ = {"activation_checkpointing": "deepspeed.runtime.activation_checkpointing.config",
+             "flops_profiler": "deepspeed.profiling.config"}
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
@@ -209,6 +214,23 @@ def removed_keys(table: str = "_REMOVED_TOP_LEVEL_CONFIG_KEYS") -> dict[str, str
     return removed
 
 
+@functools.lru_cache(maxsize=None)
+def hand_read_keys(block: str) -> Optional[frozenset[str]]:
+    """The keys DeepSpeed's reader of `block` asks for, or None when it cannot be read."""
+    path = _module_file(HAND_READ[block])
+    if path is None:
+        return None
+    constants: dict[str, str] = {}
+    for source in [path, *_imported_files(path, HAND_READ[block])]:
+        for node in _tree(source).body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+                constants.update({t.id: node.value.value for t in node.targets if isinstance(t, ast.Name)})
+    asked = {call.args[1].id for call in ast.walk(_tree(path)) if isinstance(call, ast.Call)
+             and getattr(call.func, "id", "") == "get_scalar_param" and len(call.args) > 1 and isinstance(call.args[1], ast.Name)}
+    keys = frozenset(constants[name] for name in asked if name in constants)
+    return keys if keys and len(keys) == len(asked) else None
+
+
 def _hint(name: str, candidates) -> str:
     close = difflib.get_close_matches(str(name), sorted(candidates), n=1, cutoff=0.6)
     return f" (did you mean `{close[0]}`?)" if close else ""
@@ -227,6 +249,10 @@ def check(data: Mapping[str, Any], c) -> None:
             c.error((key,), f"removed from DeepSpeed: {removed[key]}", "remove the block")
         elif key in _PLAIN_SECTIONS:
             _check_plain(key, value, c)
+        elif key in HAND_READ and isinstance(value, Mapping) and hand_read_keys(key):
+            for name in [name for name in value if name not in hand_read_keys(key)]:
+                c.error((key, name), f"not a key of `{key}`" + _hint(name, hand_read_keys(key)),
+                        "remove it or fix its spelling (DeepSpeed would ignore it)")
         elif key in SECTION_MODELS:
             if isinstance(value, Mapping):
                 _check_model(SECTION_MODELS[key], value, (key,), c)
