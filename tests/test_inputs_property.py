@@ -101,7 +101,9 @@ def scenarios(draw):
                                   "OVERDRIVE_DATA__SOURCE", "WANDB_API_KEY"]))] = secret
     command = draw(st.sampled_from(["explain", "explain --json", "explain --all", "explain --key optim.lr",
                                     "export", "import", "slurm"]))
-    return secret, body, suffix, items, env, command
+    # The same file as a config argument, or as Accelerate's own default_config.yaml.
+    as_default = body is not None and draw(st.booleans()) and command != "import"
+    return secret, body, suffix, items, env, command, as_default
 
 
 def _run(argv: list[str], env: dict[str, str]) -> tuple[int, str, str]:
@@ -122,11 +124,14 @@ def _run(argv: list[str], env: dict[str, str]) -> tuple[int, str, str]:
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(scenarios())
 def test_any_input_exits_0_or_2_without_traceback_or_secret(scenario):
-    secret, body, suffix, items, env, command = scenario
+    secret, body, suffix, items, env, command, as_default = scenario
     work = Path(tempfile.mkdtemp(prefix="overdrive-prop-"))
     try:
         files = []
-        if body is not None:
+        if as_default:
+            (work / "hf" / "accelerate").mkdir(parents=True)
+            (work / "hf" / "accelerate" / "default_config.yaml").write_bytes(body)
+        elif body is not None:
             (work / f"run{suffix}").write_bytes(body)
             files.append(str(work / f"run{suffix}"))
         argv = command.split()
