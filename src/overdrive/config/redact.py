@@ -53,8 +53,13 @@ def redact_text(text: str) -> str:
     text = _QUERY.sub(lambda m: m.group("head") + MASK if is_secret_name(m.group("name")) else m.group(0), text)
 
     def pair(match: re.Match) -> str:
-        value = match.group("value")
-        if not value or value == MASK or not is_secret_name(match.group("name")) or value.lower() in ("none", "null"):
+        value, name = match.group("value"), match.group("name")
+        # `name: value` is a pair when quoted (JSON, a dict) or an environment variable
+        # (`HF_TOKEN: abc`); `hub_token: unknown key` in a message is a key and its problem.
+        colon_pair = match.group("q1") or name.isupper()
+        if ":" in match.group("sep") and not colon_pair:
+            return match.group(0)
+        if not value or value == MASK or not is_secret_name(name) or value.lower() in ("none", "null"):
             return match.group(0)
         start, end = match.span("value")
         offset = match.start()
