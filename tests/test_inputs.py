@@ -431,7 +431,8 @@ def test_slurm_job_name_is_a_plain_name(name, monkeypatch):
 
 def test_slurm_job_name_plain_is_accepted(monkeypatch):
     code, out, err = od("slurm", "--job-name", "my-run_1.2", monkeypatch=monkeypatch)
-    assert code == 0, err and "#SBATCH --job-name=my-run_1.2\n" in out
+    assert code == 0, err
+    assert "#SBATCH --job-name=my-run_1.2\n" in out
 
 
 # --------------------------------------------------------------------------- the error boundary
