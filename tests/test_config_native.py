@@ -12,7 +12,7 @@ from overdrive.config.schema import RunConfig
 from overdrive.errors import UserError
 
 REFUSED = {
-    "0_30_0_sagemaker.yaml": "compute_environment",
+    "0_30_0_sagemaker.yaml": "debug: is written twice",  # lines 2 and 5: refused before its SageMaker keys
     "0_28_0_mpi.yaml": "mpirun_config.mpirun_hostfile",
     "invalid_keys.yaml": "invalid_key",
 }

@@ -54,18 +54,27 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 0
     name = argv[0]
-    module = importlib.import_module(COMMANDS[name][0])
-    command_parser = argparse.ArgumentParser(prog=f"overdrive {name}", description=COMMANDS[name][1])
-    module.add_arguments(command_parser)
-    # Intermixed: `overdrive train run.yaml --print-launch lr=3e-4` keeps all its items.
-    try:
-        args = command_parser.parse_intermixed_args(argv[1:])
-    except TypeError:  # a command ending in SCRIPT ARGS... (`overdrive launch`) cannot intermix
-        args = command_parser.parse_args(argv[1:])
     from overdrive.errors import run_reporting_errors
 
-    code = run_reporting_errors(module.run, args)
-    if getattr(args, "resolved", None):
+    command = " ".join(["overdrive", *argv])
+    outcome: dict = {}
+
+    def parse_and_run() -> int:
+        module = importlib.import_module(COMMANDS[name][0])
+        command_parser = argparse.ArgumentParser(prog=f"overdrive {name}", description=COMMANDS[name][1])
+        module.add_arguments(command_parser)
+        # Intermixed: `overdrive train run.yaml --print-launch lr=3e-4` keeps all its items.
+        try:
+            args = command_parser.parse_intermixed_args(argv[1:])
+        except TypeError:  # a command ending in SCRIPT ARGS... (`overdrive launch`) cannot intermix
+            args = command_parser.parse_args(argv[1:])
+        outcome["worker"] = bool(getattr(args, "resolved", None))
+        return module.run(args)
+
+    # One boundary for every command: a user error is a message and exit code 2, anything
+    # unforeseen one line naming the file that holds the traceback (see errors.py).
+    code = run_reporting_errors(parse_and_run, command=command)
+    if outcome.get("worker"):
         _exit_worker(code)
     return code
 

@@ -46,18 +46,90 @@ class UserError(Exception):
 
 def keep_existing_files(paths: Iterable[Union[str, Path, None]], force: bool) -> None:
     """Refuse, before any work, to write over files the user already has, unless --force."""
-    existing = [Path(p) for p in paths if p is not None and Path(p).exists()]
+    # A directory is not overwritten: `writable_target` refuses it as a file target.
+    existing = [Path(p) for p in paths if p is not None and Path(p).exists() and not Path(p).is_dir()]
     if existing and not force:
         raise UserError([Problem(str(p), "exists and would be overwritten",
                                  fix="pass --force to overwrite it, or write to another path") for p in existing])
 
 
-def run_reporting_errors(function: Callable, *args) -> int:
-    """Run a command; turn UserError into a message on stderr and exit code 2."""
+def writable_target(path: Union[str, Path], name: str, *, directory: bool = False) -> Path:
+    """Refuse, before any work, a place that cannot be written: a file where a directory is
+    wanted (or the reverse), a path under a file, or a directory that cannot be created or
+    written into (tried for real: permission bits do not tell for root or special file systems).
+    The directory (for a file: its parent) exists afterwards."""
+    import tempfile
+
+    path = Path(path).expanduser()
+    if directory and path.exists() and not path.is_dir():
+        raise UserError(Problem(name, f"{path} is a file, not a directory", fix="choose a directory path"))
+    if not directory and path.is_dir():
+        raise UserError(Problem(name, f"{path} is a directory, not a file", fix="give a file name inside it"))
+    folder = path if directory else path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise UserError(Problem(name, f"cannot write {path}: {error.strerror or error}",
+                                fix="choose a place you can write to")) from None
+    return path
+
+
+def debug_enabled() -> bool:
+    import os
+
+    return os.environ.get("OVERDRIVE_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _write_traceback(command: str, text: str) -> Path | None:
+    """The full traceback, secrets masked, in a private file the user can attach to a report."""
+    import os
+    import tempfile
+    import time
+
+    from overdrive.config.redact import redact_text
+
+    try:
+        fd, name = tempfile.mkstemp(prefix=f"overdrive-crash-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".txt")
+        with os.fdopen(fd, "w") as handle:  # mkstemp: readable by this user only
+            handle.write(f"command: {redact_text(command)}\n\n{redact_text(text)}")
+    except OSError:
+        return None
+    return Path(name)
+
+
+def report_unexpected(error: BaseException, command: str) -> int:
+    """One line for an error overdrive did not foresee: what, where the traceback went."""
+    import traceback
+
+    from overdrive.config.redact import redact_text
+
+    text = "".join(traceback.format_exception(error))
+    if debug_enabled():
+        print(redact_text(text), file=sys.stderr, end="")
+    saved = _write_traceback(command, text)
+    where = f"the full traceback is in {saved}" if saved else "the traceback could not be saved"
+    summary = redact_text(f"{type(error).__name__}: {error}".splitlines()[0][:300])
+    print(f"overdrive: internal error in `{redact_text(command)}`: {summary}; {where} "
+          f"(OVERDRIVE_DEBUG=1 prints it here). Please report it.", file=sys.stderr)
+    return 1
+
+
+def render_user_error(error: "UserError") -> str:
+    from overdrive.config.redact import redact_text
+
+    return redact_text(error.render())
+
+
+def run_reporting_errors(function: Callable, *args, command: str = "overdrive") -> int:
+    """Run a command. UserError: its message on stderr and exit code 2. Anything unforeseen:
+    one line naming the command and the file holding the traceback, exit code 1. A
+    traceback on the terminal only with OVERDRIVE_DEBUG=1."""
     try:
         return int(function(*args) or 0)
     except UserError as error:
-        print(error.render(), file=sys.stderr)
+        print(render_user_error(error), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("overdrive: interrupted", file=sys.stderr)
@@ -69,3 +141,7 @@ def run_reporting_errors(function: Callable, *args) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except SystemExit:
+        raise
+    except Exception as error:  # the boundary: nothing unforeseen reaches the terminal as a traceback
+        return report_unexpected(error, command)

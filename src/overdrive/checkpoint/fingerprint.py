@@ -128,8 +128,11 @@ _MISSING = object()
 
 
 def compare(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Comparison:
-    """Every difference between the checkpoint's config and this one, classified."""
-    old, new = flatten(saved), flatten(current)
+    """Every difference between the checkpoint's config and this one, classified.
+    Both sides are compared as stored: secrets masked (trainer_state.json never holds them)."""
+    from overdrive.config.redact import redact
+
+    old, new = flatten(redact(dict(saved))), flatten(redact(dict(current)))
     result = Comparison(route=routes.route(saved, current))
     movable = result.route.how == "across"  # the layout changes have a reader: listed, not refused
     for key in sorted(set(old) | set(new)):

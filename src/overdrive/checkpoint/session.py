@@ -358,6 +358,8 @@ class Checkpointer:
         return final
 
     def _write_trainer_state(self, tmp: Path, state: Any, losses: list, micro_steps: int, extra: dict) -> None:
+        from overdrive.config.redact import redact
+
         cfg, t = self.cfg, self.cfg.training
         config = cfg.model_dump(mode="json")
         world = self.acc.num_processes
@@ -368,7 +370,7 @@ class Checkpointer:
             "world_size": world, "micro_batch_size": t.micro_batch_size,
             "gradient_accumulation_steps": t.gradient_accumulation_steps, "global_batch": fp.global_batch(config),
             "strategy": cfg.parallel.strategy, "sharded": fp.sharded(config),
-            "fingerprint": fp.fingerprint(config), "config": config,
+            "fingerprint": fp.fingerprint(config), "config": redact(config),
             "metrics_bytes": self.metrics_path.stat().st_size if self.metrics_path.exists() else 0,
             "pending_loss": losses, "pending_micro_steps": micro_steps, "extra": extra,
         }

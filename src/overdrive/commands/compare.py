@@ -10,6 +10,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_b", metavar="RUN_B", help="second run directory")
     parser.add_argument("--plot", metavar="OUT.png", help="write both loss curves on one plot")
     parser.add_argument("--json", action="store_true", help="print the differences as JSON")
+    parser.add_argument("--force", action="store_true", help="overwrite the --plot file if it exists")
     verbosity = parser.add_mutually_exclusive_group()
     verbosity.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     verbosity.add_argument("-v", "--verbose", action="store_true", help="also list config keys that are equal")
@@ -21,8 +22,12 @@ def run(args: argparse.Namespace) -> int:
 
     from overdrive.console import get_console, print_table
     from overdrive.config.keys import flatten
+    from overdrive.errors import keep_existing_files, writable_target
     from overdrive.reports.summary import config_differences, load_run, metric_rows, summarize
 
+    if args.plot:
+        keep_existing_files((args.plot,), args.force)
+        writable_target(args.plot, "--plot")
     a, b = load_run(args.run_a), load_run(args.run_b)
     sa, sb = summarize(a), summarize(b)
     differences = config_differences(a, b)

@@ -17,11 +17,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from overdrive.config.redact import redact, redact_text
     from overdrive.system.report import collect, to_markdown
 
-    report = collect(with_hardware=not args.no_hardware)
+    report = redact(collect(with_hardware=not args.no_hardware))
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
-        print(to_markdown(report), end="")
+        print(redact_text(to_markdown(report)), end="")
     return 0

@@ -34,11 +34,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table (GB) instead")
     parser.add_argument("--plot", metavar="FILE.png", help="also draw the stacked bars as a PNG")
+    parser.add_argument("--force", action="store_true", help="overwrite the --plot file if it exists")
 
 
 def _positive(name: str, value) -> None:
     if value is not None and value < 1:
         raise UserError(Problem(name, f"must be at least 1 (got {value})"))
+
+
+def check_memory_sizes(args: argparse.Namespace) -> None:
+    """--gpu-memory / --host-memory: a finite, positive number of GiB (shared with `plan`)."""
+    import math
+
+    for name in ("--gpu-memory", "--host-memory"):
+        value = getattr(args, name[2:].replace("-", "_"), None)
+        if value is not None and (not math.isfinite(value) or value <= 0):
+            raise UserError(Problem(name, f"must be a positive number of GiB (got {value})", fix=f"e.g. {name} 80"))
 
 
 def build(args: argparse.Namespace):
@@ -49,6 +60,7 @@ def build(args: argparse.Namespace):
 
     for name in ("--devices", "--micro-batch", "--seq-len", "--nodes"):
         _positive(name, getattr(args, name[2:].replace("-", "_"), None))
+    check_memory_sizes(args)
     if args.overrides and not args.model.endswith((".yaml", ".yml")):
         raise UserError(Problem("", "key=value overrides apply to a run YAML only"))
     source = resolve_source(args.model, args.overrides)
@@ -84,8 +96,12 @@ def _target(args) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from overdrive.errors import keep_existing_files, writable_target
     from overdrive.memory import report
 
+    if args.plot:
+        keep_existing_files((args.plot,), args.force)
+        writable_target(args.plot, "--plot")
     est, _ = build(args)
     cap = report.detect_capacity(args.gpu_memory, args.host_memory)
     best = report.apply_verdict(est, cap, nodes=args.nodes)

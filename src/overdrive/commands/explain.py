@@ -43,35 +43,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _shown(key: str, value: Any) -> str:
-    from overdrive.config.env_report import is_secret_name
+    from overdrive.config.redact import shown
 
-    if is_secret_name(key) and value:
-        return "***"
+    value = shown(key, value)
     if isinstance(value, (dict, list, tuple)):
         return json.dumps(value, default=str)
     return "null" if value is None else str(value)
 
 
 def _flat_values(config) -> dict[str, Any]:
+    """Every leaf as a dotted key, open mappings (`model.architecture.n_layer`) included."""
     from overdrive.config.keys import flatten
-    from overdrive.config.schema import OPEN_MAPPINGS
 
-    return flatten(config.model_dump(mode="json"), keep_whole=OPEN_MAPPINGS)
+    return flatten(config.model_dump(mode="json"))
 
 
-def _mask_secrets(node: Any, parent: str = "") -> Any:
-    from overdrive.config.env_report import is_secret_name
+def _origin_of(origins: dict, key: str):
+    """The origin of a key, of the open-mapping entry holding it, or of a key under it."""
+    parts = key.split(".")
+    for end in range(len(parts), 0, -1):
+        origin = origins.get(".".join(parts[:end]))
+        if origin is not None:
+            return origin
+    return next((o for k, o in origins.items() if k.startswith(key + ".")), None)
 
-    if isinstance(node, dict):
-        return {k: ("***" if is_secret_name(k) and v else _mask_secrets(v, k)) for k, v in node.items()}
-    return node
+
+def _is_schema_default(origin) -> bool:
+    return origin is None or (origin.layer == "default" and not origin.source)
 
 
 def _print_problems(title: str, problems: list[Problem]) -> None:
+    from overdrive.config.redact import redact_text
+
     if problems:
         print(f"{title}:", file=sys.stderr)
         for problem in problems:
-            print(f"  - {problem.render()}", file=sys.stderr)
+            print(f"  - {redact_text(problem.render())}", file=sys.stderr)
 
 
 def _explain_key(resolved, key: str) -> int:
@@ -84,11 +91,13 @@ def _explain_key(resolved, key: str) -> int:
             raise UserError(Problem(key, "unknown key" + suggest(key)))
         print(f"{key} = {_shown(key, _flat_values(resolved.config).get(key))}  (default)")
         return 0
+    from overdrive.config.redact import redact_text
+
     print(f"{key} = {_shown(key, chain[-1].value)}")
     for index, setting in enumerate(chain):
         mark = "wins" if index == len(chain) - 1 else "overridden"
         print(f"  {index + 1}. {setting.origin.layer:<18} {_shown(key, setting.value):<20} "
-              f"{setting.origin.source}{':' + str(setting.origin.line) if setting.origin.line else ''}  [{mark}]")
+              f"{redact_text(str(setting.origin.source))}{':' + str(setting.origin.line) if setting.origin.line else ''}  [{mark}]")
     return 0
 
 
@@ -128,25 +137,25 @@ def run(args: argparse.Namespace) -> int:
     warnings = resolved.warnings + hardware_warnings(resolved)
     if args.key:
         return _explain_key(resolved, args.key)
+    from overdrive.config.redact import redact, redact_text
+
     if args.training_arguments:
         return _explain_training_arguments(resolved, args.json)
     if args.json:
         print(json.dumps({
-            "config": _mask_secrets(resolved.config.model_dump(mode="json")),
-            "origins": {key: str(origin) for key, origin in sorted(resolved.origins.items())},
-            "warnings": [problem.render() for problem in warnings],
+            "config": redact(resolved.config.model_dump(mode="json")),
+            "origins": {key: redact_text(str(origin)) for key, origin in sorted(resolved.origins.items())},
+            "warnings": [redact_text(problem.render()) for problem in warnings],
             "resume": _resume(resolved.config),
         }, indent=2))
         return 0
-    values = _flat_values(resolved.config)
     rows = []
-    for key, value in values.items():
-        origin = resolved.origins.get(key) or next(
-            (o for k, o in resolved.origins.items() if k.startswith(key + ".")), None)
-        layer = origin.layer if origin else "default"
-        if layer == "default" and not args.all:
+    for key, value in _flat_values(resolved.config).items():
+        origin = _origin_of(resolved.origins, key)
+        default = _is_schema_default(origin)
+        if default and not args.all:
             continue
-        rows.append((layer == "default", key, _shown(key, value), str(origin or "default")))
+        rows.append((default, key, _shown(key, value), redact_text(str(origin or "default"))))
     rows.sort(key=lambda row: row[0])  # non-default values first, schema order within each
     from overdrive.console import print_table
 

@@ -23,12 +23,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from overdrive.interop import writing as export
     from overdrive.commands.explain import resolve_from_args
-    from overdrive.errors import UserError, keep_existing_files
+    import sys
+    from pathlib import Path
+
+    from overdrive.errors import Problem, UserError, keep_existing_files, writable_target
 
     if not args.accelerate and not args.deepspeed:
         raise UserError("nothing to write: give --accelerate FILE and/or --deepspeed FILE")
+    if args.accelerate and args.deepspeed and Path(args.accelerate).resolve() == Path(args.deepspeed).resolve():
+        raise UserError(Problem("--deepspeed", f"is the same file as --accelerate ({args.deepspeed}): one would "
+                                "overwrite the other", fix="give the two files different names"))
     keep_existing_files((args.accelerate, args.deepspeed), args.force)
+    for option, target in (("--accelerate", args.accelerate), ("--deepspeed", args.deepspeed)):
+        if target:
+            writable_target(target, option)
     cfg = resolve_from_args(args).config
     for path in export.write(cfg, args.accelerate, args.deepspeed, batch_auto=args.batch_auto):
-        print(f"wrote {path}")
+        print(f"wrote {path}", file=sys.stderr)
     return 0

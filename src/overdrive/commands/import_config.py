@@ -22,19 +22,25 @@ def run(args: argparse.Namespace) -> int:
 
     from overdrive.interop import writing as export
     from overdrive.config import resolve
-    from overdrive.errors import keep_existing_files
+    import sys
+
+    from overdrive.config.redact import redact, redact_text
+    from overdrive.errors import keep_existing_files, writable_target
 
     keep_existing_files((args.output,), args.force)
+    if args.output:
+        writable_target(args.output, "--output")
     # Only the files: neither Accelerate's default config nor this shell's variables.
     resolved = resolve(args.files, env={}, accelerate_default=False)
+    # Messages to stderr: `overdrive import x > run.yaml` must leave a valid file.
     for warning in resolved.warnings:
-        print(f"overdrive: warning: {warning.render()}")
-    settings = export.imported_settings(resolved)
+        print(f"overdrive: warning: {redact_text(warning.render())}", file=sys.stderr)
+    settings = redact(export.imported_settings(resolved))
     header = f"# overdrive run config imported from {', '.join(args.files)}\n"
     text = header + (yaml.safe_dump(settings, sort_keys=False) if settings else "{}\n")
     if args.output:
         Path(args.output).write_text(text)
-        print(f"wrote {args.output}")
+        print(f"wrote {args.output}", file=sys.stderr)
     else:
         print(text, end="")
     return 0

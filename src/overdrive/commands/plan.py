@@ -32,6 +32,9 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.memory.model_shape import Source, hf_config_for_run, load_run_config, model_shape
     from overdrive.memory.shape import setup_for_run, strategy_of_run
 
+    from overdrive.commands.estimate import check_memory_sizes
+
+    check_memory_sizes(args)
     path, cli = _split(args)
     cfg = load_run_config(path, cli)
     micro = cfg.training.micro_batch_size
@@ -78,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     if math_.steps_per_epoch is not None:
         lines.append(f"steps        {math_.steps_per_epoch:,} per epoch (after the validation hold-out); "
                      f"max_steps {math_.max_steps:,} = {math_.epochs:.2f} epochs" if math_.epochs is not None else
-                     f"steps        fewer training tokens than one global batch: no full step per epoch")
+                     "steps        fewer training tokens than one global batch: no full step per epoch")
     else:
         lines.append(f"steps        max_steps {math_.max_steps:,}; per epoch unknown (data size unknown)")
     lines.append(

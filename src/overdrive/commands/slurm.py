@@ -10,7 +10,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_config_arguments(parser)
     parser.add_argument("-o", "--output", metavar="FILE", help="write the script here (default: stdout)")
-    parser.add_argument("--job-name", default="overdrive", help="SLURM job name")
+    parser.add_argument("--job-name", default="overdrive", help="SLURM job name (letters, digits, . _ -)")
     parser.add_argument("--force", action="store_true", help="overwrite the output file if it exists")
 
 
@@ -21,9 +21,18 @@ def run(args: argparse.Namespace) -> int:
 
     from overdrive.launch import lines as launch_lines
     from overdrive.commands.explain import resolve_from_args
-    from overdrive.errors import keep_existing_files
+    import re
 
+    from overdrive.errors import Problem, UserError, keep_existing_files, writable_target
+
+    # The name goes into an `#SBATCH --job-name=` line: a newline would start a shell line of
+    # its own, and quotes, spaces or $ would be read by sbatch or the shell.
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", args.job_name):
+        raise UserError(Problem("--job-name", f"{args.job_name!r} is not a plain job name",
+                                fix="use letters, digits, '.', '_' and '-' only (at most 128 characters)"))
     keep_existing_files((args.output,), args.force)
+    if args.output:
+        writable_target(args.output, "--output")
     resolved = resolve_from_args(args)
     from overdrive.strategies.cpu import target_gpus
 
@@ -32,7 +41,9 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         Path(args.output).write_text(script)
         Path(args.output).chmod(0o755)
-        print(f"wrote {args.output}  (submit with: sbatch {args.output})")
+        import sys
+
+        print(f"wrote {args.output}  (submit with: sbatch {args.output})", file=sys.stderr)
     else:
         print(script, end="")
     return 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,10 +44,15 @@ def _load(args):
     if args.resolved:
         if args.items:
             raise UserError(f"--resolved carries the whole config; drop {' '.join(args.items)}")
-        return Resolved.from_json(Path(args.resolved).read_text()), True
+        from overdrive.config.sources import read_text
+
+        text = read_text(args.resolved, "resolved config (--resolved)")
+        return Resolved.from_json(text, where=str(args.resolved)), True
     resolved = resolve(files, cli=cli)
+    from overdrive.config.redact import redact_text
+
     for warning in resolved.warnings:
-        print(f"overdrive: warning: {warning.render()}", file=sys.stderr)
+        print(f"overdrive: warning: {redact_text(warning.render())}", file=sys.stderr)
     return resolved, False
 
 
@@ -66,7 +70,9 @@ def run(args: argparse.Namespace) -> int:
         # What this machine lacks (bf16, GPUs, ...) stops the run before anything starts;
         # workers skip it: the launcher checked the same resolved config.
         from overdrive.config import check_for_train
+        from overdrive.errors import writable_target
 
+        writable_target(cfg.output_dir, "output_dir", directory=True)
         check_for_train(resolved)
     force = getattr(args, "force", False)
     if not in_worker:
@@ -113,7 +119,9 @@ def _how_to_resume(path, signum: int, in_worker: bool) -> None:
     if in_worker:
         print(f"overdrive: {why}; {where}. Run the same command again to resume.", file=sys.stderr)
     else:
-        command = shlex.join(["overdrive", *sys.argv[1:]])
+        from overdrive.config.redact import redact_text
+
+        command = redact_text(shlex.join(["overdrive", *sys.argv[1:]]))
         print(f"overdrive: {why}; {where}. To resume, run the same command again:\n  {command}", file=sys.stderr)
 
 

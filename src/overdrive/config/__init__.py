@@ -19,7 +19,7 @@ from overdrive.config.layers import Origin, Setting
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 
-__all__ = ["Origin", "Resolved", "RunConfig", "check_for_train", "load_config", "resolve", "accelerate_default_path"]
+__all__ = ["SECRETS_VARIABLE", "Origin", "Resolved", "RunConfig", "check_for_train", "load_config", "resolve", "accelerate_default_path"]
 
 
 @dataclass
@@ -36,23 +36,76 @@ class Resolved:
     resume: dict[str, Any] | None = None
 
     def to_json(self) -> str:
-        """The hand-off to workers and the record in output_dir: values and their origins."""
+        """The hand-off to workers and the record in output_dir: values and their origins,
+        secrets masked (a worker gets them from SECRETS_VARIABLE, see `secret_values`)."""
+        from overdrive.config.redact import redact, redact_text
+
         data: dict[str, Any] = {
-            "config": self.config.model_dump(mode="json"),
-            "origins": {key: str(origin) for key, origin in sorted(self.origins.items())},
-            "origin_records": {key: [o.layer, o.source, o.line] for key, o in sorted(self.origins.items())},
+            "config": redact(self.config.model_dump(mode="json")),
+            "origins": {key: redact_text(str(origin)) for key, origin in sorted(self.origins.items())},
+            "origin_records": {key: [o.layer, redact_text(str(o.source)), o.line] for key, o in sorted(self.origins.items())},
         }
         if self.resume is not None:
             data["resume"] = self.resume
         return json.dumps(data, indent=2)
 
+    def secret_values(self) -> dict[str, Any]:
+        """{dotted key: value} of what `to_json` masks: handed to workers in their environment."""
+        from overdrive.config.redact import redact
+
+        plain = _flatten(self.config.model_dump(mode="json"))
+        masked = _flatten(redact(self.config.model_dump(mode="json")))
+        return {key: value for key, value in plain.items() if masked.get(key) != value}
+
     @classmethod
-    def from_json(cls, text: str) -> "Resolved":
-        data = json.loads(text)
-        config = RunConfig.model_validate(data["config"])
-        records = data.get("origin_records", {})
-        origins = {key: Origin(*record) for key, record in records.items()}
+    def from_json(cls, text: str, where: str = "resolved config", environ: Mapping[str, str] | None = None) -> "Resolved":
+        """Read what `to_json` wrote; masked secrets come back from SECRETS_VARIABLE."""
+        from overdrive.config.sources import parse_text
+
+        data, _ = parse_text(text, where, json_first=True)
+        if not isinstance(data, dict) or not isinstance(data.get("config"), dict):
+            raise UserError(Problem("", "not a resolved config (no \"config\" mapping)", where,
+                                    "pass the resolved.json written by overdrive for this run"))
+        config = data["config"]
+        environ = os.environ if environ is None else environ
+        try:
+            secrets = json.loads(environ.get(SECRETS_VARIABLE) or "{}")
+        except ValueError:
+            secrets = {}
+        for key, value in (secrets if isinstance(secrets, dict) else {}).items():
+            _set_dotted(config, key, value)
+        try:
+            config = RunConfig.model_validate(config)
+        except ValidationError as error:
+            raise UserError(_pydantic_problems(error, {}), title=f"{where} is not a valid run config") from None
+        records = data.get("origin_records") or {}
+        try:
+            origins = {key: Origin(*record) for key, record in records.items()}
+        except TypeError:
+            origins = {}
         return cls(config=config, origins=origins, resume=data.get("resume"))
+
+
+SECRETS_VARIABLE = "OVERDRIVE_SECRET_VALUES"
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict) and node:
+        flat: dict[str, Any] = {}
+        for name, child in node.items():
+            flat.update(_flatten(child, f"{prefix}.{name}" if prefix else str(name)))
+        return flat
+    return {prefix: node}
+
+
+def _set_dotted(config: dict[str, Any], key: str, value: Any) -> None:
+    node = config
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            return
+    node[parts[-1]] = value
 
 
 def accelerate_default_path(environ: Mapping[str, str] | None = None) -> Path:
@@ -64,6 +117,8 @@ def accelerate_default_path(environ: Mapping[str, str] | None = None) -> Path:
 
 
 def _pydantic_problems(error: ValidationError, chains: Mapping[str, list[Setting]]) -> list[Problem]:
+    from overdrive.config.redact import shown
+
     # One bad value in a Union field yields one error per member: report it once, saying
     # what each member would have accepted.
     messages: dict[str, list[str]] = {}
@@ -83,7 +138,7 @@ def _pydantic_problems(error: ValidationError, chains: Mapping[str, list[Setting
     for key, texts in messages.items():
         chain = chains.get(key)
         where = str(chain[-1].origin) if chain else ""
-        got = f" (got {chain[-1].value!r})" if chain else ""
+        got = f" (got {shown(key, chain[-1].value)!r})" if chain else ""
         problems.append(Problem(key, "; or ".join(dict.fromkeys(texts)) + got, where))
     return problems
 

@@ -7,10 +7,11 @@ import functools
 import json
 from typing import Any, Iterable, Mapping, Union, get_args, get_origin
 
-import yaml
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from overdrive.config.schema import OPEN_MAPPINGS, RunConfig
+from overdrive.config.schema import OPEN_MAPPINGS, RunConfig, admits_bool
+from overdrive.config.sources import parse_value
+from overdrive.errors import UserError
 
 # Short names accepted on the command line and in overrides (`lr=3e-4`).
 ALIASES: dict[str, str] = {
@@ -146,19 +147,21 @@ def parse_string(key: str, text: str) -> Any:
     """
     annotation = annotation_for(key)
     if annotation is None:  # inside an open mapping: read it as YAML would
-        return _yaml_scalar(text)
+        return _yaml_scalar(text, key)
     if _accepts_none(annotation) and text.strip().lower() in ("", "null", "none", "~"):
         return None
     if _is_plain_str(annotation):
         return text
     adapter = _adapter(annotation)
-    attempts = [text, _yaml_scalar(text)]
+    attempts = [text, _yaml_scalar(text, key)]
     if "," in text and not text.strip().startswith(("[", "(")):
         attempts.append([part.strip() for part in text.split(",") if part.strip()])
     if text.strip().startswith("(") and text.strip().endswith(")"):  # "(false, false, false)"
         attempts.append(_yaml_scalar("[" + text.strip()[1:-1] + "]"))
     attempts.append([text.strip()])  # one class name for a list of class names
     for attempt in attempts:
+        if isinstance(attempt, bool) and not admits_bool(annotation):
+            continue  # `true` is not 1: validation reports it with its origin
         try:
             return adapter.validate_python(attempt)
         except (ValidationError, TypeError, ValueError):
@@ -172,11 +175,13 @@ def parse_string(key: str, text: str) -> Any:
     return text
 
 
-def _yaml_scalar(text: str) -> Any:
+def _yaml_scalar(text: str, where: str = "value") -> Any:
     try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
+        value = parse_value(text, where)
+    except UserError as error:
+        if all(problem.message.startswith(("not valid YAML", "unsafe")) for problem in error.problems):
+            return text  # not YAML: a plain string, validated as such
+        raise  # nested too deeply or too large: refused, not passed on
     if isinstance(value, str):
         number = _integral_float(value)
         if number is not None:

@@ -19,16 +19,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from overdrive.config import keys
+from overdrive.config import keys, redact
 from overdrive.config.env_report import is_secret_name
 from overdrive.config.provenance import LayerOutput, Origin, Setting
-from overdrive.config.schema import RunConfig
-from overdrive.config.sources import load_file
-from overdrive.errors import Problem
+from overdrive.config.schema import OPEN_MAPPINGS, RunConfig
+from overdrive.config.sources import load_file, parse_value
+from overdrive.errors import Problem, UserError
 from overdrive.interop import reading as native
 
 LAYERS = ("default", "accelerate-default", "file", "env", "cli", "override")
 META_KEYS = ("extends", "layer")
+# A file's `layer:` label is free, except for the names of the layers it is not.
+RESERVED_LABELS = frozenset(LAYERS) - {"file"}
 
 
 def flatten_schema_mapping(data: Mapping[str, Any], origin_for, prefix: str = "") -> LayerOutput:
@@ -44,7 +46,9 @@ def flatten_schema_mapping(data: Mapping[str, Any], origin_for, prefix: str = ""
         if not prefix and raw_key in META_KEYS:
             continue
         origin = origin_for(path)
-        if keys.open_mapping_of(path) is not None:
+        if path in OPEN_MAPPINGS and not isinstance(value, Mapping):
+            out.errors.append(_not_a_mapping(path, value, origin))
+        elif keys.open_mapping_of(path) is not None:
             if isinstance(value, Mapping) and path in keys.leaf_annotations():
                 if not value:
                     out.settings.append(Setting(path, {}, origin))
@@ -64,6 +68,30 @@ def flatten_schema_mapping(data: Mapping[str, Any], origin_for, prefix: str = ""
     return out
 
 
+def _not_a_mapping(key: str, value: Any, origin: Origin) -> Problem:
+    return Problem(key, f"needs a mapping of keys to values, got {redact.shown(key, value)!r}", str(origin),
+                   f"e.g. {key}={_EXAMPLES.get(key, '{...}')} on the command line, or a block of `key: value` lines in a file")
+
+
+_EXAMPLES = {"model.architecture": '{"n_layer": 2}', "parallel.deepspeed.extra": '{"steps_per_print": 10}'}
+
+
+def typed_setting(key: str, text: str, origin: Origin) -> LayerOutput:
+    """A `key=value` from the command line or the environment. A whole open mapping
+    (`model.architecture={"n_layer": 2}`) is read as YAML/JSON flow syntax and merged key by
+    key over the lower layers, as the same block in a file would be; anything but a mapping
+    is refused."""
+    if key not in OPEN_MAPPINGS:
+        return LayerOutput(settings=[Setting(key, text, origin)])
+    try:
+        value = parse_value(text, str(origin)) if text.strip() else None
+    except UserError as error:
+        return LayerOutput(errors=[Problem(key, problem.message, str(origin), problem.fix) for problem in error.problems])
+    if not isinstance(value, Mapping):
+        return LayerOutput(errors=[_not_a_mapping(key, text, origin)])
+    return flatten_schema_mapping({key: value}, lambda _: origin)
+
+
 def defaults_layer() -> LayerOutput:
     origin = Origin("default")
     return flatten_schema_mapping(RunConfig().model_dump(mode="python"), lambda _: origin)
@@ -81,8 +109,19 @@ def file_layer(path: str | Path, layer: str = "file", _stack: tuple[Path, ...] =
     loaded = load_file(path)
     resolved_path = Path(path).resolve()
     out = LayerOutput()
-    bases = loaded.data.get("extends") or []
-    for base in [bases] if isinstance(bases, str) else bases:
+    bases = loaded.data.get("extends")
+    bases = [] if bases is None else [bases] if isinstance(bases, str) else bases
+    if not isinstance(bases, list) or not all(isinstance(base, str) and base.strip() for base in bases):
+        out.errors.append(Problem("extends", f"must be a file path or a list of file paths, got {loaded.data['extends']!r}",
+                                  loaded.where("extends"), "e.g. `extends: base.yaml` or `extends: [a.yaml, b.yaml]`"))
+        bases = []
+    label = loaded.data.get("layer")
+    if label is not None and (not isinstance(label, str) or label in RESERVED_LABELS):
+        reserved = isinstance(label, str)
+        out.errors.append(Problem("layer", f"{label!r} cannot label a file: {'it names another layer' if reserved else 'a label is a word'}",
+                                  loaded.where("layer"), "a short word such as `tune`, or remove the key"))
+        label = None
+    for base in bases:
         base_path = (loaded.path.parent / base).resolve()
         if base_path in _stack + (resolved_path,):
             cycle = " -> ".join(str(p) for p in _stack + (resolved_path, base_path))
@@ -91,7 +130,7 @@ def file_layer(path: str | Path, layer: str = "file", _stack: tuple[Path, ...] =
         out.extend(file_layer(base_path, layer, _stack + (resolved_path,)))
     kind = native.detect_kind(loaded.data)
     if kind == "overdrive":
-        own_layer = str(loaded.data.get("layer") or layer)
+        own_layer = label or layer
         out.extend(flatten_schema_mapping(loaded.data, _origin_in_file(own_layer, loaded)))
     else:
         out.extend(native.map_file(loaded, kind, layer))
@@ -119,7 +158,7 @@ def env_layer(environ: Mapping[str, str]) -> LayerOutput:
         key = ".".join(part.lower() for part in name[len("OVERDRIVE_"):].split("__"))
         origin = Origin("env", name)
         if keys.is_known(key):
-            out.settings.append(Setting(key, value, origin))
+            out.extend(typed_setting(key, value, origin))
         else:
             out.errors.append(Problem(key, "unknown key" + keys.suggest(key), str(origin),
                                       "OVERDRIVE_<SECTION>__<KEY>, e.g. OVERDRIVE_OPTIM__LR=3e-4"))
@@ -137,7 +176,7 @@ def cli_layer(arguments: Iterable[str]) -> LayerOutput:
         # The origin is printed by explain and kept in resolved.json: never a credential.
         origin = Origin("cli", f"{argument.partition('=')[0]}=***" if is_secret_name(key) else argument)
         if keys.is_known(key):
-            out.settings.append(Setting(key, value, origin))
+            out.extend(typed_setting(key, value, origin))
         elif key in keys.section_keys():
             out.errors.append(Problem(key, "is a section; set one of its keys", str(origin),
                                       f"one of: {', '.join(keys.children(key))}"))

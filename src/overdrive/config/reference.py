@@ -19,6 +19,21 @@ as `OVERDRIVE_<SECTION>__<KEY>` (e.g. `OVERDRIVE_OPTIM__LR=3e-4`), on the comman
 `key=value`, or in `load_config(..., overrides={...})`. Layers, lowest to highest: schema
 defaults, Accelerate's `default_config.yaml`, config files in order, environment, command
 line, overrides. `overdrive explain --key KEY` shows which layer set a value.
+
+What is refused rather than guessed: a key written twice in one mapping (both lines are
+named), an empty or comments-only file, bytes that are not UTF-8 (file and byte offset),
+nesting deeper than 32 levels or YAML aliases expanding past 100,000 values, `true`/`false`
+for a number, `inf`/`nan` for any float, and a seed outside 0 .. 2**32-1 (numpy's range).
+A whole mapping (`model.architecture`, `parallel.deepspeed.extra`) given on the command line
+or in the environment is read as YAML/JSON flow syntax and merged key by key over the
+lower layers, as the same block in a file is: `model.architecture={"n_layer": 2}` changes
+`n_layer` and keeps the rest (a different `model_type` starts the architecture afresh).
+Anything but a mapping there is an error.
+
+Secrets (values of keys named like `hub_token` or `api_key`, hub tokens `hf_...`, API keys
+`sk-...`, `user:password@` in URLs) are shown and written as `***`: in `explain`, messages,
+resolved.json, checkpoints, reports and exported files. Launched workers get them through
+their environment (`OVERDRIVE_SECRET_VALUES`), never from a file.
 """
 
 

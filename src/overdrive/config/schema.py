@@ -10,9 +10,9 @@ the Python standard library's own source, with a BPE tokenizer trained on the fl
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 Auto = Literal["auto"]
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -20,10 +20,29 @@ NonNegativeInt = Annotated[int, Field(ge=0)]
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
 
-class Section(BaseModel):
-    """Base for every section: unknown keys are errors, values are immutable."""
+def admits_bool(annotation: Any) -> bool:
+    """Whether a field of this type may hold true/false (pydantic would otherwise read
+    `true` as 1 for an int, and `Literal[0, 1, 2, 3]` would take it as 1)."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Literal:
+        return any(isinstance(arg, bool) for arg in args)
+    if origin in (Annotated, Union):
+        return any(admits_bool(arg) for arg in (args[:1] if origin is Annotated else args))
+    return annotation is bool or annotation is Any
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+class Section(BaseModel):
+    """Base for every section: unknown keys are errors, values are immutable, a boolean is
+    never taken for a number, and inf/nan are refused for every float."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and not admits_bool(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number or one of the allowed values, got the boolean {str(value).lower()}")
+        return value
 
 
 def default_architecture() -> dict[str, Any]:
@@ -168,7 +187,7 @@ class TrainingConfig(Section):
     )
     max_steps: int = Field(1200, ge=1, description="Optimizer steps to train.")
     gradient_clipping: Optional[float] = Field(1.0, gt=0.0, description="Max global gradient norm. Empty: no clipping.")
-    seed: int = Field(42, description="Seed for weights, data order and dropout.")
+    seed: int = Field(42, ge=0, lt=2**32, description="Seed for weights, data order and dropout (0 <= seed < 2**32, as numpy accepts).")
     eval_every_steps: Optional[int] = Field(200, ge=1, description="Evaluate every N optimizer steps. Empty: only at the end.")
     eval_batches: int = Field(20, ge=1, description="Validation batches per evaluation.")
     log_every_steps: int = Field(10, ge=1, description="Read the loss and append to metrics.jsonl every N optimizer steps.")

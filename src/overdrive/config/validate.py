@@ -11,6 +11,7 @@ from typing import Mapping
 
 from overdrive.config.keys import coerce
 from overdrive.config.layers import Setting
+from overdrive.config.redact import shown
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem
 from overdrive.strategies import registry
@@ -39,7 +40,7 @@ def deepspeed_contradictions(chains: Chains) -> list[Problem]:
         for setting in chain[:-1]:
             if setting.native == "deepspeed" and coerce(key, setting.value) != coerce(key, winner.value):
                 problems.append(Problem(
-                    key, f"is {winner.value!r} here but {setting.origin.source}:{setting.origin.line} sets {setting.value!r} explicitly",
+                    key, f"is {shown(key, winner.value)!r} here but {setting.origin.source}:{setting.origin.line} sets {shown(key, setting.value)!r} explicitly",
                     str(winner.origin), f'make them agree, or write "auto" in {setting.origin.source} so it is filled from the run config'))
                 break
     return problems

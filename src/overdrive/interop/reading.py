@@ -31,6 +31,7 @@ from overdrive.interop.tables import (
     ZERO_KEYS,
 )
 from overdrive.interop.deepspeed_reading import map_deepspeed
+from overdrive.interop.deepspeed_schema import check as check_deepspeed
 from overdrive.config.keys import coerce
 from overdrive.config.provenance import LayerOutput, Origin, Setting
 from overdrive.config.sources import LoadedFile, load_file
@@ -85,6 +86,9 @@ def map_file(loaded: LoadedFile, kind: str, layer: str):
 
     if kind == "deepspeed":
         collector = _Collector(origin_for, where, native="deepspeed")
+        check_deepspeed(loaded.data, collector)
+        if collector.out.errors:
+            return collector.out  # mapped only once DeepSpeed's own models accept it
         map_deepspeed(loaded.data, collector)
         collector.set("parallel.strategy", "deepspeed")
         collector.set("parallel.deepspeed.config_file", str(loaded.path))
@@ -108,8 +112,23 @@ def _distributed_type(value: Any) -> str:
     return str(value).upper()
 
 
+def _as_int(value: Any) -> int | None:
+    """An integer written as one (`2`, `"2"`, `2.0`), else None; never a boolean."""
+    try:
+        number = float(str(value).strip()) if not isinstance(value, bool) else 0.5
+    except ValueError:
+        return None
+    return int(number) if number.is_integer() else None
+
+
+# Accelerate sections that must be mappings when present: anything else is refused first.
+_SECTIONS = ("deepspeed_config", "fsdp_config", "dynamo_config", "fp8_config", "mpirun_config")
+
+
 def map_accelerate(data: Mapping[str, Any], c: _Collector, base_dir: Path, layer: str) -> None:
     data = dict(data)
+    for section in [s for s in _SECTIONS if data.get(s) is not None and not isinstance(data[s], Mapping)]:
+        c.error((section,), f"must be a mapping of keys to values, got {data.pop(section)!r}")
     for key in data:
         if key not in ACCELERATE_KEYS:
             close = difflib.get_close_matches(str(key), ACCELERATE_KEYS, n=1)
@@ -182,7 +201,10 @@ def _map_top_level(data: Mapping[str, Any], c: _Collector) -> None:
             value = "no" if value in (False, None) else str(value).lower()
         elif key == "downcast_bf16":
             value = _truthy(value)
-        elif key == "num_processes" and int(value) < 1:
+        elif key == "num_processes" and _as_int(value) is None:
+            c.error((key,), f"must be a whole number, got {value!r}")
+            continue
+        elif key == "num_processes" and _as_int(value) < 1:
             continue  # -1: "decided at launch" in Accelerate
         c.set(target, value, key)
     if "fp16" in data and "mixed_precision" not in data and _truthy(data["fp16"]):
@@ -240,7 +262,11 @@ def _map_accelerate_deepspeed(ds: Mapping[str, Any], c: _Collector, base_dir: Pa
         return
     if "mixed_precision" in top:
         inline["mixed_precision"] = top["mixed_precision"]
-    loaded = load_file(candidate)
+    loaded = load_file(candidate, "DeepSpeed config file")
+    kind = detect_kind(loaded.data)
+    if kind == "accelerate" or kind == "overdrive" and {str(k).split(".")[0] for k in loaded.data} & SCHEMA_SECTIONS:
+        return c.error(path + ("deepspeed_config_file",), f"{candidate} is an {kind} config, not a DeepSpeed JSON",
+                       "point deepspeed_config_file at a DeepSpeed config (zero_optimization, ...)")
     ds_out = map_file(loaded, "deepspeed", layer)
     _report_inline_conflicts(inline, ds_out, c, path)
     c.out.extend(ds_out)
@@ -263,7 +289,10 @@ def _report_inline_conflicts(inline: Mapping[str, Any], ds_out, c: _Collector, p
 
 def _map_fsdp(fsdp: Mapping[str, Any], c: _Collector) -> None:
     path = ("fsdp_config",)
-    version = int(fsdp.get("fsdp_version") or 1)
+    version = _as_int(fsdp.get("fsdp_version") or 1)
+    if version not in (1, 2):
+        c.error(path + ("fsdp_version",), f"must be 1 or 2, got {fsdp.get('fsdp_version')!r}")
+        return
     if "fsdp_version" not in fsdp:
         c.warn(path, "no fsdp_version: Accelerate would run FSDP1, overdrive runs FSDP2 (fully_shard)",
                "add `fsdp_version: 2`, or set parallel.fsdp.version=1 to keep FSDP1 (GPU only)")
@@ -274,7 +303,9 @@ def _map_fsdp(fsdp: Mapping[str, Any], c: _Collector) -> None:
             continue
         if value is None:
             continue
-        if key == "fsdp_version" and int(value) == 1:
+        if key == "fsdp_version":
+            value = version
+        if key == "fsdp_version" and version == 1:
             c.warn(path + (key,), "FSDP1 does not run on CPU; FSDP2 is the maintained API", "use fsdp_version: 2")
         if key in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward") and not isinstance(value, bool) \
                 and str(value).lower() not in ("true", "false"):

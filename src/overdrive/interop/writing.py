@@ -180,15 +180,18 @@ def accelerate_flags(cfg: RunConfig, deepspeed_file: Optional[str] = None) -> li
 
 def write(cfg: RunConfig, accelerate_path: Optional[str | Path] = None, deepspeed_path: Optional[str | Path] = None,
           batch_auto: bool = False, hidden_size: Optional[int] = None, trainer_owned_auto: bool = False) -> list[Path]:
-    """Write the requested files; the YAML points at the JSON when both are written."""
+    """Write the requested files; the YAML points at the JSON when both are written.
+    Secrets are masked: a credential belongs in the environment of the job, not in a file."""
     import yaml
+
+    from overdrive.config.redact import redact
 
     written: list[Path] = []
     ds_ref = None
     if deepspeed_path:
         path = Path(deepspeed_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(deepspeed_json(cfg, batch_auto, hidden_size, trainer_owned_auto), indent=2) + "\n")
+        path.write_text(json.dumps(redact(deepspeed_json(cfg, batch_auto, hidden_size, trainer_owned_auto)), indent=2) + "\n")
         written.append(path)
         # As given: Accelerate resolves it against the working directory `accelerate launch`
         # runs in (overdrive's import tries the YAML's directory first, then that).
@@ -196,7 +199,7 @@ def write(cfg: RunConfig, accelerate_path: Optional[str | Path] = None, deepspee
     if accelerate_path:
         path = Path(accelerate_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        text = yaml.safe_dump(accelerate_config(cfg, ds_ref), sort_keys=True)
+        text = yaml.safe_dump(redact(accelerate_config(cfg, ds_ref)), sort_keys=True)
         path.write_text(f"# Accelerate config written by `overdrive export`\n{text}")
         written.append(path)
     return written

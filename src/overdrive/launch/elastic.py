@@ -25,7 +25,9 @@ def first_failure(failures: dict) -> int:
     """The rank whose failure came first. Ranks the agent itself stopped (SIGTERM) are the
     consequence, not the cause, even when the same second's timestamps cannot tell them apart."""
     causes = [rank for rank, f in failures.items() if f.exitcode != -signal.SIGTERM] or list(failures)
-    return min(causes, key=lambda rank: (failures[rank].timestamp, rank))
+    # Within one second, a rank killed by a signal (SIGKILL, the OOM killer) is the cause and a
+    # peer that then reported the broken collective and exited with an error the consequence.
+    return min(causes, key=lambda rank: (failures[rank].timestamp, failures[rank].exitcode >= 0, rank))
 
 
 # Lines of the root cause's traceback printed: the exception and the frames nearest to it.

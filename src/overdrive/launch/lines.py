@@ -52,6 +52,16 @@ def _slurm_torchrun(cfg: RunConfig) -> str:
             f"--rdzv-endpoint \"$MASTER_ADDR:{launch.main_process_port}\" --rdzv-id \"$SLURM_JOB_ID\"")
 
 
+def _secrets_line(resolved: Any) -> str:
+    # resolved.json below has its secrets masked; the job takes them from the environment
+    # sbatch passes on, never from the script on disk.
+    secrets = sorted(resolved.secret_values()) if hasattr(resolved, "secret_values") else []
+    if not secrets:
+        return ""
+    return (f': "${{OVERDRIVE_SECRET_VALUES:?export OVERDRIVE_SECRET_VALUES (JSON of {", ".join(secrets)}) '
+            'before sbatch: resolved.json holds them masked}"\n')
+
+
 def sbatch_script(resolved: Any, job_name: str = "overdrive") -> str:
     """An sbatch script for the same run. It carries the resolved config itself, so the job
     runs the values resolved now, whatever the compute nodes' environment holds."""
@@ -78,7 +88,7 @@ def sbatch_script(resolved: Any, job_name: str = "overdrive") -> str:
 # directory sbatch is run from: Slurm opens it before this script can create output_dir.
 # Cores: whole nodes (--exclusive) unless launch.threads_per_process asks for a number per process.
 set -euo pipefail
-
+{_secrets_line(resolved)}
 mkdir -p {shlex.quote(str(out))}
 cat > {shlex.quote(str(path))} <<'OVERDRIVE_RESOLVED'
 {resolved.to_json()}

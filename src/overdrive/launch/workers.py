@@ -12,6 +12,7 @@ what each worker's environment holds.
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -101,9 +102,14 @@ def launch_workers(resolved: Any, worker: Optional[Sequence[str]] = None,
     check(cfg)
     path = resolved_path(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(resolved.to_json())
+    path.write_text(resolved.to_json())  # secrets masked: the workers get them in their environment
     env = worker_environment(cfg)
     env.update(extra_env or {})
+    secrets = resolved.secret_values() if hasattr(resolved, "secret_values") else {}
+    if secrets:
+        from overdrive.config import SECRETS_VARIABLE
+
+        env[SECRETS_VARIABLE] = json.dumps(secrets)
     # Restarts (launch.max_restarts) start a new agent rather than asking torch's agent to
     # restart its workers: its rendezvous store outlives the restart (torch 2.13, static and
     # c10d alike), and a restarted rank can read a dead peer's gloo address from it and fail

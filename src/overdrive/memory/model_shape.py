@@ -8,7 +8,6 @@ imported here, inside functions, so `overdrive --help` stays light.
 
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,10 +101,11 @@ def _resolve_source(spec: str, cli: list[str]) -> Source:
 def _config_from_json(path: Path) -> Any:
     from transformers import AutoConfig
 
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise UserError(Problem("", f"cannot read {path}: {error}")) from None
+    from overdrive.config.sources import parse_text, read_text
+
+    data, _ = parse_text(read_text(path, "model config"), str(path), json_first=True)
+    if not isinstance(data, dict):
+        raise UserError(Problem("", f"{path} must hold a JSON object", fix="is it a Transformers config.json?"))
     model_type = data.pop("model_type", None)
     if not model_type:
         raise UserError(Problem("", f"{path} has no `model_type`", fix="is it a Transformers config.json?"))

@@ -78,8 +78,12 @@ def load_run(path: str | Path) -> Run:
         except ValueError as error:
             raise UserError(f"{resolved}: not valid JSON ({error})") from None
         if isinstance(data, dict):
-            run.config = data.get("config", data) if isinstance(data.get("config", data), dict) else {}
-            run.origins = {k: str(v) for k, v in (data.get("origins") or {}).items()}
+            from overdrive.config.redact import redact, redact_text
+
+            # Runs written before secrets were masked in resolved.json: masked on the way in.
+            run.config = redact(data.get("config", data)) if isinstance(data.get("config", data), dict) else {}
+            origins = data.get("origins") if isinstance(data.get("origins"), dict) else {}
+            run.origins = {k: redact_text(str(v)) for k, v in origins.items()}
     return run
 
 

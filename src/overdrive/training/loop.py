@@ -27,6 +27,7 @@ from overdrive.training import model as model_mod
 from overdrive.training import nonfinite
 from overdrive.training import telemetry
 from overdrive.training.evaluation import evaluate
+from overdrive.config.redact import redact
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 from overdrive.strategies import registry
@@ -190,8 +191,8 @@ def train(run, force: bool = False) -> TrainResult:
         out.mkdir(parents=True, exist_ok=True)
         (out / "resolved.json").write_text(settled.resolved.to_json())
     parts = build_parts(cfg, accelerator)
-    if trackers:
-        accelerator.init_trackers(cfg.logging.project_name, config=telemetry.flat_config(cfg.model_dump(mode="json")))
+    if trackers:  # the trackers' hyperparameters are files too: secrets masked
+        accelerator.init_trackers(cfg.logging.project_name, config=telemetry.flat_config(redact(cfg.model_dump(mode="json"))))
 
     progress = telemetry.ProgressDisplay(cfg.training.max_steps, enabled=main and cfg.logging.level != "quiet",
                                          bar=cfg.logging.progress)

@@ -169,7 +169,7 @@ def run_resolved(path: str) -> int:
 
 def _train(resolved) -> int:
     if resolved.config.launch.num_processes > 1:
-        from overdrive.launch import launch_workers
+        from overdrive.launch.workers import launch_workers
 
         return int(launch_workers(resolved) or 0)
     from overdrive.training.loop import train
