@@ -10,39 +10,14 @@ the Python standard library's own source, with a BPE tokenizer trained on the fl
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
+from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import Field
 
-Auto = Literal["auto"]
-PositiveInt = Annotated[int, Field(ge=1)]
-NonNegativeInt = Annotated[int, Field(ge=0)]
-OffloadDevice = Literal["none", "cpu", "nvme"]
+from overdrive.config.schema_parallel import ParallelConfig
+from overdrive.config.sections import Auto, PositiveInt, Section, admits_bool
 
-
-def admits_bool(annotation: Any) -> bool:
-    """Whether a field of this type may hold true/false (pydantic would otherwise read
-    `true` as 1 for an int, and `Literal[0, 1, 2, 3]` would take it as 1)."""
-    origin, args = get_origin(annotation), get_args(annotation)
-    if origin is Literal:
-        return any(isinstance(arg, bool) for arg in args)
-    if origin in (Annotated, Union):
-        return any(admits_bool(arg) for arg in (args[:1] if origin is Annotated else args))
-    return annotation is bool or annotation is Any
-
-
-class Section(BaseModel):
-    """Base for every section: unknown keys are errors, values are immutable, a boolean is
-    never taken for a number, and inf/nan are refused for every float."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        if isinstance(value, bool) and not admits_bool(cls.model_fields[info.field_name].annotation):
-            raise ValueError(f"expected a number or one of the allowed values, got the boolean {str(value).lower()}")
-        return value
+__all__ = ["OPEN_MAPPINGS", "RunConfig", "Section", "admits_bool"]
 
 
 def default_architecture() -> dict[str, Any]:
@@ -221,100 +196,6 @@ class PrecisionConfig(Section):
     )
     downcast_bf16: bool = Field(False, description="TPU only: downcast float tensors to bf16.")
     fp8: Fp8Config = Field(default_factory=Fp8Config, description="FP8 settings (when `mixed_precision` is fp8).")
-
-
-class DdpConfig(Section):
-    """DistributedDataParallel (also the single-process path)."""
-
-    find_unused_parameters: bool = Field(False, description="Tolerate parameters without gradients (slower).")
-    bucket_cap_mb: int = Field(25, ge=1, description="Gradient all-reduce bucket size.")
-    broadcast_buffers: bool = Field(True, description="Broadcast buffers from rank 0 every forward.")
-    gradient_as_bucket_view: bool = Field(True, description="Gradients alias the all-reduce buckets (saves memory).")
-    static_graph: bool = Field(False, description="Declare the graph static across steps (enables optimisations).")
-
-
-class DeepSpeedConfig(Section):
-    """DeepSpeed ZeRO. A DeepSpeed JSON given as a config file is mapped onto these keys;
-    what has no key here is kept verbatim in `extra`."""
-
-    zero_stage: Literal[0, 1, 2, 3] = Field(
-        2, description="0: DDP-like; 1: shard optimizer states; 2: + gradients; 3: + parameters."
-    )
-    offload_optimizer: OffloadDevice = Field("none", description="Keep optimizer states on cpu or nvme (ZeRO 1-3).")
-    offload_param: OffloadDevice = Field("none", description="Keep parameters on cpu or nvme (ZeRO-3 only).")
-    nvme_path: Optional[str] = Field(None, description="Directory on a fast local disk for nvme offload.")
-    offload_pin_memory: bool = Field(True, description="Page-locked host buffers for offload.")
-    zero3_init: bool = Field(False, description="ZeRO-3: build the model already sharded (for models too large to build whole).")
-    zero3_save_16bit_model: bool = Field(
-        True, description="ZeRO-3: gather the 16-bit weights on save so save_pretrained writes a whole model."
-    )
-    overlap_comm: Optional[bool] = Field(None, description="Overlap gradient reduction with backward. Empty: DeepSpeed's default.")
-    contiguous_gradients: Optional[bool] = Field(None, description="Copy gradients into one buffer as they are produced.")
-    reduce_bucket_size: Union[NonNegativeInt, Auto] = Field("auto", description="Elements per reduce bucket; `auto`: hidden^2.")
-    allgather_bucket_size: Optional[int] = Field(None, ge=1, description="Elements per all-gather bucket (ZeRO 1-2).")
-    stage3_prefetch_bucket_size: Union[NonNegativeInt, Auto] = Field("auto", description="ZeRO-3 prefetch elements; `auto`: 0.9 x hidden^2.")
-    stage3_param_persistence_threshold: Union[NonNegativeInt, Auto] = Field(
-        "auto", description="ZeRO-3: parameters smaller than this stay whole; `auto`: 10 x hidden."
-    )
-    stage3_max_live_parameters: Optional[int] = Field(None, ge=0, description="ZeRO-3: live parameters before release.")
-    stage3_max_reuse_distance: Optional[int] = Field(None, ge=0, description="ZeRO-3: reuse distance before release.")
-    sub_group_size: Optional[int] = Field(None, ge=1, description="ZeRO-3: optimizer step granularity.")
-    activation_checkpointing: bool = Field(False, description="DeepSpeed's activation checkpointing (partitioned activations).")
-    train_batch_size: Optional[int] = Field(
-        None, ge=1, description="Only checked: must equal micro-batch x accumulation x world size."
-    )
-    loss_scale: float = Field(0, ge=0, description="fp16: 0 for dynamic loss scaling, else a fixed scale.")
-    initial_scale_power: int = Field(16, ge=0, description="fp16: initial dynamic scale is 2^this.")
-    loss_scale_window: int = Field(1000, ge=1, description="fp16: steps without overflow before the scale grows.")
-    hysteresis: int = Field(2, ge=1, description="fp16: overflows tolerated before the scale shrinks.")
-    min_loss_scale: float = Field(1, gt=0, description="fp16: lowest dynamic scale.")
-    config_file: Optional[str] = Field(
-        None, description="A DeepSpeed JSON the run was configured from (shown for reference; its values are mapped onto these keys)."
-    )
-    extra: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Further DeepSpeed config entries passed through verbatim (e.g. steps_per_print).",
-    )
-
-
-class FsdpConfig(Section):
-    """PyTorch FSDP2 (fully_shard)."""
-
-    version: Literal[1, 2] = Field(2, description="FSDP API. 2 (fully_shard) is the one that runs everywhere, CPU included.")
-    reshard_after_forward: bool = Field(
-        True, description="Free gathered parameters after forward (ZeRO-3-like). False keeps them to backward (ZeRO-2-like)."
-    )
-    offload_params: bool = Field(False, description="Keep parameters and gradients on the CPU between uses.")
-    auto_wrap_policy: Literal["transformer_based_wrap", "size_based_wrap", "no_wrap"] = Field(
-        "transformer_based_wrap", description="How modules become FSDP units."
-    )
-    transformer_layer_cls_to_wrap: Optional[list[str]] = Field(
-        None, description="Layer classes to shard as units. Empty: the model's `_no_split_modules`."
-    )
-    min_num_params: int = Field(100_000_000, ge=1, description="size_based_wrap: parameters per unit.")
-    state_dict_type: Literal["full_state_dict", "sharded_state_dict"] = Field(
-        "sharded_state_dict", description="Checkpoint layout: one gathered file, or one shard per rank."
-    )
-    activation_checkpointing: bool = Field(False, description="Recompute each wrapped layer's activations in backward.")
-    cpu_ram_efficient_loading: bool = Field(True, description="Load pretrained weights on rank 0 only, then broadcast.")
-    sync_module_states: bool = Field(True, description="Broadcast rank 0's weights at wrap time.")
-    backward_prefetch: Optional[Literal["backward_pre", "backward_post"]] = Field(
-        "backward_pre", description="FSDP1: when to prefetch the next unit's parameters in backward."
-    )
-    forward_prefetch: bool = Field(False, description="FSDP1: prefetch in forward.")
-    use_orig_params: bool = Field(True, description="FSDP1: expose original parameters (needed by torch.compile).")
-    ignored_modules: Optional[str] = Field(None, description="Regex of module names FSDP leaves alone.")
-
-
-class ParallelConfig(Section):
-    """How the work is split across processes."""
-
-    strategy: Literal["ddp", "deepspeed", "fsdp"] = Field(
-        "ddp", description="ddp (plain data parallel, also one process), deepspeed (ZeRO), or fsdp (FSDP2)."
-    )
-    ddp: DdpConfig = Field(default_factory=DdpConfig, description="DDP settings.")
-    deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig, description="DeepSpeed settings.")
-    fsdp: FsdpConfig = Field(default_factory=FsdpConfig, description="FSDP settings.")
 
 
 class CompileConfig(Section):
