@@ -65,6 +65,7 @@ class EntryWriter:
 
     def __init__(self, entry: Path, dtype: str, labeled: bool):
         self.entry, self.dtype, self.labeled = entry, np.dtype(dtype), labeled
+        entry.mkdir(parents=True, exist_ok=True)
         self.progress = read_json(entry / "progress.json") or {}
         if self.progress.get("dtype", dtype) != dtype:
             self.progress = {}
