@@ -230,10 +230,17 @@ def test_classification_from_jsonl_and_csv_maps_labels_truncates_and_pads(tmp_pa
         assert batch["input_ids"].shape[0] == 3 and batch["attention_mask"].sum() == sum(len(r["input_ids"]) for r in rows[:3])
     # Integer labels: classes 0..max; a separate validation split with an unseen label is refused.
     write_jsonl(tmp_path / "ints.jsonl", [{"text": r["text"], "label": i % 3} for i, r in enumerate(ROWS)])
-    write_jsonl(tmp_path / "bad.jsonl", [{"text": "x", "label": 7}])
     cfg = config(tmp_path / "ints", model={"task": "sequence-classification"},
                  data={"source": str(tmp_path / "ints.jsonl"), "validation_fraction": 0})
     assert data.tokenize(cfg, data.open_splits(cfg), small_bpe).label_names == ["0", "1", "2"]
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    write_jsonl(repo / "train.jsonl", ROWS)
+    write_jsonl(repo / "validation.jsonl", [{"text": "x", "label": "unseen"}])
+    cfg = config(tmp_path / "repo-cache", model={"task": "sequence-classification"},
+                 data={"source": str(repo), "validation_split": "validation"})
+    with pytest.raises(UserError, match="data.label_column"):
+        data.tokenize(cfg, data.open_splits(cfg), small_bpe)
 
 
 def test_train_loader_uses_whole_global_batches(tmp_path):
