@@ -49,11 +49,7 @@ def bench_config(args, out: Path) -> RunConfig:
 
 def shared_inputs(cfg: RunConfig):
     """The tokenizer and packed blocks all three loops train on (from overdrive's caches)."""
-    splits = data_mod.load_splits(cfg)
-    tokenizer = build_tokenizer(cfg, data_mod.iter_column(splits.train, "text"),
-                                data_mod.content_hash(splits.train, ["text"]))
-    tokens = data_mod.tokenize_splits(splits, tokenizer, "causal-lm", cfg.data.max_length,
-                                      Path(cfg.data.cache_dir).expanduser())
+    tokenizer, tokens = data_mod.prepare(cfg, build_tokenizer)
     return tokenizer, tokens.train
 
 

@@ -21,7 +21,7 @@ from transformers import get_scheduler
 from overdrive import build_accelerator
 
 from overdrive import load_config
-from overdrive.data import content_hash, eval_loader, iter_column, load_splits, tokenize_splits, train_loader
+from overdrive.data import eval_loader, prepare, train_loader
 from overdrive.training.model import build_model
 from overdrive.training.tokenizer import build_tokenizer
 
@@ -32,12 +32,9 @@ def main(argv: list[str]) -> int:
     accelerator = build_accelerator(cfg)
     t = cfg.training
 
-    # 2. Data and tokenizer (the main process fills the caches first).
-    with accelerator.main_process_first():
-        splits = load_splits(cfg)
-        tokenizer = build_tokenizer(cfg, iter_column(splits.train, "text"), content_hash(splits.train, ["text"]))
-        tokens = tokenize_splits(splits, tokenizer, cfg.model.task, cfg.data.max_length,
-                                 Path(cfg.data.cache_dir).expanduser())
+    # 2. Data and tokenizer: one process per machine fills the caches, the others wait for them.
+    tokenizer, tokens = prepare(cfg, build_tokenizer, build=accelerator.is_local_main_process,
+                                show=accelerator.is_main_process)
 
     # 3. DataLoaders, model, optimizer.
     train_dl = train_loader(tokens.train, t.micro_batch_size, t.gradient_accumulation_steps,

@@ -41,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     micro_note = ""
     if not isinstance(micro, int):
         micro, micro_note = 1, " (micro_batch_size is auto: the tuner picks it; 1 shown)"
-    data = arith.data_size(cfg)
+    tokenize = _tokenize_forecast(cfg)
+    data = _data_size(cfg, tokenize)
     math_ = arith.arithmetic(cfg, data, micro)
     source = Source(hf_config_for_run(cfg), cfg.model.name_or_path or str(cfg.model.architecture.get("model_type")),
                     run=cfg, task=cfg.model.task, attn_implementation=cfg.model.attn_implementation)
@@ -67,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
             "tokens_per_s": speed.tokens_per_s if speed else None, "step_time_s": step_s,
             "total_time_s": step_s * math_.max_steps if step_s else None,
             "throughput_source": speed.path if speed else None,
+            "tokenize": tokenize.to_dict() if tokenize else None,
         }, indent=2))
         return 0
 
@@ -78,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         f"tokens/step  {math_.global_batch} x {math_.seq_len} = {math_.tokens_per_step:,} tokens per optimizer step",
         f"data         {_fmt(data.tokens)} tokens — {data.basis}",
     ]
+    lines.append(_tokenize_line(cfg, tokenize))
     if math_.steps_per_epoch is not None:
         lines.append(f"steps        {math_.steps_per_epoch:,} per epoch (after the validation hold-out); "
                      f"max_steps {math_.max_steps:,} = {math_.epochs:.2f} epochs" if math_.epochs is not None else
@@ -100,6 +103,48 @@ def run(args: argparse.Namespace) -> int:
                      "`overdrive tune` to predict step time")
     print("\n".join(lines))
     return 0
+
+
+def _tokenize_forecast(cfg):
+    """Measured on a sample of this machine's data (data/estimate.py); None when it cannot be read."""
+    from overdrive.data import estimate
+    from overdrive.errors import UserError
+    from overdrive.training.tokenizer import build_tokenizer, train_bpe
+
+    try:
+        return estimate.forecast(cfg, build_tokenizer, lambda texts: train_bpe(texts, cfg.tokenizer.vocab_size))
+    except (UserError, OSError, ValueError) as error:  # the plan still stands without it
+        return estimate.Forecast(note=f"not measured: {error}")
+
+
+def _data_size(cfg, tokenize):
+    from overdrive.memory import plan as arith
+
+    est = tokenize.estimate if tokenize else None
+    if tokenize and tokenize.cached_tokens:
+        return arith.data_size(cfg, cached_tokens=tokenize.cached_tokens)
+    if est is not None and est.tokens:
+        where = "the standard-library .py files" if cfg.data.source == "stdlib" else cfg.data.source
+        return arith.DataSize(est.tokens, f"estimate: {est.total_bytes:,} bytes of text in {where} / "
+                              f"{est.bytes_per_token:.2f} "
+                              f"bytes per token measured on a {est.sample_bytes / 1e6:.1f} MB sample")
+    return arith.data_size(cfg)
+
+
+def _tokenize_line(cfg, tokenize) -> str:
+    if tokenize is None or (tokenize.estimate is None and not tokenize.cached_tokens):
+        return f"tokenize     {tokenize.note if tokenize else 'not measured'}"
+    if tokenize.cached_tokens:
+        return f"tokenize     nothing to do: {tokenize.cached_tokens:,} token ids cached in {tokenize.entry}"
+    est = tokenize.estimate
+    bpe = (f", after ~{_duration(tokenize.tokenizer_seconds)} training the BPE on up to "
+           f"{cfg.tokenizer.train_max_bytes / 1e6:,.0f} MB" if tokenize.tokenizer_seconds else "")
+    if est.seconds is None:
+        return (f"tokenize     {est.mb_per_s:.2f} MB/s measured on {est.sample_bytes / 1e6:.1f} MB "
+                f"(total size unknown: a stream){bpe}")
+    return (f"tokenize     {est.total_bytes / 1e6:,.0f} MB of text at {est.mb_per_s:.2f} MB/s (measured on "
+            f"{est.sample_bytes / 1e6:.1f} MB, this machine as loaded now): ~{_duration(est.seconds)}{bpe}; "
+            f"cache ~{est.cache_bytes / 1e6:,.0f} MB on disk under {cfg.data.cache_dir}/tokens")
 
 
 def _cpu(cfg) -> bool:

@@ -119,6 +119,10 @@ class DataConfig(Section):
     max_bytes: Optional[int] = Field(
         None, ge=1, description="Read at most this much raw text (handy for quick runs on big sources)."
     )
+    streaming: bool = Field(
+        False, description="Read a hub data set as it downloads (`datasets` streaming) instead of "
+        "preparing a local Arrow copy first. Local text, jsonl, csv and parquet files are always streamed.",
+    )
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes.")
     pin_memory: bool = Field(False, description="Pin host memory for faster host-to-GPU copies.")
     shuffle: bool = Field(True, description="Shuffle training samples each epoch (seeded).")

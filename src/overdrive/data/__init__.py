@@ -1,13 +1,20 @@
-"""Data: sources, tokenization and its cache, samplers and loaders.
+"""Data: sources, streaming tokenization, the memory-mapped token cache, samplers and loaders.
 
-    sources.py   `load_splits(cfg)`: raw train/validation rows from stdlib, files, save_to_disk or the hub
-    tokens.py    `tokenize_splits(...)`: token ids, cached by content and tokenizer
+    sources.py   `open_splits(cfg)`: the train/validation corpora (stdlib, files, save_to_disk, hub), unread
+    pieces.py    plain text in bounded pieces; cheap fingerprints of files
+    tokens.py    a corpus through the tokenizer into the cache, batch by batch; hold-out by piece
+    cache.py     the token cache: resumable writer, memory-mapped reader
+    samples.py   PackedBlocks / LabeledTexts over the memory maps, the padding collator
+    prepare.py   `prepare(cfg, make_tokenizer)`: tokenizer and datasets, built once per machine
+    estimate.py  how long tokenization will take and the cache's size, from a measured sample
     loaders.py   samplers and DataLoaders in whole global batches
 """
 
+from overdrive.data.cache import NotReady
 from overdrive.data.loaders import EpochShuffle, collate_for, eval_loader, train_loader
-from overdrive.data.sources import TextSplits, content_hash, iter_column, load_splits, stdlib_files
-from overdrive.data.tokens import TokenizedSplits, tokenize_splits
+from overdrive.data.prepare import cached_token_count, prepare, tokenize, train_texts
+from overdrive.data.sources import Splits, open_splits, stdlib_files
+from overdrive.data.tokens import TokenizedSplits
 
-__all__ = ["EpochShuffle", "TextSplits", "TokenizedSplits", "collate_for", "content_hash", "eval_loader",
-           "iter_column", "load_splits", "stdlib_files", "tokenize_splits", "train_loader"]
+__all__ = ["EpochShuffle", "NotReady", "Splits", "TokenizedSplits", "cached_token_count", "collate_for",
+           "eval_loader", "open_splits", "prepare", "stdlib_files", "tokenize", "train_loader", "train_texts"]

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from overdrive.data.tokens import PadCollator
+from overdrive.data.samples import PadCollator
 from overdrive.errors import Problem, UserError
 
 

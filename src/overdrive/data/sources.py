@@ -1,19 +1,28 @@
-"""Raw rows: `load_splits(cfg)` gives the train and validation rows as `datasets.Dataset`s.
+"""Where the text comes from: `open_splits(cfg)` gives the train (and validation) corpus, unread.
 
-From the Python standard library (`stdlib`, no download), a local file or directory, a
-`save_to_disk` directory, or a hub name (the same `load_dataset` call serves a hub name and
-a local copy of a hub repository).
+A corpus is read batch by batch, never whole: plain text files (and the embedded `stdlib`
+corpus) in bounded pieces (pieces.py); jsonl, csv and parquet files through `datasets` in
+streaming mode (no Arrow copy of the file); a `save_to_disk` directory and a hub data set
+(or a local directory laid out like one) through `datasets` as a memory-mapped table, or
+streamed with `data.streaming`.
+
+Each corpus has a key that changes with its content without reading it all: files by name,
+size, modification time and sampled chunks; the standard library by its file list; a
+`datasets` table by its own fingerprint.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import sys
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 from overdrive.config.schema import RunConfig
+from overdrive.data import pieces
 from overdrive.errors import Problem, UserError
 
 # Directories of the standard library left out of the embedded corpus: tests are a third of
@@ -21,16 +30,90 @@ from overdrive.errors import Problem, UserError
 _STDLIB_SKIP = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 _BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".py": "text", ".json": "json",
              ".jsonl": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}
+BATCH_BYTES = 1 << 20  # text per batch handed to the tokenizer (split over its threads)
+_ROWS_PER_READ = 64
 
 
 @dataclass
-class TextSplits:
-    """Raw rows: `text_column` (and `label_column` for classification) in each split."""
+class Batch:
+    """Pieces of text (documents, or pieces of a long document) and where reading resumes after them."""
 
-    train: "object"  # datasets.Dataset
-    validation: Optional["object"]
-    text_column: str
-    label_column: Optional[str] = None
+    texts: list[str]
+    sizes: list[int]  # bytes of text per piece
+    ends: list[bool]  # a document ends after the piece
+    labels: Optional[list] = None
+    position: dict = field(default_factory=dict)
+    advance: float = 0.0  # progress, in the corpus' unit
+
+
+class TextFiles:
+    """Plain text files, each one document, read in pieces (see pieces.py)."""
+
+    unit = "bytes"
+
+    def __init__(self, paths: list[Path], key: str):
+        self.paths, self.key = paths, key
+        self.total = sum(p.stat().st_size for p in paths)
+        self.label_names: Optional[list[str]] = None
+
+    def batches(self, start: Optional[dict] = None, batch_bytes: int = BATCH_BYTES) -> Iterator[Batch]:
+        batch = Batch([], [], [])
+        for text, position, end, raw in pieces.iter_file_pieces(self.paths, start):
+            batch.texts.append(text)
+            batch.sizes.append(raw)
+            batch.ends.append(end)
+            batch.position, batch.advance = position, batch.advance + raw
+            if sum(batch.sizes) >= batch_bytes:
+                yield batch
+                batch = Batch([], [], [])
+        if batch.texts:
+            yield batch
+
+
+class Rows:
+    """Rows of a `datasets` Dataset or IterableDataset: one document (and label) per row."""
+
+    unit = "rows"
+
+    def __init__(self, dataset, key: str, text_column: str, label_column: Optional[str],
+                 total: Optional[int] = None, label_names: Optional[list[str]] = None):
+        self.dataset, self.key, self.text_column, self.label_column = dataset, key, text_column, label_column
+        self.total, self.label_names = total, label_names
+
+    def batches(self, start: Optional[dict] = None, batch_bytes: int = BATCH_BYTES) -> Iterator[Batch]:
+        done = (start or {}).get("rows", 0)
+        dataset = self.dataset.skip(done) if done else self.dataset
+        batch = Batch([], [], [], [] if self.label_column else None)
+        for rows in dataset.iter(batch_size=_ROWS_PER_READ):
+            texts = ["" if t is None else str(t) for t in rows[self.text_column]]
+            batch.texts += texts
+            batch.sizes += [len(t.encode("utf-8", errors="replace")) for t in texts]
+            batch.ends += [True] * len(texts)
+            if self.label_column:
+                batch.labels += rows[self.label_column]
+            done += len(texts)
+            batch.position, batch.advance = {"rows": done}, batch.advance + len(texts)
+            if sum(batch.sizes) >= batch_bytes or len(batch.texts) >= 1024:
+                yield batch
+                batch = Batch([], [], [], [] if self.label_column else None)
+        if batch.texts:
+            yield batch
+
+
+@dataclass
+class Splits:
+    """The corpora of a run and how validation is taken from them."""
+
+    train: Any  # TextFiles | Rows
+    validation: Optional[Any]  # a separate validation split, when data.validation_split is set
+    holdout: float  # fraction of the train corpus held out for validation (0 with a separate split)
+    seed: int
+    max_bytes: Optional[int]
+    label_column: Optional[str]
+
+    def train_key(self) -> str:
+        """The training text's identity: the corpus, the hold-out and the byte limit."""
+        return hashlib.sha256(f"{self.train.key}|{self.holdout}|{self.seed}|{self.max_bytes}".encode()).hexdigest()
 
 
 def stdlib_files(max_bytes: Optional[int] = None, root: Optional[Path] = None) -> list[Path]:
@@ -47,12 +130,12 @@ def stdlib_files(max_bytes: Optional[int] = None, root: Optional[Path] = None) -
     return files
 
 
-def load_stdlib(max_bytes: Optional[int] = None, root: Optional[Path] = None):
-    import datasets
-
+def stdlib_corpus(max_bytes: Optional[int] = None) -> TextFiles:
+    root = Path(sysconfig.get_paths()["stdlib"])
     files = stdlib_files(max_bytes, root)
-    texts = [p.read_text(encoding="utf-8", errors="replace") for p in files]
-    return datasets.Dataset.from_dict({"text": texts})
+    # Keyed by its file list (names, sizes, times): the same Python gives the same corpus.
+    key = f"stdlib|{sys.version}|" + pieces.files_fingerprint(files, root, sample=False)
+    return TextFiles(files, key)
 
 
 def _builder_for(path: Path, fmt: str) -> str:
@@ -63,15 +146,6 @@ def _builder_for(path: Path, fmt: str) -> str:
         raise UserError(Problem("data.format", f"cannot tell the format of {path.name} from its extension",
                                 fix="set data.format to text, json, csv or parquet"))
     return builder
-
-
-def _builder_kwargs(builder: str, path: Path) -> dict:
-    if builder == "text":
-        # One row per file: a language model wants documents, not lines.
-        return {"sample_by": "document"}
-    if builder == "csv" and path.suffix.lower() == ".tsv":
-        return {"delimiter": "\t"}
-    return {}
 
 
 def _is_saved_dataset(path: Path) -> bool:
@@ -88,85 +162,120 @@ def _pick(dataset, split: Optional[str], key: str):
     return dataset[split]
 
 
-def load_source(source: str, fmt: str = "auto", subset: Optional[str] = None, split: str = "train",
-                validation_split: Optional[str] = None, cache_dir: Optional[Path] = None,
-                max_bytes: Optional[int] = None):
-    """(train, validation or None) rows for `data.source`."""
+def _files_under(path: Path, builder: str) -> list[Path]:
+    if path.is_file():
+        return [path]
+    wanted = {s for s, b in _BUILDERS.items() if b == builder}
+    return sorted(p for p in path.rglob("*") if p.is_file() and (builder == "text" or p.suffix.lower() in wanted))
+
+
+def _columns(dataset) -> list[str]:
+    names = dataset.column_names
+    if names is None:  # a stream whose features are not known until read: look at the first row
+        names = list(next(iter(dataset.take(1)), {}).keys())
+    return list(names)
+
+
+def _label_names(dataset, label_column: Optional[str]) -> Optional[list[str]]:
+    feature = (dataset.features or {}).get(label_column) if label_column else None
+    return list(feature.names) if hasattr(feature, "names") else None
+
+
+def _row_files(files: list[Path], builder: str, text_column, label_column, cache_dir: Path) -> Rows:
     import datasets
 
-    if source == "stdlib":
-        return load_stdlib(max_bytes), None
-    path = Path(source).expanduser()
-    if _is_saved_dataset(path):
-        saved = datasets.load_from_disk(str(path))
-        validation = _pick(saved, validation_split, "data.validation_split") if validation_split else None
-        return _pick(saved, split, "data.split"), validation
-    if path.is_file() or (path.is_dir() and fmt != "auto"):
-        builder = _builder_for(path, fmt)
-        files = str(path) if path.is_file() else str(path / "**")
-        args, kwargs = (builder,), {"data_files": {"train": files}, **_builder_kwargs(builder, path)}
+    kwargs = {"delimiter": "\t"} if builder == "csv" and files[0].suffix.lower() == ".tsv" else {}
+    stream = datasets.load_dataset(builder, data_files={"train": [str(f) for f in files]}, split="train",
+                                   streaming=True, cache_dir=str(cache_dir), **kwargs)
+    if builder == "parquet":
+        import pyarrow.parquet as pq
+
+        total = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
     else:
-        # A hub name, or a local directory laid out like a hub repository (data files whose
-        # names give the splits): `load_dataset` treats both the same way.
-        args, kwargs = (str(path) if path.is_dir() else source,), {"name": subset}
-
-    def load(which: str, key: str):
-        try:
-            return datasets.load_dataset(*args, split=which, cache_dir=str(cache_dir) if cache_dir else None, **kwargs)
-        except ValueError as error:
-            if "split" in str(error).lower():
-                raise UserError(Problem(key, str(error), fix=f"set {key} to a split the data has")) from error
-            raise UserError(Problem("data.source", f"could not load {source!r}: {error}")) from error
-        except (FileNotFoundError, ConnectionError, OSError) as error:
-            raise UserError(Problem("data.source", f"could not load {source!r}: {error}",
-                                    fix="give a local file or directory, a save_to_disk output, or a hub data "
-                                    "set name (hub names need network access or a filled cache)")) from error
-
-    train = load(split, "data.split")
-    return train, load(validation_split, "data.validation_split") if validation_split else None
+        total = pieces.estimate_lines(files) if builder in ("json", "csv") else None
+        if builder == "csv" and total:
+            total -= len(files)  # header lines
+    key = f"{builder}|{json.dumps(kwargs)}|" + pieces.files_fingerprint(files)
+    return Rows(stream, key, text_column, label_column, total)
 
 
-def limit_bytes(dataset, column: str, max_bytes: Optional[int]):
-    """The leading rows holding about `max_bytes` of text."""
-    if max_bytes is None:
-        return dataset
-    total = 0
-    for i, text in enumerate(iter_column(dataset, column)):
-        total += len(text.encode("utf-8", errors="replace"))
-        if total >= max_bytes:
-            return dataset.select(range(i + 1))
-    return dataset
+def _table(dataset, what: str, text_column, label_column) -> Rows:
+    """A map-style `datasets.Dataset` (memory-mapped Arrow) or a stream of one."""
+    import datasets
+
+    if isinstance(dataset, datasets.IterableDataset):
+        info = dataset.info
+        head = [json.dumps(r, sort_keys=True, default=str) for r in dataset.take(100)]
+        key = hashlib.sha256(f"{what}|{info.dataset_name}|{info.config_name}|{info.version}|{head}".encode())
+        split = (info.splits or {}).get(str(dataset.split)) if info.splits else None
+        return Rows(dataset, "stream|" + key.hexdigest(), text_column, label_column,
+                    getattr(split, "num_examples", None) or None, _label_names(dataset, label_column))
+    return Rows(dataset, f"table|{dataset._fingerprint}", text_column, label_column, len(dataset),
+                _label_names(dataset, label_column))
 
 
-def load_splits(cfg: RunConfig) -> TextSplits:
-    """Builder: config -> raw train/validation rows."""
+def _load(source: str, subset, split: str, streaming: bool, cache_dir: Path, key: str):
+    import datasets
+
+    try:
+        return datasets.load_dataset(source, name=subset, split=split, streaming=streaming, cache_dir=str(cache_dir))
+    except ValueError as error:
+        if "split" in str(error).lower():
+            raise UserError(Problem(key, str(error), fix=f"set {key} to a split the data has")) from error
+        raise UserError(Problem("data.source", f"could not load {source!r}: {error}")) from error
+    except (FileNotFoundError, ConnectionError, OSError) as error:
+        raise UserError(Problem("data.source", f"could not load {source!r}: {error}",
+                                fix="give a local file or directory, a save_to_disk output, or a hub data "
+                                "set name (hub names need network access or a filled cache)")) from error
+
+
+def open_source(cfg: RunConfig, split: str, key: str):
+    """The corpus of one split of `data.source`."""
     d = cfg.data
-    cache = Path(d.cache_dir).expanduser() / "datasets"
-    train, validation = load_source(d.source, d.format, d.subset, d.split, d.validation_split, cache, d.max_bytes)
     label = d.label_column if cfg.model.task == "sequence-classification" else None
-    for name, ds in (("data.text_column", d.text_column), ("data.label_column", label)):
-        if ds is not None and ds not in train.column_names:
-            raise UserError(Problem(name, f"no column {ds!r}; the data has {train.column_names}",
-                                    fix=f"set {name} to one of those"))
-    train = limit_bytes(train, d.text_column, d.max_bytes)
-    if validation is None and d.validation_fraction > 0 and len(train) > 1:
-        # Hold out whole documents, chosen by the seed: a token-level cut would let the
-        # validation text continue a training document.
-        parts = train.train_test_split(test_size=d.validation_fraction, seed=cfg.training.seed, shuffle=True)
-        train, validation = parts["train"], parts["test"]
-    return TextSplits(train, validation, d.text_column, label)
+    if d.source == "stdlib":
+        return stdlib_corpus(d.max_bytes)
+    cache = Path(d.cache_dir).expanduser() / "datasets"
+    path = Path(d.source).expanduser()
+    if _is_saved_dataset(path):
+        import datasets
+
+        saved = _pick(datasets.load_from_disk(str(path)), split, key)
+        return _table(saved, str(path), d.text_column, label)
+    if path.is_file() or (path.is_dir() and d.format != "auto"):
+        builder = _builder_for(path, d.format)
+        files = _files_under(path, builder)
+        if not files:
+            raise UserError(Problem("data.source", f"no {builder} files under {path}"))
+        if builder == "text":
+            return TextFiles(files, "text|" + pieces.files_fingerprint(files))
+        return _row_files(files, builder, d.text_column, label, cache)
+    # A hub name, or a local directory laid out like a hub repository (data files whose
+    # names give the splits): `load_dataset` treats both the same way.
+    name = str(path) if path.is_dir() else d.source
+    return _table(_load(name, d.subset, split, d.streaming, cache, key), name, d.text_column, label)
 
 
-def iter_column(dataset, column: str, batch_size: int = 1000) -> Iterator:
-    for batch in dataset.iter(batch_size=batch_size):
-        yield from batch[column]
+def _check_columns(corpus, cfg: RunConfig) -> None:
+    if not isinstance(corpus, Rows):
+        return
+    names = _columns(corpus.dataset)
+    for key, column in (("data.text_column", corpus.text_column), ("data.label_column", corpus.label_column)):
+        if column is not None and column not in names:
+            raise UserError(Problem(key, f"no column {column!r}; the data has {names}", fix=f"set {key} to one of those"))
 
 
-def content_hash(dataset, columns: Iterable[str]) -> str:
-    """sha256 of the listed columns' values: the cache key for anything derived from them."""
-    digest = hashlib.sha256()
-    for column in columns:
-        digest.update(f"\x00column:{column}\x00".encode())
-        for value in iter_column(dataset, column):
-            digest.update(str(value).encode("utf-8", errors="replace") + b"\x00")
-    return digest.hexdigest()
+def open_splits(cfg: RunConfig) -> Splits:
+    """Builder: config -> the train corpus, and validation as a separate split or a hold-out."""
+    d = cfg.data
+    if cfg.model.task == "sequence-classification" and d.source == "stdlib":
+        raise UserError(Problem("data.source", "the standard-library corpus has no labels for classification",
+                                fix="set data.source to a labelled data set (and data.label_column)"))
+    train = open_source(cfg, d.split, "data.split")
+    _check_columns(train, cfg)
+    validation = open_source(cfg, d.validation_split, "data.validation_split") if d.validation_split else None
+    if validation is not None:
+        _check_columns(validation, cfg)
+    holdout = d.validation_fraction if validation is None else 0.0
+    label = d.label_column if cfg.model.task == "sequence-classification" else None
+    return Splits(train, validation, holdout, cfg.training.seed, d.max_bytes, label)

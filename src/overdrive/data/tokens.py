@@ -1,23 +1,33 @@
-"""Token ids: text through the tokenizer, cached as numpy arrays keyed by content and tokenizer.
+"""Token ids: a corpus through the tokenizer, batch by batch, into the token cache (cache.py).
 
-`tokenize_splits(...)` stores the ids under `<cache_dir>/tokens/`, keyed by a hash of the
-text and of the tokenizer, so a second run skips tokenizing.
+The fast tokenizer encodes each batch of pieces on all cores (its batch encoding runs in
+Rust threads, without the GIL), while this thread turns the previous batch into arrays and
+appends them: memory stays at about two batches whatever the size of the corpus.
+
+Validation is held out by piece (a document, or a piece of a long text file): piece i goes
+to validation when a hash of (seed, i) falls under `data.validation_fraction`. The choice
+depends on the seed and the index alone, so it needs no shuffle of the whole corpus and a
+resumed tokenization makes the same choices.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
 
-from overdrive.data.sources import TextSplits, content_hash, iter_column
+from overdrive.data import cache
+from overdrive.data.samples import LabeledTexts, PackedBlocks
 from overdrive.errors import Problem, UserError
 
-_TOKENS_RECIPE = "tokens-v1"  # bump when tokenization changes, to invalidate the cache
+_TOKENS_RECIPE = "tokens-v2"  # bump when tokenization or the cache layout changes: old entries are not misread
 
 
 @dataclass
@@ -34,129 +44,191 @@ def tokenizer_hash(tokenizer) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def token_stream(texts: Iterable[str], tokenizer, batch_size: int = 512) -> np.ndarray:
-    """All documents' ids concatenated, each followed by the end-of-document id."""
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
-    dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max else np.int32
-    chunks, batch = [], []
-
-    def flush():
-        for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
-            chunks.append(np.asarray(ids + ([eos] if eos is not None else []), dtype=dtype))
-        batch.clear()
-
-    for text in texts:
-        batch.append(text)
-        if len(batch) == batch_size:
-            flush()
-    if batch:
-        flush()
-    return np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
+def held_out(seed: int, index: int, fraction: float) -> bool:
+    """Piece `index` belongs to validation: a fixed function of the seed and the index."""
+    if fraction <= 0:
+        return False
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < fraction * 2**64
 
 
-class PackedBlocks(torch.utils.data.Dataset):
-    """Non-overlapping blocks of `block` tokens; labels are the inputs (the model shifts)."""
-
-    def __init__(self, tokens: np.ndarray, block: int):
-        self.tokens, self.block = tokens, block
-
-    def __len__(self) -> int:
-        return len(self.tokens) // self.block
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = torch.from_numpy(self.tokens[i * self.block:(i + 1) * self.block].astype(np.int64))
-        return {"input_ids": ids, "labels": ids}
+def id_dtype(tokenizer) -> str:
+    return "uint16" if len(tokenizer) <= np.iinfo(np.uint16).max else "int32"
 
 
-class LabeledTexts(torch.utils.data.Dataset):
-    """Variable-length token ids with one class label each (stored flat with offsets)."""
+class Encoder:
+    """Texts -> lists of ids: raw ids for a causal LM; truncated, with special tokens, for a classifier."""
 
-    def __init__(self, ids: np.ndarray, offsets: np.ndarray, labels: np.ndarray):
-        self.ids, self.offsets, self.labels = ids, offsets, labels
+    def __init__(self, tokenizer, task: str, max_length: int):
+        self.tokenizer, self.task, self.max_length = tokenizer, task, max_length
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
 
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = self.ids[self.offsets[i]:self.offsets[i + 1]].astype(np.int64)
-        return {"input_ids": torch.from_numpy(ids), "labels": torch.tensor(int(self.labels[i]))}
-
-
-class PadCollator:
-    """Right-pads a classification batch to its longest row (a class, so workers can pickle it)."""
-
-    def __init__(self, pad_id: int):
-        self.pad_id = pad_id
-
-    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        longest = max(len(r["input_ids"]) for r in rows)
-        ids = torch.full((len(rows), longest), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), longest), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, :len(r["input_ids"])] = r["input_ids"]
-            mask[i, :len(r["input_ids"])] = 1
-        return {"input_ids": ids, "attention_mask": mask, "labels": torch.stack([r["labels"] for r in rows])}
+    def __call__(self, texts: list[str]) -> list[list[int]]:
+        if self.task == "causal-lm":
+            if self.backend is not None:  # all cores; no offsets or attention masks built
+                return [e.ids for e in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
+            return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(texts, truncation=True, max_length=self.max_length)["input_ids"]
 
 
-def label_names(dataset, column: str) -> list[str]:
-    feature = dataset.features[column]
-    if hasattr(feature, "names"):  # datasets.ClassLabel
-        return list(feature.names)
-    values = set(iter_column(dataset, column))
-    if all(isinstance(v, (int, np.integer)) for v in values):
-        return [str(i) for i in range(max(values) + 1)]
-    return sorted(str(v) for v in values)
+def _encoded(batches: Iterable, encode: Callable) -> Iterator[tuple]:
+    """(batch, ids) with the next batch already encoding in a thread."""
+    with ThreadPoolExecutor(1, thread_name_prefix="tokenize") as pool:
+        pending: deque = deque()
+        for batch in batches:
+            pending.append((batch, pool.submit(encode, batch.texts)))
+            if len(pending) >= 2:
+                done, future = pending.popleft()
+                yield done, future.result()
+        while pending:
+            done, future = pending.popleft()
+            yield done, future.result()
 
 
-def _cached(path: Path, build) -> dict[str, np.ndarray]:
-    """Arrays stored at `path` (.npz), built and written on the first call."""
-    if path.exists():
-        with np.load(path) as stored:
-            return dict(stored)
-    arrays = build()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{id(arrays)}.npz")
-    np.savez(tmp, **arrays)
-    tmp.replace(path)  # atomic: concurrent ranks never read half a file
-    return arrays
+class LabelTable:
+    """Label values -> class indices. Fixed names (a ClassLabel, or the training split's) map
+    directly; otherwise classes are numbered as first seen and renumbered at the end, as
+    range(max + 1) for integer labels and in sorted order for any other."""
+
+    def __init__(self, names: Optional[list[str]], seen: Optional[list] = None, integer_values: bool = False):
+        self.fixed = names is not None
+        self.names = list(names) if names is not None else [str(k) for k in (seen or [])]
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.integer_values = integer_values  # a ClassLabel stores the index itself
+
+    def code(self, value) -> int:
+        if self.integer_values and isinstance(value, (int, np.integer)):
+            return int(value)
+        key = str(value)
+        if key not in self.index:
+            if self.fixed:
+                raise UserError(Problem("data.label_column",
+                                        f"label {value!r} is not among the training labels {self.names}"))
+            self.index[key] = len(self.names)
+            self.names.append(key)
+        return self.index[key]
+
+    def final(self) -> tuple[list[str], np.ndarray]:
+        """The class names and the map from codes as stored to their final index."""
+        if self.fixed:
+            return self.names, np.arange(len(self.names), dtype=np.int32)
+        if all(n.lstrip("-").isdigit() for n in self.names) and self.names:
+            values = [int(n) for n in self.names]
+            return [str(i) for i in range(max(values) + 1)], np.asarray(values, dtype=np.int32)
+        ordered = sorted(self.names)
+        return ordered, np.asarray([ordered.index(n) for n in self.names], dtype=np.int32)
 
 
-def _encode_labeled(dataset, text_column, label_column, names, tokenizer, max_length) -> dict[str, np.ndarray]:
-    index = {name: i for i, name in enumerate(names)}
-    ids, offsets, labels = [], [0], []
-    for batch in dataset.iter(batch_size=512):
-        encoded = tokenizer(batch[text_column], truncation=True, max_length=max_length)["input_ids"]
-        for row, label in zip(encoded, batch[label_column]):
-            key = str(label)
-            if key not in index:
-                raise UserError(Problem("data.label_column", f"label {label!r} is not among the training labels {names}"))
-            ids.extend(row)
-            offsets.append(len(ids))
-            labels.append(index[key])
-    return {"ids": np.asarray(ids, dtype=np.int32), "offsets": np.asarray(offsets, dtype=np.int64),
-            "labels": np.asarray(labels, dtype=np.int64)}
+def entry_key(corpus_key: str, task: str, max_length: int, tokenizer, holdout: float, seed: int,
+              max_bytes: Optional[int], names: Optional[list[str]]) -> str:
+    # Packed blocks are cut when read, so a causal LM's entry serves every data.max_length.
+    length = str(max_length) if task != "causal-lm" else "-"
+    parts = (_TOKENS_RECIPE, task, length, tokenizer_hash(tokenizer), corpus_key, str(holdout), str(seed),
+             str(max_bytes), repr(names))
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 
-def tokenize_splits(splits: TextSplits, tokenizer, task: str, max_length: int, cache_dir: Path) -> TokenizedSplits:
-    """Token ids for both splits, from the cache when the text and tokenizer are unchanged."""
-    tok_hash = tokenizer_hash(tokenizer)
-    columns = [splits.text_column] + ([splits.label_column] if splits.label_column else [])
-    names = label_names(splits.train, splits.label_column) if splits.label_column else []
+def fill(entry: Path, corpus, encoder: Encoder, holdout: float, seed: int, max_bytes: Optional[int],
+         names: Optional[list[str]], progress) -> dict:
+    """Tokenize `corpus` into `entry`, continuing where an interrupted writer stopped."""
+    labeled = encoder.task != "causal-lm"
+    writer = cache.EntryWriter(entry, id_dtype(encoder.tokenizer), labeled)
+    state = writer.progress
+    table = LabelTable(names, state.get("labels"), integer_values=names is not None and corpus.label_names is not None)
+    index, seen, resumed = state.get("pieces", 0), state.get("bytes", 0), state.get("bytes", 0)
+    advanced = state.get("advance", 0)
+    started = time.perf_counter()
+    if writer.position is not None and writer.position.get("end"):
+        batches = iter(())  # the reading finished; only the closing step was interrupted
+    else:
+        batches = corpus.batches(writer.position)
+    progress.resume_at(advanced)
+    try:
+        for batch, ids in _encoded(batches, encoder):
+            n = len(batch.texts)
+            stop = False
+            if max_bytes is not None:
+                cumulative = np.cumsum(batch.sizes) + seen
+                over = np.nonzero(cumulative >= max_bytes)[0]
+                if len(over):
+                    n, stop = int(over[0]) + 1, True
+            parts = {"train": [], "validation": []}
+            for i in range(n):
+                parts["validation" if held_out(seed, index + i, holdout) else "train"].append(i)
+            for part, rows in parts.items():
+                if rows:
+                    _append(writer, part, rows, batch, ids, encoder, table)
+            index += n
+            seen += sum(batch.sizes[:n])
+            advanced += batch.advance
+            position = {"end": True} if stop else batch.position
+            writer.record(position, pieces=index, bytes=seen, labels=None if table.fixed else table.names,
+                          advance=advanced)
+            progress.advance(batch.advance, sum(batch.sizes[:n]))
+            if stop:
+                break
+        final_names = []
+        if labeled:
+            final_names, remap = table.final()
+            writer.close()
+            _renumber(entry, writer, remap)
+        meta = {"pieces": index, "text_bytes": seen, "label_names": final_names, "resumed_from_bytes": resumed,
+                "seconds": time.perf_counter() - started,
+                "counts": {f"{p}.{k}": writer.count(p, k) for p in cache.PARTS
+                           for k in (("ids", "ends", "labels") if labeled else ("ids",))}}
+        writer.finish(meta)
+        return meta
+    finally:
+        writer.close()
 
-    def key(dataset) -> str:
-        parts = (_TOKENS_RECIPE, task, str(max_length), tok_hash, content_hash(dataset, columns), *names)
-        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
-    def one(dataset):
-        if dataset is None or len(dataset) == 0:
-            return None
-        path = Path(cache_dir) / "tokens" / f"{key(dataset)}.npz"
+def _append(writer: cache.EntryWriter, part: str, rows: list[int], batch, ids: list[list[int]], encoder: Encoder,
+            table: LabelTable) -> None:
+    flat: list[int] = []
+    if encoder.task == "causal-lm":
+        for i in rows:
+            flat.extend(ids[i])
+            if batch.ends[i] and encoder.eos is not None:
+                flat.append(encoder.eos)
+        writer.append(part, np.asarray(flat, dtype=writer.dtype))
+        return
+    base, ends = writer.count(part), []
+    for i in rows:
+        flat.extend(ids[i])
+        ends.append(base + len(flat))
+    labels = np.asarray([table.code(batch.labels[i]) for i in rows], dtype=np.int32)
+    writer.append(part, np.asarray(flat, dtype=writer.dtype), np.asarray(ends, dtype=np.int64), labels)
+
+
+def _renumber(entry: Path, writer: cache.EntryWriter, remap: np.ndarray, chunk: int = 1 << 22) -> None:
+    """Stored first-seen codes -> final class indices, in place, a chunk at a time."""
+    if np.array_equal(remap, np.arange(len(remap))):
+        return
+    for part in cache.PARTS:
+        count = writer.count(part, "labels")
+        if count:
+            labels = np.memmap(entry / f"{part}.labels", dtype=np.int32, mode="r+", shape=(count,))
+            for start in range(0, count, chunk):
+                labels[start:start + chunk] = remap[labels[start:start + chunk]]
+            labels.flush()
+            del labels
+
+
+def open_entry(entry: Path, task: str, max_length: int) -> dict[str, Optional[torch.utils.data.Dataset]]:
+    """The entry's parts as datasets over memory maps; raises cache.NotReady until it is complete."""
+    meta = cache.done(entry)
+    if meta is None:
+        raise cache.NotReady(str(entry))
+    counts, dtype = meta["counts"], np.dtype(meta["dtype"])
+    result: dict[str, Optional[torch.utils.data.Dataset]] = {}
+    for part in cache.PARTS:
+        ids = cache.open_array(entry, f"{part}.ids", dtype, counts[f"{part}.ids"])
         if task == "causal-lm":
-            arrays = _cached(path, lambda: {"ids": token_stream(iter_column(dataset, splits.text_column), tokenizer)})
-            blocks = PackedBlocks(arrays["ids"], max_length)
-            return blocks if len(blocks) else None
-        arrays = _cached(path, lambda: _encode_labeled(dataset, splits.text_column, splits.label_column, names,
-                                                       tokenizer, max_length))
-        return LabeledTexts(arrays["ids"], arrays["offsets"], arrays["labels"])
-
-    return TokenizedSplits(one(splits.train), one(splits.validation), max_length, names)
+            blocks = PackedBlocks(ids, max_length)
+            result[part] = blocks if len(blocks) else None
+        else:
+            n = counts[f"{part}.labels"]
+            result[part] = LabeledTexts(ids, cache.open_array(entry, f"{part}.ends", np.int64, n),
+                                        cache.open_array(entry, f"{part}.labels", np.int32, n)) if n else None
+    return result

@@ -24,16 +24,14 @@ class DataSize:
     exact: bool = False
 
 
-def data_size(cfg) -> DataSize:
-    """Training tokens before the validation hold-out, and how they were counted."""
-    try:  # exact, when the data pipeline can say from its cache without tokenizing
-        from overdrive import data
-        counter = getattr(data, "cached_token_count", None)
-        tokens = counter(cfg) if counter else None
-        if tokens:
-            return DataSize(int(tokens), "token ids cached by an earlier run (exact)", exact=True)
-    except Exception:  # a cache that cannot be read is the same as no cache: estimate
-        pass
+def data_size(cfg, cached_tokens: Optional[int] = None) -> DataSize:
+    """Training tokens before the validation hold-out, and how they were counted.
+
+    `cached_tokens`: exact, from the token cache (`overdrive plan` also measures a sample:
+    data/estimate.py; this is the estimate without one).
+    """
+    if cached_tokens:
+        return DataSize(int(cached_tokens), "token ids cached by an earlier run (exact)", exact=True)
     d = cfg.data
     if d.source == "stdlib":
         from overdrive.data import stdlib_files

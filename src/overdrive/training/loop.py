@@ -99,12 +99,10 @@ def build_parts(cfg: RunConfig, accelerator) -> Parts:
     t, d = cfg.training, cfg.data
     micro = _micro_batch(cfg)
     cache_dir = Path(d.cache_dir).expanduser()
-    # The main process reads and tokenizes first and fills the caches; the others then read them.
-    with accelerator.main_process_first():
-        splits = data_mod.load_splits(cfg)
-        tokenizer = build_tokenizer(cfg, data_mod.iter_column(splits.train, splits.text_column),
-                                    data_mod.content_hash(splits.train, [splits.text_column]))
-        tokens = data_mod.tokenize_splits(splits, tokenizer, cfg.model.task, d.max_length, cache_dir)
+    # One process per machine trains the tokenizer and fills the token cache; the others wait
+    # for those files (not in a barrier), then every process memory-maps the same token ids.
+    tokenizer, tokens = data_mod.prepare(cfg, build_tokenizer, build=accelerator.is_local_main_process,
+                                         show=accelerator.is_main_process and cfg.logging.level != "quiet")
     special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
     if cfg.model.task == "sequence-classification":
         # The classifier reads the last non-pad token. A causal LM gets no pad id: packed

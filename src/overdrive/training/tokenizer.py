@@ -17,7 +17,7 @@ from overdrive.config.schema import RunConfig
 
 EOS = "<|endoftext|>"
 # Bump when the way a BPE is built changes, so stale cached tokenizers are not reused.
-_BPE_RECIPE = "bytelevel-bpe-v1"
+_BPE_RECIPE = "bytelevel-bpe-v2"  # v2: keyed by the corpus fingerprint, trained on its leading pieces
 
 
 def bpe_cache_key(content_hash: str, vocab_size: int, max_bytes: int) -> str:
@@ -55,13 +55,22 @@ def train_bpe(texts: Iterable[str], vocab_size: int, max_bytes: int = 20_000_000
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=EOS)
 
 
-def cached_bpe(texts: Iterable[str], content_hash: str, vocab_size: int, max_bytes: int, cache_dir: Path):
-    """Load the BPE for this content from the cache, or train and store it."""
+def cached_bpe(texts: Iterable[str], content_hash: str, vocab_size: int, max_bytes: int, cache_dir: Path,
+               only_cached: bool = False):
+    """Load the BPE for this content from the cache, or train and store it.
+
+    With `only_cached`, a missing BPE raises `overdrive.data.NotReady` instead: another
+    process is training it.
+    """
     from transformers import PreTrainedTokenizerFast
 
     target = Path(cache_dir) / "tokenizers" / f"bpe-{bpe_cache_key(content_hash, vocab_size, max_bytes)}"
     if (target / "tokenizer.json").exists():
         return PreTrainedTokenizerFast.from_pretrained(target)
+    if only_cached:
+        from overdrive.data import NotReady
+
+        raise NotReady(str(target))
     tokenizer = train_bpe(texts, vocab_size, max_bytes)
     target.parent.mkdir(parents=True, exist_ok=True)
     # Write into a temporary sibling then rename: a reader never sees a half-written tokenizer.
@@ -84,8 +93,12 @@ def load_pretrained(name_or_path: str, revision: Optional[str] = None, trust_rem
     return tokenizer
 
 
-def build_tokenizer(cfg: RunConfig, texts: Iterable[str], content_hash: str):
-    """The run's tokenizer: explicit name, else the model's own, else a BPE trained on `texts`."""
+def build_tokenizer(cfg: RunConfig, texts: Iterable[str], content_hash: str, only_cached: bool = False):
+    """The run's tokenizer: explicit name, else the model's own, else a BPE trained on `texts`.
+
+    `content_hash` identifies the text (the BPE cache key); with `only_cached` a BPE is never
+    trained here (see cached_bpe).
+    """
     name = cfg.tokenizer.name_or_path or cfg.model.name_or_path
     if name:
         revision = cfg.model.revision if not cfg.tokenizer.name_or_path else None
@@ -96,4 +109,5 @@ def build_tokenizer(cfg: RunConfig, texts: Iterable[str], content_hash: str):
         vocab_size=cfg.tokenizer.vocab_size,
         max_bytes=cfg.tokenizer.train_max_bytes,
         cache_dir=Path(cfg.data.cache_dir).expanduser(),
+        only_cached=only_cached,
     )

@@ -184,10 +184,7 @@ def prepare_data(path: str) -> int:
     from overdrive.training.tokenizer import build_tokenizer
 
     cfg = Resolved.from_json(Path(path).read_text()).config
-    splits = data.load_splits(cfg)
-    tokenizer = build_tokenizer(cfg, data.iter_column(splits.train, splits.text_column),
-                                data.content_hash(splits.train, [splits.text_column]))
-    data.tokenize_splits(splits, tokenizer, cfg.model.task, cfg.data.max_length, Path(cfg.data.cache_dir).expanduser())
+    data.prepare(cfg, build_tokenizer)
     return 0
 
 

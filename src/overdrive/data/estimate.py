@@ -1,0 +1,142 @@
+"""How long tokenization will take and how much disk its cache needs, measured on a sample.
+
+The leading pieces of the training corpus (a few MB) go through the same batch encoder as
+the real run; MB/s, tokens per byte and bytes per row are extrapolated to the corpus' size:
+its file sizes for plain text, its row count (parquet metadata, a table's length, or the
+lines of a jsonl/csv counted in its first MiB) for rows. The measurement runs on this
+machine as loaded as it is now, so it is a forecast, not a promise.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from overdrive.data import cache, tokens
+from overdrive.data.sources import Splits, TextFiles
+
+SAMPLE_BYTES = 2_000_000
+
+
+@dataclass(frozen=True)
+class TokenizeEstimate:
+    sample_bytes: int
+    sample_tokens: int
+    sample_seconds: float
+    total_bytes: Optional[int]  # text to tokenize (None: unknown, e.g. a stream of unknown length)
+    seconds: Optional[float]
+    tokens: Optional[int]
+    cache_bytes: Optional[int]  # the token cache on disk: ids (and row ends and labels)
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.sample_bytes / 1e6 / max(self.sample_seconds, 1e-9)
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.sample_bytes / max(self.sample_tokens, 1)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "mb_per_s": self.mb_per_s, "bytes_per_token": self.bytes_per_token}
+
+
+def sample_texts(splits: Splits, sample_bytes: int = SAMPLE_BYTES) -> tuple[list[str], int, int]:
+    """(texts, their bytes, rows or raw bytes read) from the start of the training corpus."""
+    texts, nbytes, advance = [], 0, 0.0
+    for batch in splits.train.batches(batch_bytes=min(sample_bytes, 1 << 20)):
+        texts += batch.texts
+        nbytes += sum(batch.sizes)
+        advance += batch.advance
+        if nbytes >= sample_bytes:
+            break
+    return texts, nbytes, int(advance)
+
+
+def measure(splits: Splits, tokenizer, task: str, max_length: int, sample: tuple[list[str], int, int]
+            ) -> TokenizeEstimate:
+    texts, nbytes, advance = sample
+    encoder = tokens.Encoder(tokenizer, task, max_length)
+    start = time.perf_counter()
+    n_tokens = 0
+    for i in range(0, len(texts), 16):  # the batches the real run hands to the tokenizer
+        n_tokens += sum(len(ids) for ids in encoder(texts[i:i + 16]))
+    seconds = time.perf_counter() - start
+    corpus = splits.train
+    if isinstance(corpus, TextFiles):
+        total = corpus.total
+    else:  # rows: the sample's text per row, times the rows
+        total = int(corpus.total * nbytes / advance) if corpus.total and advance else None
+    if total is not None and splits.max_bytes is not None:
+        total = min(total, splits.max_bytes)
+    if total is None:
+        return TokenizeEstimate(nbytes, n_tokens, seconds, None, None, None, None)
+    est_tokens = int(total * n_tokens / max(nbytes, 1))
+    per_token = np.dtype(tokens.id_dtype(tokenizer)).itemsize
+    if task != "causal-lm" and advance:
+        rows = corpus.total or 0
+        index = rows * (8 + 4)  # row ends (int64) and labels (int32)
+    else:
+        index = 0
+    return TokenizeEstimate(nbytes, n_tokens, seconds, total, seconds * total / max(nbytes, 1), est_tokens,
+                            est_tokens * per_token + index)
+
+
+def cached_entry(cfg, splits: Splits, tokenizer) -> Optional[Path]:
+    """The complete cache entry of the training corpus, if there is one."""
+    d = cfg.data
+    names = splits.train.label_names if cfg.model.task != "causal-lm" else None
+    key = tokens.entry_key(splits.train.key, cfg.model.task, d.max_length, tokenizer, splits.holdout,
+                           cfg.training.seed, d.max_bytes, names)
+    entry = Path(d.cache_dir).expanduser() / "tokens" / key
+    return entry if cache.done(entry) is not None else None
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """What tokenizing this run's data will cost, or that it is already cached."""
+
+    cached_tokens: Optional[int] = None  # exact, from a complete cache entry
+    entry: Optional[str] = None
+    estimate: Optional[TokenizeEstimate] = None
+    tokenizer_seconds: Optional[float] = None  # training a BPE on the fly, extrapolated from the sample
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return {"cached_tokens": self.cached_tokens, "cache_entry": self.entry, "tokenizer_seconds":
+                self.tokenizer_seconds, "note": self.note, **(self.estimate.to_dict() if self.estimate else {})}
+
+
+def forecast(cfg, make_tokenizer, train_sample_bpe) -> Forecast:
+    """The cache entry if complete; else a measured forecast. Needs local data (a hub name is not read).
+
+    `make_tokenizer(cfg, texts, key, only_cached=True)` as in prepare(); when it has no cached
+    BPE, `train_sample_bpe(texts)` trains one on the sample, timed, to measure with.
+    """
+    from overdrive.data.sources import open_splits
+
+    d = cfg.data
+    if d.source != "stdlib" and not Path(d.source).expanduser().exists():
+        return Forecast(note=f"{d.source!r} is not local: measured once downloaded (or bound it with data.max_bytes)")
+    splits = open_splits(cfg)
+    sample = None
+    tokenizer_seconds = None
+    try:
+        tokenizer = make_tokenizer(cfg, iter(()), splits.train_key(), only_cached=True)
+    except cache.NotReady:
+        sample = sample_texts(splits)
+        start = time.perf_counter()
+        tokenizer = train_sample_bpe(sample[0])
+        bpe_bytes = min(cfg.tokenizer.train_max_bytes, getattr(splits.train, "total", None) or cfg.tokenizer.train_max_bytes)
+        tokenizer_seconds = (time.perf_counter() - start) * max(bpe_bytes / max(sample[1], 1), 1.0)
+    else:
+        entry = cached_entry(cfg, splits, tokenizer)
+        if entry is not None:
+            meta = cache.done(entry) or {}
+            n = sum(v for k, v in meta.get("counts", {}).items() if k.endswith(".ids"))
+            return Forecast(cached_tokens=n, entry=str(entry))
+    estimate = measure(splits, tokenizer, cfg.model.task, d.max_length, sample or sample_texts(splits))
+    return Forecast(estimate=estimate, tokenizer_seconds=tokenizer_seconds)

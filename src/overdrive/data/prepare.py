@@ -1,0 +1,131 @@
+"""`prepare(cfg, make_tokenizer)`: the run's tokenizer and datasets, built once per machine.
+
+One process per machine (the one told to `build`) trains or loads the tokenizer and fills
+the token cache; the others ask for the same caches and, while they are not complete, wait
+by polling the files (not in a collective barrier, which would time out on a corpus that
+takes an hour). Every process then maps the same token files.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+from overdrive.config.schema import RunConfig
+from overdrive.data import cache, tokens
+from overdrive.data.progress import TokenizeProgress
+from overdrive.data.sources import Splits, TextFiles, open_splits
+
+_POLL_S = 0.5
+
+
+def train_texts(splits: Splits) -> Iterator[str]:
+    """The training pieces' text in order (held-out pieces skipped, data.max_bytes respected)."""
+    index, seen = 0, 0
+    for batch in splits.train.batches():
+        for text, size in zip(batch.texts, batch.sizes):
+            if splits.max_bytes is not None and seen >= splits.max_bytes:
+                return
+            seen += size
+            if not tokens.held_out(splits.seed, index, splits.holdout):
+                yield text
+            index += 1
+
+
+def _until_ready(make: Callable, waiting: bool):
+    while True:
+        try:
+            return make()
+        except cache.NotReady:
+            if not waiting:
+                raise
+            time.sleep(_POLL_S)
+
+
+def _describe(cfg: RunConfig, corpus) -> str:
+    return "tokenizing " + ("the standard library" if cfg.data.source == "stdlib" else cfg.data.source)
+
+
+def _one(cfg: RunConfig, corpus, tokenizer, holdout: float, names: Optional[list[str]], build: bool, show: bool):
+    """A corpus' entry in the token cache: filled here when building and missing, else waited for."""
+    d = cfg.data
+    key = tokens.entry_key(corpus.key, cfg.model.task, d.max_length, tokenizer, holdout, cfg.training.seed,
+                           d.max_bytes, names)
+    entry = Path(d.cache_dir).expanduser() / "tokens" / key
+    if cache.done(entry) is None:
+        if not build:
+            raise cache.NotReady(str(entry))
+        with cache.writing(entry) as needed:
+            if needed:
+                total = corpus.total
+                if isinstance(corpus, TextFiles) and d.max_bytes is not None:
+                    total = min(total, d.max_bytes)
+                progress = TokenizeProgress(_describe(cfg, corpus), total, corpus.unit,
+                                            enabled=show and cfg.logging.progress)
+                try:
+                    meta = tokens.fill(entry, corpus, tokens.Encoder(tokenizer, cfg.model.task, d.max_length),
+                                       holdout, cfg.training.seed, d.max_bytes, names, progress)
+                finally:
+                    progress.close()
+                if show:
+                    _summary(progress, meta, entry)
+    return entry, cache.done(entry)
+
+
+def _summary(progress: TokenizeProgress, meta: dict, entry: Path) -> None:
+    n = sum(v for k, v in meta["counts"].items() if k.endswith(".ids"))
+    resumed = f", continued from {meta['resumed_from_bytes'] / 1e6:,.0f} MB" if meta["resumed_from_bytes"] else ""
+    progress.console.print(f"tokenized {meta['text_bytes'] / 1e6:,.1f} MB of text in {meta['seconds']:.0f} s "
+                           f"({progress.rate():.2f} MB/s{resumed}): {n:,} tokens, "
+                           f"cache {cache.entry_bytes(entry) / 1e6:,.1f} MB in {entry}")
+
+
+def tokenize(cfg: RunConfig, splits: Splits, tokenizer, build: bool = True, show: bool = False
+             ) -> tokens.TokenizedSplits:
+    """Token datasets for the splits, from the cache (filled first when `build`)."""
+    task, length = cfg.model.task, cfg.data.max_length
+    names = splits.train.label_names if task != "causal-lm" else None
+    entry, meta = _one(cfg, splits.train, tokenizer, splits.holdout, names, build, show)
+    parts = tokens.open_entry(entry, task, length)
+    label_names = meta.get("label_names") or []
+    validation = parts["validation"]
+    if splits.validation is not None:
+        # Separate split: its labels must be among the training labels (same class indices).
+        fixed = label_names if task != "causal-lm" else None
+        entry_v, _ = _one(cfg, splits.validation, tokenizer, 0.0, fixed, build, show)
+        validation = tokens.open_entry(entry_v, task, length)["train"]
+    if parts["train"] is None:
+        from overdrive.errors import Problem, UserError
+
+        raise UserError(Problem("data.source", f"{cfg.data.source!r} gave no training samples"
+                                f"{' of ' + str(length) + ' tokens' if task == 'causal-lm' else ''}",
+                                fix="give more text, raise data.max_bytes, or lower data.max_length"))
+    return tokens.TokenizedSplits(parts["train"], validation, length, label_names)
+
+
+def prepare(cfg: RunConfig, make_tokenizer: Callable, build: bool = True, show: bool = False):
+    """(tokenizer, TokenizedSplits) for the run.
+
+    `make_tokenizer(cfg, texts, content_key, only_cached=...)` gives the tokenizer (training a
+    BPE on `texts` when it has to); with `build` False it must raise cache.NotReady rather
+    than train, and this process waits for the one that builds.
+    """
+    splits = open_splits(cfg)
+    tokenizer = _until_ready(lambda: make_tokenizer(cfg, train_texts(splits), splits.train_key(),
+                                                    only_cached=not build), waiting=not build)
+    datasets = _until_ready(lambda: tokenize(cfg, splits, tokenizer, build, show), waiting=not build)
+    return tokenizer, datasets
+
+
+def cached_token_count(cfg: RunConfig, tokenizer) -> Optional[int]:
+    """Token ids in the complete cache entry of the training corpus (train + held out), or None."""
+    splits = open_splits(cfg)
+    d = cfg.data
+    names = splits.train.label_names if cfg.model.task != "causal-lm" else None
+    key = tokens.entry_key(splits.train.key, cfg.model.task, d.max_length, tokenizer, splits.holdout,
+                           cfg.training.seed, d.max_bytes, names)
+    meta = cache.done(Path(d.cache_dir).expanduser() / "tokens" / key)
+    if meta is None:
+        return None
+    return sum(v for k, v in meta["counts"].items() if k.endswith(".ids"))

@@ -1,0 +1,86 @@
+"""Training samples over the memory-mapped token cache: packed blocks, labelled rows, padding.
+
+Both are map-style datasets (`__len__`, `__getitem__` by sample index) over arrays that may
+be `numpy.memmap`s: a sample is read from the shared page cache when it is asked for. When a
+DataLoader worker is started by pickling, a memmap travels as its file name and is mapped
+again on the other side, instead of being copied whole.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def _portable(array: np.ndarray):
+    if isinstance(array, np.memmap) and array.filename:
+        return ("memmap", array.filename, array.dtype.str, array.shape, array.offset)
+    return array
+
+
+def _restore(value) -> np.ndarray:
+    if isinstance(value, tuple) and value and value[0] == "memmap":
+        _, filename, dtype, shape, offset = value
+        return np.memmap(filename, dtype=np.dtype(dtype), mode="r", shape=shape, offset=offset)
+    return value
+
+
+class PackedBlocks(torch.utils.data.Dataset):
+    """Non-overlapping blocks of `block` tokens; labels are the inputs (the model shifts)."""
+
+    def __init__(self, tokens: np.ndarray, block: int):
+        self.tokens, self.block = tokens, block
+
+    def __len__(self) -> int:
+        return len(self.tokens) // self.block
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"block {i} of {len(self)}")
+        ids = torch.from_numpy(self.tokens[i * self.block:(i + 1) * self.block].astype(np.int64))
+        return {"input_ids": ids, "labels": ids}
+
+    def __getstate__(self):
+        return {"tokens": _portable(self.tokens), "block": self.block}
+
+    def __setstate__(self, state):
+        self.tokens, self.block = _restore(state["tokens"]), state["block"]
+
+
+class LabeledTexts(torch.utils.data.Dataset):
+    """Variable-length token ids with one class label each: row i is ids[ends[i-1]:ends[i]]."""
+
+    def __init__(self, ids: np.ndarray, ends: np.ndarray, labels: np.ndarray):
+        self.ids, self.ends, self.labels = ids, ends, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"row {i} of {len(self)}")
+        start = int(self.ends[i - 1]) if i else 0
+        ids = self.ids[start:int(self.ends[i])].astype(np.int64)
+        return {"input_ids": torch.from_numpy(ids), "labels": torch.tensor(int(self.labels[i]))}
+
+    def __getstate__(self):
+        return {k: _portable(v) for k, v in (("ids", self.ids), ("ends", self.ends), ("labels", self.labels))}
+
+    def __setstate__(self, state):
+        self.ids, self.ends, self.labels = (_restore(state[k]) for k in ("ids", "ends", "labels"))
+
+
+class PadCollator:
+    """Right-pads a classification batch to its longest row (a class, so workers can pickle it)."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        longest = max(len(r["input_ids"]) for r in rows)
+        ids = torch.full((len(rows), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, :len(r["input_ids"])] = r["input_ids"]
+            mask[i, :len(r["input_ids"])] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": torch.stack([r["labels"] for r in rows])}
