@@ -23,13 +23,19 @@ def peer_files(root: Path) -> list[Path]:
 
 @pytest.fixture(autouse=True)
 def isolated_environment(tmp_path_factory, monkeypatch):
-    """No Accelerate default config, no ACCELERATE_*/FSDP_*/OVERDRIVE_* variables leaking in."""
+    """No Accelerate default config, no ACCELERATE_*/FSDP_*/OVERDRIVE_* variables leaking in,
+    and none leaking out: code run in-process (a lone DeepSpeed or FSDP accelerator sets rank
+    variables, a CPU run sets DS_ACCELERATOR) must not make a later test look like a worker."""
+    saved = dict(os.environ)
     home = tmp_path_factory.mktemp("hf_home")
     monkeypatch.setenv("HF_HOME", str(home))
     for name in list(os.environ):
         if name.startswith(("ACCELERATE_", "FSDP_", "OVERDRIVE_")):
             monkeypatch.delenv(name)
     yield
+    monkeypatch.undo()
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:

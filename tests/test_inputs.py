@@ -457,3 +457,12 @@ def test_an_unforeseen_error_is_one_line_and_a_traceback_file(monkeypatch):
         assert cli.main(["explain"]) == 1
     assert "Traceback" in err_io.getvalue()
     Path(err_io.getvalue().split("the full traceback is in ")[1].split(" ")[0]).unlink()
+
+
+def test_names_that_only_begin_like_a_token_are_not_masked():
+    # A directory named hf_scripts0 or a package named sk-learn is a value the run needs.
+    from overdrive.config.redact import redact
+
+    values = {"output_dir": "/tmp/hf_scripts0/run", "data": {"source": "sk-learn-notes.txt"}}
+    assert redact(values) == values
+    assert redact({"output_dir": f"/tmp/{TOKEN}/run"})["output_dir"] == "/tmp/***/run"

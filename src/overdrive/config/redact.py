@@ -19,9 +19,11 @@ from typing import Any
 from overdrive.config.env_report import MASK, is_secret_name
 
 _SHAPES = [
-    re.compile(r"\bhf_[A-Za-z0-9]{8,}\b"),                          # Hugging Face hub tokens
-    re.compile(r"\bapi_org_[A-Za-z0-9]{8,}\b"),                      # Hugging Face org API tokens
-    re.compile(r"\bsk-(?:[A-Za-z]+-)?[A-Za-z0-9_-]{8,}"),            # OpenAI / Anthropic-style keys
+    # Lengths are the issuers' (a hub token is hf_ and 34 letters): a much shorter match is a name
+    # (`hf_scripts`, `sk-learn`), and masking it would change a path or a value the run needs.
+    re.compile(r"\bhf_[A-Za-z0-9]{20,}\b"),                         # Hugging Face hub tokens
+    re.compile(r"\bapi_org_[A-Za-z0-9]{20,}\b"),                     # Hugging Face org API tokens
+    re.compile(r"\bsk-(?:[A-Za-z]+-)?[A-Za-z0-9_-]{20,}"),           # OpenAI / Anthropic-style keys
     re.compile(r"\b(?:ghp|gho|ghu|ghs|ghr)_[A-Za-z0-9]{16,}\b"),     # GitHub tokens
     re.compile(r"\bgithub_pat_[A-Za-z0-9_]{16,}"),
     re.compile(r"\bglpat-[A-Za-z0-9_-]{16,}"),                       # GitLab

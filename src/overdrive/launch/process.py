@@ -87,6 +87,17 @@ def worker_environment(cfg: RunConfig, base: Optional[Mapping[str, str]] = None)
     return env
 
 
+def secrets_env(cfg: RunConfig) -> dict[str, str]:
+    """The config's secrets for the workers' environment: the resolved file they read holds
+    them masked, and a credential belongs in a process's environment, not in a file."""
+    import json
+
+    from overdrive.config import SECRETS_VARIABLE, Resolved
+
+    secrets = Resolved(config=cfg, origins={}).secret_values()
+    return {SECRETS_VARIABLE: json.dumps(secrets)} if secrets else {}
+
+
 def hide_gpus_for_cpu_runs(cfg: RunConfig) -> None:
     """`launch.use_cpu` in a lone process: hide the GPUs, as the launcher does for workers.
     Effective only before CUDA is initialised here (`overdrive train` calls this before its

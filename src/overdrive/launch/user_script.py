@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from overdrive.config.schema import RunConfig
-from overdrive.launch.process import STRIPPED_PREFIXES, process_env
+from overdrive.launch.process import secrets_env, STRIPPED_PREFIXES, process_env
 from overdrive.launch.workers import check, local_port, resolved_path, run_agent, torchrun_args
 from overdrive.strategies import registry
 
@@ -91,6 +91,7 @@ def launch_script(resolved: Any, script: str, script_args: Sequence[str]) -> int
     cfg = local_port(cfg)
     files_dir = Path(cfg.output_dir) / "launch"
     env = user_script_env(cfg, files_dir)
+    env.update(secrets_env(cfg))  # the resolved file below holds them masked
     path = files_dir / resolved_path(cfg).name
     path.write_text(resolved.to_json())
     command = [sys.executable, "-m", "overdrive.launch.elastic", *torchrun_args(cfg),

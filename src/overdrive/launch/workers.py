@@ -12,7 +12,6 @@ what each worker's environment holds.
 
 from __future__ import annotations
 
-import json
 import signal
 import socket
 import subprocess
@@ -25,7 +24,7 @@ from overdrive import strategies
 from overdrive.config.schema import RunConfig
 from overdrive.config.validate import launch_rules  # the same rules `overdrive explain` applies
 from overdrive.errors import Problem, UserError
-from overdrive.launch.process import free_port, local_processes, worker_environment
+from overdrive.launch.process import free_port, local_processes, secrets_env, worker_environment
 
 
 # --------------------------------------------------------------------------- checks
@@ -105,11 +104,7 @@ def launch_workers(resolved: Any, worker: Optional[Sequence[str]] = None,
     path.write_text(resolved.to_json())  # secrets masked: the workers get them in their environment
     env = worker_environment(cfg)
     env.update(extra_env or {})
-    secrets = resolved.secret_values() if hasattr(resolved, "secret_values") else {}
-    if secrets:
-        from overdrive.config import SECRETS_VARIABLE
-
-        env[SECRETS_VARIABLE] = json.dumps(secrets)
+    env.update(secrets_env(cfg))
     # Restarts (launch.max_restarts) start a new agent rather than asking torch's agent to
     # restart its workers: its rendezvous store outlives the restart (torch 2.13, static and
     # c10d alike), and a restarted rank can read a dead peer's gloo address from it and fail

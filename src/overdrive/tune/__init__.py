@@ -14,7 +14,6 @@ order, the optimizer and the schedule. `result` is plain JSON: it is what the ca
 from __future__ import annotations
 
 import itertools
-import json
 import shutil
 import tempfile
 import time
@@ -92,11 +91,7 @@ def open_starter(job: Job, root: Path):
     # The environment an `overdrive train` worker would get (Accelerate's variables removed:
     # the resolved config already holds what they said).
     env = launch.worker_environment(job.config)
-    from overdrive.config import SECRETS_VARIABLE, Resolved
-
-    secrets = Resolved(config=job.config, origins={}).secret_values()
-    if secrets:  # the trial's resolved JSON holds them masked
-        env[SECRETS_VARIABLE] = json.dumps(secrets)
+    env.update(launch.secrets_env(job.config))  # the trial's resolved JSON holds them masked
     if job.plan.runner == "spawn":
         return processes.Spawner(env)
     arch = job.config.model.architecture if not job.config.model.name_or_path else {}
