@@ -77,9 +77,10 @@ def writable_target(path: Union[str, Path], name: str, *, directory: bool = Fals
 
 
 def debug_enabled() -> bool:
-    import os
+    """OVERDRIVE_DEBUG=1: show the traceback of an unexpected error on the terminal too."""
+    from overdrive.config.env_report import debug_requested  # the environment is read in config/
 
-    return os.environ.get("OVERDRIVE_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+    return debug_requested()
 
 
 def _write_traceback(command: str, text: str) -> Path | None:

@@ -99,3 +99,8 @@ def hf_home(environ: Optional[Mapping[str, str]] = None) -> Path:
 def accelerate_default_config_path(environ: Optional[Mapping[str, str]] = None) -> Path:
     """Where `accelerate launch` (and overdrive's second layer) looks for its default config."""
     return hf_home(environ) / "accelerate" / "default_config.yaml"
+
+
+def debug_requested(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """`OVERDRIVE_DEBUG` set to anything but empty, 0, false or no."""
+    return _environ(environ).get("OVERDRIVE_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
