@@ -106,7 +106,9 @@ def test_plan_default_run(tmp_path, capsys):
     from overdrive.cli import main
 
     out = tmp_path / "out"
-    assert main(["plan", f"output_dir={out}", "--json"]) == 0
+    # A cache of its own: with the default run's tokens already cached (any earlier run on
+    # this machine), plan counts them exactly instead of estimating.
+    assert main(["plan", f"output_dir={out}", f"data.cache_dir={tmp_path / 'cache'}", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     training, seq_len = RunConfig().training, RunConfig().data.max_length
     global_batch = training.micro_batch_size * training.gradient_accumulation_steps
@@ -127,7 +129,8 @@ def test_plan_predicts_step_time_from_metrics(tmp_path, capsys):
     lines += [{"step": 10 * i, "tokens_per_s": 2048.0, "loss": 4.0, "num_processes": 2, "micro_batch_size": 8,
                "seq_len": 256} for i in range(2, 6)]
     (out / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    argv = ["plan", f"output_dir={out}", "launch.num_processes=2", "mbs=8", "accum=2"]
+    argv = ["plan", f"output_dir={out}", f"data.cache_dir={tmp_path / 'cache'}", "launch.num_processes=2", "mbs=8",
+            "accum=2"]
     assert main([*argv, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["global_batch"] == 8 * 2 * 2
