@@ -118,8 +118,9 @@ def run(job: Job, study, show: Callable[[Any], None] = lambda study: None) -> Fi
                     continue
                 trial = study.ask(studies.distributions(job.entries))
                 studies.claim(study, trial)
-                if studies.excess(study, trial.number, target):
-                    study.tell(trial, state=_state("FAIL"))  # asked at the same moment as another process
+                if studies.excess(study, trial.number, target):  # asked at the same moment as another process
+                    trial.set_user_attr("reason", f"not run: the study already had {target} trials")
+                    study.tell(trial, state=_state("FAIL"))
                     continue
                 ran.append(trial.number)
                 outcome = run_trial(job, study, trial, starter, signals, show)

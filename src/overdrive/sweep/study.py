@@ -66,8 +66,10 @@ def open_storage(cfg: RunConfig, where: str = ""):
 
     quiet_optuna()
     url = storage_url(cfg)
+    # SQLite shared by several sweep processes: a writer waits for the lock instead of failing at once.
+    engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None
     try:
-        return RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+        return RDBStorage(url, engine_kwargs=engine, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
                           heartbeat_stale_trial_callback=Retry(max_retry=RETRIES, inherit_intermediate_values=True))
     except (Exception, optuna.exceptions.OptunaError) as error:  # SQLAlchemy's and drivers' errors vary by backend
         reason = redact_text(str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
