@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import yaml
@@ -178,3 +179,53 @@ def test_a_tail_reads_again_a_file_cut_back_by_a_resume(tmp_path):
 
 def test_default_config_has_an_empty_sweep_that_train_ignores():
     assert RunConfig().sweep.space == {} and RunConfig().sweep.metric == "eval_loss"
+
+
+class _Run:
+    """A stand-in for a trial process: each poll appends the next metrics line, then exits."""
+
+    pid = 4242
+
+    def __init__(self, output_dir: Path, records: list[dict], code: int):
+        self.path, self.records, self.code, self.killed = output_dir / "metrics.jsonl", list(records), code, False
+
+    def poll(self):
+        if self.records:
+            with self.path.open("a") as f:
+                f.write(json.dumps(self.records.pop(0)) + "\n")
+            return None
+        return self.code
+
+    def kill(self):
+        self.killed = True
+
+
+class _Starter:
+    def __init__(self, records: list[dict], code: int = 0):
+        self.records, self.code, self.started = records, code, []
+
+    def start(self, task, path, log):
+        run = _Run(Path(path).parent, self.records, self.code)
+        self.started.append(run)
+        return run
+
+
+RECORDS = [{"step": 2, "loss": 6.0}, {"step": 4, "eval_loss": 5.5}, {"step": 6, "loss": 5.0},
+           {"step": 8, "eval_loss": 5.1}]
+
+
+def test_a_run_is_judged_by_the_last_value_of_its_metric_and_can_be_stopped_on_one(tmp_path):
+    from overdrive.sweep.execute import execute
+
+    seen = []
+    starter = _Starter(RECORDS)
+    done = execute("{}", tmp_path / "a", starter, "eval_loss", on_value=lambda s, v: seen.append((s, v)) or False,
+                   poll_s=0)
+    assert (done.status, done.value, done.step, seen) == ("finished", 5.1, 8, [(4, 5.5), (8, 5.1)])
+    stopped = execute("{}", tmp_path / "b", _Starter(RECORDS), "eval_loss", on_value=lambda s, v: s >= 4, poll_s=0)
+    assert (stopped.status, stopped.step) == ("stopped", 4)  # pruned at its first evaluation
+    failed = execute("{}", tmp_path / "c", _Starter(RECORDS, code=1), "eval_loss", poll_s=0)
+    assert failed.status == "failed" and "exit 1" in failed.reason
+    missing = execute("{}", tmp_path / "d", _Starter(RECORDS[:1]), "eval_loss", poll_s=0)
+    assert missing.status == "failed" and "no `eval_loss`" in missing.reason and "loss" in missing.reason
+    assert all(run.killed for run in starter.started)  # nothing it started outlives it

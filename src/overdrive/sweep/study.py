@@ -92,17 +92,20 @@ def distributions(entries: list[SpaceEntry]) -> dict[str, Any]:
     return out
 
 
-def sampler(cfg: RunConfig, entries: list[SpaceEntry]):
+def sampler(cfg: RunConfig, entries: list[SpaceEntry], trials_so_far: int = 0):
+    """The sampler. A seeded one continuing a study is seeded past the trials it already has:
+    with the seed alone it would suggest the values of the study's first trials again."""
     import optuna
 
     s = cfg.sweep
+    seed = None if s.seed is None else s.seed + trials_so_far
     if s.sampler == "random":
-        return optuna.samplers.RandomSampler(seed=s.seed)
+        return optuna.samplers.RandomSampler(seed=seed)
     if s.sampler == "grid":
-        return optuna.samplers.GridSampler({e.key: e.grid_points() for e in entries}, seed=s.seed)
+        return optuna.samplers.GridSampler({e.key: e.grid_points() for e in entries}, seed=seed)
     if s.sampler == "cmaes":
-        return optuna.samplers.CmaEsSampler(seed=s.seed)
-    return optuna.samplers.TPESampler(seed=s.seed)
+        return optuna.samplers.CmaEsSampler(seed=seed)
+    return optuna.samplers.TPESampler(seed=seed)
 
 
 def pruner(cfg: RunConfig):
@@ -131,6 +134,9 @@ def open_study(cfg: RunConfig, entries: list[SpaceEntry], storage, chains=None):
     name = study_name(cfg)
     study = optuna.create_study(storage=storage, study_name=name, direction=cfg.sweep.direction,
                                 sampler=sampler(cfg, entries), pruner=pruner(cfg), load_if_exists=True)
+    so_far = len(study.get_trials(deepcopy=False))
+    if so_far and cfg.sweep.seed is not None:
+        study.sampler = sampler(cfg, entries, so_far)
     mine = describe(cfg, entries)
     recorded = study.user_attrs.get("overdrive")
     if recorded is None:
