@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import os
 import socket
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,14 +69,23 @@ def open_storage(cfg: RunConfig, where: str = ""):
     url = storage_url(cfg)
     # SQLite shared by several sweep processes: a writer waits for the lock instead of failing at once.
     engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None
-    try:
-        return RDBStorage(url, engine_kwargs=engine, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
-                          heartbeat_stale_trial_callback=Retry(max_retry=RETRIES, inherit_intermediate_values=True))
-    except (Exception, optuna.exceptions.OptunaError) as error:  # SQLAlchemy's and drivers' errors vary by backend
-        reason = redact_text(str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
-        raise UserError(Problem("sweep.storage", f"cannot open {redact_text(url)}: {reason}", where,
-                                "an Optuna storage URL such as sqlite:///path/sweep.db (its directory must exist), "
-                                "postgresql://user@host/db or mysql://user@host/db (with its driver installed)")) from None
+    for attempt in range(3):
+        try:
+            return RDBStorage(url, engine_kwargs=engine, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+                              heartbeat_stale_trial_callback=Retry(max_retry=RETRIES, inherit_intermediate_values=True))
+        except (Exception, optuna.exceptions.OptunaError) as error:  # SQLAlchemy's and drivers' errors vary by backend
+            if _creation_race(error) and attempt < 2:
+                time.sleep(1.0)  # another process is creating the same new storage: it is there in a moment
+                continue
+            reason = redact_text(str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
+            raise UserError(Problem("sweep.storage", f"cannot open {redact_text(url)}: {reason}", where,
+                                    "an Optuna storage URL such as sqlite:///path/sweep.db (its directory must exist), "
+                                    "postgresql://host/db or mysql://host/db (with its driver installed)")) from None
+
+
+def _creation_race(error: BaseException) -> bool:
+    """Two processes creating one new storage: one of them loses the insert of its schema version."""
+    return type(error).__name__ == "IntegrityError" or "database is locked" in str(error)
 
 
 def distributions(entries: list[SpaceEntry]) -> dict[str, Any]:
