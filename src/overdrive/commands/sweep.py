@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     if finish.stopped_by:
         import signal
 
-        print(f"sweep: stopped by {signal.Signals(finish.stopped_by).name}; the running trial was checkpointed and "
+        print(f"sweep: stopped by {signal.Signals(finish.stopped_by).name}; a trial it was running was checkpointed and "
               "queued again. Run the same command to continue the study.", file=sys.stderr)
         return 128 + finish.stopped_by
     best = outputs.write_best(job, study)
