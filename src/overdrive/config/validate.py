@@ -14,6 +14,7 @@ from overdrive.config.keys import coerce
 from overdrive.config.layers import Setting
 from overdrive.config.redact import shown
 from overdrive.config.schema import RunConfig
+from overdrive.config.sweep_space import sweep_rules
 from overdrive.errors import Problem
 from overdrive.strategies import registry
 
@@ -108,8 +109,9 @@ def check(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]
     """(errors, warnings) for a validated config."""
     errors = batch.problems(cfg, chains) + deepspeed_contradictions(chains) + deepspeed_dict_problems(cfg)
     strategy_errors, warnings = strategy_rules(cfg, chains)
-    errors += strategy_errors + launch_rules(cfg, chains)
-    warnings += training_rules(cfg, chains)
+    sweep_errors, sweep_warnings = sweep_rules(cfg, chains)
+    errors += strategy_errors + launch_rules(cfg, chains) + sweep_errors
+    warnings += training_rules(cfg, chains) + sweep_warnings
     return errors, warnings
 
 
