@@ -59,6 +59,10 @@ def _load(args):
 def run(args: argparse.Namespace) -> int:
     resolved, in_worker = _load(args)
     cfg = resolved.config
+    if in_worker:
+        from overdrive.launch.lifetime import follow_agent
+
+        follow_agent(cfg.launch.stop_timeout)  # no worker outlives its launcher
     if getattr(args, "print_launch", False):
         from overdrive.launch.lines import print_launch
 

@@ -227,6 +227,10 @@ class LaunchConfig(Section):
     same_network: bool = Field(True, description="Machines share a network (informational, as in Accelerate).")
     max_restarts: int = Field(0, ge=0, description="Times the elastic agent restarts failed workers (they resume from the last checkpoint).")
     monitor_interval: float = Field(1.0, gt=0, description="Seconds between the agent's health checks of its workers.")
+    stop_timeout: float = Field(
+        30.0, gt=0, description="Seconds a worker whose launcher is gone (killed, its terminal closed) has to finish "
+        "its step and save a checkpoint before it is killed. A user's script gets SIGTERM, then SIGKILL after this long."
+    )
     use_cpu: bool = Field(False, description="Train on the CPU even when a GPU is present (the GPUs are hidden from the workers).")
     gpus_per_machine: Optional[int] = Field(
         None, ge=0, description="GPUs on each machine the job runs on. Empty: detected where it runs; scripts written "

@@ -24,6 +24,7 @@ from overdrive import strategies
 from overdrive.config.schema import RunConfig
 from overdrive.config.validate import launch_rules  # the same rules `overdrive explain` applies
 from overdrive.errors import Problem, UserError
+from overdrive.launch import lifetime
 from overdrive.launch.process import free_port, local_processes, secrets_env, worker_environment
 
 
@@ -123,14 +124,19 @@ def launch_workers(resolved: Any, worker: Optional[Sequence[str]] = None,
     return code
 
 
+FORWARDED = (signal.SIGTERM, signal.SIGHUP)
+
+
 def run_agent(command: Sequence[str], env: Mapping[str, str]) -> int:
     # A subprocess rather than torch.distributed.run.main() in this process: the workers
-    # get exactly `env`, and this process's own environment and state stay untouched.
-    process = subprocess.Popen(list(command), env=dict(env))
-    # A SIGTERM sent to this process alone (`kill <pid>`, a scheduler) is passed on: the
-    # agent forwards it to the workers, which save a checkpoint and stop.
+    # get exactly `env`, and this process's own environment and state stay untouched. The
+    # agent follows this process (launch/lifetime.py): if it dies, the agent and workers end.
+    process = subprocess.Popen(list(command), env={**env, **lifetime.launcher_env()})
+    # A SIGTERM or SIGHUP sent to this process alone (`kill <pid>`, a scheduler, a closed
+    # terminal) is passed on: the agent forwards it to the workers, which save a checkpoint and stop.
     forwarding = threading.current_thread() is threading.main_thread()  # handlers live in the main thread
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: process.send_signal(signum)) if forwarding else None
+    previous = {signum: signal.signal(signum, lambda signum, frame: process.send_signal(signum))
+                for signum in FORWARDED} if forwarding else {}
     try:
         return process.wait()
     except KeyboardInterrupt:
@@ -143,5 +149,5 @@ def run_agent(command: Sequence[str], env: Mapping[str, str]) -> int:
             process.wait()
         return 130
     finally:
-        if forwarding:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
