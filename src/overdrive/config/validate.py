@@ -105,7 +105,50 @@ def launch_rules(cfg: RunConfig, chains: Chains | None = None) -> list[Problem]:
     if launch.num_machines > 1 and not launch.main_process_ip:
         problems.append(Problem("launch.main_process_ip", "is required with several machines",
                                 _where(chains, "launch.num_machines"), "set launch.main_process_ip to the address of machine 0"))
-    return problems
+    return problems + elastic_rules(cfg, chains)
+
+
+def elastic_rules(cfg: RunConfig, chains: Chains | None = None) -> list[Problem]:
+    """launch.min_machines: at most launch.num_machines, and every machine count from min to
+    max must keep the global batch with a whole accumulation (a shrink resumes with it)."""
+    launch = cfg.launch
+    if launch.min_machines is None or launch.min_machines == launch.num_machines:
+        return []
+    where = _where(chains, "launch.min_machines")
+    if launch.min_machines > launch.num_machines:
+        return [Problem("launch.min_machines", f"is {launch.min_machines}, above launch.num_machines "
+                        f"({launch.num_machines})", where, "the fewest machines the job may go on with: at most "
+                        "launch.num_machines")]
+    if launch.num_processes % launch.num_machines:
+        return []  # reported above
+    per_machine = launch.num_processes // launch.num_machines
+    global_batch = global_batch_of(cfg)
+    if global_batch is None:
+        return []  # micro-batch auto without a global batch: refused where the split is settled
+    micro = cfg.training.micro_batch_size
+
+    def keeps(machines: int) -> bool:
+        world = machines * per_machine
+        return global_batch % world == 0 and (micro == "auto" or (global_batch // world) % micro == 0)
+    counts = range(launch.min_machines, launch.num_machines + 1)
+    if all(keeps(m) for m in counts):
+        return []
+    good = [m for m in counts if keeps(m)]
+    return [Problem("launch.min_machines", f"{launch.min_machines}..{launch.num_machines} machines: "
+                    f"{', '.join(str(m) for m in counts if not keeps(m))} cannot keep the global batch of {global_batch} "
+                    f"(micro-batch {micro} x {per_machine} process(es) per machine x a whole accumulation)", where,
+                    f"machine counts that keep it: {', '.join(map(str, good)) or 'none'}; raise launch.min_machines "
+                    "or choose a global batch they all divide")]
+
+
+def global_batch_of(cfg: RunConfig) -> int | None:
+    """training.global_batch_size, or micro x accumulation x the full world."""
+    t = cfg.training
+    if t.global_batch_size is not None:
+        return t.global_batch_size
+    if t.micro_batch_size == "auto":
+        return None
+    return t.micro_batch_size * t.gradient_accumulation_steps * cfg.launch.num_processes
 
 
 def training_rules(cfg: RunConfig, chains: Chains) -> list[Problem]:

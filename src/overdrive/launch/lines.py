@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 from overdrive.config.schema import RunConfig
 from overdrive.strategies.cpu import target_gpus
+from overdrive.launch.job import secret_variables
 from overdrive.launch.process import STRIPPED_PREFIXES, local_processes, process_env
 from overdrive.launch.workers import check, resolved_path, torchrun_args, train_worker
 
@@ -55,11 +56,9 @@ def _slurm_torchrun(cfg: RunConfig) -> str:
 def _secrets_line(resolved: Any) -> str:
     # resolved.json below has its secrets masked; the job takes them from the environment
     # sbatch passes on, never from the script on disk.
-    secrets = sorted(resolved.secret_values()) if hasattr(resolved, "secret_values") else []
-    if not secrets:
-        return ""
-    return (f': "${{OVERDRIVE_SECRET_VALUES:?export OVERDRIVE_SECRET_VALUES (JSON of {", ".join(secrets)}) '
-            'before sbatch: resolved.json holds them masked}"\n')
+    lines = [f': "${{{s.name}:?export {s.name} ({s.holds}) before sbatch: resolved.json holds them masked}}"\n'
+             for s in secret_variables(resolved) if s.required]
+    return "".join(lines)
 
 
 def sbatch_script(resolved: Any, job_name: str = "overdrive") -> str:
