@@ -121,34 +121,28 @@ def elastic_rules(cfg: RunConfig, chains: Chains | None = None) -> list[Problem]
                         "launch.num_machines")]
     if launch.num_processes % launch.num_machines:
         return []  # reported above
-    per_machine = launch.num_processes // launch.num_machines
-    global_batch = global_batch_of(cfg)
-    if global_batch is None:
+    # The batch split (config/batch.py) says what each machine count would need; data-parallel
+    # processes scale with the machines.
+    split = batch.split(cfg)
+    if split.global_batch is None:
         return []  # micro-batch auto without a global batch: refused where the split is settled
-    micro = cfg.training.micro_batch_size
+    per_machine = batch.data_parallel_degree(cfg) // launch.num_machines
 
     def keeps(machines: int) -> bool:
-        world = machines * per_machine
-        return global_batch % world == 0 and (micro == "auto" or (global_batch // world) % micro == 0)
+        dp = machines * per_machine
+        if split.micro is None:  # auto: the micro-batch is found on the device, per process
+            return split.global_batch % dp == 0
+        return batch.keeping(split.global_batch, split.micro, dp) is not None
     counts = range(launch.min_machines, launch.num_machines + 1)
     if all(keeps(m) for m in counts):
         return []
     good = [m for m in counts if keeps(m)]
     return [Problem("launch.min_machines", f"{launch.min_machines}..{launch.num_machines} machines: "
-                    f"{', '.join(str(m) for m in counts if not keeps(m))} cannot keep the global batch of {global_batch} "
-                    f"(micro-batch {micro} x {per_machine} process(es) per machine x a whole accumulation)", where,
+                    f"{', '.join(str(m) for m in counts if not keeps(m))} cannot keep the global batch of "
+                    f"{split.global_batch} (micro-batch {split.micro or 'auto'} x {per_machine} process(es) per machine "
+                    "x a whole accumulation)", where,
                     f"machine counts that keep it: {', '.join(map(str, good)) or 'none'}; raise launch.min_machines "
                     "or choose a global batch they all divide")]
-
-
-def global_batch_of(cfg: RunConfig) -> int | None:
-    """training.global_batch_size, or micro x accumulation x the full world."""
-    t = cfg.training
-    if t.global_batch_size is not None:
-        return t.global_batch_size
-    if t.micro_batch_size == "auto":
-        return None
-    return t.micro_batch_size * t.gradient_accumulation_steps * cfg.launch.num_processes
 
 
 def training_rules(cfg: RunConfig, chains: Chains) -> list[Problem]:

@@ -21,9 +21,8 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from overdrive.config import Origin
+from overdrive.config import Origin, batch
 from overdrive.config.schema import RunConfig
-from overdrive.config.validate import global_batch_of
 
 # How long a regrouping agent waits for more machines once the fewest allowed have joined.
 REJOIN_SECONDS = 5
@@ -65,16 +64,18 @@ def as_launched(resolved: Any) -> Any:
     if world == cfg.launch.num_processes or not is_elastic(cfg):
         return resolved
     machines = int(os.environ.get("GROUP_WORLD_SIZE") or max(world // max(cfg.launch.num_processes // cfg.launch.num_machines, 1), 1))
-    why = Origin("elastic", f"the rendezvous formed {machines} of {cfg.launch.num_machines} machines ({world} processes)")
+    why = Origin("elastic", f"the rendezvous formed {machines} of {cfg.launch.num_machines} machines ({world} process{'' if world == 1 else 'es'})")
     launch = cfg.launch.model_copy(update={
         "num_processes": world, "num_machines": machines, "machine_rank": int(os.environ.get("GROUP_RANK") or 0),
         "min_machines": min(cfg.launch.min_machines or machines, machines)})
-    updates = {"launch": launch}
     origins = dict(resolved.origins)
     for key in ("launch.num_processes", "launch.num_machines", "launch.machine_rank", "launch.min_machines"):
         origins[key] = why
-    micro, global_batch = cfg.training.micro_batch_size, global_batch_of(cfg)
-    if micro != "auto" and global_batch is not None:
-        updates["training"] = cfg.training.model_copy(update={"gradient_accumulation_steps": global_batch // (micro * world)})
-        origins["training.gradient_accumulation_steps"] = why
-    return replace(resolved, config=cfg.model_copy(update=updates), origins=origins, resume=None)
+    shrunk = cfg.model_copy(update={"launch": launch})
+    split = batch.split(cfg)  # the full world's: the global batch to keep
+    if split.micro is not None:
+        # launch.min_machines was refused at start unless every machine count keeps it whole.
+        accumulation = batch.keeping(split.global_batch, split.micro, batch.data_parallel_degree(shrunk))
+        shrunk = batch.with_split(shrunk, split.micro, accumulation)
+        origins[batch.ACCUMULATION] = why
+    return replace(resolved, config=shrunk, origins=origins, resume=None)
