@@ -1,7 +1,7 @@
 """A job's processes live and die together (launch/lifetime.py): SIGKILL of a launcher's
 process group leaves none of its workers, for `overdrive train` (which stops after the step
 with a complete checkpoint, then resumes from it) and for a user's script under
-`overdrive launch`; `overdrive train` on machine 1 of two, then resumed on one machine."""
+`overdrive launch`, on one machine and on machine 1 of two."""
 
 from __future__ import annotations
 
@@ -93,7 +93,32 @@ def test_killing_the_launchers_group_ends_a_users_script(tmp_path):
     assert logged()[-2:] == [newest + 1, newest + 2]
 
 
-def test_killing_a_launchers_group_ends_its_workers_after_a_complete_checkpoint_then_the_run_resumes(cache, tmp_path):
+def test_killing_the_launchers_group_ends_its_workers_after_a_complete_checkpoint_then_the_run_resumes(cache, tmp_path):
+    out = tmp_path / "run"
+    args = command(out, cache, *RUN, "launch.num_processes=2", "launch.threads_per_process=1")
+    proc = start([*args, f"launch.main_process_port={free_port()}"], cwd=tmp_path)
+    wait_for(lambda: len(steps_logged(out)) >= 7, proc, what="step 7")
+    pids = worker_pids(out)
+    assert set(pids) == {0, 1}, pids
+    killed_at = time.monotonic()
+    kill_group(proc)  # launcher and agent; the workers run in sessions of their own
+    seconds = seconds_until_gone(pids.values(), killed_at)
+    print(f"overdrive train: last worker gone {seconds:.2f} s after the launcher's group was killed")
+    assert seconds < GONE_WITHIN, [pid for pid in pids.values() if alive(pid)]
+    finish(proc)
+    # Both stopped after the same step and saved it completely.
+    stopped = max(steps_logged(out))
+    saved = out / "checkpoints" / f"step-{stopped:08d}"
+    assert (saved / "manifest.json").is_file(), sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert (saved / "random_states_0.pkl").is_file() and (saved / "random_states_1.pkl").is_file()
+
+    again = run([*args, f"launch.main_process_port={free_port()}"], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout and saved.name in again.stdout, again.stdout[-2000:]
+    assert steps_logged(out) == list(range(1, 41))
+
+
+def test_killing_machine_1s_launcher_leaves_none_of_its_workers(cache, tmp_path):
     """Two launchers on 127.0.0.1 as two machines; machine 1's whole group is killed."""
     out = tmp_path / "run"
     shared = [*RUN, "launch.num_processes=2", "launch.num_machines=2", "launch.main_process_ip=127.0.0.1",
@@ -103,27 +128,18 @@ def test_killing_a_launchers_group_ends_its_workers_after_a_complete_checkpoint_
     pids = worker_pids(out)
     assert set(pids) == {0, 1}, pids
     killed_at = time.monotonic()
-    kill_group(machines[1])  # launcher and agent; the workers run in sessions of their own
+    kill_group(machines[1])
     seconds = seconds_until_gone([pids[1]], killed_at)
-    print(f"overdrive train: machine 1's worker gone {seconds:.2f} s after its launcher's group was killed")
+    print(f"two machines: machine 1's worker gone {seconds:.2f} s after its launcher's group was killed")
     assert seconds < GONE_WITHIN
     finish(machines[1])
-    # Machine 0 does not go on alone or hang: the stop is agreed, so its rank stopped after
-    # the same step, and both saved it.
+    # Machine 0 does not go on alone or hang: the stop is agreed, so its rank stopped after the
+    # same step, and both saved it.
     code, _, stderr = finish(machines[0], timeout=120)
-    assert code != 0
+    assert code != 0 and "stopped on SIGTERM" in stderr, stderr[-3000:]
     assert not worker_pids(out)
     stopped = max(steps_logged(out))
-    saved = out / "checkpoints" / f"step-{stopped:08d}"
-    assert (saved / "manifest.json").is_file(), sorted(p.name for p in (out / "checkpoints").iterdir())
-    assert (saved / "random_states_0.pkl").is_file() and (saved / "random_states_1.pkl").is_file()
-
-    # The same two processes on one machine resume from it.
-    again = run(command(out, cache, *RUN, "launch.num_processes=2", f"launch.main_process_port={free_port()}",
-                        "launch.threads_per_process=1"), cwd=tmp_path)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from" in again.stdout and saved.name in again.stdout, again.stdout[-2000:]
-    assert steps_logged(out) == list(range(1, 41))
+    assert (out / "checkpoints" / f"step-{stopped:08d}" / "manifest.json").is_file()
 
 
 def test_a_worker_whose_launcher_died_before_it_started_ends_at_once(tmp_path):
