@@ -22,6 +22,7 @@ from typing import Any, Sequence
 from overdrive.config import SECRETS_VARIABLE
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
+from overdrive.launch import membership
 from overdrive.launch.process import local_processes, process_env
 from overdrive.launch.workers import problems, train_worker
 from overdrive.strategies.cpu import target_gpus
@@ -80,8 +81,10 @@ class Job:
     def torchrun(self, *rendezvous: str) -> list[str]:
         """`python -m torch.distributed.run` for one machine: its processes, then `rendezvous`
         (how this cluster tells a machine the others' address and its rank)."""
+        # torch's agent restarts the workers itself here (no overdrive launcher around it): an
+        # elastic job needs a restart per machine it may lose.
         return ["python", "-m", "torch.distributed.run", "--nproc-per-node", str(self.processes_per_machine),
-                "--max-restarts", str(self.config.launch.max_restarts), *rendezvous]
+                "--max-restarts", str(membership.regroups_allowed(self.config)), *rendezvous]
 
 
 def secret_variables(resolved: Any) -> tuple[SecretVariable, ...]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 from typing import Any
 
+from overdrive.launch import membership
 from overdrive.launch.job import Job, comment_lines, shell_join, to_yaml
 
 KINDS = ("trainjob", "pytorchjob", "jobset")
@@ -103,7 +104,7 @@ def pytorchjob(job: Job) -> dict[str, Any]:
     spec: dict[str, Any] = {"runPolicy": {"cleanPodPolicy": "Running"}, "nprocPerNode": str(job.processes_per_machine)}
     if job.min_machines < job.machines:
         spec["elasticPolicy"] = {"minReplicas": job.min_machines, "maxReplicas": job.machines, "rdzvBackend": "c10d",
-                                 "maxRestarts": job.config.launch.max_restarts + job.machines - job.min_machines}
+                                 "maxRestarts": membership.regroups_allowed(job.config)}
         spec["pytorchReplicaSpecs"] = {"Worker": replica(job.machines)}
     else:
         spec["pytorchReplicaSpecs"] = {"Master": replica(1), **({"Worker": replica(job.machines - 1)}
