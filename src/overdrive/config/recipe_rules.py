@@ -33,9 +33,10 @@ def mixture_problems(cfg: RunConfig, where: Callable[[str], str]) -> list[Proble
         problems.append(Problem("data.sources", "every weight is 0: nothing would be drawn", where("data.sources"),
                                 "give at least one source a weight above 0"))
     names = [s.name for s in sources]
-    for name in sorted({n for n in names if names.count(n) > 1}):
-        problems.append(Problem(f"data.sources.{names.index(name)}.name", f"{name!r} names two sources",
-                                where("data.sources"), "give each source its own name"))
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            problems.append(Problem(f"data.sources.{i}.name", f"{name!r} names two sources",
+                                    where("data.sources"), "give each source its own name"))
     if cfg.model.task == "sequence-classification" and any(s.source == "stdlib" for s in sources):
         problems.append(Problem("data.sources", "the standard-library corpus has no labels for classification",
                                 where("data.sources"), "mix labelled data sets only"))

@@ -31,7 +31,8 @@ from overdrive.config.redact import redact
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 from overdrive.strategies import registry
-from overdrive.training.optimization import make_optimizer, make_scheduler
+from overdrive.training import optimizers
+from overdrive.training.recipe import Recipe
 from overdrive.training.tokenizer import build_tokenizer
 
 
@@ -75,6 +76,7 @@ class Parts:
     flops_per_token: float
     peak: telemetry.DevicePeak
     seq_len: int
+    recipe: Optional[Recipe] = None
 
 
 def _micro_batch(cfg: RunConfig) -> int:
@@ -126,16 +128,16 @@ def build_parts(cfg: RunConfig, accelerator) -> Parts:
         n = min(len(tokens.validation), t.eval_batches * micro * accelerator.num_processes)
         eval_loader = data_mod.eval_loader(torch.utils.data.Subset(tokens.validation, range(n)), micro,
                                            d.num_workers, d.pin_memory, collate)
-    o, s = cfg.optim, cfg.scheduler
-    optimizer = make_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, o.implementation, accelerator.device.type)
-    scheduler = make_scheduler(optimizer, s.name, s.warmup_steps, t.max_steps, s.min_lr_ratio)
+    optimizer = optimizers.build_optimizer(model, cfg, accelerator.device.type)
+    scheduler = optimizers.build_schedule(optimizer, cfg)  # None when DeepSpeed builds the optimizer
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    scheduler = scheduler or optimizers.schedule_after_prepare(accelerator, cfg)
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
     model = _maybe_compile(model, cfg, accelerator)
     peak = telemetry.DevicePeak(accelerator.device, cfg.precision.mixed_precision, cache_dir)
     return Parts(accelerator, model, optimizer, scheduler, train_loader, eval_loader, tokenizer, fpt, peak,
-                 d.max_length)
+                 d.max_length, Recipe(cfg, optimizer, train_loader, d.max_length))
 
 
 def _maybe_compile(model, cfg: RunConfig, accelerator):
@@ -258,7 +260,15 @@ def _loop(run: Session) -> Outcome:
     grad_norm = None
     after_first = None  # (time, tokens) at the first log: steady-state throughput starts there
     model.train()
+    parts.recipe.train_mode()
+    note = parts.recipe.check_resumed(state, run.restored.extra)
+    if note:
+        progress.print(note)
     while state.step < t.max_steps:
+        outcome.stopped_early = parts.recipe.exhausted(state) or ""
+        if outcome.stopped_early:
+            progress.print(f"stopping: {outcome.stopped_early}")
+            break
         lr = scheduler.get_last_lr()[0]  # the lr this optimizer step uses
         for _ in range(t.gradient_accumulation_steps):
             batch = next(data)
@@ -313,13 +323,20 @@ def _loop(run: Session) -> Outcome:
                 and state.step < t.max_steps and not outcome.stopped_early:
             outcome.eval = _eval_and_log(run)
 
+        if not outcome.stopped_early:  # a mixture told to stop when a source runs out
+            outcome.stopped_early = parts.recipe.exhausted(state) or ""
+            if outcome.stopped_early and state.step < t.max_steps:
+                progress.print(f"stopping: {outcome.stopped_early}")
         # Save point: (model, optimizer, schedule, RNG, LoopState) when due, and before any stop.
         # Every rank asks whether any rank got SIGTERM/SIGINT, so all stop after the same step.
         signum = run.stop.agreed()
         if run.ckpt.due(state.step, stopping=bool(signum or outcome.stopped_early)):
             state.nonfinite_in_a_row = guard.run_length()
+            parts.recipe.eval_mode()  # a schedule-free optimizer saves its averaged point
             outcome.checkpoint = run.ckpt.save(state, loss_sum, micro_steps,
-                                               {"first_loss": outcome.first_loss, "final_loss": outcome.final_loss})
+                                               {"first_loss": outcome.first_loss, "final_loss": outcome.final_loss,
+                                                **parts.recipe.positions(state)})
+            parts.recipe.train_mode()
             progress.print(f"checkpoint: {outcome.checkpoint}")
         if signum:
             outcome.stopped_by = signum
@@ -347,13 +364,15 @@ def _train_record(cfg: RunConfig, parts: Parts, state: LoopState, loss: float, l
         cfg.training.gradient_accumulation_steps, "num_processes": acc.num_processes,
         "mixed_precision": cfg.precision.mixed_precision, "mfu": mfu,
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
-        "tokens": state.tokens_seen, "epoch": state.epoch,
+        "tokens": state.tokens_seen, "epoch": state.epoch, "source_tokens": parts.recipe.source_tokens(state),
         "peak_memory_mb": telemetry.peak_memory_mb(acc.device), "time": time.time(),
     }
 
 
 def _eval_and_log(run: Session) -> dict[str, float]:
+    run.parts.recipe.eval_mode()
     values = evaluate(run.parts, run.cfg.model.task)
+    run.parts.recipe.train_mode()
     run.metrics.write({"step": run.state.step, **values, "time": time.time()})
     run.parts.accelerator.log(values, step=run.state.step)
     run.progress.log(run.state.step, values)
@@ -366,6 +385,7 @@ def _save_final(cfg: RunConfig, parts: Parts, out: Path) -> None:
     acc.wait_for_everyone()
     if not cfg.checkpoint.save_final_model:
         return
+    parts.recipe.eval_mode()  # a schedule-free optimizer's weights: the averaged point
     # Every rank takes part: under ZeRO-3 or FSDP the full weights are gathered from shards.
     state_dict = acc.get_state_dict(parts.model)
     if acc.is_main_process:

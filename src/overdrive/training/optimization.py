@@ -143,6 +143,7 @@ def lr_curve(cfg, points: int = 0) -> list[tuple[int, float]]:
             at |= {max(0, steps - decay - 1), steps - decay}
         if s.name == "cosine_with_restarts":
             span = max(1, steps - s.warmup_steps)
-            at |= {s.warmup_steps + round(i * span / s.num_cycles) for i in range(1, s.num_cycles)}
+            restarts = {s.warmup_steps + math.ceil(i * span / s.num_cycles) for i in range(1, s.num_cycles)}
+            at |= restarts | {step - 1 for step in restarts}  # the bottom of each cycle and the restart
         at = sorted(step for step in at if 0 <= step < steps)
     return [(step, cfg.optim.lr * factor(step)) for step in at]

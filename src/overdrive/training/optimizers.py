@@ -217,9 +217,19 @@ def build_schedule(optimizer, cfg: RunConfig):
     """The learning-rate schedule over `optimizer`. Schedule-free AdamW needs none (it warms up
     itself): it gets a flat factor of 1, so the loop and the logs stay the same."""
     s, steps = cfg.scheduler, cfg.training.max_steps
+    if optimizer_catalog.of(cfg).name == "deepspeed":
+        return None  # DeepSpeed builds the optimizer in prepare(): see schedule_after_prepare
     if optimizer_catalog.of(cfg).name == "schedule_free_adamw":
         return make_scheduler(optimizer, "constant", 0, steps, 1.0)
     return make_scheduler(optimizer, s.name, s.warmup_steps, steps, s.min_lr_ratio, s)
+
+
+def schedule_after_prepare(accelerator, cfg: RunConfig):
+    """The schedule over the optimizer DeepSpeed built from the JSON block (`optim.name=deepspeed`):
+    its basic optimizer, whose param_groups ZeRO reads the lr from at every step."""
+    engine = accelerator.deepspeed_engine_wrapped.engine
+    return build_schedule(engine.basic_optimizer, cfg.model_copy(update={"optim": cfg.optim.model_copy(
+        update={"name": "adamw"})}))
 
 
 def set_mode(optimizer, mode: str) -> None:
