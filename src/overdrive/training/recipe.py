@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from overdrive.config import batch
 from overdrive.data.mixing import Mixture, SourceTokens, find_mixture
 from overdrive.training.optimizers import set_mode
 
@@ -23,7 +24,6 @@ class Recipe:
         self.cfg, self.optimizer = cfg, optimizer
         self.mixture: Optional[Mixture] = find_mixture(getattr(train_loader, "dataset", None))
         self.tokens = SourceTokens(self.mixture, seq_len) if self.mixture is not None else None
-        self.global_batch = 0
 
     def train_mode(self) -> None:
         set_mode(self.optimizer, "train")
@@ -32,8 +32,7 @@ class Recipe:
         set_mode(self.optimizer, "eval")
 
     def _samples(self, state: Any) -> int:
-        t = self.cfg.training
-        return state.step * t.micro_batch_size * t.gradient_accumulation_steps * self.cfg.launch.num_processes
+        return state.step * batch.split(self.cfg).global_batch  # every step takes one global batch
 
     def source_tokens(self, state: Any) -> dict[str, int]:
         if self.tokens is None:
