@@ -246,3 +246,16 @@ def test_a_deepspeed_lamb_block_is_read_with_its_lines_and_refused_on_cpu(tmp_pa
     found = {p.key: p for p in hardware_warnings(resolved)}
     assert "parallel.deepspeed.extra.optimizer.type" in found
     assert "lamb.json:7" in found["parallel.deepspeed.extra.optimizer.type"].where
+
+
+def test_the_tuner_keeps_the_optimizer_and_skips_strategies_it_cannot_run_under():
+    from overdrive.tune.space import Facts, build_space
+
+    facts = Facts(cpu_cores=2, gpu=False, supports_bf16=True, compiler="")
+    muon = build_space(config(optim={"name": "muon"}, launch={"num_processes": 2}), facts)
+    assert [o.label for o in muon.dimensions["strategy"]] == ["ddp"]
+    lion = build_space(config(optim={"name": "lion"}, launch={"num_processes": 2}), facts)
+    assert len(lion.dimensions["strategy"]) > 1
+    for space in (muon, lion):
+        assert not any(key.startswith("optim.") for options in space.dimensions.values() for o in options
+                       for key, _ in o.values)

@@ -166,6 +166,12 @@ def _muon(model, cfg: RunConfig, kernel: dict) -> MuonWithAdamW:
     return MuonWithAdamW(muon, adamw)
 
 
+def _sees_shards(cfg: RunConfig) -> bool:
+    from overdrive.strategies import registry
+
+    return registry.of(cfg).optimizer_sees(cfg) == "shards"
+
+
 def _deepspeed_cpu_lion(cfg: RunConfig) -> bool:
     from overdrive.strategies import registry
     from overdrive.strategies.deepspeed import cpu_optimizer_available
@@ -186,6 +192,8 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig, device_type: str):
     if name == "adam":
         return torch.optim.Adam(groups, **adam_like, **kernel, **o.kwargs)
     if name == "sgd":
+        if kernel["fused"] and _sees_shards(cfg):  # aten._fused_sgd_ has no DTensor rule (torch 2.13)
+            kernel = {"fused": False, "foreach": True}
         return torch.optim.SGD(groups, lr=o.lr, momentum=0.9 if o.momentum is None else o.momentum,
                                nesterov=bool(o.nesterov), **kernel, **o.kwargs)
     if name == "adafactor":
