@@ -116,7 +116,7 @@ def passed_on_extra(cfg: RunConfig) -> dict[str, Any]:
     passed = {k: v for k, v in extra.items() if k not in CLIENT_SIDE_SECTIONS}
     if cfg.optim.name == "deepspeed" and isinstance(extra.get("optimizer"), Mapping):
         block = copy.deepcopy(dict(extra["optimizer"]))
-        block["params"] = {"lr": AUTO, "betas": AUTO, "eps": AUTO, "weight_decay": AUTO, **(block.get("params") or {})}
+        block["params"] = {"lr": AUTO, **(block.get("params") or {})}  # its own keys only: Adagrad has no betas
         passed["optimizer"] = block
     return passed
 

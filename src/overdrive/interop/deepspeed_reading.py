@@ -108,6 +108,8 @@ def _map_ds_optimizer(section: Mapping[str, Any], c) -> None:
         target = {"lr": "optim.lr", "betas": "optim.betas", "eps": "optim.eps", "weight_decay": "optim.weight_decay"}.get(name)
         if target:
             c.set(target, tuple(value) if name == "betas" else value, "optimizer", "params", name)
+            if kind.lower() not in ("adamw", "adam"):  # handed over: the block keeps the name, filled from optim.*
+                c.set(f"parallel.deepspeed.extra.optimizer.params.{name}", "auto", "optimizer", "params", name)
         else:
             c.set(f"parallel.deepspeed.extra.optimizer.params.{name}", value, "optimizer", "params", name)
 
