@@ -63,7 +63,7 @@ def optimizer_problems(cfg: RunConfig, where: Callable[[str], str]) -> list[Prob
         problems.append(Problem("optim.name", "schedule_free_adamw swaps its evaluation point into the parameters it "
                                 "steps; under ZeRO those are DeepSpeed's fp32 partitions, not the model's weights",
                                 where("optim.name"), "use parallel.strategy=ddp or fsdp"))
-    if kind.name == "deepspeed" and strategy is not registry.DEEPSPEED:
+    if kind.name == "deepspeed" and not strategy.deepspeed_config:
         problems.append(Problem("optim.name", "deepspeed (the DeepSpeed JSON's optimizer block) is built by DeepSpeed",
                                 where("optim.name"), "set parallel.strategy=deepspeed, or choose another optim.name"))
     if cfg.scheduler.name == "polynomial" and cfg.scheduler.min_lr_ratio >= 1.0:

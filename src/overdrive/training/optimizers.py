@@ -176,7 +176,8 @@ def _deepspeed_cpu_lion(cfg: RunConfig) -> bool:
     from overdrive.strategies import registry
     from overdrive.strategies.deepspeed import cpu_optimizer_available
 
-    return (registry.of(cfg) is registry.DEEPSPEED and registry.of(cfg).sharding(cfg).offload_optimizer_state
+    strategy = registry.of(cfg)
+    return (strategy.deepspeed_config and strategy.sharding(cfg).offload_optimizer_state
             and cpu_optimizer_available("CPULionBuilder"))
 
 

@@ -39,12 +39,12 @@ class Recipe:
             return {self.cfg.data.source: state.tokens_seen}
         return self.tokens.at(self._samples(state))
 
-    def positions(self, state: Any) -> dict[str, Any]:
-        return {} if self.mixture is None else {"source_positions": self.mixture.positions(self._samples(state))}
+    def positions(self, state: Any) -> Optional[dict[str, Any]]:
+        return None if self.mixture is None else self.mixture.positions(self._samples(state))
 
-    def check_resumed(self, state: Any, extra: dict) -> Optional[str]:
+    def check_resumed(self, state: Any) -> Optional[str]:
         """A note when the checkpoint's source positions are not where this mixture puts them."""
-        saved = extra.get("source_positions")
+        saved = state.source_positions
         if self.mixture is None or saved is None:
             return None
         now = self.mixture.positions(self._samples(state))
