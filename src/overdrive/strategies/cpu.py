@@ -142,6 +142,10 @@ _DEEPSPEED_OPTIMIZERS_OFF_CPU = {
     "zerooneadam": "0/1 Adam compresses its communication with NCCL or MPI, not gloo",
     "onebitlamb": "1-bit Lamb needs FusedLamb (CUDA) and NCCL or MPI",
     "muadam": "needs the mup package", "muadamw": "needs the mup package", "musgd": "needs the mup package",
+    # Built as torch.optim.Adagrad, then the first backward fails inside ZeRO's gradient
+    # partitioning (IndexError in stage_1_and_2._get_flat_partition_unpadded), seen with
+    # deepspeed 0.19 on CPU at stages 1 and 2.
+    "adagrad": "fails in ZeRO's gradient partitioning on its CPU accelerator (seen with deepspeed 0.19)",
 }
 
 
@@ -161,7 +165,7 @@ def deepspeed_optimizer_problems(cfg: RunConfig) -> list[Problem]:
     if not why:
         return []
     return [Problem("parallel.deepspeed.extra.optimizer.type", f"{block.get('type')}: DeepSpeed {why}; this run "
-                    "trains on CPU", fix="on CPU use type Adam/AdamW (overdrive's own) or Adagrad, or set optim.name "
+                    "trains on CPU", fix="on CPU use type Adam/AdamW (overdrive's own), or set optim.name "
                     "(lion, sgd, ...) and remove the DeepSpeed optimizer block")]
 
 
