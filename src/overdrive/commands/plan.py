@@ -41,8 +41,14 @@ def run(args: argparse.Namespace) -> int:
     micro_note = ""
     if not isinstance(micro, int):
         micro, micro_note = 1, " (micro_batch_size is auto: the tuner picks it; 1 shown)"
-    tokenize = _tokenize_forecast(cfg)
-    data = _data_size(cfg, tokenize)
+    if cfg.data.sources:  # a mixture: each source measured on its own, the data is their sum
+        tokenize, sizes = None, _source_sizes(cfg)
+        known = [size.tokens for _, size in sizes]
+        data = arith.DataSize(sum(known) if None not in known else None, "the sum of the sources below",
+                              exact=all(size.exact for _, size in sizes))
+    else:
+        tokenize, sizes = _tokenize_forecast(cfg), []
+        data = _data_size(cfg, tokenize)
     math_ = arith.arithmetic(cfg, data, micro)
     source = Source(hf_config_for_run(cfg), cfg.model.name_or_path or str(cfg.model.architecture.get("model_type")),
                     run=cfg, task=cfg.model.task, attn_implementation=cfg.model.attn_implementation)
@@ -55,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
     row = est.rows[0]
     speed = arith.measured_throughput(cfg, micro)
     step_s = math_.tokens_per_step / speed.tokens_per_s if speed else None
+    curve = _lr_points(cfg)
+    sources = _sources(cfg, sizes, math_)
 
     if args.json:
         print(json.dumps({
@@ -69,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
             "total_time_s": step_s * math_.max_steps if step_s else None,
             "throughput_source": speed.path if speed else None,
             "tokenize": tokenize.to_dict() if tokenize else None,
+            "optimizer": _optimizer(cfg), "lr_points": [{"step": step + 1, "lr": lr} for step, lr in curve],
+            "sources": sources,
         }, indent=2))
         return 0
 
@@ -80,13 +90,20 @@ def run(args: argparse.Namespace) -> int:
         f"tokens/step  {math_.global_batch} x {math_.seq_len} = {math_.tokens_per_step:,} tokens per optimizer step",
         f"data         {_fmt(data.tokens)} tokens — {data.basis}",
     ]
-    lines.append(_tokenize_line(cfg, tokenize))
+    lines.append(_tokenize_line(cfg, tokenize) if not sources else "tokenize     each source on its own (below)")
     if math_.steps_per_epoch is not None:
         lines.append(f"steps        {math_.steps_per_epoch:,} per epoch (after the validation hold-out); "
                      f"max_steps {math_.max_steps:,} = {math_.epochs:.2f} epochs" if math_.epochs is not None else
                      "steps        fewer training tokens than one global batch: no full step per epoch")
     else:
         lines.append(f"steps        max_steps {math_.max_steps:,}; per epoch unknown (data size unknown)")
+    for source in sources:
+        draws = f"the run draws ~{source['samples_drawn']:,} samples = ~{source['tokens_drawn']:,} tokens"
+        epochs = f" = {source['epochs']:.2f} epochs" if source["epochs"] is not None else ""
+        lines.append(f"source       {source['name']} (weight {source['share']:.0%}): {_fmt(source['data_tokens'])} tokens "
+                     f"({source['data_basis']}); {draws}{epochs}")
+    lines.append(f"optimizer    {_optimizer(cfg)['title']}; optimizer state {_optimizer(cfg)['state']}")
+    lines.append(f"lr           {cfg.scheduler.name}: " + ", ".join(f"step {step + 1}: {lr:.3g}" for step, lr in curve))
     lines.append(
         f"memory       {row.label} on {math_.world} device(s): {gib(row.total_bytes)} GiB per device "
         f"(params {gib(row.params_bytes)}, grads {gib(row.grads_bytes)}, optim {gib(row.optimizer_bytes)}, "
@@ -103,6 +120,45 @@ def run(args: argparse.Namespace) -> int:
                      "`overdrive tune` to predict step time")
     print("\n".join(lines))
     return 0
+
+
+def _lr_points(cfg) -> list[tuple[int, float]]:
+    from overdrive.training.optimization import lr_curve
+
+    return lr_curve(cfg)
+
+
+def _optimizer(cfg) -> dict:
+    from overdrive.training import optimizer_catalog
+
+    kind = optimizer_catalog.of(cfg)
+    title = f"{kind.title} ({cfg.optim.class_path})" if cfg.optim.class_path else kind.title
+    return {"name": kind.name, "title": title, "state": kind.state_words}
+
+
+def _source_sizes(cfg) -> list:
+    """(source, DataSize) for each source of a mixture, from the forecast a single source gets."""
+    from overdrive.data.mixing import source_configs
+
+    return [(part, _data_size(part.cfg, _tokenize_forecast(part.cfg))) for part in source_configs(cfg)]
+
+
+def _sources(cfg, sizes: list, math_) -> list[dict]:
+    """Per source of a mixture: its size, its share, and what the run draws from it (samples,
+    tokens, passes over it)."""
+    total_weight = sum(part.weight for part, _ in sizes) or 1.0
+    run_samples = math_.global_batch * math_.max_steps
+    rows = []
+    for part, size in sizes:
+        share = part.weight / total_weight
+        drawn = round(share * run_samples)
+        samples = None
+        if size.tokens is not None and cfg.model.task == "causal-lm":
+            samples = int(size.tokens * (1 - part.cfg.data.validation_fraction)) // math_.seq_len
+        rows.append({"name": part.name, "share": share, "data_tokens": size.tokens, "data_basis": size.basis,
+                     "samples": samples, "samples_drawn": drawn, "tokens_drawn": drawn * math_.seq_len,
+                     "epochs": drawn / samples if samples else None})
+    return rows
 
 
 def _tokenize_forecast(cfg):

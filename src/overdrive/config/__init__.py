@@ -137,6 +137,11 @@ def _pydantic_problems(error: ValidationError, chains: Mapping[str, list[Setting
     problems = []
     for key, texts in messages.items():
         chain = chains.get(key)
+        if chain is None:  # an entry inside a list value (data.sources.0.weight): the list's origin
+            owner = next((k for k in sorted(chains, key=len, reverse=True) if key.startswith(k + ".")), None)
+            if owner is not None:
+                problems.append(Problem(key, "; or ".join(dict.fromkeys(texts)), str(chains[owner][-1].origin)))
+                continue
         where = str(chain[-1].origin) if chain else ""
         got = f" (got {shown(key, chain[-1].value)!r})" if chain else ""
         problems.append(Problem(key, "; or ".join(dict.fromkeys(texts)) + got, where))

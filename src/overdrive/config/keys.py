@@ -152,6 +152,8 @@ def parse_string(key: str, text: str) -> Any:
         return None
     if _is_plain_str(annotation):
         return text
+    if get_origin(annotation) is list and _is_section(get_args(annotation)[0]):
+        return _yaml_scalar(text, key)  # a list of entries (data.sources): validation names the entry's key
     adapter = _adapter(annotation)
     attempts = [text, _yaml_scalar(text, key)]
     if "," in text and not text.strip().startswith(("[", "(")):

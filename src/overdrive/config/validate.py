@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from overdrive.config import batch
+from overdrive.config import batch, recipe_rules
 from overdrive.config.keys import coerce
 from overdrive.config.layers import Setting
 from overdrive.config.redact import shown
@@ -148,6 +148,7 @@ def check(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]
     strategy_errors, warnings = strategy_rules(cfg, chains)
     sweep_errors, sweep_warnings = sweep_rules(cfg, chains)
     errors += strategy_errors + launch_rules(cfg, chains) + sweep_errors
+    errors += recipe_rules.check(cfg, lambda key: _where(chains, key))
     warnings += training_rules(cfg, chains) + sweep_warnings
     return errors, warnings
 
@@ -189,7 +190,12 @@ def hardware_problems(cfg: RunConfig, chains: Chains, hardware) -> list[Problem]
     if precision == "bf16" and on_gpu and not hardware.supports_bf16:
         problems.append(Problem("precision.mixed_precision", "bf16 needs compute capability 8.0 or newer",
                                 _where(chains, "precision.mixed_precision"), f"use fp16; detected: {detected}"))
-    # "nccl needs CUDA GPUs" and the other CPU-only refusals live in strategies/cpu.py.
+    # "nccl needs CUDA GPUs" and the other CPU-only refusals live in strategies/cpu.py; a DeepSpeed
+    # optimizer block is named here too, with the file and line it came from.
+    if not on_gpu:
+        from overdrive.strategies.cpu import deepspeed_optimizer_problems
+
+        problems += [Problem(p.key, p.message, _where(chains, p.key), p.fix) for p in deepspeed_optimizer_problems(cfg)]
     problems += nvme_problems(cfg, chains)
     if cfg.launch.gpu_ids != "all" and hardware.gpu_count == 0 and not cfg.launch.use_cpu:
         problems.append(Problem("launch.gpu_ids", f"asks for GPUs {cfg.launch.gpu_ids}", _where(chains, "launch.gpu_ids"),

@@ -8,6 +8,7 @@
     prepare.py   `prepare(cfg, make_tokenizer)`: tokenizer and datasets, built once per machine
     estimate.py  how long tokenization will take and the cache's size, from a measured sample
     loaders.py   samplers and DataLoaders in whole global batches
+    mixing.py    several sources mixed by weight (`data.sources`): the Mixture, source_tokens
 """
 
 from overdrive.data.cache import NotReady

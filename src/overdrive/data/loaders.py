@@ -57,7 +57,8 @@ def train_loader(dataset, micro_batch_size: int, accumulation: int, world_size: 
             f"the training data has {len(dataset)} samples, fewer than one global batch "
             f"({micro_batch_size} x {accumulation} accumulation x {world_size} processes = {global_batch})",
             fix="lower training.micro_batch_size or training.gradient_accumulation_steps, or give more data"))
-    sampler = EpochShuffle(len(dataset), usable, seed, shuffle)
+    # A mixture orders its samples itself (data/mixing.py): read it in index order.
+    sampler = EpochShuffle(len(dataset), usable, seed, shuffle and not getattr(dataset, "ordered", False))
     return torch.utils.data.DataLoader(
         dataset, batch_size=micro_batch_size, sampler=sampler, drop_last=True, num_workers=num_workers,
         pin_memory=pin_memory, collate_fn=collate_fn, persistent_workers=num_workers > 0,

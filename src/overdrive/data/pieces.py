@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 PIECE_BYTES = 64 * 1024
 _SPACE = b" \t\r\n\x0b\x0c"
@@ -119,3 +119,13 @@ def estimate_lines(paths: Sequence[Path], sample_bytes: int = 1 << 20) -> Option
             continue
         total += head.count(b"\n") * (size / len(head)) if len(head) < size else head.count(b"\n") + (not head.endswith(b"\n"))
     return int(total) or None
+
+
+def limited(texts: Iterable[str], max_bytes: int) -> Iterator[str]:
+    """Yield texts until about `max_bytes` of UTF-8 have gone by (BPE merges saturate early)."""
+    seen = 0
+    for text in texts:
+        if seen >= max_bytes:
+            return
+        seen += len(text.encode("utf-8", errors="replace"))
+        yield text

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from overdrive.config.schema import RunConfig
-from overdrive.data import cache, tokens
+from overdrive.data import cache, pieces, tokens
 from overdrive.data.progress import TokenizeProgress
 from overdrive.data.sources import Splits, TextFiles, open_splits
 
@@ -111,6 +111,8 @@ def prepare(cfg: RunConfig, make_tokenizer: Callable, build: bool = True, show: 
     BPE on `texts` when it has to); with `build` False it must raise cache.NotReady rather
     than train, and this process waits for the one that builds.
     """
+    if cfg.data.sources:
+        return _prepare_mixture(cfg, make_tokenizer, build, show)
     splits = open_splits(cfg)
     tokenizer = _until_ready(lambda: make_tokenizer(cfg, train_texts(splits), splits.train_key(),
                                                     only_cached=not build), waiting=not build)
@@ -129,3 +131,55 @@ def cached_token_count(cfg: RunConfig, tokenizer) -> Optional[int]:
     if meta is None:
         return None
     return sum(v for k, v in meta["counts"].items() if k.endswith(".ids"))
+
+
+def _mixed_texts(opened: list, weights: list[float], budget: int) -> Iterator[str]:
+    """Text for a tokenizer trained on the fly: each source's training text up to its weight's
+    share of `budget` bytes, the sources taken in turn, so the vocabulary sees every one."""
+    total = sum(weights)
+    streams = [pieces.limited(train_texts(splits), int(budget * w / total)) for splits, w in zip(opened, weights)]
+    while streams:
+        for stream in list(streams):
+            text = next(stream, None)
+            if text is None:
+                streams.remove(stream)
+            else:
+                yield text
+
+
+def _prepare_mixture(cfg: RunConfig, make_tokenizer: Callable, build: bool, show: bool):
+    """A tokenizer over all the sources, each source tokenized into its own cache entry, and the
+    Mixture over their training samples (validation: every source's, concatenated)."""
+    import hashlib
+
+    import torch
+
+    from overdrive.data.mixing import Mixture, for_source, source_configs
+    from overdrive.errors import Problem, UserError
+
+    parts = source_configs(cfg)
+    opened = []
+    for part in parts:
+        try:
+            opened.append(open_splits(part.cfg))
+        except UserError as error:
+            raise for_source(error, part) from None
+    weights = [part.weight for part in parts]
+    key = hashlib.sha256("|".join(f"{s.train_key()}:{w}" for s, w in zip(opened, weights)).encode()).hexdigest()
+    tokenizer = _until_ready(lambda: make_tokenizer(cfg, _mixed_texts(opened, weights, cfg.tokenizer.train_max_bytes),
+                                                    key, only_cached=not build), waiting=not build)
+    tokenized = []
+    for part, splits in zip(parts, opened):
+        try:
+            tokenized.append(_until_ready(lambda: tokenize(part.cfg, splits, tokenizer, build, show), waiting=not build))
+        except UserError as error:
+            raise for_source(error, part) from None
+    labels = [t.label_names for t in tokenized]
+    if cfg.model.task != "causal-lm" and any(names != labels[0] for names in labels):
+        raise UserError(Problem("data.sources", f"the sources' labels differ: {dict(zip([p.name for p in parts], labels))}",
+                                fix="mix sources labelled with the same classes"))
+    mixture = Mixture([t.train for t in tokenized], [p.name for p in parts], weights, cfg.training.seed,
+                      cfg.data.shuffle, cfg.data.when_exhausted)
+    validations = [t.validation for t in tokenized if t.validation is not None and len(t.validation)]
+    validation = torch.utils.data.ConcatDataset(validations) if validations else None
+    return tokenizer, tokens.TokenizedSplits(mixture, validation, cfg.data.max_length, labels[0])

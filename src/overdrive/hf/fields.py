@@ -17,7 +17,12 @@ from overdrive.config.schema import RunConfig
 UNKNOWN = object()
 # Overdrive's schedule names as Transformers' SchedulerType; cosine decays to
 # `scheduler.min_lr_ratio` x lr, which Transformers spells cosine_with_min_lr + min_lr_rate.
-SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine_with_min_lr"}
+SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine_with_min_lr",
+             "wsd": "warmup_stable_decay", "polynomial": "polynomial", "inverse_sqrt": "inverse_sqrt",
+             "cosine_with_restarts": "cosine_with_restarts"}
+# optim.name -> TrainingArguments.optim, where the Trainer builds the same optimizer (its Adafactor
+# and Lion are other implementations; Muon and the rest have no Trainer name): the rest stay unset.
+OPTIMIZERS = {"sgd": "sgd", "schedule_free_adamw": "schedule_free_adamw", "adamw_8bit": "adamw_bnb_8bit"}
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,20 @@ class Field:
     # False: only `training_arguments(cfg)` sets it. The strategy reaches a launched script
     # through Accelerate's environment instead, as with `accelerate launch`.
     launch: bool = True
+
+
+def _schedule_kwargs(cfg: RunConfig) -> dict:
+    s = cfg.scheduler
+    if s.name == "cosine":
+        return {"min_lr_rate": s.min_lr_ratio}
+    if s.name == "wsd":
+        decay = max(1, round(s.decay_fraction * max(0, cfg.training.max_steps - s.warmup_steps)))
+        return {"num_decay_steps": decay, "decay_type": s.decay_type, "min_lr_ratio": s.min_lr_ratio}
+    if s.name == "polynomial":
+        return {"lr_end": cfg.optim.lr * min(s.min_lr_ratio, 1 - 1e-12), "power": s.power}
+    if s.name == "cosine_with_restarts":
+        return {"num_cycles": s.num_cycles}
+    return {}
 
 
 def _micro(cfg: RunConfig) -> Any:
@@ -94,8 +113,8 @@ FIELDS: tuple[Field, ...] = (
     Field("adam_beta2", "optim.betas", lambda c: c.optim.betas[1]),
     Field("adam_epsilon", "optim.eps", lambda c: c.optim.eps),
     Field("lr_scheduler_type", "scheduler.name", lambda c: SCHEDULES[c.scheduler.name]),
-    Field("lr_scheduler_kwargs", "scheduler.min_lr_ratio",
-          lambda c: {"min_lr_rate": c.scheduler.min_lr_ratio} if c.scheduler.name == "cosine" else {}),
+    Field("lr_scheduler_kwargs", "scheduler.min_lr_ratio", _schedule_kwargs),
+    Field("optim", "optim.name", lambda c: OPTIMIZERS.get(c.optim.name, UNKNOWN) if not c.optim.class_path else UNKNOWN),
     Field("warmup_steps", "scheduler.warmup_steps", lambda c: c.scheduler.warmup_steps),
     Field("bf16", "precision.mixed_precision", lambda c: c.precision.mixed_precision == "bf16"),
     Field("fp16", "precision.mixed_precision", lambda c: c.precision.mixed_precision == "fp16"),

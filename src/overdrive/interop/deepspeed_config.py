@@ -27,7 +27,8 @@ HIDDEN_RULES = {
     "zero_optimization.stage3_prefetch_bucket_size": ("parallel.deepspeed.stage3_prefetch_bucket_size", lambda h: int(0.9 * h * h)),
     "zero_optimization.stage3_param_persistence_threshold": ("parallel.deepspeed.stage3_param_persistence_threshold", lambda h: 10 * h),
 }
-# Sections overdrive never passes on: its own AdamW and schedule are used (see module doc).
+# Sections overdrive keeps on its side: its own optimizer and schedule are used (see module doc),
+# except that the optimizer block is passed on when DeepSpeed builds the optimizer (optim.name=deepspeed).
 CLIENT_SIDE_SECTIONS = ("optimizer", "scheduler")
 
 
@@ -90,7 +91,7 @@ def template(cfg: RunConfig) -> dict[str, Any]:
                  "min_loss_scale": ds.min_loss_scale},
         "bf16": {"enabled": AUTO},
         "zero_optimization": zero,
-        # The client optimizer is torch AdamW, which DeepSpeed calls "untested".
+        # A client optimizer that is not DeepSpeed's own is "untested" to DeepSpeed.
         "zero_allow_untested_optimizer": True,
     }
     if ds.activation_checkpointing:
@@ -108,8 +109,16 @@ def deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def passed_on_extra(cfg: RunConfig) -> dict[str, Any]:
-    """`parallel.deepspeed.extra` minus the sections overdrive never passes on."""
-    return {k: v for k, v in cfg.parallel.deepspeed.extra.items() if k not in CLIENT_SIDE_SECTIONS}
+    """`parallel.deepspeed.extra` minus the sections overdrive keeps on its side: the optimizer
+    block is passed on only when DeepSpeed builds the optimizer (`optim.name=deepspeed`), with
+    the run config's lr, betas, eps and weight decay ("auto" filled as any other)."""
+    extra = cfg.parallel.deepspeed.extra
+    passed = {k: v for k, v in extra.items() if k not in CLIENT_SIDE_SECTIONS}
+    if cfg.optim.name == "deepspeed" and isinstance(extra.get("optimizer"), Mapping):
+        block = copy.deepcopy(dict(extra["optimizer"]))
+        block["params"] = {"lr": AUTO, **(block.get("params") or {})}  # its own keys only: Adagrad has no betas
+        passed["optimizer"] = block
+    return passed
 
 
 def ds_config(cfg: RunConfig, world_size: int, hidden_size: Optional[int] = None,

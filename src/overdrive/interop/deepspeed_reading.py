@@ -91,17 +91,25 @@ def _map_zero(zero: Mapping[str, Any], c) -> None:
 
 
 def _map_ds_optimizer(section: Mapping[str, Any], c) -> None:
+    """Adam and AdamW become overdrive's own optimizer (optim.*); any other type (Lamb,
+    OneBitAdam, Adagrad, Lion, ...) is handed to DeepSpeed as it is: `optim.name=deepspeed`
+    and the block under parallel.deepspeed.extra.optimizer, each value with its line. Its lr,
+    betas, eps and weight_decay still become optim.* (the schedule and the reports read them)."""
     kind = str(section.get("type", "AdamW"))
     if kind.lower() not in ("adamw", "adam"):
-        c.error(("optimizer", "type"), f"{kind} is not supported; overdrive trains with AdamW",
-                "use \"type\": \"AdamW\" (or remove the optimizer section)")
-        return
+        c.set("optim.name", "deepspeed", "optimizer", "type")
+        c.set("parallel.deepspeed.extra.optimizer.type", kind, "optimizer", "type")
+    for name, value in section.items():
+        if name not in ("type", "params"):
+            c.set(f"parallel.deepspeed.extra.optimizer.{name}", value, "optimizer", name)
     for name, value in (section.get("params") or {}).items():
         if _is_auto(value):
             continue
         target = {"lr": "optim.lr", "betas": "optim.betas", "eps": "optim.eps", "weight_decay": "optim.weight_decay"}.get(name)
         if target:
             c.set(target, tuple(value) if name == "betas" else value, "optimizer", "params", name)
+            if kind.lower() not in ("adamw", "adam"):  # handed over: the block keeps the name, filled from optim.*
+                c.set(f"parallel.deepspeed.extra.optimizer.params.{name}", "auto", "optimizer", "params", name)
         else:
             c.set(f"parallel.deepspeed.extra.optimizer.params.{name}", value, "optimizer", "params", name)
 

@@ -31,6 +31,11 @@ is where it differs from the paper (every difference named in `Row.terms`):
   backward ends: ZeRO-2/3 hold the largest parameter's gradient on top of the partition.
 
 Each of these was measured per rank on 2 CPU processes (tests/memory_probe.py).
+
+The optimizer's state is the run's optimizer's (`Setup.optimizer_state_bytes`, from
+training/optimizer_catalog.py): Adam's 8 bytes per parameter by default, SGD 4 (0 without
+momentum), Lion 4, 8-bit AdamW 2, Adafactor its row and column vectors, Muon 4 on the hidden
+matrices and AdamW's 8 on the rest.
 """
 
 from __future__ import annotations
@@ -39,7 +44,6 @@ from dataclasses import dataclass, field
 
 from overdrive.memory.shape import ModelShape, Setup, fsdp2_shard_numel, numel, zero3_partition_numel
 
-ADAM_STATE_BYTES = 8  # exp_avg and exp_avg_sq, fp32
 MASTER_BYTES = 4  # fp32 copy of the weights
 FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "master_weights_bytes", "activations_bytes",
           "buffers_bytes")
@@ -128,7 +132,7 @@ def ddp(shape: ModelShape, setup: Setup) -> Row:
     row = Row("ddp", "DDP")
     row.add("params_bytes", "fp32 weights (also the master copy)", 4 * p)
     row.add("grads_bytes", "fp32 gradients", 4 * p)
-    row.add("optimizer_bytes", "Adam exp_avg + exp_avg_sq, fp32", ADAM_STATE_BYTES * p)
+    row.add("optimizer_bytes", setup.optimizer_words(), setup.optimizer_state_bytes(shape) * p)
     if not setup.gradient_as_bucket_view:
         row.add("buffers_bytes", "DDP all-reduce buckets (gradient_as_bucket_view off)", 4 * p)
     if setup.mixed:
@@ -146,7 +150,7 @@ def zero12(shape: ModelShape, setup: Setup, stage: int, offload: bool = False) -
     opt_target = "host" if offload else "optimizer_bytes"
     master_target = "host" if offload else "master_weights_bytes"
     row.add(master_target, "fp32 master partition (DeepSpeed clones it even for an fp32 model)", MASTER_BYTES * part)
-    row.add(opt_target, "Adam exp_avg + exp_avg_sq on the partition", ADAM_STATE_BYTES * part)
+    row.add(opt_target, f"{setup.optimizer_words()}, on the partition", setup.optimizer_state_bytes(shape) * part)
     eg = 4 if setup.grad_accum_fp32 else e
     if offload:
         # stage_1_and_2.py with cpu_offload: gradients go straight to a pinned fp32 buffer on
@@ -199,7 +203,7 @@ def zero3(shape: ModelShape, setup: Setup, offload_optimizer: bool = False, offl
         row.add("host", f"{_dtype(eg)} gradient partitions (grad_partitions_flat_buffer)", eg * part)
         row.add("host", "fp32 gradient partitions for CPU Adam", 4 * part)
         row.add("host", "fp32 master partitions", MASTER_BYTES * part)
-        row.add("host", "Adam exp_avg + exp_avg_sq", ADAM_STATE_BYTES * part)
+        row.add("host", setup.optimizer_words(), setup.optimizer_state_bytes(shape) * part)
     else:
         row.add("grads_bytes", f"{_dtype(eg)} gradient partitions (grad_partitions_flat_buffer)", eg * part)
         sub = min(setup.sub_group_size, part)
@@ -211,7 +215,7 @@ def zero3(shape: ModelShape, setup: Setup, offload_optimizer: bool = False, offl
         row.add("master_weights_bytes", "fp32 master partitions (cloned, also for an fp32 model)", MASTER_BYTES * part)
         if setup.mixed:
             row.add("buffers_bytes", "step(): flattened 16-bit gradient of one sub-group (transient)", e * sub)
-        row.add("optimizer_bytes", "Adam exp_avg + exp_avg_sq on the partition", ADAM_STATE_BYTES * part)
+        row.add("optimizer_bytes", f"{setup.optimizer_words()}, on the partition", setup.optimizer_state_bytes(shape) * part)
     reduce, prefetch, _ = setup.buckets(shape.hidden)
     row.add("buffers_bytes", "gathered parameters: the largest module's, whole", e * shape.largest_module_params)
     row.add("buffers_bytes", "prefetched parameters (stage3_prefetch_bucket_size)", e * prefetch)
@@ -226,7 +230,7 @@ def fsdp2(shape: ModelShape, setup: Setup, offload: bool = False) -> Row:
     target = "host" if offload else None
     row.add(target or "params_bytes", "fp32 parameter shards (also the master copy)", 4 * shard)
     row.add(target or "grads_bytes", "fp32 gradient shards", 4 * shard)
-    row.add(target or "optimizer_bytes", "Adam exp_avg + exp_avg_sq on the shards", ADAM_STATE_BYTES * shard)
+    row.add(target or "optimizer_bytes", f"{setup.optimizer_words()}, on the shards", setup.optimizer_state_bytes(shape) * shard)
     # Unsharded (all-gathered) parameters in the compute dtype (MixedPrecisionPolicy.param_dtype).
     c = setup.half_bytes
     if setup.reshard_after_forward:

@@ -191,6 +191,7 @@ def shape_of_model(model, name: str) -> ModelShape:
         vocab=int(_first(config, "vocab_size")),
         block_params=block_params,
         root_params=sum(p.numel() for p in params if id(p) not in in_blocks),
+        hidden_matrix_params=sum(p.numel() for p in params if id(p) in in_blocks and p.dim() == 2),
         largest_module_params=largest_module,
         autocast_params=autocast_params,
         mlp="gated" if gated else "plain",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from overdrive.strategies import registry
+from overdrive.training import optimizer_catalog
 
 Precision = Literal["no", "fp16", "bf16"]
 Target = Literal["cuda", "cpu"]
@@ -44,6 +45,8 @@ class ModelShape:
     autocast_params: int
     """Parameters of matrix multiplies (linear weights and biases, a tied output embedding):
     what autocast copies to 16 bits in the forward pass."""
+    hidden_matrix_params: int = 0
+    """Parameters of the 2-D tensors inside the blocks: what Muon orthogonalises."""
     mlp: Literal["plain", "gated"] = "plain"
     activation: str = "gelu"
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
@@ -83,6 +86,9 @@ class Setup:
     # DDP and FSDP2
     gradient_as_bucket_view: bool = True
     reshard_after_forward: bool = True
+    # The optimizer (optim.name; training/optimizer_catalog.py knows its state) and SGD's momentum.
+    optimizer: str = "adamw"
+    momentum: Optional[float] = None
     extra_notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -100,6 +106,20 @@ class Setup:
         prefetch = self.prefetch_bucket_size if self.prefetch_bucket_size is not None else int(0.9 * hidden * hidden)
         persist = self.persistence_threshold if self.persistence_threshold is not None else 10 * hidden
         return reduce, prefetch, persist
+
+
+    def optimizer_state_bytes(self, shape: "ModelShape") -> float:
+        """Optimizer state per trainable parameter, averaged over the model (Adafactor's factored
+        moments and Muon's split depend on the shapes)."""
+        kind = optimizer_catalog.KINDS.get(self.optimizer, optimizer_catalog.CLASS_PATH)
+        matrices = [s for s in shape.param_shapes if len(s) == 2]
+        counts = optimizer_catalog.Counts(total=shape.params, matrices=sum(r * c for r, c in matrices),
+                                          matrix_sides=sum(r + c for r, c in matrices),
+                                          hidden_matrices=shape.hidden_matrix_params)
+        return kind.state_bytes(counts, {"optim": {"momentum": self.momentum}}) / max(shape.params, 1)
+
+    def optimizer_words(self) -> str:
+        return optimizer_catalog.KINDS.get(self.optimizer, optimizer_catalog.CLASS_PATH).state_words
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -149,6 +169,8 @@ def setup_for_run(cfg, target: Target = "cuda", **changes) -> Setup:
         grad_accum_fp32=str(data_types.get("grad_accum_dtype", "")).lower() in ("fp32", "float32"),
         gradient_as_bucket_view=cfg.parallel.ddp.gradient_as_bucket_view,
         reshard_after_forward=cfg.parallel.fsdp.reshard_after_forward,
+        optimizer=optimizer_catalog.of(cfg).name,
+        momentum=cfg.optim.momentum,
     )
     values.update({k: v for k, v in changes.items() if v is not None})
     return Setup(**values)

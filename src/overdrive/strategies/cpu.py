@@ -129,7 +129,44 @@ def problems(cfg: RunConfig, gpus: Optional[int] = None) -> list[Problem]:
     if cfg.parallel.strategy == "deepspeed" and cfg.precision.mixed_precision == "fp16":
         found.append(Problem("precision.mixed_precision", "DeepSpeed's CPU accelerator has no fp16 training",
                              fix="use precision.mixed_precision=bf16 or no on CPU"))
+    found += deepspeed_optimizer_problems(cfg)
     return found
+
+
+# DeepSpeed's own optimizers (engine._configure_basic_optimizer, deepspeed 0.19) that cannot
+# run on its CPU accelerator, whose op builders are only cpu_adam, cpu_adagrad, cpu_lion and
+# fused_adam (deepspeed/ops/op_builder/cpu/): type (lower case) -> why.
+_DEEPSPEED_OPTIMIZERS_OFF_CPU = {
+    "lamb": "builds FusedLamb, a CUDA kernel (DeepSpeed's CPU accelerator has no Lamb op)",
+    "onebitadam": "1-bit Adam compresses its communication with NCCL or MPI, not gloo",
+    "zerooneadam": "0/1 Adam compresses its communication with NCCL or MPI, not gloo",
+    "onebitlamb": "1-bit Lamb needs FusedLamb (CUDA) and NCCL or MPI",
+    "muadam": "needs the mup package", "muadamw": "needs the mup package", "musgd": "needs the mup package",
+    # Built as torch.optim.Adagrad, then the first backward fails inside ZeRO's gradient
+    # partitioning (IndexError in stage_1_and_2._get_flat_partition_unpadded), seen with
+    # deepspeed 0.19 on CPU at stages 1 and 2.
+    "adagrad": "fails in ZeRO's gradient partitioning on its CPU accelerator (seen with deepspeed 0.19)",
+}
+
+
+def deepspeed_optimizer_problems(cfg: RunConfig) -> list[Problem]:
+    """A DeepSpeed JSON optimizer block (optim.name=deepspeed) that DeepSpeed cannot build on CPU."""
+    block = cfg.parallel.deepspeed.extra.get("optimizer")
+    if cfg.optim.name != "deepspeed" or not isinstance(block, dict):
+        return []
+    kind = str(block.get("type", "")).lower()
+    why = _DEEPSPEED_OPTIMIZERS_OFF_CPU.get(kind)
+    if kind == "lion" and cfg.parallel.deepspeed.offload_optimizer == "none":
+        why = "without optimizer offload builds FusedLion, a CUDA kernel (offloaded, it is DeepSpeedCPULion)"
+    if why and kind.startswith("mu"):
+        import importlib.util
+
+        why = None if importlib.util.find_spec("mup") else why
+    if not why:
+        return []
+    return [Problem("parallel.deepspeed.extra.optimizer.type", f"{block.get('type')}: DeepSpeed {why}; this run "
+                    "trains on CPU", fix="on CPU use type Adam/AdamW (overdrive's own), or set optim.name "
+                    "(lion, sgd, ...) and remove the DeepSpeed optimizer block")]
 
 
 @contextlib.contextmanager

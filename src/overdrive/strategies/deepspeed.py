@@ -1,12 +1,13 @@
 """`parallel.deepspeed.*` -> the DeepSpeed config dict (interop/deepspeed_config.py) -> DeepSpeedPlugin.
 
-The optimizer: overdrive always hands DeepSpeed a client optimizer (torch AdamW built by the
-trainer, the same parameter groups and schedule as under DDP and FSDP), and never writes an
-`optimizer`/`scheduler` section — their values were mapped onto `optim.*`/`scheduler.*` when a
-DeepSpeed JSON was read. With optimizer offload, Accelerate swaps the AdamW for
-DeepSpeedCPUAdam (same groups, adamw_mode) at prepare time; that op is compiled with
-ninja/gcc on first use. Where it cannot be built, `zero_force_ds_cpu_optimizer: false` keeps
-torch AdamW running on the offloaded fp32 master weights instead (slower, same result).
+The optimizer: overdrive hands DeepSpeed a client optimizer (built by the trainer from
+`optim.*`, the same parameter groups and schedule as under DDP and FSDP) and writes no
+`optimizer` section, except with `optim.name=deepspeed` (a DeepSpeed JSON naming Lamb,
+OneBitAdam, ...), where DeepSpeed builds the optimizer from that block. With optimizer
+offload, Accelerate swaps AdamW for DeepSpeedCPUAdam (same groups, adamw_mode) at prepare
+time; that op is compiled with ninja/gcc on first use. Where it cannot be built, and for
+every other optimizer (see `forces_ds_cpu_optimizer`), `zero_force_ds_cpu_optimizer: false`
+keeps the torch optimizer running on the offloaded fp32 master weights instead.
 """
 
 from __future__ import annotations
@@ -22,16 +23,36 @@ from overdrive.strategies import common
 # --------------------------------------------------------------------------- plugin
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_adam_available() -> bool:
-    """Whether DeepSpeedCPUAdam can be built or loaded here (JIT-compiled with ninja/gcc)."""
+@functools.lru_cache(maxsize=None)
+def cpu_optimizer_available(builder: str = "CPUAdamBuilder") -> bool:
+    """Whether one of DeepSpeed's CPU optimizers (CPUAdamBuilder: DeepSpeedCPUAdam,
+    CPULionBuilder: DeepSpeedCPULion) can be built or loaded here (JIT-compiled with ninja/gcc)."""
     try:
-        from deepspeed.ops.op_builder import CPUAdamBuilder
+        from deepspeed.ops import op_builder
 
-        CPUAdamBuilder().load(verbose=False)
+        getattr(op_builder, builder)().load(verbose=False)
         return True
     except Exception:
         return False
+
+
+def cpu_adam_available() -> bool:
+    return cpu_optimizer_available("CPUAdamBuilder")
+
+
+def forces_ds_cpu_optimizer(cfg: RunConfig) -> bool:
+    """Whether to let DeepSpeed insist on its own CPU optimizer under optimizer offload.
+
+    With `zero_force_ds_cpu_optimizer` on (DeepSpeed's default), Accelerate replaces *any*
+    torch optimizer by DeepSpeedCPUAdam at prepare time (accelerate.utils.deepspeed.
+    map_pytorch_optim_to_deepspeed): right for Adam and AdamW, silently wrong for SGD or Lion.
+    So it stays on only for Adam/AdamW where DeepSpeedCPUAdam builds; the trainer hands Lion
+    DeepSpeed's own DeepSpeedCPULion itself (training/optimizers.py) and every other
+    optimizer runs as torch code on the offloaded fp32 master weights."""
+    from overdrive.training import optimizer_catalog
+
+    kind = optimizer_catalog.of(cfg)
+    return kind.name in ("adamw", "adam") and cpu_adam_available()
 
 
 @functools.lru_cache(maxsize=1)
@@ -53,7 +74,7 @@ def plugin(cfg: RunConfig, world_size: int) -> Any:
 
     ds = cfg.parallel.deepspeed
     config = ds_config(cfg, world_size)
-    if ds.offload_optimizer != "none" and not cpu_adam_available():
+    if ds.offload_optimizer != "none" and cfg.optim.name != "deepspeed" and not forces_ds_cpu_optimizer(cfg):
         config["zero_force_ds_cpu_optimizer"] = False
     nvme = ds.nvme_path or "none"
     if "nvme" in (ds.offload_optimizer, ds.offload_param) and not async_io_available():

@@ -63,6 +63,13 @@ class Strategy:
     _checkpoint_per_rank: Callable[[Any], bool]
     _estimator_row: Callable[[Any], str]
     _label: Callable[[Any], str]
+    # What the optimizer's step is given: "whole" tensors, "flat partitions" (ZeRO: one flattened
+    # fp32 buffer per rank, tensors cut anywhere) or "shards" (FSDP2: DTensor pieces of each tensor).
+    _optimizer_sees: Callable[[Any], str] = lambda cfg: "whole"
+
+    def optimizer_sees(self, cfg: Any) -> str:
+        """What the optimizer steps on: "whole" tensors, ZeRO's "flat partitions", FSDP2's "shards"."""
+        return self._optimizer_sees(cfg)
 
     def sharding(self, cfg: Any) -> Sharding:
         return self._sharding(cfg)
@@ -166,7 +173,8 @@ DEEPSPEED = Strategy(
     _sharding=_zero_sharding, _holds_whole_model=lambda cfg: int(_get(cfg, "parallel.deepspeed.zero_stage")) < 3,
     _setting_problems=settings.deepspeed,
     _checkpoint_per_rank=lambda cfg: int(_get(cfg, "parallel.deepspeed.zero_stage")) >= 1,
-    _estimator_row=_zero_row, _label=_zero_label)
+    _estimator_row=_zero_row, _label=_zero_label,
+    _optimizer_sees=lambda cfg: "flat partitions" if int(_get(cfg, "parallel.deepspeed.zero_stage")) >= 1 else "whole")
 
 FSDP = Strategy(
     name="fsdp", title="PyTorch FSDP2", accelerate_type="FSDP", section="parallel.fsdp",
@@ -174,7 +182,7 @@ FSDP = Strategy(
     _sharding=_fsdp_sharding, _holds_whole_model=lambda cfg: False, _setting_problems=settings.fsdp,
     _checkpoint_per_rank=lambda cfg: _get(cfg, "parallel.fsdp.state_dict_type") == "sharded_state_dict",
     _estimator_row=lambda cfg: "fsdp2_offload" if _get(cfg, "parallel.fsdp.offload_params") else "fsdp2",
-    _label=_fsdp_label)
+    _label=_fsdp_label, _optimizer_sees=lambda cfg: "shards")
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (DDP, DEEPSPEED, FSDP)}
 NAMES = tuple(STRATEGIES)

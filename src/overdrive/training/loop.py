@@ -50,6 +50,7 @@ class LoopState:
     micro_steps: int = 0
     first_loss: Optional[float] = None  # the first and latest logged losses
     final_loss: Optional[float] = None
+    source_positions: Optional[dict] = None  # a data mixture: where each source is (data/mixing.py)
 
     def state_dict(self) -> dict[str, Any]:
         """Every field but the loss sum, which lives on the device (the checkpoint gathers it)."""
@@ -155,12 +156,16 @@ class Outcome:
 def _run(loop: "Loop") -> Outcome:
     """The outer loop: the named steps, each when it is due."""
     loop.parts.model.train()
+    loop.parts.recipe.train_mode()
     while loop.state.step < loop.cfg.training.max_steps:
+        if loop.exhausted():  # a resumed run whose mixture had already run out
+            break
         loop.optimizer_step()
         if loop.log_due():
             loop.log_point()
         if loop.eval_due():
             loop.evaluate()
+        loop.exhausted()
         # Every rank asks whether any rank got SIGTERM/SIGINT, so all stop after the same step.
         signum = loop.stop.agreed()
         if loop.ckpt.due(loop.state.step, stopping=bool(signum or loop.outcome.stopped_early)):
@@ -194,6 +199,9 @@ class Loop:
         self.grad_norm = None
         self.lr = 0.0
         self.after_first: Optional[tuple[float, int]] = None  # (time, tokens) at the first log: steady state
+        note = parts.recipe.check_resumed(state)
+        if note:
+            progress.print(note)
 
     # -------------------------------------------------------------- the optimizer step
 
@@ -268,7 +276,7 @@ class Loop:
             "micro_batch_size": self.split.micro, "gradient_accumulation_steps": self.split.accumulation,
             "num_processes": acc.num_processes, "mixed_precision": self.cfg.precision.mixed_precision, "mfu": mfu,
             "grad_norm": float(self.grad_norm) if self.grad_norm is not None else None,
-            "tokens": state.tokens_seen, "epoch": state.epoch,
+            "tokens": state.tokens_seen, "epoch": state.epoch, "source_tokens": parts.recipe.source_tokens(state),
             "peak_memory_mb": telemetry.peak_memory_mb(acc.device), "time": time.time(),
         }
 
@@ -280,7 +288,9 @@ class Loop:
                 and step < t.max_steps and not self.outcome.stopped_early)
 
     def evaluate(self) -> None:
+        self.parts.recipe.eval_mode()  # a schedule-free optimizer is evaluated at its averaged point
         values = evaluate(self.parts, self.cfg.model.task)
+        self.parts.recipe.train_mode()
         self.metrics.write({"step": self.state.step, **values, "time": time.time()})
         self.parts.accelerator.log(values, step=self.state.step)
         self.progress.log(self.state.step, values)
@@ -291,8 +301,19 @@ class Loop:
     def save(self) -> None:
         """(model, optimizer, schedule, RNG, LoopState), due by the checkpointer's rule."""
         self.state.nonfinite_in_a_row = self.guard.run_length()
+        self.state.source_positions = self.parts.recipe.positions(self.state)
+        self.parts.recipe.eval_mode()  # a schedule-free optimizer saves its averaged point
         self.outcome.checkpoint = self.ckpt.save(self.state)
+        self.parts.recipe.train_mode()
         self.progress.print(f"checkpoint: {self.outcome.checkpoint}")
+
+    def exhausted(self) -> bool:
+        """A mixture told to stop when a source runs out (data.when_exhausted=stop) has."""
+        if not self.outcome.stopped_early:
+            self.outcome.stopped_early = self.parts.recipe.exhausted(self.state) or ""
+            if self.outcome.stopped_early:
+                self.progress.print(f"stopping: {self.outcome.stopped_early}")
+        return bool(self.outcome.stopped_early)
 
     def stopped_by(self, signum: int) -> None:
         self.outcome.stopped_by = signum

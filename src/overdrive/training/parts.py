@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -15,7 +15,8 @@ from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 from overdrive.training import model as model_mod
 from overdrive.training import telemetry
-from overdrive.training.optimization import make_optimizer, make_scheduler
+from overdrive.training import optimizers
+from overdrive.training.recipe import Recipe
 from overdrive.training.tokenizer import build_tokenizer
 
 
@@ -31,6 +32,7 @@ class Parts:
     flops_per_token: float
     peak: telemetry.DevicePeak
     seq_len: int
+    recipe: Optional[Recipe] = None  # what the loop asks of the optimizer and the data mixture
 
 
 def _micro_batch(cfg: RunConfig) -> int:
@@ -83,16 +85,16 @@ def build_parts(cfg: RunConfig, accelerator) -> Parts:
         n = min(len(tokens.validation), t.eval_batches * micro * split.data_parallel)
         eval_loader = data_mod.eval_loader(torch.utils.data.Subset(tokens.validation, range(n)), micro,
                                            d.num_workers, d.pin_memory, collate)
-    o, s = cfg.optim, cfg.scheduler
-    optimizer = make_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, o.implementation, accelerator.device.type)
-    scheduler = make_scheduler(optimizer, s.name, s.warmup_steps, t.max_steps, s.min_lr_ratio)
+    optimizer = optimizers.build_optimizer(model, cfg, accelerator.device.type)
+    scheduler = optimizers.build_schedule(optimizer, cfg)  # None when DeepSpeed builds the optimizer
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    scheduler = scheduler or optimizers.schedule_after_prepare(accelerator, cfg)
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
     model = _maybe_compile(model, cfg, accelerator)
     peak = telemetry.DevicePeak(accelerator.device, cfg.precision.mixed_precision, cache_dir)
     return Parts(accelerator, model, optimizer, scheduler, train_loader, eval_loader, tokenizer, fpt, peak,
-                 d.max_length)
+                 d.max_length, Recipe(cfg, optimizer, train_loader, d.max_length))
 
 
 def _maybe_compile(model, cfg: RunConfig, accelerator):
@@ -109,6 +111,7 @@ def save_final(cfg: RunConfig, parts: Parts, out: Path) -> None:
     acc.wait_for_everyone()
     if not cfg.checkpoint.save_final_model:
         return
+    parts.recipe.eval_mode()  # a schedule-free optimizer's weights: its averaged point
     # Every rank takes part: under ZeRO-3 or FSDP the full weights are gathered from shards.
     state_dict = acc.get_state_dict(parts.model)
     if acc.is_main_process:

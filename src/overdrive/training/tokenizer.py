@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 from overdrive.config.schema import RunConfig
+from overdrive.data.pieces import limited
 
 EOS = "<|endoftext|>"
 # Bump when the way a BPE is built changes, so stale cached tokenizers are not reused.
@@ -24,15 +25,6 @@ def bpe_cache_key(content_hash: str, vocab_size: int, max_bytes: int) -> str:
     text = f"{_BPE_RECIPE}|{content_hash}|{vocab_size}|{max_bytes}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
-
-def _limited(texts: Iterable[str], max_bytes: int) -> Iterator[str]:
-    """Yield texts until about `max_bytes` of UTF-8 have gone by (BPE merges saturate early)."""
-    seen = 0
-    for text in texts:
-        if seen >= max_bytes:
-            return
-        seen += len(text.encode("utf-8", errors="replace"))
-        yield text
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, max_bytes: int = 20_000_000):
@@ -50,7 +42,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, max_bytes: int = 20_000_000
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_limited(texts, max_bytes), trainer=trainer)
+    tok.train_from_iterator(limited(texts, max_bytes), trainer=trainer)
     # One special token serves as end-of-document, padding and bos: GPT-2 does the same.
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=EOS)
 

@@ -221,6 +221,13 @@ def _baseline_strategy(cfg: RunConfig) -> Option:
     return _BASELINES[registry.of(cfg).name](cfg)
 
 
+def _refuses_optimizer(cfg: RunConfig, option: Option) -> bool:
+    from overdrive.config.recipe_rules import optimizer_problems
+
+    found = optimizer_problems(apply(cfg, dict(option.values)), lambda key: "")
+    return any(problem.key == "optim.name" for problem in found)
+
+
 def build_space(cfg: RunConfig, facts: Facts, only: Optional[dict[str, list[str]]] = None) -> Space:
     """The space for this run on this machine. `only` narrows a dimension to some labels
     (the benchmark's reduced space; tests), always keeping the baseline's option."""
@@ -262,6 +269,11 @@ def build_space(cfg: RunConfig, facts: Facts, only: Optional[dict[str, list[str]
     for name in names:
         _add(dims["strategy"], _strategy_option(name))
     _add(dims["strategy"], base["strategy"])
+    # The optimizer is the user's and never changes: strategies it cannot run under are left out.
+    runnable = [o for o in dims["strategy"] if o.label == base["strategy"].label or not _refuses_optimizer(cfg, o)]
+    if len(runnable) < len(dims["strategy"]):
+        notes.append(f"strategy: only those optim.name={cfg.optim.name} runs under")
+    dims["strategy"] = runnable
 
     none = Option("compile", "eager", (("compile.backend", None),))
     base["compile"] = none if not cfg.compile.backend else Option(
