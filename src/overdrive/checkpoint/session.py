@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from overdrive.checkpoint import adapter_state
 from overdrive.checkpoint import fingerprint as fp
 from overdrive.checkpoint import reshard, store
 from overdrive.checkpoint.routes import Route
@@ -236,6 +237,8 @@ class Checkpointer:
         self.last_saved = -1
         # The schedule is stepped by the loop, not prepared: registering it puts it in save_state.
         accelerator.register_for_checkpointing(scheduler)
+        # An adapter run saves what is trained, not the frozen base (adapter_state.py).
+        self.save_kwargs, self.load_kwargs = adapter_state.attach(cfg, accelerator)
 
     def due(self, step: int, stopping: bool = False) -> bool:
         """Every `every_steps`, at the last step, and before the loop stops early."""
@@ -274,6 +277,7 @@ class Checkpointer:
         saved = read_state(path)
         if path != self.plan.checkpoint:
             _judge(saved, self.cfg, path.name, self.plan.force)
+        adapter_state.check_base(saved, self.cfg, path.name)
         self.lineage = saved.get("lineage") or self.lineage
         route = fp.compare(saved["config"], self.cfg.model_dump(mode="json")).route
         started = time.perf_counter()
@@ -285,7 +289,7 @@ class Checkpointer:
                 with reshard.universal_loading(self.acc._models[0]):  # the DeepSpeed engine
                     self.acc.load_state(str(universal))
             else:
-                self.acc.load_state(str(path))
+                self.acc.load_state(str(path), **self.load_kwargs)
         except UserError:
             raise
         except Exception as error:  # shapes, missing shards: the message says what
@@ -344,7 +348,7 @@ class Checkpointer:
             store.begin(self.root, step)
         acc.wait_for_everyone()
         with _quiet_tied_weights():
-            acc.save_state(str(tmp))
+            acc.save_state(str(tmp), **self.save_kwargs)
         losses = acc.gather(pending_loss.detach().float().reshape(1)).tolist()
         if self.main:
             self._write_trainer_state(tmp, state, losses, pending_micro_steps, extra)
@@ -374,6 +378,9 @@ class Checkpointer:
             "metrics_bytes": self.metrics_path.stat().st_size if self.metrics_path.exists() else 0,
             "pending_loss": losses, "pending_micro_steps": micro_steps, "extra": extra,
         }
+        base = adapter_state.base_record(cfg)
+        if base is not None:  # referred to, not copied
+            record["base_model"] = base
         (tmp / TRAINER_STATE).write_text(json.dumps(record, indent=1, default=str))
 
     def _ours(self, path: Path) -> bool:

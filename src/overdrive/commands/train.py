@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
         writable_target(cfg.output_dir, "output_dir", directory=True)
         check_for_train(resolved)
+        _check_fine_tuning(cfg)
     force = getattr(args, "force", False)
     if not in_worker:
         from overdrive.launch.process import needs_launcher
@@ -91,6 +92,18 @@ def run(args: argparse.Namespace) -> int:
     if result.is_main_process and cfg.logging.level != "quiet":
         _summary(result, cfg)
     return 1 if result.stopped_early else 0
+
+
+def _check_fine_tuning(cfg) -> None:
+    """Before any process starts: `peft.target_modules` against the model's modules (built on
+    the meta device, no weights), and chat data's tokenizer has a chat template."""
+    from overdrive.training import adapter
+
+    adapter.check(cfg)
+    if cfg.data.format == "chat":
+        from overdrive.training.tokenizer import build_tokenizer
+
+        build_tokenizer(cfg, (), "")  # a pretrained tokenizer (validated): refused by key without a template
 
 
 def _launch(resolved, force: bool) -> int:

@@ -37,6 +37,16 @@ def shards_parameters(cfg: RunConfig) -> bool:
     return registry.of(cfg).sharding(cfg).parameters or registry.of(cfg) is registry.FSDP
 
 
+def adapter_checkpoint(cfg: RunConfig) -> str:
+    """Who writes an adapter run's model files, so the frozen base can be left out:
+    `engine` (DeepSpeed's save_checkpoint), `full` (FSDP2's distributed checkpoint: every
+    parameter), or `state_dict` (Accelerate's own weights file)."""
+    strategy = registry.of(cfg)
+    if strategy.engine_steps_optimizer:
+        return "engine"
+    return "full" if strategy is registry.FSDP else "state_dict"
+
+
 def loss_scaler_owns_overflows(cfg: RunConfig) -> bool:
     """DeepSpeed fp16 with dynamic loss scaling (`loss_scale: 0`): DeepSpeed skips a step whose
     gradients overflow and lowers the scale itself (a fixed scale skips nothing)."""

@@ -23,10 +23,12 @@ import torch
 
 from overdrive import checkpoint, strategies
 from overdrive import data as data_mod
+from overdrive.training import adapter
 from overdrive.training import model as model_mod
 from overdrive.training import nonfinite
 from overdrive.training import telemetry
 from overdrive.training.evaluation import evaluate
+from overdrive.training.loss_tokens import LossTokens
 from overdrive.config.redact import redact
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
@@ -75,6 +77,7 @@ class Parts:
     flops_per_token: float
     peak: telemetry.DevicePeak
     seq_len: int
+    notes: list[str] = field(default_factory=list)  # said once the run starts (trainable parameters, packing)
 
 
 def _micro_batch(cfg: RunConfig) -> int:
@@ -110,12 +113,14 @@ def build_parts(cfg: RunConfig, accelerator) -> Parts:
         special["pad_token_id"] = tokenizer.pad_token_id
     set_seed(t.seed)  # same initial weights on every rank and every run
     model = model_mod.build_model(cfg, vocab_size=len(tokenizer), label_names=tokens.label_names,
-                                  special_tokens=special)
+                                  special_tokens=special, device=adapter.load_device(cfg, accelerator.device))
     _check_positions(model.config, d.max_length)
     layers, width = model_mod.shape_of(model.config)
-    fpt = telemetry.flops_per_token(model_mod.flop_params(model), layers, width, d.max_length)
+    fpt = telemetry.flops_per_token(model_mod.flop_params(model), layers, width, d.max_length,
+                                    frozen_params=model_mod.flop_params(model, frozen=True))
+    notes = adapter.notes(cfg, model)
 
-    collate = data_mod.collate_for(cfg.model.task, tokenizer.pad_token_id)
+    collate = data_mod.collate_for(data_mod.sample_kind(cfg), tokenizer.pad_token_id)
     train_loader = data_mod.train_loader(tokens.train, micro, t.gradient_accumulation_steps,
                                          accelerator.num_processes, t.seed, d.shuffle, d.num_workers,
                                          d.pin_memory, collate)
@@ -135,7 +140,7 @@ def build_parts(cfg: RunConfig, accelerator) -> Parts:
     model = _maybe_compile(model, cfg, accelerator)
     peak = telemetry.DevicePeak(accelerator.device, cfg.precision.mixed_precision, cache_dir)
     return Parts(accelerator, model, optimizer, scheduler, train_loader, eval_loader, tokenizer, fpt, peak,
-                 d.max_length)
+                 d.max_length, notes)
 
 
 def _maybe_compile(model, cfg: RunConfig, accelerator):
@@ -195,6 +200,8 @@ def train(run, force: bool = False) -> TrainResult:
     progress = telemetry.ProgressDisplay(cfg.training.max_steps, enabled=main and cfg.logging.level != "quiet",
                                          bar=cfg.logging.progress)
     progress.print(f"training: {cfg.model.task}, {cfg.training.max_steps} steps, output in {out}")
+    for note in parts.notes:
+        progress.print(note)
     metrics = telemetry.MetricsLog(out / "metrics.jsonl", enabled=main)
     ckpt = checkpoint.Checkpointer(cfg, accelerator, parts.scheduler, settled.plan, out / "metrics.jsonl",
                                    say=progress.print)
@@ -249,6 +256,7 @@ def _loop(run: Session) -> Outcome:
     # Summed on the device: no sync per step. A resume carries on the interval being summed.
     loss_sum = torch.full((), run.restored.pending_loss, device=acc.device)
     micro_steps = run.restored.pending_micro_steps
+    loss_tokens = LossTokens(acc.device, run.restored.extra.get("pending_loss_tokens", 0) if acc.is_main_process else 0)
     guard = nonfinite.NonfiniteGuard(t.nonfinite_loss, optimizer, acc.device, scaler=acc.scaler,
                                      deepspeed=registry.of(cfg).engine_steps_optimizer,
                                      dynamic_loss_scale=strategies.loss_scaler_owns_overflows(cfg))
@@ -274,6 +282,7 @@ def _loop(run: Session) -> Outcome:
                 optimizer.zero_grad(set_to_none=True)
             loss_sum += loss.detach().float()
             micro_steps += 1
+            loss_tokens.add(batch)
             tokens = batch["input_ids"].numel() * world  # shapes are host-side: no sync
             throughput.add(tokens)
             state.tokens_seen += tokens
@@ -294,7 +303,7 @@ def _loop(run: Session) -> Outcome:
             counts = guard.read()  # steps skipped since the last log
             state.nonfinite_in_a_row = counts.in_a_row
             record = {**_train_record(cfg, parts, state, loss_value, lr, throughput.read(), grad_norm),
-                      **counts.record(), "elapsed_s": throughput.elapsed()}
+                      **counts.record(), "elapsed_s": throughput.elapsed(), "loss_tokens": loss_tokens.read(acc)}
             if counts.note(state.step):
                 progress.print(counts.note(state.step))
             metrics.write(record)
@@ -319,7 +328,8 @@ def _loop(run: Session) -> Outcome:
         if run.ckpt.due(state.step, stopping=bool(signum or outcome.stopped_early)):
             state.nonfinite_in_a_row = guard.run_length()
             outcome.checkpoint = run.ckpt.save(state, loss_sum, micro_steps,
-                                               {"first_loss": outcome.first_loss, "final_loss": outcome.final_loss})
+                                               {"first_loss": outcome.first_loss, "final_loss": outcome.final_loss,
+                                                "pending_loss_tokens": loss_tokens.total(acc)})
             progress.print(f"checkpoint: {outcome.checkpoint}")
         if signum:
             outcome.stopped_by = signum
@@ -368,6 +378,10 @@ def _save_final(cfg: RunConfig, parts: Parts, out: Path) -> None:
         return
     # Every rank takes part: under ZeRO-3 or FSDP the full weights are gathered from shards.
     state_dict = acc.get_state_dict(parts.model)
+    if adapter.enabled(cfg):  # PEFT's adapter directory (and the merged model when asked)
+        adapter.save_final(cfg, acc, parts.model, parts.tokenizer, state_dict, out)
+        acc.wait_for_everyone()
+        return
     if acc.is_main_process:
         from transformers.utils import logging as hf_logging
 
