@@ -54,6 +54,11 @@ def peft_rules(cfg, where, set_explicitly: Mapping[str, bool], on_cpu: Callable[
                                   "random ones", where("peft.method"),
                                   "set model.name_or_path to a save_pretrained directory (or hub name), without "
                                   "model.from_scratch; or peft.method=none"))
+        f = cfg.parallel.fsdp
+        if registry.of(cfg) is registry.FSDP and f.version == 1 and not f.use_orig_params:
+            errors.append(Problem("parallel.fsdp.use_orig_params", "FSDP1 flattens a unit's parameters into one, "
+                                  "which cannot mix the frozen base and the trained adapter", where("peft.method"),
+                                  "set parallel.fsdp.use_orig_params=true (FSDP2 needs nothing: it shards each tensor)"))
         if p.method == "qlora":
             why = bitsandbytes_problem(on_cpu())
             if why:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from overdrive.strategies import registry
 
@@ -84,6 +84,8 @@ class Setup:
     gradient_as_bucket_view: bool = True
     reshard_after_forward: bool = True
     extra_notes: tuple[str, ...] = field(default_factory=tuple)
+    adapter: Optional[Any] = None
+    """An adapter run (memory/adapter.AdapterShape): frozen base, trained adapter."""
 
     @property
     def mixed(self) -> bool:
