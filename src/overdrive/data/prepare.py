@@ -47,12 +47,12 @@ def _describe(cfg: RunConfig, corpus) -> str:
     return "tokenizing " + ("the standard library" if cfg.data.source == "stdlib" else cfg.data.source)
 
 
-def _kind(cfg: RunConfig, tokenizer) -> str:
+def cache_kind(cfg: RunConfig, tokenizer) -> str:
     """The token cache's task key: the model task, or chat with its template and mask settings."""
     return chat.template_key(cfg, tokenizer) if chat.is_chat(cfg) else cfg.model.task
 
 
-def _encoder(cfg: RunConfig, tokenizer):
+def encoder_for(cfg: RunConfig, tokenizer):
     if chat.is_chat(cfg):
         return chat.encoder_for(cfg, tokenizer)
     return tokens.Encoder(tokenizer, cfg.model.task, cfg.data.max_length)
@@ -61,7 +61,7 @@ def _encoder(cfg: RunConfig, tokenizer):
 def _one(cfg: RunConfig, corpus, tokenizer, holdout: float, names: Optional[list[str]], build: bool, show: bool):
     """A corpus' entry in the token cache: filled here when building and missing, else waited for."""
     d = cfg.data
-    key = tokens.entry_key(corpus.key, _kind(cfg, tokenizer), d.max_length, tokenizer, holdout, cfg.training.seed,
+    key = tokens.entry_key(corpus.key, cache_kind(cfg, tokenizer), d.max_length, tokenizer, holdout, cfg.training.seed,
                            d.max_bytes, names)
     entry = Path(d.cache_dir).expanduser() / "tokens" / key
     if cache.done(entry) is None:
@@ -75,7 +75,7 @@ def _one(cfg: RunConfig, corpus, tokenizer, holdout: float, names: Optional[list
                 progress = TokenizeProgress(_describe(cfg, corpus), total, corpus.unit,
                                             enabled=show and cfg.logging.progress)
                 try:
-                    meta = tokens.fill(entry, corpus, _encoder(cfg, tokenizer),
+                    meta = tokens.fill(entry, corpus, encoder_for(cfg, tokenizer),
                                        holdout, cfg.training.seed, d.max_bytes, names, progress)
                 finally:
                     progress.close()
@@ -138,7 +138,7 @@ def cached_token_count(cfg: RunConfig, tokenizer) -> Optional[int]:
     splits = open_splits(cfg)
     d = cfg.data
     names = splits.train.label_names if cfg.model.task != "causal-lm" else None
-    key = tokens.entry_key(splits.train.key, _kind(cfg, tokenizer), d.max_length, tokenizer, splits.holdout,
+    key = tokens.entry_key(splits.train.key, cache_kind(cfg, tokenizer), d.max_length, tokenizer, splits.holdout,
                            cfg.training.seed, d.max_bytes, names)
     meta = cache.done(Path(d.cache_dir).expanduser() / "tokens" / key)
     if meta is None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from overdrive.memory.formulas import ADAM_STATE_BYTES, MASTER_BYTES, Row, _dtype
-from overdrive.memory.shape import ModelShape, Setup, numel
+from overdrive.memory.shape import ModelShape, Setup
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class AdapterShape:
     bits: int = 4
     double_quant: bool = True
     base_bytes: int = 4  # storage of the unquantized base (model.dtype)
+    largest_quantized: int = 0  # elements of the largest quantized weight (dequantized whole for its matmul)
 
     def quantized_bytes(self) -> float:
         if not self.quantized:
@@ -54,9 +55,8 @@ def adapter_shape(model, peft, base_bytes: int = 4) -> AdapterShape:
     from peft import LoraConfig, get_peft_model
 
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    quantized = 0
-    if peft.method == "qlora":
-        quantized = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not out)
+    linear = [m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not out]
+    quantized = sum(linear) if peft.method == "qlora" else 0
     config = LoraConfig(r=peft.r, target_modules=peft.target_modules if isinstance(peft.target_modules, str)
                         else list(peft.target_modules), modules_to_save=list(peft.modules_to_save) or None,
                         use_dora=peft.use_dora, task_type="CAUSAL_LM")
@@ -66,7 +66,8 @@ def adapter_shape(model, peft, base_bytes: int = 4) -> AdapterShape:
         warnings.simplefilter("ignore", FutureWarning)
         wrapped = get_peft_model(model, config)
     trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
-    return AdapterShape(peft.method, trainable, quantized, peft.bits, peft.double_quant, base_bytes)
+    return AdapterShape(peft.method, trainable, quantized, peft.bits, peft.double_quant, base_bytes,
+                        max(linear, default=0) if quantized else 0)
 
 
 def _base_terms(row: Row, shape: ModelShape, a: AdapterShape, bytes_unquantized: int, fraction: float,
@@ -105,8 +106,7 @@ def model_state_row(strategy: str, shape: ModelShape, setup: Setup, a: AdapterSh
             row.add("buffers_bytes", "autocast's 16-bit copies of the frozen weights, kept for backward",
                     2 * shape.autocast_params)
         if a.quantized:
-            largest = max(numel(s) for s in shape.param_shapes)
-            row.add("buffers_bytes", "one weight dequantized for its matmul (transient)", e * largest)
+            row.add("buffers_bytes", "one weight dequantized for its matmul (transient)", e * a.largest_quantized)
         return row
     # DeepSpeed casts the module to the 16-bit dtype; only trained parameters enter the optimizer.
     stage = 3 if strategy.startswith("zero3") else 2 if strategy.startswith("zero2") else 1
