@@ -138,6 +138,14 @@ def _how_to_resume(path, signum: int, in_worker: bool) -> None:
         print(f"overdrive: {why}; {where}. To resume, run the same command again:\n  {command}", file=sys.stderr)
 
 
+def _final_files(cfg) -> str:
+    if not cfg.checkpoint.save_final_model:
+        return ""
+    if cfg.peft.method == "none":
+        return ", model/ (save_pretrained)"
+    return ", model/ (the adapter: PEFT's directory)" + (", merged/ (save_pretrained)" if cfg.peft.save_merged else "")
+
+
 def _summary(result, cfg) -> None:
     out = result.output_dir
     lines = [""]
@@ -148,13 +156,16 @@ def _summary(result, cfg) -> None:
         lines.append("eval: " + "  ".join(f"{k} {v:.4g}" for k, v in result.eval.items()))
     lines += [
         f"run directory: {out}",
-        f"  metrics.jsonl, resolved.json{', model/ (save_pretrained)' if cfg.checkpoint.save_final_model else ''}",
+        f"  metrics.jsonl, resolved.json{_final_files(cfg)}",
         "next:",
         f"  overdrive report {out}    # loss curves, throughput, MFU, memory",
         "  overdrive explain lr=3e-4    # every effective value and the layer that set it",
         "  overdrive train parallel.strategy=fsdp launch.num_processes=2    # the same run, sharded over 2 processes",
         "  overdrive train parallel.strategy=deepspeed parallel.deepspeed.zero_stage=3 launch.num_processes=2",
     ]
-    if cfg.checkpoint.save_final_model:
+    if cfg.checkpoint.save_final_model and cfg.peft.method != "none":
+        lines.append(f"  PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({cfg.model.name_or_path!r}), "
+                     f"{str(out / 'model')!r})    # the adapter on its base (docs/finetuning.md)")
+    elif cfg.checkpoint.save_final_model:
         lines.append(f"  overdrive train model.name_or_path={out / 'model'}    # continue from the trained model")
     print("\n".join(lines))
