@@ -188,3 +188,23 @@ def test_adapter_memory_counts_gradients_and_optimizer_for_the_adapter_only():
     assert qrow.params_bytes < row.params_bytes / 2
     sharded = estimate(shape, Setup(devices=4, precision="bf16", adapter=lora), ("fsdp2",)).row("fsdp2")
     assert sharded.optimizer_bytes == pytest.approx(8 * lora.trainable / 4, abs=1)
+
+
+def test_what_each_strategy_refuses_or_sets_for_an_adapter(llama):
+    from overdrive.strategies import adapter as strategy_adapter
+
+    def cfg(*items):
+        return resolve([], cli=[f"model.name_or_path={llama}", *items]).config
+
+    assert strategy_adapter.quant_storage_dtype(cfg("peft.method=qlora")) == "uint8"
+    assert strategy_adapter.quant_storage_dtype(cfg("peft.method=qlora", "parallel.strategy=fsdp")) == "float32"
+    assert strategy_adapter.checkpoint_writer(cfg("peft.method=lora", "parallel.strategy=deepspeed")) == "engine"
+    for items, key in ((["parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3"], "peft.method"),
+                       (["parallel.strategy=fsdp", "peft.storage_dtype=uint8"], "peft.storage_dtype"),
+                       (["parallel.strategy=fsdp", "peft.bits=8"], "peft.bits")):
+        with pytest.raises(UserError) as error:
+            cfg("peft.method=qlora", *items)
+        assert keys_of(error.value) == [key]
+    with pytest.raises(UserError) as error:
+        cfg("peft.method=lora", "parallel.strategy=fsdp", "parallel.fsdp.version=1", "parallel.fsdp.use_orig_params=false")
+    assert keys_of(error.value) == ["parallel.fsdp.use_orig_params"]

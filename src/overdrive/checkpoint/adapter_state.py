@@ -52,9 +52,9 @@ def attach(cfg, accelerator) -> tuple[dict, dict]:
     registers the pre-hook where Accelerate writes the weights itself."""
     if cfg.peft.method == "none":
         return {}, {}
-    from overdrive import strategies
+    from overdrive.strategies.adapter import checkpoint_writer
 
-    how = strategies.adapter_checkpoint(cfg)
+    how = checkpoint_writer(cfg)
     if how == "engine":
         return {"exclude_frozen_parameters": True}, {"load_module_strict": False}
     if how == "state_dict":

@@ -11,7 +11,7 @@ import importlib.util
 from typing import Callable, Mapping
 
 from overdrive.errors import Problem
-from overdrive.strategies import registry
+from overdrive.strategies import adapter as strategy_adapter
 
 # bitsandbytes has 4-bit and 8-bit layers on the CPU from 0.46 on (its CPU backend); the
 # QLoRA path was checked here with 0.50 (training, saving, merging).
@@ -54,29 +54,12 @@ def peft_rules(cfg, where, set_explicitly: Mapping[str, bool], on_cpu: Callable[
                                   "random ones", where("peft.method"),
                                   "set model.name_or_path to a save_pretrained directory (or hub name), without "
                                   "model.from_scratch; or peft.method=none"))
-        f = cfg.parallel.fsdp
-        if registry.of(cfg) is registry.FSDP and f.version == 1 and not f.use_orig_params:
-            errors.append(Problem("parallel.fsdp.use_orig_params", "FSDP1 flattens a unit's parameters into one, "
-                                  "which cannot mix the frozen base and the trained adapter", where("peft.method"),
-                                  "set parallel.fsdp.use_orig_params=true (FSDP2 needs nothing: it shards each tensor)"))
+        errors += strategy_adapter.problems(cfg, where)  # what the strategy cannot do with this adapter
         if p.method == "qlora":
             why = bitsandbytes_problem(on_cpu())
             if why:
                 errors.append(Problem("peft.method", f"qlora {why}", where("peft.method"),
                                       "pip install 'bitsandbytes>=0.46', or use peft.method=lora"))
-            sharding = registry.of(cfg).sharding(cfg)
-            if registry.of(cfg) is registry.DEEPSPEED and sharding.parameters:
-                errors.append(Problem("peft.method", "qlora under ZeRO-3 is not supported by overdrive (a 4-bit base "
-                                      "partitioned by ZeRO-3 is not checked here)", where("peft.method"),
-                                      "use parallel.deepspeed.zero_stage=2, FSDP, or DDP with qlora"))
-            if registry.of(cfg) is registry.FSDP and p.storage_dtype == "uint8":
-                errors.append(Problem("peft.storage_dtype", "FSDP shards a block's tensors together, in one dtype: "
-                                      "4-bit weights stored as uint8 cannot share a unit with float weights",
-                                      where("peft.storage_dtype"),
-                                      f"set peft.storage_dtype=auto (the model's {cfg.model.dtype})"))
-            if p.bits == 8 and registry.of(cfg) is registry.FSDP:
-                errors.append(Problem("peft.bits", "8-bit bitsandbytes weights cannot be sharded by FSDP",
-                                      where("peft.bits"), "use peft.bits=4 with FSDP, or DDP"))
     if cfg.data.format == "chat":
         if cfg.model.task != "causal-lm":
             errors.append(Problem("data.format", "chat data trains a causal LM", where("data.format"),

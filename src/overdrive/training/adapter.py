@@ -17,26 +17,13 @@ import difflib
 from typing import Any, Optional
 
 from overdrive.errors import Problem, UserError
+from overdrive.strategies import adapter as strategy_adapter
 
 _TASK_TYPES = {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS"}
-_DTYPE_NAMES = ("float32", "bfloat16", "float16", "uint8")
 
 
 def enabled(cfg) -> bool:
     return cfg.peft.method != "none"
-
-
-def storage_dtype(cfg) -> str:
-    """Where the packed 4-bit weights live. FSDP puts a block's tensors into one unit, which
-    needs one dtype: there they are stored in the model's own float dtype."""
-    from overdrive.strategies import registry
-
-    p = cfg.peft
-    if p.storage_dtype != "auto":
-        return p.storage_dtype
-    if registry.of(cfg) is registry.FSDP:
-        return cfg.model.dtype if cfg.model.dtype in _DTYPE_NAMES else "float32"
-    return "uint8"
 
 
 def quantization(cfg):
@@ -52,7 +39,7 @@ def quantization(cfg):
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.mixed_precision, torch.float32)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=p.quant_type,
                               bnb_4bit_use_double_quant=p.double_quant, bnb_4bit_compute_dtype=compute,
-                              bnb_4bit_quant_storage=getattr(torch, storage_dtype(cfg)))
+                              bnb_4bit_quant_storage=getattr(torch, strategy_adapter.quant_storage_dtype(cfg)))
 
 
 def lora_config(cfg, task: Optional[str] = None):
