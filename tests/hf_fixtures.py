@@ -36,3 +36,51 @@ def make_tiny_model(directory: Path) -> Path:
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+# A chat template without {% generation %} marks (the assistant's tokens are found prefix by
+# prefix), and one with them (Transformers returns the assistant mask itself).
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} <eos> {% endfor %}"
+                 "{% if add_generation_prompt %}<assistant> {% endif %}")
+CHAT_TEMPLATE_GENERATION = ("{% for m in messages %}{% if m['role'] == 'assistant' %}<assistant> {% generation %}"
+                            "{{ m['content'] }} <eos> {% endgeneration %}{% else %}<{{ m['role'] }}> "
+                            "{{ m['content'] }} <eos> {% endif %}{% endfor %}"
+                            "{% if add_generation_prompt %}<assistant> {% endif %}")
+LETTERS = list("abcdefghijklmnopqrstuvwxyz")
+CHAT_WORDS = ["<system>", "<user>", "<assistant>", *LETTERS, "ok", "the", "answer", "is", "yes"]
+
+
+def make_tiny_llama(directory: Path, chat_template: str | None = CHAT_TEMPLATE, seed: int = 0) -> Path:
+    """A 2-layer Llama (hidden size 32) from LlamaConfig and a word-level tokenizer with a chat
+    template (or none), saved with save_pretrained."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2, **{w: i + 3 for i, w in enumerate(CHAT_WORDS)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", unk_token="<unk>",
+                                        eos_token="<eos>", bos_token="<eos>")
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=len(vocab),
+                                         max_position_embeddings=128, pad_token_id=0, eos_token_id=2,
+                                         bos_token_id=2, tie_word_embeddings=False))
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def make_chat_data(path: Path, rows: int = 64, seed: int = 0, answer: str = "the answer is yes",
+                   prompt_letters: int = 12) -> Path:
+    """Conversations whose prompts are random letters and whose answer is always the same."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(rows):
+            prompt = " ".join(rng.choice(LETTERS) for _ in range(prompt_letters))
+            f.write(json.dumps({"messages": [{"role": "user", "content": prompt},
+                                             {"role": "assistant", "content": answer}]}) + "\n")
+    return path

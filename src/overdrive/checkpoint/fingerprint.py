@@ -44,6 +44,8 @@ _RULES: dict[str, tuple[str, str]] = {
     "data.num_workers": ("harmless", ""),
     "data.pin_memory": ("harmless", ""),
     "data.cache_dir": ("harmless", ""),
+    "peft.": ("math", "the adapter being trained (the saved adapter may not even fit it)"),
+    "peft.save_merged": ("harmless", ""),
     "optim.": ("math", "every update from here on"),
     "optim.implementation": ("harmless", ""),
     "scheduler.": ("math", "the learning rate of every remaining step"),

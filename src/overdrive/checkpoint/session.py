@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from overdrive.checkpoint import adapter_state
 from overdrive.checkpoint import fingerprint as fp
 from overdrive.checkpoint import reshard, store
 from overdrive.checkpoint.resume import (START_OVER, TRAINER_STATE, ResumePlan, judge, plan_resume,  # noqa: F401
@@ -83,6 +84,8 @@ class Checkpointer:
         self.last_saved = -1
         # The schedule is stepped by the loop, not prepared: registering it puts it in save_state.
         accelerator.register_for_checkpointing(scheduler)
+        # An adapter run saves what is trained, not the frozen base (adapter_state.py).
+        self.save_kwargs, self.load_kwargs = adapter_state.attach(cfg, accelerator)
 
     def due(self, step: int, stopping: bool = False) -> bool:
         """Every `every_steps`, at the last step, and before the loop stops early."""
@@ -122,6 +125,7 @@ class Checkpointer:
         route = self.plan.route
         if path != self.plan.checkpoint or route is None:  # an older checkpoint than the judged one
             route = judge(saved, self.cfg, path.name, self.plan.force).route
+        adapter_state.check_base(saved, self.cfg, path.name)
         self.lineage = saved.get("lineage") or self.lineage
         started = time.perf_counter()
         try:
@@ -132,7 +136,7 @@ class Checkpointer:
                 with reshard.universal_loading(self.acc._models[0]):  # the DeepSpeed engine
                     self.acc.load_state(str(universal))
             else:
-                self.acc.load_state(str(path))
+                self.acc.load_state(str(path), **self.load_kwargs)
         except UserError:
             raise
         except Exception as error:  # shapes, missing shards: the message says what
@@ -194,7 +198,7 @@ class Checkpointer:
             store.begin(self.root, step)
         acc.wait_for_everyone()
         with _quiet_tied_weights():
-            acc.save_state(str(tmp))
+            acc.save_state(str(tmp), **self.save_kwargs)
         losses = acc.gather(state.loss_sum.detach().float().reshape(1)).tolist()
         if self.main:
             self._write_trainer_state(tmp, state, losses)
@@ -226,6 +230,9 @@ class Checkpointer:
             "pending_loss": losses, "pending_micro_steps": loop["micro_steps"],
             "extra": {"first_loss": loop["first_loss"], "final_loss": loop["final_loss"]},  # as earlier versions read it
         }
+        base = adapter_state.base_record(cfg)
+        if base is not None:  # referred to, not copied
+            record["base_model"] = base
         (tmp / TRAINER_STATE).write_text(json.dumps(record, indent=1, default=str))
 
     def _ours(self, path: Path) -> bool:

@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     answers.add_argument("--num-processes", help="processes in total, across all machines")
     answers.add_argument("--model", help="hub name or local path of the model")
     answers.add_argument("--mixed-precision", help="no | fp16 | bf16 | fp8")
+    answers.add_argument("--peft", help="none | lora | qlora (with --model)")
+    answers.add_argument("--lora-r", help="LoRA rank (with --peft)")
     answers.add_argument("--strategy", help="ddp | deepspeed | fsdp")
     answers.add_argument("--zero-stage", help="DeepSpeed ZeRO stage 0-3")
     answers.add_argument("--offload-optimizer", help="none | cpu | nvme (DeepSpeed)")
@@ -45,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 PRESET_NAMES = (
     "where", "machine_type", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
-    "num_processes", "model", "mixed_precision", "strategy", "zero_stage", "offload_optimizer",
+    "num_processes", "model", "mixed_precision", "peft", "lora_r", "strategy", "zero_stage", "offload_optimizer",
     "offload_param", "nvme_path", "reshard_after_forward", "fsdp_offload_params", "compile", "accum",
 )
 

@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=1, help="machines the devices are spread over (host RAM is per node)")
     parser.add_argument("--target", choices=["auto", "cuda", "cpu"], default="auto",
                         help="kernels to assume (attention, dropout masks); auto: cuda with a GPU or --gpu-memory")
+    parser.add_argument("--peft", choices=["none", "lora", "qlora"],
+                        help="fine-tune an adapter on the frozen base (default: the YAML's peft.method, else none)")
+    parser.add_argument("--lora-r", type=int, help="LoRA rank with --peft (default: the YAML's peft.r, else 16)")
     parser.add_argument("--strategies", help="comma list of rows to show (default: all)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table (GB) instead")
@@ -76,6 +79,11 @@ def build(args: argparse.Namespace):
                         checkpointing=False, target=target)
         defaults.update({k: v for k, v in changes.items() if v is not None})
         setup = Setup(**defaults)
+    adapter = _adapter(args, source, setup)
+    if adapter is not None:
+        from dataclasses import replace
+
+        setup = replace(setup, adapter=adapter)
     strategies = STRATEGIES
     if args.strategies:
         strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
@@ -83,6 +91,26 @@ def build(args: argparse.Namespace):
         if unknown:
             raise UserError(Problem("--strategies", f"unknown {unknown}; choose from {', '.join(STRATEGIES)}"))
     return estimate(shape, setup, strategies), source
+
+
+def _adapter(args, source, setup):
+    """The adapter a LoRA/QLoRA run trains (memory/adapter.py), from the YAML's peft section
+    or --peft/--lora-r; None for full training."""
+    from overdrive.config.schema_peft import PeftConfig
+
+    peft = source.run.peft if source.run is not None else PeftConfig()
+    changes = {k: v for k, v in (("method", getattr(args, "peft", None)), ("r", getattr(args, "lora_r", None)))
+               if v is not None}
+    _positive("--lora-r", changes.get("r"))
+    peft = peft.model_copy(update=changes)
+    if peft.method == "none":
+        return None
+    from overdrive.memory.adapter import adapter_shape
+    from overdrive.memory.model_shape import build_meta_model
+
+    dtype = source.run.model.dtype if source.run is not None else ("float32" if not setup.mixed else "bfloat16")
+    model = build_meta_model(source.config, source.task, source.attn_implementation)
+    return adapter_shape(model, peft, base_bytes=4 if dtype in ("float32", "auto") else 2)
 
 
 def _target(args) -> str:

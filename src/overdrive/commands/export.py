@@ -1,7 +1,9 @@
 """`overdrive export CONFIG --accelerate acc.yaml --deepspeed ds.json`
 
 Writes the Accelerate YAML and DeepSpeed JSON that `accelerate launch` accepts for the same
-run; `overdrive import` reads them back.
+run; `overdrive import` reads them back. `--peft DIR` writes the `peft:` section as PEFT's own
+adapter_config.json (`LoraConfig.from_pretrained(DIR)` reads it) for a Trainer or TRL script
+that builds its adapter itself.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--accelerate", metavar="FILE", help="write an Accelerate config (YAML) here")
     parser.add_argument("--deepspeed", metavar="FILE", help="write the DeepSpeed config (JSON) here")
+    parser.add_argument("--peft", metavar="DIR", help="write the peft section as PEFT's adapter_config.json here "
+                        "(LoraConfig.from_pretrained(DIR) loads it)")
     parser.add_argument("--batch-auto", action="store_true",
                         help='leave the DeepSpeed batch sizes "auto" (the script\'s DataLoader decides them)')
     parser.add_argument("--force", action="store_true", help="overwrite files that already exist")
@@ -28,16 +32,27 @@ def run(args: argparse.Namespace) -> int:
 
     from overdrive.errors import Problem, UserError, keep_existing_files, writable_target
 
-    if not args.accelerate and not args.deepspeed:
-        raise UserError("nothing to write: give --accelerate FILE and/or --deepspeed FILE")
+    if not args.accelerate and not args.deepspeed and not args.peft:
+        raise UserError("nothing to write: give --accelerate FILE, --deepspeed FILE and/or --peft DIR")
     if args.accelerate and args.deepspeed and Path(args.accelerate).resolve() == Path(args.deepspeed).resolve():
         raise UserError(Problem("--deepspeed", f"is the same file as --accelerate ({args.deepspeed}): one would "
                                 "overwrite the other", fix="give the two files different names"))
-    keep_existing_files((args.accelerate, args.deepspeed), args.force)
+    peft_file = str(Path(args.peft) / "adapter_config.json") if args.peft else None
+    keep_existing_files((args.accelerate, args.deepspeed, peft_file), args.force)
     for option, target in (("--accelerate", args.accelerate), ("--deepspeed", args.deepspeed)):
         if target:
             writable_target(target, option)
     cfg = resolve_from_args(args).config
-    for path in export.write(cfg, args.accelerate, args.deepspeed, batch_auto=args.batch_auto):
-        print(f"wrote {path}", file=sys.stderr)
+    if args.accelerate or args.deepspeed:
+        for path in export.write(cfg, args.accelerate, args.deepspeed, batch_auto=args.batch_auto):
+            print(f"wrote {path}", file=sys.stderr)
+    if args.peft:
+        from overdrive.hf import peft_config
+
+        config = peft_config(cfg)
+        if config is None:
+            raise UserError(Problem("peft.method", "is none: there is no adapter to describe",
+                                    fix="set peft.method=lora (or qlora)"))
+        config.save_pretrained(args.peft)
+        print(f"wrote {peft_file}", file=sys.stderr)
     return 0

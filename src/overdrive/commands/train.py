@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
 
         writable_target(cfg.output_dir, "output_dir", directory=True)
         check_for_train(resolved)
+        _check_fine_tuning(cfg)
     force = getattr(args, "force", False)
     if not in_worker:
         from overdrive.launch.process import needs_launcher
@@ -97,6 +98,18 @@ def run(args: argparse.Namespace) -> int:
     if result.is_main_process and cfg.logging.level != "quiet":
         _summary(result, cfg)
     return 1 if result.stopped_early else 0
+
+
+def _check_fine_tuning(cfg) -> None:
+    """Before any process starts: `peft.target_modules` against the model's modules (built on
+    the meta device, no weights), and chat data's tokenizer has a chat template."""
+    from overdrive.training import adapter
+
+    adapter.check(cfg)
+    if cfg.data.format == "chat":
+        from overdrive.training.tokenizer import build_tokenizer
+
+        build_tokenizer(cfg, (), "")  # a pretrained tokenizer (validated): refused by key without a template
 
 
 def _launch(resolved, force: bool) -> int:
@@ -131,6 +144,14 @@ def _how_to_resume(path, signum: int, in_worker: bool) -> None:
         print(f"overdrive: {why}; {where}. To resume, run the same command again:\n  {command}", file=sys.stderr)
 
 
+def _final_files(cfg) -> str:
+    if not cfg.checkpoint.save_final_model:
+        return ""
+    if cfg.peft.method == "none":
+        return ", model/ (save_pretrained)"
+    return ", model/ (the adapter: PEFT's directory)" + (", merged/ (save_pretrained)" if cfg.peft.save_merged else "")
+
+
 def _summary(result, cfg) -> None:
     out = result.output_dir
     lines = [""]
@@ -141,13 +162,16 @@ def _summary(result, cfg) -> None:
         lines.append("eval: " + "  ".join(f"{k} {v:.4g}" for k, v in result.eval.items()))
     lines += [
         f"run directory: {out}",
-        f"  metrics.jsonl, resolved.json{', model/ (save_pretrained)' if cfg.checkpoint.save_final_model else ''}",
+        f"  metrics.jsonl, resolved.json{_final_files(cfg)}",
         "next:",
         f"  overdrive report {out}    # loss curves, throughput, MFU, memory",
         "  overdrive explain lr=3e-4    # every effective value and the layer that set it",
         "  overdrive train parallel.strategy=fsdp launch.num_processes=2    # the same run, sharded over 2 processes",
         "  overdrive train parallel.strategy=deepspeed parallel.deepspeed.zero_stage=3 launch.num_processes=2",
     ]
-    if cfg.checkpoint.save_final_model:
+    if cfg.checkpoint.save_final_model and cfg.peft.method != "none":
+        lines.append(f"  PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({cfg.model.name_or_path!r}), "
+                     f"{str(out / 'model')!r})    # the adapter on its base (docs/finetuning.md)")
+    elif cfg.checkpoint.save_final_model:
         lines.append(f"  overdrive train model.name_or_path={out / 'model'}    # continue from the trained model")
     print("\n".join(lines))

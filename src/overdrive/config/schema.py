@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import Field
 
 from overdrive.config.schema_parallel import ParallelConfig
+from overdrive.config.schema_peft import PeftConfig
 from overdrive.config.schema_sweep import SweepConfig
 from overdrive.config.sections import Auto, PositiveInt, Section, admits_bool
 
@@ -91,6 +92,10 @@ class TokenizerConfig(Section):
     train_max_bytes: int = Field(
         20_000_000, ge=1, description="At most this much text is read to train a BPE on the fly."
     )
+    chat_template: Optional[str] = Field(
+        None, description="Jinja chat template for `data.format: chat`: the template itself, or a file holding it "
+        "(.jinja). Empty: the tokenizer's own."
+    )
 
 
 class DataConfig(Section):
@@ -101,8 +106,10 @@ class DataConfig(Section):
         description="`stdlib` (the Python standard library's own .py files), a local file or "
         "directory (text, jsonl, json, csv, parquet), or a hub data set name.",
     )
-    format: Literal["auto", "text", "json", "csv", "parquet"] = Field(
-        "auto", description="File format; `auto` goes by the file extension."
+    format: Literal["auto", "text", "json", "csv", "parquet", "chat"] = Field(
+        "auto", description="File format; `auto` goes by the file extension. `chat`: rows of conversations "
+        "(`data.messages_column`, or prompt/completion columns) in any row format (jsonl, json, csv, parquet, a "
+        "saved or hub data set), rendered with the tokenizer's chat template (docs/finetuning.md)."
     )
     subset: Optional[str] = Field(None, description="Hub data set configuration name.")
     split: str = Field("train", description="Split to train on.")
@@ -114,6 +121,26 @@ class DataConfig(Section):
     )
     text_column: str = Field("text", description="Column holding the text.")
     label_column: str = Field("label", description="Column holding the class (sequence-classification).")
+    messages_column: str = Field(
+        "messages", description="Chat: column holding a list of {role, content} turns."
+    )
+    prompt_column: str = Field(
+        "prompt", description="Chat, when there is no messages column: the prompt (a string, or a list of turns)."
+    )
+    completion_column: str = Field(
+        "completion", description="Chat, with `data.prompt_column`: the answer (a string, or a list of turns)."
+    )
+    train_on_prompt: bool = Field(
+        False, description="Chat: take the loss over every token. Off: over the assistant's tokens only."
+    )
+    overlong: Literal["truncate", "drop"] = Field(
+        "truncate", description="Chat: a conversation longer than `data.max_length` tokens is cut to it, or left "
+        "out. Both are counted and reported."
+    )
+    packing: bool = Field(
+        False, description="Chat: put several conversations into one sequence of `data.max_length` tokens, each "
+        "attending only to itself (position ids restart per conversation). Off: one conversation per row, padded."
+    )
     max_length: int = Field(
         256, ge=8, description="Tokens per sequence: packed blocks (causal-lm) or truncation (classification)."
     )
@@ -376,6 +403,7 @@ class RunConfig(Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Training loop.")
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig, description="Mixed precision.")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Parallelism strategy.")
+    peft: PeftConfig = Field(default_factory=PeftConfig, description="Adapter fine-tuning (LoRA, QLoRA).")
     compile: CompileConfig = Field(default_factory=CompileConfig, description="torch.compile.")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="Processes and machines.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")

@@ -150,7 +150,16 @@ def check(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]
     errors += strategy_errors + launch_rules(cfg, chains) + sweep_errors
     errors += recipe_rules.check(cfg, lambda key: _where(chains, key))
     warnings += training_rules(cfg, chains) + sweep_warnings
-    return errors, warnings
+    peft_errors, peft_warnings = _peft_rules(cfg, chains)
+    return errors + peft_errors, warnings + peft_warnings
+
+
+def _peft_rules(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]:
+    from overdrive.config.validate_peft import peft_rules
+    from overdrive.strategies.cpu import on_cpu
+
+    explicit = {key: _set_explicitly(chains, key) for key in chains if key.startswith(("peft.", "data.", "tokenizer."))}
+    return peft_rules(cfg, lambda key: _where(chains, key), explicit, lambda: on_cpu(cfg))  # asks torch: qlora only
 
 
 def listed_gpu_ids(text: str) -> list[int] | None:

@@ -1,5 +1,7 @@
 """Data: sources, streaming tokenization, the memory-mapped token cache, samplers and loaders.
 
+    chat.py      chat rows rendered by the chat template, with the assistant-only loss mask
+    chat_samples.py  conversations one per row or packed (position ids restart), their collator
     sources.py   `open_splits(cfg)`: the train/validation corpora (stdlib, files, save_to_disk, hub), unread
     pieces.py    plain text in bounded pieces; cheap fingerprints of files
     tokens.py    a corpus through the tokenizer into the cache, batch by batch; hold-out by piece
@@ -12,10 +14,11 @@
 """
 
 from overdrive.data.cache import NotReady
+from overdrive.data.chat import sample_kind
 from overdrive.data.loaders import EpochShuffle, collate_for, eval_loader, train_loader
 from overdrive.data.prepare import cached_token_count, prepare, tokenize, train_texts
 from overdrive.data.sources import Splits, open_splits, stdlib_files
 from overdrive.data.tokens import TokenizedSplits
 
 __all__ = ["EpochShuffle", "NotReady", "Splits", "TokenizedSplits", "cached_token_count", "collate_for",
-           "eval_loader", "open_splits", "prepare", "stdlib_files", "tokenize", "train_loader", "train_texts"]
+           "eval_loader", "open_splits", "prepare", "sample_kind", "stdlib_files", "tokenize", "train_loader", "train_texts"]

@@ -4,6 +4,7 @@
         train.ids  validation.ids         token ids, appended batch by batch (uint16 or int32)
         train.ends validation.ends        classification: int64 end offset of each row's ids
         train.labels validation.labels    classification: int32 class index of each row
+        train.mask validation.mask        chat: uint8 loss mask per token (ends: each conversation's end)
         progress.json                     how far the writer got (lengths of every file, read position)
         done.json                         written last: the entry is complete (counts, dtype, label names)
         lock                              held (flock) by the one process writing
@@ -63,8 +64,9 @@ def writing(entry: Path) -> Iterator[bool]:
 class EntryWriter:
     """Appends ids (and row ends and labels) per part, recording progress after each batch."""
 
-    def __init__(self, entry: Path, dtype: str, labeled: bool):
+    def __init__(self, entry: Path, dtype: str, labeled: bool, kinds: Optional[tuple[str, ...]] = None):
         self.entry, self.dtype, self.labeled = entry, np.dtype(dtype), labeled
+        self.kinds = kinds or (("ids", "ends", "labels") if labeled else ("ids",))
         entry.mkdir(parents=True, exist_ok=True)
         self.progress = read_json(entry / "progress.json") or {}
         if self.progress.get("dtype", dtype) != dtype:
@@ -80,20 +82,20 @@ class EntryWriter:
             self.files[name] = open(path, "ab")
 
     def _names(self) -> list[str]:
-        kinds = ("ids", "ends", "labels") if self.labeled else ("ids",)
-        return [f"{part}.{kind}" for part in PARTS for kind in kinds]
+        return [f"{part}.{kind}" for part in PARTS for kind in self.kinds]
 
     @property
     def position(self) -> Optional[dict]:
         return self.progress.get("position")
 
     def count(self, part: str, kind: str = "ids") -> int:
-        size = {"ids": self.dtype.itemsize, "ends": 8, "labels": 4}[kind]
+        size = {"ids": self.dtype.itemsize, "ends": 8, "labels": 4, "mask": 1}[kind]
         return self.lengths[f"{part}.{kind}"] // size
 
     def append(self, part: str, ids: np.ndarray, ends: Optional[np.ndarray] = None,
-               labels: Optional[np.ndarray] = None) -> None:
-        for kind, values in (("ids", ids.astype(self.dtype, copy=False)), ("ends", ends), ("labels", labels)):
+               labels: Optional[np.ndarray] = None, mask: Optional[np.ndarray] = None) -> None:
+        for kind, values in (("ids", ids.astype(self.dtype, copy=False)), ("ends", ends), ("labels", labels),
+                             ("mask", mask)):
             if values is None:
                 continue
             name = f"{part}.{kind}"

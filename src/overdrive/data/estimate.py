@@ -17,6 +17,8 @@ from typing import Optional
 import numpy as np
 
 from overdrive.data import cache, tokens
+from overdrive.data.chat import sample_kind
+from overdrive.data.prepare import cache_kind, encoder_for
 from overdrive.data.sources import Splits, TextFiles
 
 SAMPLE_BYTES = 2_000_000
@@ -56,14 +58,21 @@ def sample_texts(splits: Splits, sample_bytes: int = SAMPLE_BYTES) -> tuple[list
     return texts, nbytes, int(advance)
 
 
-def measure(splits: Splits, tokenizer, task: str, max_length: int, sample: tuple[list[str], int, int]
-            ) -> TokenizeEstimate:
+def _length(encoded) -> int:
+    """Tokens of one encoded piece: ids, or (ids, loss mask) for chat, or None (a dropped conversation)."""
+    if encoded is None:
+        return 0
+    return len(encoded[0]) if isinstance(encoded, tuple) else len(encoded)
+
+
+def measure(splits: Splits, tokenizer, task: str, max_length: int, sample: tuple[list[str], int, int],
+            encoder=None) -> TokenizeEstimate:
     texts, nbytes, advance = sample
-    encoder = tokens.Encoder(tokenizer, task, max_length)
+    encoder = encoder or tokens.Encoder(tokenizer, task, max_length)
     start = time.perf_counter()
     n_tokens = 0
     for i in range(0, len(texts), 16):  # the batches the real run hands to the tokenizer
-        n_tokens += sum(len(ids) for ids in encoder(texts[i:i + 16]))
+        n_tokens += sum(_length(ids) for ids in encoder(texts[i:i + 16]))
     seconds = time.perf_counter() - start
     corpus = splits.train
     if isinstance(corpus, TextFiles):
@@ -76,7 +85,9 @@ def measure(splits: Splits, tokenizer, task: str, max_length: int, sample: tuple
         return TokenizeEstimate(nbytes, n_tokens, seconds, None, None, None, None)
     est_tokens = int(total * n_tokens / max(nbytes, 1))
     per_token = np.dtype(tokens.id_dtype(tokenizer)).itemsize
-    if task != "causal-lm" and advance:
+    if task == "chat":
+        index = (corpus.total or 0) * 8 + est_tokens  # conversation ends (int64), a one-byte loss mask per token
+    elif task != "causal-lm" and advance:
         rows = corpus.total or 0
         index = rows * (8 + 4)  # row ends (int64) and labels (int32)
     else:
@@ -89,7 +100,7 @@ def cached_entry(cfg, splits: Splits, tokenizer) -> Optional[Path]:
     """The complete cache entry of the training corpus, if there is one."""
     d = cfg.data
     names = splits.train.label_names if cfg.model.task != "causal-lm" else None
-    key = tokens.entry_key(splits.train.key, cfg.model.task, d.max_length, tokenizer, splits.holdout,
+    key = tokens.entry_key(splits.train.key, cache_kind(cfg, tokenizer), d.max_length, tokenizer, splits.holdout,
                            cfg.training.seed, d.max_bytes, names)
     entry = Path(d.cache_dir).expanduser() / "tokens" / key
     return entry if cache.done(entry) is not None else None
@@ -138,5 +149,6 @@ def forecast(cfg, make_tokenizer, train_sample_bpe) -> Forecast:
             meta = cache.done(entry) or {}
             n = sum(v for k, v in meta.get("counts", {}).items() if k.endswith(".ids"))
             return Forecast(cached_tokens=n, entry=str(entry))
-    estimate = measure(splits, tokenizer, cfg.model.task, d.max_length, sample or sample_texts(splits))
+    estimate = measure(splits, tokenizer, sample_kind(cfg), d.max_length, sample or sample_texts(splits),
+                       encoder_for(cfg, tokenizer))
     return Forecast(estimate=estimate, tokenizer_seconds=tokenizer_seconds)

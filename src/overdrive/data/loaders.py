@@ -12,8 +12,15 @@ from overdrive.data.samples import PadCollator
 from overdrive.errors import Problem, UserError
 
 
-def collate_for(task: str, pad_id: Optional[int]):
-    return PadCollator(pad_id if pad_id is not None else 0) if task == "sequence-classification" else None
+def collate_for(kind: str, pad_id: Optional[int]):
+    """The batch maker for a sample kind (`data.chat.sample_kind`): padding for classification
+    and chat rows, none for packed text blocks (all one length)."""
+    pad = pad_id if pad_id is not None else 0
+    if kind == "chat":
+        from overdrive.data.chat_samples import ChatCollator
+
+        return ChatCollator(pad)
+    return PadCollator(pad) if kind == "sequence-classification" else None
 
 
 class EpochShuffle(torch.utils.data.Sampler):

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from overdrive.config.schema import RunConfig
-from overdrive.data import cache, pieces, tokens
+from overdrive.data import cache, chat, pieces, tokens
 from overdrive.data.progress import TokenizeProgress
 from overdrive.data.sources import Splits, TextFiles, open_splits
 
@@ -47,10 +47,21 @@ def _describe(cfg: RunConfig, corpus) -> str:
     return "tokenizing " + ("the standard library" if cfg.data.source == "stdlib" else cfg.data.source)
 
 
+def cache_kind(cfg: RunConfig, tokenizer) -> str:
+    """The token cache's task key: the model task, or chat with its template and mask settings."""
+    return chat.template_key(cfg, tokenizer) if chat.is_chat(cfg) else cfg.model.task
+
+
+def encoder_for(cfg: RunConfig, tokenizer):
+    if chat.is_chat(cfg):
+        return chat.encoder_for(cfg, tokenizer)
+    return tokens.Encoder(tokenizer, cfg.model.task, cfg.data.max_length)
+
+
 def _one(cfg: RunConfig, corpus, tokenizer, holdout: float, names: Optional[list[str]], build: bool, show: bool):
     """A corpus' entry in the token cache: filled here when building and missing, else waited for."""
     d = cfg.data
-    key = tokens.entry_key(corpus.key, cfg.model.task, d.max_length, tokenizer, holdout, cfg.training.seed,
+    key = tokens.entry_key(corpus.key, cache_kind(cfg, tokenizer), d.max_length, tokenizer, holdout, cfg.training.seed,
                            d.max_bytes, names)
     entry = Path(d.cache_dir).expanduser() / "tokens" / key
     if cache.done(entry) is None:
@@ -64,7 +75,7 @@ def _one(cfg: RunConfig, corpus, tokenizer, holdout: float, names: Optional[list
                 progress = TokenizeProgress(_describe(cfg, corpus), total, corpus.unit,
                                             enabled=show and cfg.logging.progress)
                 try:
-                    meta = tokens.fill(entry, corpus, tokens.Encoder(tokenizer, cfg.model.task, d.max_length),
+                    meta = tokens.fill(entry, corpus, encoder_for(cfg, tokenizer),
                                        holdout, cfg.training.seed, d.max_bytes, names, progress)
                 finally:
                     progress.close()
@@ -79,6 +90,8 @@ def _summary(progress: TokenizeProgress, meta: dict, entry: Path) -> None:
     progress.console.print(f"tokenized {meta['text_bytes'] / 1e6:,.1f} MB of text in {meta['seconds']:.0f} s "
                            f"({progress.rate():.2f} MB/s{resumed}): {n:,} tokens, "
                            f"cache {cache.entry_bytes(entry) / 1e6:,.1f} MB in {entry}")
+    if "chat" in meta:
+        progress.console.print("chat: " + chat.describe_counts(meta["chat"]))
 
 
 def tokenize(cfg: RunConfig, splits: Splits, tokenizer, build: bool = True, show: bool = False
@@ -87,14 +100,16 @@ def tokenize(cfg: RunConfig, splits: Splits, tokenizer, build: bool = True, show
     task, length = cfg.model.task, cfg.data.max_length
     names = splits.train.label_names if task != "causal-lm" else None
     entry, meta = _one(cfg, splits.train, tokenizer, splits.holdout, names, build, show)
-    parts = tokens.open_entry(entry, task, length)
+    reading = dict(task="chat" if chat.is_chat(cfg) else task, max_length=length, packing=cfg.data.packing,
+                   pad_id=tokenizer.pad_token_id or 0)
+    parts = tokens.open_entry(entry, **reading)
     label_names = meta.get("label_names") or []
     validation = parts["validation"]
     if splits.validation is not None:
         # Separate split: its labels must be among the training labels (same class indices).
         fixed = label_names if task != "causal-lm" else None
         entry_v, _ = _one(cfg, splits.validation, tokenizer, 0.0, fixed, build, show)
-        validation = tokens.open_entry(entry_v, task, length)["train"]
+        validation = tokens.open_entry(entry_v, **reading)["train"]
     if parts["train"] is None:
         from overdrive.errors import Problem, UserError
 
@@ -125,7 +140,7 @@ def cached_token_count(cfg: RunConfig, tokenizer) -> Optional[int]:
     splits = open_splits(cfg)
     d = cfg.data
     names = splits.train.label_names if cfg.model.task != "causal-lm" else None
-    key = tokens.entry_key(splits.train.key, cfg.model.task, d.max_length, tokenizer, splits.holdout,
+    key = tokens.entry_key(splits.train.key, cache_kind(cfg, tokenizer), d.max_length, tokenizer, splits.holdout,
                            cfg.training.seed, d.max_bytes, names)
     meta = cache.done(Path(d.cache_dir).expanduser() / "tokens" / key)
     if meta is None:

@@ -230,7 +230,20 @@ def _load(source: str, subset, split: str, streaming: bool, cache_dir: Path, key
 
 
 def open_source(cfg: RunConfig, split: str, key: str):
-    """The corpus of one split of `data.source`."""
+    """The corpus of one split of `data.source` (conversations with `data.format: chat`)."""
+    corpus = _open_source(cfg, split, key)
+    if cfg.data.format != "chat":
+        return corpus
+    from overdrive.data.chat import ChatRows
+
+    if not isinstance(corpus, Rows):
+        raise UserError(Problem("data.format", f"chat needs rows of conversations; {cfg.data.source!r} is plain text",
+                                fix="give a jsonl, json, csv or parquet file (or a data set) with a messages "
+                                "column or prompt/completion columns"))
+    return ChatRows(corpus, cfg)
+
+
+def _open_source(cfg: RunConfig, split: str, key: str):
     d = cfg.data
     label = d.label_column if cfg.model.task == "sequence-classification" else None
     if d.source == "stdlib":
@@ -242,8 +255,8 @@ def open_source(cfg: RunConfig, split: str, key: str):
 
         saved = _pick(datasets.load_from_disk(str(path)), split, key)
         return _table(saved, str(path), d.text_column, label)
-    if path.is_file() or (path.is_dir() and d.format != "auto"):
-        builder = _builder_for(path, d.format)
+    if path.is_file() or (path.is_dir() and d.format not in ("auto", "chat")):
+        builder = _builder_for(path, "auto" if d.format == "chat" else d.format)
         files = _files_under(path, builder)
         if not files:
             raise UserError(Problem("data.source", f"no {builder} files under {path}"))

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from overdrive.data import cache
+from overdrive.data.chat_samples import open_chat
 from overdrive.data.samples import LabeledTexts, PackedBlocks
 from overdrive.errors import Problem, UserError
 
@@ -132,8 +133,8 @@ def entry_key(corpus_key: str, task: str, max_length: int, tokenizer, holdout: f
 def fill(entry: Path, corpus, encoder: Encoder, holdout: float, seed: int, max_bytes: Optional[int],
          names: Optional[list[str]], progress) -> dict:
     """Tokenize `corpus` into `entry`, continuing where an interrupted writer stopped."""
-    labeled = encoder.task != "causal-lm"
-    writer = cache.EntryWriter(entry, id_dtype(encoder.tokenizer), labeled)
+    labeled = encoder.task == "sequence-classification"
+    writer = cache.EntryWriter(entry, id_dtype(encoder.tokenizer), labeled, getattr(encoder, "kinds", None))
     state = writer.progress
     table = LabelTable(names, state.get("labels"), integer_values=names is not None and corpus.label_names is not None)
     index, seen, resumed = state.get("pieces", 0), state.get("bytes", 0), state.get("bytes", 0)
@@ -175,8 +176,9 @@ def fill(entry: Path, corpus, encoder: Encoder, holdout: float, seed: int, max_b
             _renumber(entry, writer, remap)
         meta = {"pieces": index, "text_bytes": seen, "label_names": final_names, "resumed_from_bytes": resumed,
                 "seconds": time.perf_counter() - started,
-                "counts": {f"{p}.{k}": writer.count(p, k) for p in cache.PARTS
-                           for k in (("ids", "ends", "labels") if labeled else ("ids",))}}
+                "counts": {f"{p}.{k}": writer.count(p, k) for p in cache.PARTS for k in writer.kinds}}
+        if hasattr(encoder, "summary"):  # chat: conversations truncated and dropped
+            meta.update(encoder.summary())
         writer.finish(meta)
         return meta
     finally:
@@ -186,6 +188,9 @@ def fill(entry: Path, corpus, encoder: Encoder, holdout: float, seed: int, max_b
 def _append(writer: cache.EntryWriter, part: str, rows: list[int], batch, ids: list[list[int]], encoder: Encoder,
             table: LabelTable) -> None:
     flat: list[int] = []
+    if encoder.task == "chat":  # ids, loss mask and ends: chat.py
+        encoder.append(writer, part, rows, ids)
+        return
     if encoder.task == "causal-lm":
         for i in rows:
             flat.extend(ids[i])
@@ -215,8 +220,10 @@ def _renumber(entry: Path, writer: cache.EntryWriter, remap: np.ndarray, chunk: 
             del labels
 
 
-def open_entry(entry: Path, task: str, max_length: int) -> dict[str, Optional[torch.utils.data.Dataset]]:
-    """The entry's parts as datasets over memory maps; raises cache.NotReady until it is complete."""
+def open_entry(entry: Path, task: str, max_length: int, packing: bool = False,
+               pad_id: int = 0) -> dict[str, Optional[torch.utils.data.Dataset]]:
+    """The entry's parts as datasets over memory maps; raises cache.NotReady until it is complete.
+    `task` is `chat` for chat data (data/chat.py), whose conversations are packed with `packing`."""
     meta = cache.done(entry)
     if meta is None:
         raise cache.NotReady(str(entry))
@@ -227,6 +234,11 @@ def open_entry(entry: Path, task: str, max_length: int) -> dict[str, Optional[to
         if task == "causal-lm":
             blocks = PackedBlocks(ids, max_length)
             result[part] = blocks if len(blocks) else None
+        elif task == "chat":
+            n = counts[f"{part}.ends"]
+            result[part] = open_chat(ids, cache.open_array(entry, f"{part}.ends", np.int64, n),
+                                     cache.open_array(entry, f"{part}.mask", np.uint8, counts[f"{part}.mask"]),
+                                     max_length, packing, pad_id)
         else:
             n = counts[f"{part}.labels"]
             result[part] = LabeledTexts(ids, cache.open_array(entry, f"{part}.ends", np.int64, n),

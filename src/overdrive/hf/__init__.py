@@ -9,6 +9,9 @@
 Every field comes from one overdrive key (hf/fields.py; `overdrive explain run.yaml
 --training-arguments` lists them). Under `overdrive launch` the same table reaches a
 script's own TrainingArguments, so a script may use either.
+
+`peft_config(cfg)` is the `peft:` section as PEFT's LoraConfig (None when peft.method is
+none), for `get_peft_model(model, ...)` or TRL's `SFTTrainer(peft_config=...)`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 
 from overdrive.config.schema import RunConfig
 
-__all__ = ["training_arguments", "training_arguments_kwargs"]
+__all__ = ["peft_config", "training_arguments", "training_arguments_kwargs"]
 
 
 def training_arguments_kwargs(cfg: RunConfig, **overrides: Any) -> dict[str, Any]:
@@ -40,3 +43,13 @@ def training_arguments(cfg: RunConfig, cls: Any = None, **overrides: Any) -> Any
         from transformers import TrainingArguments as cls
 
     return cls(**training_arguments_kwargs(cfg, **overrides))
+
+
+def peft_config(cfg: RunConfig) -> Any:
+    """PEFT's LoraConfig for the run's `peft:` section, or None without an adapter. A qlora base
+    also needs `quantization_config=overdrive.training.adapter.quantization(cfg)` at load time."""
+    if cfg.peft.method == "none":
+        return None
+    from overdrive.training.adapter import lora_config
+
+    return lora_config(cfg)

@@ -5,7 +5,8 @@
     est.rows[0].total_bytes
 
 Layout: shape.py (plain inputs) · model_shape.py (config -> meta model -> ModelShape) ·
-formulas.py (model states and buffers, ZeRO paper and the implementations) ·
+formulas.py (model states and buffers, ZeRO paper and the implementations) · adapter.py
+(the same for LoRA/QLoRA runs) ·
 activations.py (Korthikanti et al. 2022, adapted) · report.py (verdict, tables, JSON, plot) ·
 plan.py (the run's batch and step arithmetic).
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from overdrive.memory.activations import Activations, estimate_activations
+from overdrive.memory.adapter import model_state_row as adapter_row
 from overdrive.memory.formulas import STRATEGIES, Row, model_state_row, uses_autocast, zero_paper_bytes
 from overdrive.memory.shape import ModelShape, Setup
 
@@ -47,7 +49,10 @@ class Estimate:
 
 def estimate_row(strategy: str, shape: ModelShape, setup: Setup) -> Row:
     """Model states, buffers and activations of one strategy."""
-    row = model_state_row(strategy, shape, setup)
+    if setup.adapter is None:
+        row = model_state_row(strategy, shape, setup)
+    else:  # LoRA/QLoRA: gradients and optimizer states for the adapter only (adapter.py)
+        row = adapter_row(strategy, shape, setup, setup.adapter)
     act: Activations = estimate_activations(shape, setup, uses_autocast(strategy, setup))
     row.activations_full_bytes = act.peak
     row.activations_checkpointed_bytes = act.peak_checkpointed

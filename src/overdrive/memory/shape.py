@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from overdrive.strategies import registry
 from overdrive.training import optimizer_catalog
@@ -90,6 +90,8 @@ class Setup:
     optimizer: str = "adamw"
     momentum: Optional[float] = None
     extra_notes: tuple[str, ...] = field(default_factory=tuple)
+    adapter: Optional[Any] = None
+    """An adapter run (memory/adapter.AdapterShape): frozen base, trained adapter."""
 
     @property
     def mixed(self) -> bool:

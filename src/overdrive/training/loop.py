@@ -31,6 +31,7 @@ from overdrive.config.schema import RunConfig
 from overdrive.strategies import registry
 from overdrive.training import nonfinite, telemetry
 from overdrive.training.evaluation import evaluate
+from overdrive.training.loss_tokens import LossTokens
 from overdrive.training.parts import Parts, build_parts, save_final
 
 
@@ -48,6 +49,7 @@ class LoopState:
     # and the micro-batches in that sum: a resume carries on the interval being summed.
     loss_sum: Any = 0.0
     micro_steps: int = 0
+    loss_tokens: int = 0  # tokens in the loss since the last log point, all ranks (set when saved)
     first_loss: Optional[float] = None  # the first and latest logged losses
     final_loss: Optional[float] = None
     source_positions: Optional[dict] = None  # a data mixture: where each source is (data/mixing.py)
@@ -124,6 +126,8 @@ def train(run, force: bool = False) -> TrainResult:
     progress = telemetry.ProgressDisplay(cfg.training.max_steps, enabled=main and cfg.logging.level != "quiet",
                                          bar=cfg.logging.progress)
     progress.print(f"training: {cfg.model.task}, {cfg.training.max_steps} steps, output in {out}")
+    for note in parts.notes:
+        progress.print(note)
     metrics = telemetry.MetricsLog(out / "metrics.jsonl", enabled=main)
     ckpt = checkpoint.Checkpointer(cfg, accelerator, parts.scheduler, settled.plan, out / "metrics.jsonl",
                                    say=progress.print)
@@ -190,6 +194,7 @@ class Loop:
         self.data = batches(parts.train_loader, state, acc.skip_first_batches)
         self.throughput = telemetry.Throughput()
         state.loss_sum = torch.full((), float(state.loss_sum), device=acc.device)
+        self.loss_tokens = LossTokens(acc.device, state.loss_tokens if acc.is_main_process else 0)
         strategy = registry.of(cfg)
         self.guard = nonfinite.NonfiniteGuard(t.nonfinite_loss, parts.optimizer, acc.device, scaler=acc.scaler,
                                               deepspeed=strategy.engine_steps_optimizer,
@@ -226,6 +231,7 @@ class Loop:
                 optimizer.zero_grad(set_to_none=True)
             state.loss_sum += loss.detach().float()
             state.micro_steps += 1
+            self.loss_tokens.add(micro_batch)
             tokens = micro_batch["input_ids"].numel() * world  # shapes are host-side: no sync
             self.throughput.add(tokens)
             state.tokens_seen += tokens
@@ -252,7 +258,8 @@ class Loop:
         state.micro_steps = 0
         counts = self.guard.read()  # steps skipped since the last log
         state.nonfinite_in_a_row = counts.in_a_row
-        record = {**self._record(loss_value), **counts.record(), "elapsed_s": self.throughput.elapsed()}
+        record = {**self._record(loss_value), **counts.record(), "elapsed_s": self.throughput.elapsed(),
+                  "loss_tokens": self.loss_tokens.read(acc)}
         if counts.note(state.step):
             self.progress.print(counts.note(state.step))
         self.metrics.write(record)
@@ -302,6 +309,7 @@ class Loop:
         """(model, optimizer, schedule, RNG, LoopState), due by the checkpointer's rule."""
         self.state.nonfinite_in_a_row = self.guard.run_length()
         self.state.source_positions = self.parts.recipe.positions(self.state)
+        self.state.loss_tokens = self.loss_tokens.total(self.parts.accelerator)
         self.parts.recipe.eval_mode()  # a schedule-free optimizer saves its averaged point
         self.outcome.checkpoint = self.ckpt.save(self.state)
         self.parts.recipe.train_mode()

@@ -14,6 +14,7 @@ import torch
 
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
+from overdrive.training import adapter
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 # Names under which models keep learned position embeddings; they are table look-ups, not
@@ -73,7 +74,10 @@ def model_config(cfg: RunConfig, vocab_size: Optional[int] = None, *, label_name
 
 def build_model(cfg: RunConfig, vocab_size: Optional[int] = None, *, label_names: Sequence[str] = (),
                 special_tokens: Optional[Mapping[str, Optional[int]]] = None, device: Optional[str] = None):
-    """The model to train. `device="meta"` builds the structure without allocating weights."""
+    """The model to train. `device="meta"` builds the structure without allocating weights.
+
+    With `peft.method` set the base is frozen and PEFT's adapter added (training/adapter.py);
+    a qlora base is quantized onto `device` as it loads."""
     m = cfg.model
     config = model_config(cfg, vocab_size, label_names=label_names, special_tokens=special_tokens)
     cls = auto_class(m.task)
@@ -86,6 +90,9 @@ def build_model(cfg: RunConfig, vocab_size: Optional[int] = None, *, label_names
         with torch.device(device or "cpu"):
             model = cls.from_config(config, **common)
     else:
+        quantization = adapter.quantization(cfg)
+        if quantization is not None:  # bitsandbytes quantizes as the weights are loaded onto the device
+            common.update(quantization_config=quantization, device_map={"": str(device or "cpu")})
         model = cls.from_pretrained(m.name_or_path, config=config, revision=m.revision, **common)
     if m.task == "causal-lm" and getattr(model, "loss_type", None) is None:
         # Class names like GPT2LMHeadModel do not tell Transformers which loss they use; say
@@ -104,11 +111,14 @@ def build_model(cfg: RunConfig, vocab_size: Optional[int] = None, *, label_names
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if adapter.enabled(cfg) and device != "meta":
+        model = adapter.apply(cfg, model, gradient_checkpointing=m.gradient_checkpointing)
     return model
 
 
-def flop_params(model) -> int:
-    """Parameters that take part in matrix multiplies (N in 6N FLOPs per token).
+def flop_params(model, frozen: bool = False) -> int:
+    """Parameters that take part in matrix multiplies (N in 6N FLOPs per token); with
+    `frozen`, only those that get no gradient (an adapter run's base).
 
     Tied input/output embeddings count once, as the output projection; learned position
     embeddings are excluded. A ZeRO-3 parameter built under `zero.Init` holds nothing
@@ -116,10 +126,11 @@ def flop_params(model) -> int:
     """
     seen, total = set(), 0
     for name, param in model.named_parameters(remove_duplicate=True):
-        if id(param) in seen or any(p in name for p in _POSITION_EMBEDDINGS):
+        if id(param) in seen or any(p in name for p in _POSITION_EMBEDDINGS) or (frozen and param.requires_grad):
             continue
         seen.add(id(param))
-        total += getattr(param, "ds_numel", None) or param.numel()
+        n = getattr(param, "ds_numel", None) or param.numel()
+        total += n * 2 * param.element_size() if type(param).__name__ == "Params4bit" else n  # packed 4-bit
     return total
 
 

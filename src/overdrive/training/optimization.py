@@ -26,11 +26,12 @@ def full_ndim(param: torch.Tensor) -> int:
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Decay matrices and embeddings; leave biases and norm scales (1-D tensors) alone."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [
+    params = [p for p in model.parameters() if p.requires_grad]  # an adapter run: the adapter's alone
+    groups = [
         {"params": [p for p in params if full_ndim(p) >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if full_ndim(p) < 2], "weight_decay": 0.0},
     ]
+    return [g for g in groups if g["params"]]  # LoRA has no 1-D tensors: no empty group for ZeRO to flatten
 
 
 def adamw_kernel(implementation: str, device_type: str) -> dict[str, bool]:

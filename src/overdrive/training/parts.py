@@ -3,7 +3,7 @@ the Accelerator (`build_parts`), and the trained model saved at the end (`save_f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -13,6 +13,7 @@ from overdrive import data as data_mod
 import overdrive.config.batch as batch
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
+from overdrive.training import adapter
 from overdrive.training import model as model_mod
 from overdrive.training import telemetry
 from overdrive.training import optimizers
@@ -33,6 +34,7 @@ class Parts:
     peak: telemetry.DevicePeak
     seq_len: int
     recipe: Optional[Recipe] = None  # what the loop asks of the optimizer and the data mixture
+    notes: list[str] = field(default_factory=list)  # said once the run starts (trainable parameters, packing)
 
 
 def _micro_batch(cfg: RunConfig) -> int:
@@ -69,12 +71,14 @@ def build_parts(cfg: RunConfig, accelerator) -> Parts:
         special["pad_token_id"] = tokenizer.pad_token_id
     set_seed(t.seed)  # same initial weights on every rank and every run
     model = model_mod.build_model(cfg, vocab_size=len(tokenizer), label_names=tokens.label_names,
-                                  special_tokens=special)
+                                  special_tokens=special, device=adapter.load_device(cfg, accelerator.device))
     _check_positions(model.config, d.max_length)
     layers, width = model_mod.shape_of(model.config)
-    fpt = telemetry.flops_per_token(model_mod.flop_params(model), layers, width, d.max_length)
+    fpt = telemetry.flops_per_token(model_mod.flop_params(model), layers, width, d.max_length,
+                                    frozen_params=model_mod.flop_params(model, frozen=True))
+    notes = adapter.notes(cfg, model)
 
-    collate = data_mod.collate_for(cfg.model.task, tokenizer.pad_token_id)
+    collate = data_mod.collate_for(data_mod.sample_kind(cfg), tokenizer.pad_token_id)
     train_loader = data_mod.train_loader(tokens.train, split.micro, split.accumulation,
                                          split.data_parallel, t.seed, d.shuffle, d.num_workers,
                                          d.pin_memory, collate)
@@ -94,7 +98,7 @@ def build_parts(cfg: RunConfig, accelerator) -> Parts:
     model = _maybe_compile(model, cfg, accelerator)
     peak = telemetry.DevicePeak(accelerator.device, cfg.precision.mixed_precision, cache_dir)
     return Parts(accelerator, model, optimizer, scheduler, train_loader, eval_loader, tokenizer, fpt, peak,
-                 d.max_length, Recipe(cfg, optimizer, train_loader, d.max_length))
+                 d.max_length, Recipe(cfg, optimizer, train_loader, d.max_length), notes)
 
 
 def _maybe_compile(model, cfg: RunConfig, accelerator):
@@ -106,7 +110,8 @@ def _maybe_compile(model, cfg: RunConfig, accelerator):
 
 
 def save_final(cfg: RunConfig, parts: Parts, out: Path) -> None:
-    """The trained model and tokenizer as a `save_pretrained` directory: out/model."""
+    """The trained model and tokenizer as a `save_pretrained` directory: out/model (an adapter
+    run's: PEFT's adapter directory, training/adapter.py)."""
     acc = parts.accelerator
     acc.wait_for_everyone()
     if not cfg.checkpoint.save_final_model:
@@ -114,6 +119,10 @@ def save_final(cfg: RunConfig, parts: Parts, out: Path) -> None:
     parts.recipe.eval_mode()  # a schedule-free optimizer's weights: its averaged point
     # Every rank takes part: under ZeRO-3 or FSDP the full weights are gathered from shards.
     state_dict = acc.get_state_dict(parts.model)
+    if adapter.enabled(cfg):  # PEFT's adapter directory (and the merged model when asked)
+        adapter.save_final(cfg, acc, parts.model, parts.tokenizer, state_dict, out)
+        acc.wait_for_everyone()
+        return
     if acc.is_main_process:
         from transformers.utils import logging as hf_logging
 

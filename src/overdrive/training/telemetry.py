@@ -52,9 +52,12 @@ GPU_PEAK_FLOPS: dict[str, tuple[float, float, Optional[float]]] = {
 }
 
 
-def flops_per_token(n_params: int, n_layer: int, n_embd: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6N + 12 * n_layer * n_embd * seq_len (PaLM appendix B)."""
-    return 6.0 * n_params + 12.0 * n_layer * n_embd * seq_len
+def flops_per_token(n_params: int, n_layer: int, n_embd: int, seq_len: int, frozen_params: int = 0) -> float:
+    """Training FLOPs per token: 6N + 12 * n_layer * n_embd * seq_len (PaLM appendix B).
+
+    Of N, `frozen_params` (an adapter run's base) take part in the forward pass (2) and in
+    the backward pass for the activations' gradients (2), but get no weight gradient: 4 each."""
+    return 6.0 * n_params - 2.0 * frozen_params + 12.0 * n_layer * n_embd * seq_len
 
 
 def gpu_peak_flops(device_name: str, mixed_precision: str = "bf16") -> Optional[float]:

@@ -94,7 +94,12 @@ def build_tokenizer(cfg: RunConfig, texts: Iterable[str], content_hash: str, onl
     name = cfg.tokenizer.name_or_path or cfg.model.name_or_path
     if name:
         revision = cfg.model.revision if not cfg.tokenizer.name_or_path else None
-        return load_pretrained(name, revision=revision, trust_remote_code=cfg.model.trust_remote_code)
+        tokenizer = load_pretrained(name, revision=revision, trust_remote_code=cfg.model.trust_remote_code)
+        if cfg.data.format == "chat":  # its chat template, or tokenizer.chat_template's, or refused
+            from overdrive.data.chat import with_template
+
+            tokenizer = with_template(cfg, tokenizer, name)
+        return tokenizer
     return cached_bpe(
         texts,
         content_hash=content_hash,

@@ -40,6 +40,8 @@ def run_config(a: Answers) -> dict[str, Any]:
     cfg: dict[str, Any] = {}
     if a.model:
         cfg["model"] = {"name_or_path": a.model}
+    if a.peft != "none":
+        cfg["peft"] = {"method": a.peft, "r": a.lora_r}
     cfg["precision"] = {"mixed_precision": a.mixed_precision}
     cfg["training"] = {"gradient_accumulation_steps": a.accum}
     parallel: dict[str, Any] = {"strategy": a.strategy}

@@ -155,6 +155,8 @@ class Answers:
     fsdp_offload_params: bool = False
     compile_backend: Optional[str] = None
     accum: int = 1
+    peft: str = "none"
+    lora_r: int = 16
     notes: list[str] = field(default_factory=list)
 
 
@@ -205,6 +207,11 @@ def ask_all(ask: Asker, hw: dict[str, Any], suggest: Callable[..., Optional[dict
                   "blank: the embedded tiny GPT-2 from scratch") or None
     a.mixed_precision = ask("mixed_precision", "Mixed precision?", _precision(a.machine_type),
                             default_precision(hw, a.machine_type), "no / fp16 / bf16 / fp8")
+    if a.model:  # an adapter fine-tunes pretrained weights: asked only when there are some
+        a.peft = ask("peft", "Fine-tune an adapter instead of every weight?", choice(("none", "lora", "qlora")),
+                     "none", "none / lora / qlora (4-bit base)")
+        if a.peft != "none":
+            a.lora_r = ask("lora_r", "LoRA rank?", integer(1), 16, "r: the adapter's inner width")
     before = len(a.notes)
     tip = suggest(a, hw, ask.say) if (suggest and a.model) else None
     if tip:
@@ -286,6 +293,18 @@ _ESTIMATOR_STRATEGIES: dict[str, dict[str, Any]] = {
 }
 
 
+def _adapter(a: Answers, source) -> Optional[Any]:
+    """What an adapter run trains, for the estimate (None for full training)."""
+    if a.peft == "none":
+        return None
+    from overdrive.config.schema_peft import PeftConfig
+    from overdrive.memory.adapter import adapter_shape
+    from overdrive.memory.model_shape import build_meta_model
+
+    model = build_meta_model(source.config, source.task, source.attn_implementation)
+    return adapter_shape(model, PeftConfig(method=a.peft, r=a.lora_r), base_bytes=4)
+
+
 def memory_suggestion(a: Answers, hw: dict[str, Any], say: Callable[[str], None] = print) -> Optional[dict]:
     """The cheapest strategy that fits, from the memory estimator (`overdrive.memory`).
 
@@ -315,9 +334,11 @@ def memory_suggestion(a: Answers, hw: dict[str, Any], say: Callable[[str], None]
         # A hub name: its config.json comes over the network, which may be slow or absent.
         say(f"reading {a.model}'s config for a memory estimate (Ctrl-C skips it) ...")
     try:
+        source = resolve_source(a.model)
         setup = Setup(devices=a.num_processes, precision=precision, micro_batch=defaults.training.micro_batch_size,
-                      seq_len=defaults.data.max_length, target="cuda" if a.machine_type == "gpu" else "cpu")
-        best = apply_verdict(estimate(model_shape(resolve_source(a.model)), setup), capacity, nodes=a.num_machines)
+                      seq_len=defaults.data.max_length, target="cuda" if a.machine_type == "gpu" else "cpu",
+                      adapter=_adapter(a, source))
+        best = apply_verdict(estimate(model_shape(source), setup), capacity, nodes=a.num_machines)
     except KeyboardInterrupt:
         a.notes.append(f"memory estimate for {a.model} skipped")
         return None

@@ -1,0 +1,227 @@
+"""Chat data for supervised fine-tuning: conversations rendered by the tokenizer's own chat
+template, with a loss mask over the assistant's tokens.
+
+    ChatRows       rows of conversations: a `data.messages_column` of {role, content} turns,
+                   or prompt/completion columns (a string or a list of turns each), as TRL reads them
+    with_template  the tokenizer given its chat template (`tokenizer.chat_template`), or refused by key
+    ChatEncoder    a conversation -> (token ids, loss mask), truncated or dropped at data.max_length
+    ChatEntry      what the token cache holds for chat: ids, a uint8 mask, and each conversation's end
+
+Where the loss is taken: with a template that marks the assistant's text with
+`{% generation %}`, Transformers returns that mask (`return_assistant_tokens_mask`).
+Otherwise the conversation is rendered prefix by prefix, as TRL does for prompt/completion
+data: the text up to an assistant turn with the generation prompt, then up to the end of
+that turn; the characters between are the answer, and the tokens starting there are masked
+in through the tokenizer's offsets. A template whose rendering of a prefix is not a prefix
+of the whole conversation cannot be split that way and is refused by key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+
+from overdrive.data.sources import Batch, Rows, _columns
+from overdrive.errors import Problem, UserError
+
+KINDS = ("ids", "ends", "mask")  # the token cache's files for chat
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def is_chat(cfg) -> bool:
+    return cfg.data.format == "chat"
+
+
+def sample_kind(cfg) -> str:
+    """What a training sample is: `chat`, or the model task's (packed text, labelled rows)."""
+    return "chat" if is_chat(cfg) else cfg.model.task
+
+
+# ---------------------------------------------------------------- rows
+
+
+def _turns(value: Any, role: str, row: int, key: str) -> list[dict]:
+    """A prompt or completion cell as turns: a string is one turn of `role`."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    return _checked(value, row, key)
+
+
+def _checked(turns: Any, row: int, key: str) -> list[dict]:
+    if not isinstance(turns, list) or not turns:
+        raise UserError(Problem(key, f"row {row}: expected a list of {{role, content}} turns, got "
+                                f"{type(turns).__name__}", fix="fix the row, or point the key at the right column"))
+    out = []
+    for turn in turns:
+        if not isinstance(turn, dict) or "role" not in turn or "content" not in turn:
+            raise UserError(Problem(key, f"row {row}: a turn without `role` and `content`: {str(turn)[:80]}",
+                                    fix="every turn needs a role and a content"))
+        out.append({"role": str(turn["role"]), "content": "" if turn["content"] is None else turn["content"]})
+    return out
+
+
+class ChatRows(Rows):
+    """Rows of a `datasets` table or stream, read as conversations (a Batch's `texts` are lists of turns)."""
+
+    def __init__(self, rows: Rows, cfg):
+        d = cfg.data
+        super().__init__(rows.dataset, rows.key, None, None, rows.total, None)
+        names = _columns(rows.dataset)
+        if d.messages_column in names:
+            self.columns = (d.messages_column,)
+        elif d.prompt_column in names and d.completion_column in names:
+            self.columns = (d.prompt_column, d.completion_column)
+        else:
+            raise UserError(Problem("data.messages_column", f"no column {d.messages_column!r}, and no "
+                                    f"{d.prompt_column!r} + {d.completion_column!r} pair; the data has {names}",
+                                    fix="set data.messages_column (or data.prompt_column and "
+                                    "data.completion_column) to the data's columns"))
+        self.key = f"chat|{'|'.join(self.columns)}|{rows.key}"
+
+    def conversation(self, row: dict, index: int) -> list[dict]:
+        if len(self.columns) == 1:
+            key = "data.messages_column"
+            turns = _checked(row[self.columns[0]], index, key)
+        else:
+            key = "data.completion_column"
+            turns = (_turns(row[self.columns[0]], "user", index, "data.prompt_column")
+                     + _turns(row[self.columns[1]], "assistant", index, key))
+        if not any(t["role"] == "assistant" for t in turns):
+            raise UserError(Problem(key, f"row {index}: a conversation without an assistant turn (roles: "
+                                    f"{[t['role'] for t in turns]})",
+                                    fix="every conversation needs an answer to learn: drop or fix the row"))
+        return turns
+
+    def batches(self, start: Optional[dict] = None, batch_bytes: int = 1 << 20) -> Iterator[Batch]:
+        done = (start or {}).get("rows", 0)
+        dataset = self.dataset.skip(done) if done else self.dataset
+        batch = Batch([], [], [])
+        for rows in dataset.iter(batch_size=64):
+            n = len(rows[self.columns[0]])
+            for i in range(n):
+                turns = self.conversation({c: rows[c][i] for c in self.columns}, done + i)
+                batch.texts.append(turns)
+                batch.sizes.append(len(json.dumps(turns).encode()))
+                batch.ends.append(True)
+            done += n
+            batch.position, batch.advance = {"rows": done}, batch.advance + n
+            if sum(batch.sizes) >= batch_bytes or len(batch.texts) >= 1024:
+                yield batch
+                batch = Batch([], [], [])
+        if batch.texts:
+            yield batch
+
+
+# ---------------------------------------------------------------- template
+
+
+def with_template(cfg, tokenizer, source: str):
+    """The tokenizer with its chat template: `tokenizer.chat_template` (text or a file) wins,
+    else the tokenizer's own; refused by key when there is none."""
+    given = cfg.tokenizer.chat_template
+    if given:
+        path = Path(given).expanduser()
+        tokenizer.chat_template = path.read_text() if "{" not in given and path.is_file() else given
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(Problem("tokenizer.chat_template", f"the tokenizer of {source} has no chat template, and "
+                                "data.format is chat", fix="set tokenizer.chat_template to a Jinja template (or a "
+                                ".jinja file), or use a tokenizer that ships one"))
+    return tokenizer
+
+
+def template_key(cfg, tokenizer) -> str:
+    """What the token cache entry depends on beyond the tokenizer's vocabulary."""
+    d = cfg.data
+    digest = hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()[:16]
+    return f"chat|{digest}|prompt={d.train_on_prompt}|{d.overlong}"
+
+
+# ---------------------------------------------------------------- encoding
+
+
+class ChatEncoder:
+    """Conversations -> (ids, mask) pairs, or None for a conversation dropped as too long."""
+
+    task = "chat"
+    kinds = KINDS
+
+    def __init__(self, tokenizer, max_length: int, train_on_prompt: bool = False, overlong: str = "truncate"):
+        self.tokenizer, self.max_length = tokenizer, max_length
+        self.train_on_prompt, self.overlong = train_on_prompt, overlong
+        self.marks_generation = bool(_GENERATION.search(str(tokenizer.chat_template)))
+        self.counts = {"conversations": 0, "truncated": 0, "dropped": 0, "loss_tokens": 0}
+
+    def __call__(self, conversations: list[list[dict]]) -> list[Optional[tuple[list[int], list[int]]]]:
+        return [self.encode(turns) for turns in conversations]
+
+    def encode(self, turns: list[dict]) -> Optional[tuple[list[int], list[int]]]:
+        ids, mask = self.render(turns)
+        self.counts["conversations"] += 1
+        if len(ids) > self.max_length:
+            if self.overlong == "drop":
+                self.counts["dropped"] += 1
+                return None
+            self.counts["truncated"] += 1
+            ids, mask = ids[:self.max_length], mask[:self.max_length]
+        self.counts["loss_tokens"] += sum(mask)
+        return ids, mask
+
+    def render(self, turns: list[dict]) -> tuple[list[int], list[int]]:
+        tok = self.tokenizer
+        if self.train_on_prompt:
+            ids = tok.apply_chat_template(turns, tokenize=True, return_dict=True)["input_ids"]
+            return list(ids), [1] * len(ids)
+        if self.marks_generation:
+            out = tok.apply_chat_template(turns, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            return list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
+        text = tok.apply_chat_template(turns, tokenize=False)
+        spans = []
+        for i, turn in enumerate(turns):
+            if turn["role"] != "assistant":
+                continue
+            before = tok.apply_chat_template(turns[:i], tokenize=False, add_generation_prompt=True) if i else ""
+            upto = tok.apply_chat_template(turns[:i + 1], tokenize=False)
+            if not (text.startswith(before) and text.startswith(upto)):
+                raise UserError(Problem("tokenizer.chat_template", "renders a conversation's beginning differently "
+                                        "from the whole conversation, so the assistant's tokens cannot be found",
+                                        fix="use a template that marks them with {% generation %}, or set "
+                                        "data.train_on_prompt=true"))
+            spans.append((len(before), len(upto)))
+        encoded = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        mask = [int(any(a <= start < b for a, b in spans)) for start, _ in encoded["offset_mapping"]]
+        return list(encoded["input_ids"]), mask
+
+    def append(self, writer, part: str, rows: list[int], encoded: list) -> None:
+        """Write the chosen rows' ids, masks and ends (a dropped conversation writes nothing)."""
+        kept = [encoded[i] for i in rows if encoded[i] is not None]
+        if not kept:
+            return
+        base = writer.count(part)
+        ends = np.cumsum([len(ids) for ids, _ in kept]) + base
+        writer.append(part, np.concatenate([np.asarray(ids) for ids, _ in kept]),
+                      ends=ends.astype(np.int64),
+                      mask=np.concatenate([np.asarray(m, dtype=np.uint8) for _, m in kept]))
+
+    def summary(self) -> dict:
+        return {"chat": {**self.counts, "max_length": self.max_length}}
+
+
+def encoder_for(cfg, tokenizer) -> ChatEncoder:
+    d = cfg.data
+    return ChatEncoder(tokenizer, d.max_length, d.train_on_prompt, d.overlong)
+
+
+def describe_counts(counts: dict) -> str:
+    max_length = counts.get("max_length")
+    text = f"{counts['conversations']:,} conversations, {counts['loss_tokens']:,} tokens in the loss"
+    if counts["truncated"]:
+        text += f"; {counts['truncated']:,} longer than {max_length} tokens truncated (data.overlong)"
+    if counts["dropped"]:
+        text += f"; {counts['dropped']:,} longer than {max_length} tokens dropped (data.overlong)"
+    return text

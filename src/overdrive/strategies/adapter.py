@@ -1,0 +1,67 @@
+"""What each strategy needs of an adapter run (LoRA, QLoRA): asked by config/validate_peft.py,
+training/adapter.py and checkpoint/adapter_state.py.
+
+- FSDP puts a block's tensors into one unit: FSDP2 shards each tensor on its own, so frozen and
+  trained tensors share a unit as they are; FSDP1 flattens them into one, which needs
+  `use_orig_params`; and packed 4-bit weights must be stored in the unit's float dtype.
+- ZeRO-3 partitions the frozen base like any parameter; a 4-bit base under it is not checked here.
+- Who writes the model's checkpoint files decides how the frozen base is left out of them.
+
+Pure: no torch, no accelerate.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from overdrive.errors import Problem
+from overdrive.strategies import registry
+
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def quant_storage_dtype(cfg: Any) -> str:
+    """The dtype packed 4-bit weights are stored in: the model's float dtype under FSDP (one
+    dtype per unit), else uint8, unless `peft.storage_dtype` says."""
+    p = cfg.peft
+    if p.storage_dtype != "auto":
+        return p.storage_dtype
+    if registry.of(cfg) is registry.FSDP:
+        return cfg.model.dtype if cfg.model.dtype in _FLOAT_DTYPES else "float32"
+    return "uint8"
+
+
+def checkpoint_writer(cfg: Any) -> str:
+    """Who writes an adapter run's model files, so the frozen base can be left out:
+    `engine` (DeepSpeed's save_checkpoint), `full` (FSDP2's distributed checkpoint: every
+    parameter), or `state_dict` (Accelerate's own weights file)."""
+    strategy = registry.of(cfg)
+    if strategy.engine_steps_optimizer:
+        return "engine"
+    return "full" if strategy is registry.FSDP else "state_dict"
+
+
+def problems(cfg: Any, where: Callable[[str], str]) -> list[Problem]:
+    """What this strategy cannot do with the `peft:` section asked for."""
+    p, strategy, found = cfg.peft, registry.of(cfg), []
+    if p.method == "none":
+        return found
+    f = cfg.parallel.fsdp
+    if strategy is registry.FSDP and f.version == 1 and not f.use_orig_params:
+        found.append(Problem("parallel.fsdp.use_orig_params", "FSDP1 flattens a unit's parameters into one, which "
+                             "cannot mix the frozen base and the trained adapter", where("peft.method"),
+                             "set parallel.fsdp.use_orig_params=true (FSDP2 needs nothing: it shards each tensor)"))
+    if p.method != "qlora":
+        return found
+    if strategy is registry.DEEPSPEED and not strategy.holds_whole_model(cfg):
+        found.append(Problem("peft.method", "qlora under ZeRO-3 is not supported by overdrive (a 4-bit base "
+                             "partitioned by ZeRO-3 is not checked here)", where("peft.method"),
+                             "use parallel.deepspeed.zero_stage=2, FSDP, or DDP with qlora"))
+    if strategy is registry.FSDP and p.storage_dtype == "uint8":
+        found.append(Problem("peft.storage_dtype", "FSDP shards a block's tensors together, in one dtype: 4-bit "
+                             "weights stored as uint8 cannot share a unit with float weights",
+                             where("peft.storage_dtype"), f"set peft.storage_dtype=auto (the model's {cfg.model.dtype})"))
+    if strategy is registry.FSDP and p.bits == 8:
+        found.append(Problem("peft.bits", "8-bit bitsandbytes weights cannot be sharded by FSDP", where("peft.bits"),
+                             "use peft.bits=4 with FSDP, or DDP"))
+    return found

@@ -1,0 +1,187 @@
+"""The adapter step of building a model: PEFT's LoRA (and QLoRA's quantized base) from `peft.*`.
+
+    quantization(cfg)        Transformers' BitsAndBytesConfig for qlora (None otherwise)
+    lora_config(cfg)         PEFT's LoraConfig, every value from the config
+    apply(cfg, model)        the frozen base wrapped by PEFT: only the adapter requires grad
+    check(cfg)               `peft.target_modules` against the model's modules (meta device)
+    trainable_counts(model)  (trainable, total) parameters, as the run prints them
+
+Nothing of LoRA is written here: PEFT builds and saves the adapter, bitsandbytes quantizes.
+How a strategy wraps the result is strategies/' concern (FSDP2 shards each block with the
+adapter inside it, frozen and trainable tensors in one unit; ZeRO-3 partitions both).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Optional
+
+from overdrive.errors import Problem, UserError
+from overdrive.strategies import adapter as strategy_adapter
+
+_TASK_TYPES = {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS"}
+
+
+def enabled(cfg) -> bool:
+    return cfg.peft.method != "none"
+
+
+def quantization(cfg):
+    """BitsAndBytesConfig for `peft.method: qlora`, else None."""
+    if cfg.peft.method != "qlora":
+        return None
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    p = cfg.peft
+    if p.bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.mixed_precision, torch.float32)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=p.quant_type,
+                              bnb_4bit_use_double_quant=p.double_quant, bnb_4bit_compute_dtype=compute,
+                              bnb_4bit_quant_storage=getattr(torch, strategy_adapter.quant_storage_dtype(cfg)))
+
+
+def lora_config(cfg, task: Optional[str] = None):
+    """PEFT's LoraConfig for this run (also what `overdrive export --peft` writes)."""
+    from peft import LoraConfig
+
+    p = cfg.peft
+    return LoraConfig(
+        r=p.r, lora_alpha=p.alpha, lora_dropout=p.dropout,
+        target_modules=p.target_modules if isinstance(p.target_modules, str) else list(p.target_modules),
+        modules_to_save=list(p.modules_to_save) or None, use_dora=p.use_dora, use_rslora=p.use_rslora,
+        task_type=_TASK_TYPES[task or cfg.model.task], bias="none")
+
+
+def _module_names(model) -> tuple[list[str], list[str]]:
+    """(every module path, the distinct last names of the linear layers)."""
+    import torch
+
+    paths, linear = [], []
+    for name, module in model.named_modules():
+        paths.append(name)
+        kind = type(module).__name__
+        if isinstance(module, torch.nn.Linear) or kind in ("Conv1D", "Linear4bit", "Linear8bitLt"):
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf not in linear:
+                linear.append(leaf)
+    return paths, linear
+
+
+def target_problems(cfg, model) -> list[Problem]:
+    """Names in `peft.target_modules` and `peft.modules_to_save` that match no module."""
+    p, found = cfg.peft, []
+    paths, linear = _module_names(model)
+    for key, names in (("peft.target_modules", [] if isinstance(p.target_modules, str) else p.target_modules),
+                       ("peft.modules_to_save", p.modules_to_save)):
+        for name in names:
+            if any(path == name or path.endswith("." + name) for path in paths):
+                continue
+            leaves = sorted({path.rsplit(".", 1)[-1] for path in paths if path})
+            close = difflib.get_close_matches(name, leaves, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            found.append(Problem(key, f"{name!r} matches no module of {type(model).__name__}",
+                                 fix=f"{hint}its linear layers: {', '.join(linear)} (or `all-linear`)"))
+    return found
+
+
+def check(cfg) -> None:
+    """Refuse, by key, an adapter that fits no module of the model (built on the meta device:
+    no weights are read). Called before any process starts."""
+    if not enabled(cfg):
+        return
+    from overdrive.memory.model_shape import build_meta_model, hf_config_for_run
+
+    model = build_meta_model(hf_config_for_run(cfg), cfg.model.task, cfg.model.attn_implementation)
+    problems = target_problems(cfg, model)
+    if problems:
+        raise UserError(problems)
+
+
+def apply(cfg, model, gradient_checkpointing: bool = False):
+    """The base frozen, an adapter added by PEFT; a quantized base prepared for training."""
+    problems = target_problems(cfg, model)
+    if problems:
+        raise UserError(problems)
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    if cfg.peft.method == "qlora":
+        # Norms and other unquantized weights in fp32 for stability, inputs made to carry grads.
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+    return get_peft_model(model, lora_config(cfg))
+
+
+def trainable_counts(model) -> tuple[int, int]:
+    """(trainable, total) parameter elements; a 4-bit weight counts as the elements it holds."""
+    trainable = total = 0
+    for param in model.parameters():
+        n = getattr(param, "ds_numel", None) or param.numel()
+        if type(param).__name__ == "Params4bit":
+            n *= 2 * param.element_size()  # packed: two 4-bit values per byte of storage
+        total += n
+        trainable += n if param.requires_grad else 0
+    return trainable, total
+
+
+def describe(model) -> str:
+    trainable, total = trainable_counts(model)
+    return f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / max(total, 1):.3f}%)"
+
+
+def load_device(cfg, device) -> Optional[str]:
+    """Where the base is loaded: a quantized base straight onto this process's device
+    (bitsandbytes quantizes as it places the weights); otherwise the caller's default."""
+    return str(device) if cfg.peft.method == "qlora" else None
+
+
+def notes(cfg, model) -> list[str]:
+    """What the run says when it starts: trainable parameters of an adapter run, and whether
+    packed chat conversations are kept apart by this model."""
+    said = [describe(model)] if enabled(cfg) else []
+    if cfg.data.format == "chat" and cfg.data.packing:
+        from overdrive.data.chat_samples import packing_note
+
+        note = packing_note(getattr(model, "get_base_model", lambda: model)())
+        said += [note] if note else ["data.packing: conversations packed into rows of data.max_length tokens, each "
+                                     "attending only to itself (position ids restart per conversation)"]
+    return said
+
+
+def save_final(cfg, accelerator, model, tokenizer, state_dict, out) -> None:
+    """`<out>/model`: PEFT's adapter directory and the tokenizer (PeftModel.from_pretrained
+    loads it onto the base); with `peft.save_merged`, `<out>/merged` too. `state_dict` was
+    gathered by every rank (ZeRO-3 and FSDP hold shards); the main process writes."""
+    if not accelerator.is_main_process:
+        return
+    from transformers.utils import logging as hf_logging
+
+    target = out / "model"
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        accelerator.unwrap_model(model).save_pretrained(target, state_dict=state_dict)
+        tokenizer.save_pretrained(target)
+        if cfg.peft.save_merged:
+            merge(cfg, target, out / "merged", tokenizer)
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
+
+
+def merge(cfg, adapter_dir, target, tokenizer) -> None:
+    """The base, loaded afresh in full precision (never quantized, never written to), with the
+    adapter merged into its weights (`merge_and_unload`), saved as a plain model."""
+    from peft import PeftModel
+
+    from overdrive.training.model import _DTYPES, auto_class
+
+    dtype = _DTYPES[cfg.model.dtype]
+    base = auto_class(cfg.model.task).from_pretrained(cfg.model.name_or_path, revision=cfg.model.revision,
+                                                      trust_remote_code=cfg.model.trust_remote_code, dtype=dtype)
+    if len(tokenizer) > base.get_input_embeddings().num_embeddings:
+        base.resize_token_embeddings(len(tokenizer))
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    merged.save_pretrained(target)
+    tokenizer.save_pretrained(target)
