@@ -29,7 +29,7 @@ from typing import Any, Mapping, Optional
 
 from overdrive.checkpoint import routes
 from overdrive.config.keys import flatten  # open mappings (model.architecture, deepspeed extra) entry by entry
-from overdrive.strategies import registry
+from overdrive.strategies import layout, registry
 
 # key or prefix -> why a change matters. The longest matching entry wins, so an exception
 # to a section ("data.num_workers" inside "data.") is written as a longer entry.
@@ -81,7 +81,7 @@ def global_batch(config: Mapping[str, Any]) -> int:
     t, launch = config["training"], config["launch"]
     if t["micro_batch_size"] == "auto":  # the micro-batch is found at start-up; the global batch is given
         return int(t["global_batch_size"])
-    return int(t["micro_batch_size"]) * int(t["gradient_accumulation_steps"]) * int(launch["num_processes"])
+    return int(t["micro_batch_size"]) * int(t["gradient_accumulation_steps"]) * layout.data_parallel_degree(config)
 
 
 def sharded(config: Mapping[str, Any]) -> bool:
@@ -153,7 +153,8 @@ def compare(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Comparison:
         return result
 
     g_old, g_new = global_batch(saved), global_batch(current)
-    w_old, w_new = int(saved["launch"]["num_processes"]), int(current["launch"]["num_processes"])
+    # The global batch is split over the data-parallel ranks (world / (tp x cp x sp)).
+    w_old, w_new = layout.data_parallel_degree(saved), layout.data_parallel_degree(current)
     micro = current["training"]["micro_batch_size"]
     if w_old != w_new:
         if micro == "auto":  # autobatch keeps training.global_batch_size on any world size

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from overdrive.checkpoint import fingerprint as fp
-from overdrive.checkpoint import reshard, store
+from overdrive.checkpoint import reshard, store, tensor_parallel
 from overdrive.checkpoint.routes import Route
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
@@ -285,7 +285,7 @@ class Checkpointer:
                 with reshard.universal_loading(self.acc._models[0]):  # the DeepSpeed engine
                     self.acc.load_state(str(universal))
             else:
-                self.acc.load_state(str(path))
+                tensor_parallel.load_state(self.acc, path)
         except UserError:
             raise
         except Exception as error:  # shapes, missing shards: the message says what
@@ -301,7 +301,7 @@ class Checkpointer:
             if item.name in loop:
                 setattr(state, item.name, loop[item.name])
         # Micro-batches per rank already taken from this epoch, for this run's batch shape.
-        state.batch_in_epoch = saved["samples_in_epoch"] // (self.cfg.training.micro_batch_size * self.acc.num_processes)
+        state.batch_in_epoch = saved["samples_in_epoch"] // (self.cfg.training.micro_batch_size * self._data_parallel)
         restored = Restored(step=state.step, path=path, extra=saved.get("extra", {}))
         world, saved_world = self.acc.num_processes, saved["world_size"]
         if saved_world == world:
@@ -344,7 +344,7 @@ class Checkpointer:
             store.begin(self.root, step)
         acc.wait_for_everyone()
         with _quiet_tied_weights():
-            acc.save_state(str(tmp))
+            tensor_parallel.save_state(acc, tmp)
         losses = acc.gather(pending_loss.detach().float().reshape(1)).tolist()
         if self.main:
             self._write_trainer_state(tmp, state, losses, pending_micro_steps, extra)
@@ -366,7 +366,7 @@ class Checkpointer:
         record = {
             "format": 1, "step": state.step, "saved_at": time.time(), "lineage": self.lineage,
             "loop": dataclasses.asdict(state),
-            "samples_in_epoch": state.batch_in_epoch * t.micro_batch_size * world,
+            "samples_in_epoch": state.batch_in_epoch * t.micro_batch_size * self._data_parallel,
             "world_size": world, "micro_batch_size": t.micro_batch_size,
             "gradient_accumulation_steps": t.gradient_accumulation_steps, "global_batch": fp.global_batch(config),
             "strategy": cfg.parallel.strategy, "sharded": fp.sharded(config),
@@ -375,6 +375,13 @@ class Checkpointer:
             "pending_loss": losses, "pending_micro_steps": micro_steps, "extra": extra,
         }
         (tmp / TRAINER_STATE).write_text(json.dumps(record, indent=1, default=str))
+
+    @property
+    def _data_parallel(self) -> int:
+        """Ranks that take different samples: world / (tp x cp x sp)."""
+        from overdrive.strategies import layout
+
+        return layout.data_parallel_degree(self.cfg, self.acc.num_processes)
 
     def _ours(self, path: Path) -> bool:
         """A checkpoint of this run's lineage (not one left by an earlier run in output_dir)."""

@@ -132,9 +132,18 @@ def deepspeed_dict_problems(cfg: RunConfig) -> list[Problem]:
     return found
 
 
+def layout_rules(cfg: RunConfig, chains: Chains) -> list[Problem]:
+    """The N-D layout's rules (strategies/layout.py), each pointing at where its key was set."""
+    from dataclasses import replace
+
+    from overdrive.strategies import layout
+
+    return [replace(p, where=p.where or _where(chains, p.key)) for p in layout.problems(cfg)]
+
+
 def check(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]:
     """(errors, warnings) for a validated config."""
-    errors = deepspeed_contradictions(chains) + deepspeed_dict_problems(cfg)
+    errors = deepspeed_contradictions(chains) + deepspeed_dict_problems(cfg) + layout_rules(cfg, chains)
     strategy_errors, warnings = strategy_rules(cfg, chains)
     errors += strategy_errors + launch_rules(cfg, chains)
     warnings += training_rules(cfg, chains)

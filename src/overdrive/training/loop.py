@@ -30,7 +30,7 @@ from overdrive.training.evaluation import evaluate
 from overdrive.config.redact import redact
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
-from overdrive.strategies import registry
+from overdrive.strategies import layout, registry
 from overdrive.training.optimization import make_optimizer, make_scheduler
 from overdrive.training.tokenizer import build_tokenizer
 
@@ -112,18 +112,20 @@ def build_parts(cfg: RunConfig, accelerator) -> Parts:
     model = model_mod.build_model(cfg, vocab_size=len(tokenizer), label_names=tokens.label_names,
                                   special_tokens=special)
     _check_positions(model.config, d.max_length)
+    model = strategies.split_model(model, accelerator, cfg)  # tensor parallel, when the layout has it
     layers, width = model_mod.shape_of(model.config)
     fpt = telemetry.flops_per_token(model_mod.flop_params(model), layers, width, d.max_length)
 
     collate = data_mod.collate_for(cfg.model.task, tokenizer.pad_token_id)
+    data_parallel = layout.data_parallel_degree(cfg, accelerator.num_processes)
     train_loader = data_mod.train_loader(tokens.train, micro, t.gradient_accumulation_steps,
-                                         accelerator.num_processes, t.seed, d.shuffle, d.num_workers,
+                                         data_parallel, t.seed, d.shuffle, d.num_workers,
                                          d.pin_memory, collate)
     eval_loader = None
     if tokens.validation is not None:
         # A fixed leading subset: evaluations are comparable across steps, and the loader is
         # always iterated to its end (leaving it early confuses Accelerate's end-of-data tracking).
-        n = min(len(tokens.validation), t.eval_batches * micro * accelerator.num_processes)
+        n = min(len(tokens.validation), t.eval_batches * micro * data_parallel)
         eval_loader = data_mod.eval_loader(torch.utils.data.Subset(tokens.validation, range(n)), micro,
                                            d.num_workers, d.pin_memory, collate)
     o, s = cfg.optim, cfg.scheduler
@@ -243,7 +245,7 @@ class Outcome:
 def _loop(run: Session) -> Outcome:
     cfg, parts, state, progress, metrics = run.cfg, run.parts, run.state, run.progress, run.metrics
     t, acc, model, optimizer, scheduler = cfg.training, parts.accelerator, parts.model, parts.optimizer, parts.scheduler
-    world = acc.num_processes
+    world = layout.data_parallel_degree(cfg, acc.num_processes)  # ranks with different batches
     data = batches(parts.train_loader, state, acc.skip_first_batches)
     throughput = telemetry.Throughput()
     # Summed on the device: no sync per step. A resume carries on the interval being summed.
