@@ -104,10 +104,10 @@ def problems(cfg: Any, world: Optional[int] = None) -> list[Problem]:
         key = next((KEYS[n] for n in ("tp", "cp", "sp", "dp_replicate") if getattr(lay, n) > 1), "parallel.tp_size")
         found.append(Problem(key, f"dp_replicate x tp x cp x sp = {given} does not divide {world} processes",
                              fix=f"make launch.num_processes a multiple of {given}"))
+    if strategy == "ddp" and p("dp_shard_size") not in (None, 1):
+        found.append(Problem("parallel.dp_shard_size", "shards the model, which needs parallel.strategy=fsdp (it is ddp)",
+                             fix="set parallel.strategy=fsdp, or remove parallel.dp_shard_size"))
     if strategy != "fsdp":
-        if p("dp_shard_size") not in (None, 1):
-            found.append(Problem("parallel.dp_shard_size", f"shards the model, which needs parallel.strategy=fsdp "
-                                 f"(it is {strategy})", fix="set parallel.strategy=fsdp, or remove parallel.dp_shard_size"))
         if lay.cp > 1:
             found.append(Problem("parallel.cp_size", f"context parallel needs parallel.strategy=fsdp (FSDP2), as "
                                  f"Accelerate rules; it is {strategy}", fix="set parallel.strategy=fsdp"))
@@ -115,11 +115,10 @@ def problems(cfg: Any, world: Optional[int] = None) -> list[Problem]:
         found.append(Problem("parallel.tp_size", f"tensor parallel beside {lay.dp_replicate} plain data-parallel replicas "
                              "(DDP x TP) is not composed by Accelerate", fix="set parallel.strategy=fsdp (FSDP2 x TP), or "
                              f"launch.num_processes={lay.tp} for tensor parallel alone"))
-    if strategy == "deepspeed":
-        for name in ("tp", "dp_replicate"):
-            if getattr(lay, name) > 1 and p(f"{name}_size") > 1:
-                found.append(Problem(KEYS[name], "is not composed with DeepSpeed by Accelerate's ParallelismConfig "
-                                     "(DeepSpeed takes only sp_size)", fix="set parallel.strategy=fsdp"))
+    if strategy == "deepspeed" and lay.tp > 1:
+        # ZeRO's data-parallel ranks are dp_replicate x dp_shard; of the other axes it takes SP only.
+        found.append(Problem("parallel.tp_size", "is not composed with DeepSpeed by Accelerate's ParallelismConfig "
+                             "(DeepSpeed takes only sp_size)", fix="set parallel.strategy=fsdp"))
     if strategy == "fsdp":
         if int(_get(cfg, "parallel.fsdp.version")) != 2 and lay.is_nd:
             found.append(Problem("parallel.fsdp.version", f"the layout {lay.describe()} needs FSDP2",
