@@ -193,3 +193,58 @@ def test_slurm_writes_a_context_parallel_job_and_cpu_refuses_it(tmp_path):
     here = run_cli("train", "configs/fsdp.yaml", *LLAMA, "parallel.cp_size=2", "launch.num_processes=2",
                    "launch.use_cpu=true", "data.max_length=64", f"output_dir={tmp_path / 'out'}", cwd=REPO)
     assert here.returncode == 2 and "parallel.cp_size" in here.stderr and "Traceback" not in here.stderr
+
+
+LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+             "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8,
+             "num_hidden_layers": 80, "max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "vocab_size": 32000,
+             "tie_word_embeddings": False}
+
+
+def test_tensor_parallel_divides_the_model_states_as_the_published_formula():
+    """ZeRO paper sec. 3.1 with Megatron's TP in front: 16 * Psi / (tp x shard ranks) per device
+    for mixed-precision Adam, when the plan splits every matrix (as Llama's does)."""
+    from overdrive.memory import Setup, estimate
+    from overdrive.memory.shape import ModelShape
+
+    h, f, v, layers = 64, 128, 256, 2
+    block = [(3 * h, h), (h, h), (f, h), (f, h), (h, f), (h,), (h,)]  # qkv, o, gate, up, down, norms
+    shapes = tuple(block * layers + [(v, h), (h,), (v, h)])
+    splits = tuple([0, 1, 0, 0, 1, -1, -1] * layers + [0, -1, 0])
+    shape = ModelShape(name="toy", model_type="llama", params=sum(a * (b[0] if b else 1) for a, *b in shapes),
+                       param_shapes=shapes, layers=layers, hidden=h, heads=4, kv_heads=4, intermediate=f, vocab=v,
+                       block_params=sum(a * (b[0] if b else 1) for a, *b in block), root_params=2 * v * h + h,
+                       largest_module_params=v * h, autocast_params=0, mlp="gated", norm="rmsnorm",
+                       tp_split=splits, block_tp_split_params=sum(a * b[0] for a, *b in block if b))
+    whole = estimate(shape, Setup(devices=8, precision="bf16", seq_len=64), ("fsdp2",)).rows[0]
+    tp = estimate(shape, Setup(devices=8, precision="bf16", seq_len=64, tp=2), ("fsdp2",)).rows[0]
+    states = lambda row: row.params_bytes + row.grads_bytes + row.optimizer_bytes  # noqa: E731
+    norms = 2 * layers * h + h  # kept whole on every tp rank
+    assert states(whole) == 16 * shape.params / 8
+    assert states(tp) == 16 * ((shape.params - norms) / 2 + norms) / 4
+    assert tp.activations_full_bytes < whole.activations_full_bytes
+    hsdp = estimate(shape, Setup(devices=8, precision="bf16", seq_len=64, dp_replicate=2), ("fsdp2",)).rows[0]
+    assert states(hsdp) == 16 * shape.params / 4  # replicas hold copies: sharded over 4
+    cp = estimate(shape, Setup(devices=8, precision="bf16", seq_len=64, cp=2), ("fsdp2",)).rows[0]
+    assert states(cp) == states(whole) and cp.activations_full_bytes < whole.activations_full_bytes
+
+
+@pytest.mark.slow
+def test_estimate_70b_on_64_gpus_tp8_by_dp_shard8(tmp_path):
+    import json
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA_70B))
+    done = run_cli("estimate", str(path), "--devices", "64", "--tp", "8", "--seq-len", "4096", "--gpu-memory", "80",
+                   "--strategies", "fsdp2", "--json")
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    row, psi = data["rows"][0], data["parameters"]
+    assert data["layout"] == {"dp_replicate": 1, "tp": 8, "cp": 1, "sp": 1, "shard_ranks": 8}
+    published = 16 * psi / 64  # ZeRO paper's mixed-precision Adam, split 8 x 8
+    assert abs(row["params_bytes"] + row["grads_bytes"] + row["optimizer_bytes"] - published) / published < 1e-3
+    # Korthikanti et al. eq. 2 with tensor parallel, flash attention (no s x s term): s*b*h*(10 + 24/t) per layer.
+    s, h, t = 4096, 8192, 8
+    korthikanti = s * h * (10 + 24 / t) * 80
+    layers = next(term["bytes"] for term in row["terms"] if "layers' saved tensors" in term["what"])
+    assert 1.0 < layers / korthikanti < 2.0  # SwiGLU and fp32 RMSNorm inputs keep more than GPT's GeLU/LayerNorm

@@ -33,10 +33,13 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.memory.shape import setup_for_run, strategy_of_run
 
     from overdrive.commands.estimate import check_memory_sizes
+    from overdrive.commands.train import check_model_layout
+    from overdrive.strategies import layout
 
     check_memory_sizes(args)
     path, cli = _split(args)
     cfg = load_run_config(path, cli)
+    check_model_layout(cfg)  # heads and the tensor-parallel plan against tp_size / sp_size
     micro = cfg.training.micro_batch_size
     micro_note = ""
     if not isinstance(micro, int):
@@ -69,15 +72,18 @@ def run(args: argparse.Namespace) -> int:
             "total_time_s": step_s * math_.max_steps if step_s else None,
             "throughput_source": speed.path if speed else None,
             "tokenize": tokenize.to_dict() if tokenize else None,
+            "layout": layout.summary(cfg),
         }, indent=2))
         return 0
 
     gib = report.gib
     lines = [
         f"model        {shape.name}: {shape.params:,} parameters, {shape.layers} layers x {shape.hidden} wide",
-        f"batch        micro {micro} x accumulation {math_.accumulation} x world {math_.world} "
+        f"batch        micro {micro} x accumulation {math_.accumulation} x "
+        f"{'data-parallel' if layout.layout(cfg).is_nd else 'world'} {math_.world} "
         f"= global batch {math_.global_batch} sequences{micro_note}",
         f"tokens/step  {math_.global_batch} x {math_.seq_len} = {math_.tokens_per_step:,} tokens per optimizer step",
+        *([f"layout       {layout.summary(cfg)['text']}"] if layout.layout(cfg).is_nd else []),
         f"data         {_fmt(data.tokens)} tokens — {data.basis}",
     ]
     lines.append(_tokenize_line(cfg, tokenize))
@@ -88,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         lines.append(f"steps        max_steps {math_.max_steps:,}; per epoch unknown (data size unknown)")
     lines.append(
-        f"memory       {row.label} on {math_.world} device(s): {gib(row.total_bytes)} GiB per device "
+        f"memory       {row.label} on {cfg.launch.num_processes} device(s): {gib(row.total_bytes)} GiB per device "
         f"(params {gib(row.params_bytes)}, grads {gib(row.grads_bytes)}, optim {gib(row.optimizer_bytes)}, "
         f"master {gib(row.master_weights_bytes)}, activations {gib(row.activations_bytes)}, "
         f"buffers {gib(row.buffers_bytes)})" + (f" + {gib(row.host_bytes)} GiB host RAM" if row.host_bytes else ""))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from overdrive.memory.activations import Activations, estimate_activations
 from overdrive.memory.formulas import STRATEGIES, Row, model_state_row, uses_autocast, zero_paper_bytes
-from overdrive.memory.shape import ModelShape, Setup
+from overdrive.memory.shape import ModelShape, Setup, tp_slice
 
 __all__ = ["Estimate", "ModelShape", "OOM_MARKS", "Row", "STRATEGIES", "Setup", "estimate", "estimate_row",
            "mentions_out_of_memory", "zero_paper_bytes"]
@@ -46,8 +46,8 @@ class Estimate:
 
 
 def estimate_row(strategy: str, shape: ModelShape, setup: Setup) -> Row:
-    """Model states, buffers and activations of one strategy."""
-    row = model_state_row(strategy, shape, setup)
+    """Model states, buffers and activations of one strategy (of one tensor-parallel slice)."""
+    row = model_state_row(strategy, tp_slice(shape, setup.tp), setup)
     act: Activations = estimate_activations(shape, setup, uses_autocast(strategy, setup))
     row.activations_full_bytes = act.peak
     row.activations_checkpointed_bytes = act.peak_checkpointed

@@ -72,9 +72,12 @@ class Arithmetic:
 
 
 def arithmetic(cfg, data: DataSize, micro_batch: int) -> Arithmetic:
-    """Global batch = micro x accumulation x world; the loader drops incomplete global batches."""
+    """Global batch = micro x accumulation x data-parallel degree (world / (tp x cp x sp)); the
+    loader drops incomplete global batches."""
+    from overdrive.strategies import layout
+
     t = cfg.training
-    world = cfg.launch.num_processes
+    world = layout.data_parallel_degree(cfg)
     global_batch = micro_batch * t.gradient_accumulation_steps * world
     tokens_per_step = global_batch * cfg.data.max_length
     train_tokens = steps = epochs = None

@@ -87,6 +87,16 @@ def data_parallel_degree(cfg: Any, world: Optional[int] = None) -> int:
     return max(_world(cfg, world) // layout(cfg, world).model_parallel, 1)
 
 
+def summary(cfg: Any, world: Optional[int] = None) -> dict[str, Any]:
+    """The mesh (names, sizes) and the batch split's data-parallel degree, for explain and plan."""
+    world = _world(cfg, world)
+    lay = layout(cfg, world)
+    text = (f"mesh {lay.describe()} (Accelerate's device mesh, outermost first); data-parallel degree "
+            f"{world} / (tp {lay.tp} x cp {lay.cp} x sp {lay.sp}) = {data_parallel_degree(cfg, world)}")
+    return {"mesh": [list(axis) for axis in lay.mesh], "data_parallel": data_parallel_degree(cfg, world),
+            "model_parallel": lay.model_parallel, "text": text}
+
+
 def problems(cfg: Any, world: Optional[int] = None) -> list[Problem]:
     """Every rule of the layout, named by key: the sizes against the world, the strategy each
     axis needs, the sequence length CP and SP split. (The model's heads and its tensor-parallel
