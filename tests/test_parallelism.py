@@ -9,7 +9,7 @@ import pytest
 import yaml
 from conftest import run_cli
 
-from overdrive.config import load_config, resolve
+from overdrive.config import batch, load_config, resolve
 from overdrive.errors import UserError
 from overdrive.interop import writing as export
 from overdrive.strategies import accelerator_kwargs, cpu, layout
@@ -35,7 +35,7 @@ def test_the_rest_of_the_world_is_the_data_parallel_degree():
     hsdp = layout.layout(cfg_of("parallel.strategy=fsdp", "parallel.dp_replicate_size=2", "launch.num_processes=8"))
     assert (hsdp.dp_replicate, hsdp.dp_shard) == (2, 4) and hsdp.is_nd
     ddp = cfg_of("parallel.tp_size=2", "launch.num_processes=2")
-    assert layout.data_parallel_degree(ddp) == 1 and layout.layout(ddp).mesh == (("tp", 2),)
+    assert batch.data_parallel_degree(ddp) == 1 and layout.layout(ddp).mesh == (("tp", 2),)
     plain = cfg_of("parallel.strategy=fsdp", "launch.num_processes=4")
     assert not layout.layout(plain).is_nd and layout.parallelism_kwargs(plain) is None
 

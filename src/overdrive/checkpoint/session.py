@@ -379,9 +379,9 @@ class Checkpointer:
     @property
     def _data_parallel(self) -> int:
         """Ranks that take different samples: world / (tp x cp x sp)."""
-        from overdrive.strategies import layout
+        from overdrive.config import batch
 
-        return layout.data_parallel_degree(self.cfg, self.acc.num_processes)
+        return batch.data_parallel_degree(self.cfg)
 
     def _ours(self, path: Path) -> bool:
         """A checkpoint of this run's lineage (not one left by an earlier run in output_dir)."""

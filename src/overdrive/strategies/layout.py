@@ -3,7 +3,7 @@ context and sequence parallel groups (Accelerate's ParallelismConfig, after torc
 ParallelDims). The one place these sizes are worked out; the rest of overdrive asks it.
 
     lay = layout(cfg)                  # Layout(dp_replicate=2, dp_shard=2, tp=1, cp=1, sp=1)
-    lay.data_parallel                  # ranks that see different batches: world / (tp x cp x sp)
+    lay.data_parallel                  # dp_replicate x dp_shard: config/batch.py's data-parallel degree
     lay.mesh                           # (("dp_replicate", 2), ("dp_shard", 2)): Accelerate's mesh
     problems(cfg)                      # every rule, named by key
 
@@ -82,18 +82,15 @@ def layout(cfg: Any, world: Optional[int] = None) -> Layout:
     return Layout(dp_replicate=replicate, dp_shard=int(shard) if shard is not None else rest, tp=tp, cp=cp, sp=sp)
 
 
-def data_parallel_degree(cfg: Any, world: Optional[int] = None) -> int:
-    """world / (tp x cp x sp): the ranks that see different batches."""
-    return max(_world(cfg, world) // layout(cfg, world).model_parallel, 1)
-
-
 def summary(cfg: Any, world: Optional[int] = None) -> dict[str, Any]:
     """The mesh (names, sizes) and the batch split's data-parallel degree, for explain and plan."""
+    from overdrive.config.batch import data_parallel_degree  # the batch split's one answer
+
     world = _world(cfg, world)
-    lay = layout(cfg, world)
+    lay, degree = layout(cfg, world), data_parallel_degree(cfg)
     text = (f"mesh {lay.describe()} (Accelerate's device mesh, outermost first); data-parallel degree "
-            f"{world} / (tp {lay.tp} x cp {lay.cp} x sp {lay.sp}) = {data_parallel_degree(cfg, world)}")
-    return {"mesh": [list(axis) for axis in lay.mesh], "data_parallel": data_parallel_degree(cfg, world),
+            f"{world} / (tp {lay.tp} x cp {lay.cp} x sp {lay.sp}) = {degree}")
+    return {"mesh": [list(axis) for axis in lay.mesh], "data_parallel": degree,
             "model_parallel": lay.model_parallel, "text": text}
 
 
