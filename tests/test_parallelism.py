@@ -248,3 +248,16 @@ def test_estimate_70b_on_64_gpus_tp8_by_dp_shard8(tmp_path):
     korthikanti = s * h * (10 + 24 / t) * 80
     layers = next(term["bytes"] for term in row["terms"] if "layers' saved tensors" in term["what"])
     assert 1.0 < layers / korthikanti < 2.0  # SwiGLU and fp32 RMSNorm inputs keep more than GPT's GeLU/LayerNorm
+
+
+def test_launch_flags_carry_the_layout_accelerate_launch_accepts():
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    cfg = cfg_of("parallel.strategy=fsdp", "parallel.tp_size=2", "launch.num_processes=4")
+    flags = export.accelerate_flags(cfg)
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args([*flags, "train.py"]))
+    env = prepare_multi_gpu_env(args)
+    assert (env["PARALLELISM_CONFIG_DP_SHARD_SIZE"], env["PARALLELISM_CONFIG_TP_SIZE"]) == ("2", "2")
+    # DDP x TP: Accelerate's launcher takes the block from a YAML only, so no flags for it.
+    assert "--use_parallelism_config" not in export.accelerate_flags(cfg_of("parallel.tp_size=2", "launch.num_processes=2"))

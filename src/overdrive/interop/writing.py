@@ -187,10 +187,13 @@ def accelerate_flags(cfg: RunConfig, deepspeed_file: Optional[str] = None) -> li
     flags = {"DEEPSPEED": ["--use_deepspeed"], "FSDP": ["--use_fsdp"], "MULTI_GPU": ["--multi_gpu"],
              "MULTI_CPU": ["--cpu"]}.get(dist, ["--cpu"] if cfg.launch.use_cpu else [])
     items = {k: v for k, v in config.items() if not isinstance(v, dict)}
-    for section in ("deepspeed_config", "fsdp_config", "dynamo_config", "parallelism_config"):
+    for section in ("deepspeed_config", "fsdp_config", "dynamo_config"):
         items.update(config.get(section, {}))
-    if config.get("parallelism_config"):
+    if config.get("parallelism_config") and dist == "FSDP":
+        # `accelerate launch` takes --use_parallelism_config with --use_fsdp only (its
+        # _validate_launch_command); other types carry the block in the YAML alone.
         flags.append("--use_parallelism_config")
+        items.update(config["parallelism_config"])
     if cfg.launch.threads_per_process:
         items["num_cpu_threads_per_process"] = cfg.launch.threads_per_process
     for key, value in items.items():
