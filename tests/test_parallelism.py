@@ -261,3 +261,18 @@ def test_launch_flags_carry_the_layout_accelerate_launch_accepts():
     assert (env["PARALLELISM_CONFIG_DP_SHARD_SIZE"], env["PARALLELISM_CONFIG_TP_SIZE"]) == ("2", "2")
     # DDP x TP: Accelerate's launcher takes the block from a YAML only, so no flags for it.
     assert "--use_parallelism_config" not in export.accelerate_flags(cfg_of("parallel.tp_size=2", "launch.num_processes=2"))
+
+
+def test_the_wizard_asks_for_the_layout_under_fsdp(tmp_path):
+    from overdrive.wizard import files as wizard_files
+    from overdrive.wizard import questions as wizard
+
+    ask = wizard.Asker(preset={"machine_type": "gpu", "num_processes": "8", "mixed_precision": "bf16",
+                               "strategy": "fsdp", "tp_size": "2", "dp_replicate_size": "2"}, interactive=False)
+    a = wizard.ask_all(ask, {})
+    run = wizard_files.run_config(a)
+    assert run["parallel"]["tp_size"] == 2 and run["parallel"]["dp_replicate_size"] == 2
+    bad = wizard.Asker(preset={"num_processes": "8", "strategy": "fsdp", "tp_size": "3"}, interactive=False)
+    with pytest.raises(UserError) as error:
+        wizard.ask_all(bad, {})
+    assert "--tp-size" in error.value.render() and "does not divide 8" in error.value.render()

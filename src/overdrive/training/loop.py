@@ -28,6 +28,7 @@ from overdrive.training import nonfinite
 from overdrive.training import telemetry
 from overdrive.training.evaluation import evaluate
 from overdrive.config import batch
+from overdrive.config.batch import data_parallel_degree
 from overdrive.config.redact import redact
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
@@ -246,7 +247,7 @@ class Outcome:
 def _loop(run: Session) -> Outcome:
     cfg, parts, state, progress, metrics = run.cfg, run.parts, run.state, run.progress, run.metrics
     t, acc, model, optimizer, scheduler = cfg.training, parts.accelerator, parts.model, parts.optimizer, parts.scheduler
-    world = batch.split(cfg).data_parallel  # ranks that take different samples
+    world = data_parallel_degree(cfg)  # ranks that take different samples
     data = batches(parts.train_loader, state, acc.skip_first_batches)
     throughput = telemetry.Throughput()
     # Summed on the device: no sync per step. A resume carries on the interval being summed.
