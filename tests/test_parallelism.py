@@ -276,3 +276,24 @@ def test_the_wizard_asks_for_the_layout_under_fsdp(tmp_path):
     with pytest.raises(UserError) as error:
         wizard.ask_all(bad, {})
     assert "--tp-size" in error.value.render() and "does not divide 8" in error.value.render()
+
+
+def test_resume_routes_between_layouts():
+    from overdrive.checkpoint import fingerprint as fp
+
+    def dump(*cli):
+        return cfg_of(*cli).model_dump(mode="json")
+
+    tp2 = dump("parallel.tp_size=2", "launch.num_processes=2", "training.micro_batch_size=8")
+    one = dump("launch.num_processes=1", "training.micro_batch_size=8")
+    to_one = fp.compare(tp2, one)
+    assert to_one.route.how == "dcp" and not to_one.refusal and to_one.accumulation is None  # same global batch
+    assert [c.kind for c in to_one.changes if c.key == "parallel.tp_size"] == ["harmless"]
+    into_tp = fp.compare(one, tp2)
+    assert into_tp.route.how == "refused" and "Possible moves" in into_tp.refusal
+    assert [c.key for c in into_tp.of("layout")] == ["parallel.tp_size"]  # the refusal names it
+    hsdp = dump("parallel.strategy=fsdp", "parallel.dp_replicate_size=2", "parallel.dp_shard_size=2",
+                "launch.num_processes=4", "training.micro_batch_size=2")
+    fsdp4 = dump("parallel.strategy=fsdp", "launch.num_processes=4", "training.micro_batch_size=2")
+    moved = fp.compare(hsdp, fsdp4)
+    assert moved.route.how == "dcp" and not moved.refusal and not moved.of("layout")

@@ -111,19 +111,19 @@ def route(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Route:
     base = dict(source=label(saved), target=label(current), source_world=w_old, target_world=w_new)
     if "tensor parallel" in a + b and a != b:
         if a[1:] == ("tensor parallel",) and b[0] == "ddp":
-            return Route("dcp", **base)
+            return Route("dcp", **base, reader="torch.distributed.checkpoint resharding")
         return Route("refused", **base, refusal=f"a {base['source']} checkpoint cannot continue under {base['target']}: "
                      "tensor-parallel shards (without FSDP) are read by torch.distributed.checkpoint into DDP runs "
                      "only, and other files do not load into tensor-parallel slices. Possible moves: DDP (tp N) -> "
                      "DDP at any tp_size and world size; FSDP2 (any dp_replicate x dp_shard x tp) -> FSDP2 at another "
                      "mesh; the same layout at another world size")
     if a == b:
-        if w_old == w_new:
+        if w_old == w_new and (a[0] != "fsdp" or nd.layout(saved).mesh == nd.layout(current).mesh):
             return Route("as saved", **base)
         if a[0] == "ddp" or (a[0] == "fsdp" and a[2] == "full_state_dict"):
             return Route("accelerate", **base)
         if (a[0] == "fsdp" and a[1] == 2) or a[1:] == ("tensor parallel",):
-            return Route("dcp", **base)
+            return Route("dcp", **base, reader="torch.distributed.checkpoint resharding")
         if a[0] == "deepspeed" and a[1] >= 1:
             nvme = "nvme" in (saved["parallel"]["deepspeed"].get("offload_optimizer"),
                               current["parallel"]["deepspeed"].get("offload_optimizer"))
