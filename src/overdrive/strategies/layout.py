@@ -101,7 +101,7 @@ def problems(cfg: Any, world: Optional[int] = None) -> list[Problem]:
     world = _world(cfg, world)
     lay, strategy, found = layout(cfg, world), of(cfg).name, []
     p = lambda key: _get(cfg, f"parallel.{key}")  # noqa: E731
-    given = lay.dp_replicate * lay.tp * lay.cp * lay.sp * (lay.dp_shard if p("dp_shard_size") is not None else 1)
+    given = int(p("dp_replicate_size")) * lay.model_parallel  # the axes set; the rest of the world is data parallel
     if p("dp_shard_size") is not None and lay.world != world:
         found.append(Problem("parallel.dp_shard_size", f"dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x tp "
                              f"{lay.tp} x cp {lay.cp} x sp {lay.sp} = {lay.world}, but there are {world} processes",
@@ -114,16 +114,15 @@ def problems(cfg: Any, world: Optional[int] = None) -> list[Problem]:
     if strategy == "ddp" and p("dp_shard_size") not in (None, 1):
         found.append(Problem("parallel.dp_shard_size", "shards the model, which needs parallel.strategy=fsdp (it is ddp)",
                              fix="set parallel.strategy=fsdp, or remove parallel.dp_shard_size"))
-    if strategy != "fsdp":
-        if lay.cp > 1:
-            found.append(Problem("parallel.cp_size", f"context parallel needs parallel.strategy=fsdp (FSDP2), as "
-                                 f"Accelerate rules; it is {strategy}", fix="set parallel.strategy=fsdp"))
+    if strategy != "fsdp" and lay.cp > 1:
+        found.append(Problem("parallel.cp_size", f"context parallel needs parallel.strategy=fsdp (FSDP2), as "
+                             f"Accelerate rules; it is {strategy}", fix="set parallel.strategy=fsdp"))
     if strategy == "ddp" and lay.tp > 1 and lay.dp_replicate > 1:
         found.append(Problem("parallel.tp_size", f"tensor parallel beside {lay.dp_replicate} plain data-parallel replicas "
                              "(DDP x TP) is not composed by Accelerate", fix="set parallel.strategy=fsdp (FSDP2 x TP), or "
                              f"launch.num_processes={lay.tp} for tensor parallel alone"))
     if strategy == "deepspeed" and lay.tp > 1:
-        # ZeRO's data-parallel ranks are dp_replicate x dp_shard; of the other axes it takes SP only.
+        # DeepSpeed's own AutoTP is configured in its JSON, not through ParallelismConfig.
         found.append(Problem("parallel.tp_size", "is not composed with DeepSpeed by Accelerate's ParallelismConfig "
                              "(DeepSpeed takes only sp_size)", fix="set parallel.strategy=fsdp"))
     if strategy == "fsdp":
