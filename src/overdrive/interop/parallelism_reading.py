@@ -44,14 +44,17 @@ def map_parallelism(block: Mapping[str, Any], c: Any, path: tuple[str, ...] = ("
             c.set(f"parallel.{size}", 1, *path)  # Accelerate's default for a size left out
 
 
-def block_from_env(environ: Mapping[str, str]) -> tuple[dict[str, Any], dict[tuple[str, ...], str], list[str]]:
-    """(the block, the variable behind each key, variables ignored). Accelerate builds a
-    ParallelismConfig from these only with ACCELERATE_USE_PARALLELISM_CONFIG=true."""
-    names = {name: PARALLELISM_PREFIX + name[len("PARALLELISM_CONFIG_"):].lower()
+def map_parallelism_env(environ: Mapping[str, str], c: Any, names: dict[tuple[str, ...], str]) -> None:
+    """The PARALLELISM_CONFIG_* variables as the block they stand for; `names` records the
+    variable behind each key (for origins). Accelerate builds a ParallelismConfig from them
+    only with ACCELERATE_USE_PARALLELISM_CONFIG=true: without it they are reported as ignored."""
+    found = {name: PARALLELISM_PREFIX + name[len("PARALLELISM_CONFIG_"):].lower()
              for name in environ if name.startswith("PARALLELISM_CONFIG_")}
     if str(environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "")).lower() != "true":
-        return {}, {}, sorted(names)
-    block = {key: environ[name] for name, key in names.items()}
-    where = {("parallelism_config", key): name for name, key in names.items()}
-    where[("parallelism_config",)] = "ACCELERATE_USE_PARALLELISM_CONFIG"
-    return block, where, []
+        for name in sorted(found):
+            c.warn(("parallelism_config",), f"{name} ignored: Accelerate reads it only with "
+                   "ACCELERATE_USE_PARALLELISM_CONFIG=true")
+        return
+    names.update({("parallelism_config", key): name for name, key in found.items()})
+    names[("parallelism_config",)] = "ACCELERATE_USE_PARALLELISM_CONFIG"
+    map_parallelism({key: environ[name] for name, key in found.items()}, c)

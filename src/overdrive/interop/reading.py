@@ -31,7 +31,7 @@ from overdrive.interop.tables import (
     ZERO_KEYS,
 )
 from overdrive.interop.deepspeed_reading import map_deepspeed
-from overdrive.interop.parallelism_reading import block_from_env, map_parallelism
+from overdrive.interop.parallelism_reading import map_parallelism, map_parallelism_env
 from overdrive.interop.deepspeed_schema import check as check_deepspeed
 from overdrive.config.keys import coerce
 from overdrive.config.provenance import LayerOutput, Origin, Setting
@@ -377,13 +377,8 @@ def map_accelerate_env(environ: Mapping[str, str]):
     def where(path: tuple[str, ...]) -> str:
         return f"env {names.get(path) or names.get(path[:1], '')}"
 
-    block, parallelism_names, ignored = block_from_env(environ)
-    names.update(parallelism_names)
     c = _Collector(origin_for, where)
-    if block:
-        map_parallelism(block, c)
-    for name in ignored:
-        c.warn(("parallelism_config",), f"{name} ignored: Accelerate reads it only with ACCELERATE_USE_PARALLELISM_CONFIG=true")
+    map_parallelism_env(environ, c, names)
     if _truthy(environ.get("ACCELERATE_USE_DEEPSPEED", "")) and _truthy(environ.get("ACCELERATE_USE_FSDP", "")):
         c.out.errors.append(Problem("parallel.strategy", "FSDP and DeepSpeed are both chosen",
                                     "env ACCELERATE_USE_DEEPSPEED, ACCELERATE_USE_FSDP", "unset one of the two variables"))
