@@ -297,3 +297,10 @@ def test_resume_routes_between_layouts():
     fsdp4 = dump("parallel.strategy=fsdp", "launch.num_processes=4", "training.micro_batch_size=2")
     moved = fp.compare(hsdp, fsdp4)
     assert moved.route.how == "dcp" and not moved.refusal and not moved.of("layout")
+
+
+def test_sequence_parallel_is_refused_for_overdrives_own_loop():
+    sp = cfg_of("parallel.strategy=deepspeed", "parallel.sp_size=2", "launch.num_processes=2")
+    found = layout.loop_problems(sp)
+    assert [p.key for p in found] == ["parallel.sp_size"] and "overdrive launch" in found[0].fix
+    assert layout.loop_problems(cfg_of("parallel.strategy=fsdp", "parallel.tp_size=2", "launch.num_processes=2")) == []

@@ -58,7 +58,8 @@ def _load(args):
 
 def check_model_layout(cfg) -> None:
     """The model's heads and tensor-parallel plan against parallel.tp_size / sp_size, read
-    from its config alone (no weights), before any process starts."""
+    from its config alone (no weights), and what the loop does not do (sequence parallel),
+    before any process starts."""
     from overdrive.errors import UserError
     from overdrive.strategies import layout
 
@@ -67,7 +68,7 @@ def check_model_layout(cfg) -> None:
         return
     from overdrive.memory.model_shape import hf_config_for_run
 
-    found = layout.model_problems(cfg, hf_config_for_run(cfg))
+    found = layout.loop_problems(cfg) + layout.model_problems(cfg, hf_config_for_run(cfg))
     if found:
         raise UserError(found)
 

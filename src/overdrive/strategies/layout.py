@@ -154,6 +154,20 @@ def problems(cfg: Any, world: Optional[int] = None) -> list[Problem]:
     return found
 
 
+def loop_problems(cfg: Any) -> list[Problem]:
+    """What overdrive's own training loop does not do with this layout (a user's script run by
+    `overdrive launch` may: Transformers' Trainer and TRL drive DeepSpeed's Ulysses themselves).
+    Sequence parallel needs the loop to take its batches through DeepSpeed's Ulysses data-loader
+    adapter (each rank a slice of every sequence, with `shift_labels`) and to average the loss
+    over the slices by tokens; the loop computes `model(**batch).loss` on whole sequences."""
+    if layout(cfg).sp == 1:
+        return []
+    return [Problem("parallel.sp_size", "overdrive's training loop does not split sequences for DeepSpeed's Ulysses "
+                    "(its data-loader adapter and the loss over sequence slices)",
+                    fix="run a Transformers Trainer / TRL script with `overdrive launch` (they drive Ulysses), "
+                        "or use parallel.cp_size with fsdp")]
+
+
 def model_problems(cfg: Any, hf_config: Any) -> list[Problem]:
     """What the model's shape says about the layout: heads and KV heads divisible by tp (and
     heads by sp: Ulysses splits attention by head), and a tensor-parallel plan for tp > 1.
