@@ -58,6 +58,12 @@ _RULES: dict[str, tuple[str, str]] = {
     "parallel.deepspeed.zero_stage": ("layout", "ZeRO stages shard and name their files differently"),
     "parallel.fsdp.version": ("layout", "FSDP versions save in different formats"),
     "parallel.fsdp.state_dict_type": ("layout", "a sharded and a full state dict are different files"),
+    # The N-D layout's sizes: routes.py says whether the files move (DCP) or not.
+    "parallel.tp_size": ("layout", "tensor-parallel shards are files of their own"),
+    "parallel.cp_size": ("layout", "the mesh the checkpoint was sharded over"),
+    "parallel.sp_size": ("layout", "the mesh the checkpoint was sharded over"),
+    "parallel.dp_replicate_size": ("layout", "the mesh the checkpoint was sharded over"),
+    "parallel.dp_shard_size": ("layout", "the mesh the checkpoint was sharded over"),
     "parallel.": ("harmless", ""),
     "compile.": ("harmless", ""),
     "launch.": ("harmless", ""),
@@ -136,7 +142,8 @@ def compare(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Comparison:
 
     old, new = flatten(redact(dict(saved))), flatten(redact(dict(current)))
     result = Comparison(route=routes.route(saved, current))
-    movable = result.route.how == "across"  # the layout changes have a reader: listed, not refused
+    # The layout changes have a reader (another strategy, or DCP into another mesh): listed, not refused.
+    movable = result.route.how in ("across", "dcp", "as saved", "accelerate", "universal")
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key, _MISSING), new.get(key, _MISSING)
         if a == b:
@@ -148,7 +155,7 @@ def compare(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Comparison:
             continue
         kind, why = kind_of(key)
         if kind == "layout" and movable:
-            kind, why = "harmless", f"{MOVED_BY} {result.route.reader}"
+            kind, why = "harmless", f"{MOVED_BY} {result.route.reader or 'the same strategy, resharded'}"
         result.changes.append(Change(key, a, b, kind, why))
     if result.route.how == "refused":
         result.refusal = result.route.refusal

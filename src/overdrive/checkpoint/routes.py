@@ -11,6 +11,10 @@ gives a `Route`:
 - universal: ZeRO partitions are split per rank; DeepSpeed's universal checkpoint
   (deepspeed/checkpoint/ds_to_universal.py) rewrites them once per parameter, and a run of
   any world size loads that with `checkpoint.load_universal`.
+- tensor parallel: a tensor-parallel run without FSDP writes its model and optimizer as a DCP
+  directory (checkpoint/tensor_parallel.py), which loads into any tp_size and world size of a
+  run without FSDP or DeepSpeed. Under FSDP2 the layout (HSDP, FSDP x TP) is DCP's own
+  business: FSDP2's sharded state dict loads into another mesh of the same strategy.
 - across: another strategy. The saved weights and Adam moments are read as whole tensors
   keyed by parameter name (from DDP's files, FSDP2's DCP, or ZeRO's universal checkpoint) and
   placed with `torch.distributed.checkpoint.state_dict.set_state_dict`, which shards them
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from overdrive.config.batch import combinations as batch_combinations  # noqa: F401 (asked for by refusals here)
+from overdrive.strategies import layout as nd
 
 # (from, to) strategy families a checkpoint can move between, and the reader of the source.
 _ACROSS = {
@@ -46,9 +51,12 @@ def label(config: Mapping[str, Any]) -> str:
                                                                     ("parameter", "offload_param"))
                    if ds.get(key, "none") != "none"]
         return f"ZeRO-{ds['zero_stage']}" + (f" ({', '.join(offload)})" if offload else "")
+    mesh = nd.layout(config).mesh
+    described = " x ".join(f"{name} {size}" for name, size in mesh if name not in ("dp_replicate", "dp_shard")
+                           or len(mesh) > 1)
     if p["strategy"] == "fsdp":
-        return f"FSDP{p['fsdp']['version']}"
-    return p["strategy"].upper()
+        return f"FSDP{p['fsdp']['version']}" + (f" ({described})" if described else "")
+    return p["strategy"].upper() + (f" ({described})" if described else "")
 
 
 def _layout(config: Mapping[str, Any]) -> tuple:
@@ -58,6 +66,8 @@ def _layout(config: Mapping[str, Any]) -> tuple:
         return ("deepspeed", int(p["deepspeed"]["zero_stage"]))
     if p["strategy"] == "fsdp":
         return ("fsdp", int(p["fsdp"]["version"]), p["fsdp"]["state_dict_type"])
+    if nd.layout(config).tp > 1:
+        return (p["strategy"], "tensor parallel")  # a DCP directory, not Accelerate's files
     return (p["strategy"],)
 
 
@@ -99,13 +109,21 @@ def route(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Route:
     w_old, w_new = int(saved["launch"]["num_processes"]), int(current["launch"]["num_processes"])
     a, b = _layout(saved), _layout(current)
     base = dict(source=label(saved), target=label(current), source_world=w_old, target_world=w_new)
+    if "tensor parallel" in a + b and a != b:
+        if a[1:] == ("tensor parallel",) and b[0] == "ddp":
+            return Route("dcp", **base, reader="torch.distributed.checkpoint resharding")
+        return Route("refused", **base, refusal=f"a {base['source']} checkpoint cannot continue under {base['target']}: "
+                     "tensor-parallel shards (without FSDP) are read by torch.distributed.checkpoint into DDP runs "
+                     "only, and other files do not load into tensor-parallel slices. Possible moves: DDP (tp N) -> "
+                     "DDP at any tp_size and world size; FSDP2 (any dp_replicate x dp_shard x tp) -> FSDP2 at another "
+                     "mesh; the same layout at another world size")
     if a == b:
-        if w_old == w_new:
+        if w_old == w_new and (a[0] != "fsdp" or nd.layout(saved).mesh == nd.layout(current).mesh):
             return Route("as saved", **base)
         if a[0] == "ddp" or (a[0] == "fsdp" and a[2] == "full_state_dict"):
             return Route("accelerate", **base)
-        if a[0] == "fsdp" and a[1] == 2:
-            return Route("dcp", **base)
+        if (a[0] == "fsdp" and a[1] == 2) or a[1:] == ("tensor parallel",):
+            return Route("dcp", **base, reader="torch.distributed.checkpoint resharding")
         if a[0] == "deepspeed" and a[1] >= 1:
             nvme = "nvme" in (saved["parallel"]["deepspeed"].get("offload_optimizer"),
                               current["parallel"]["deepspeed"].get("offload_optimizer"))

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 
 from overdrive.checkpoint import adapter_state
 from overdrive.checkpoint import fingerprint as fp
-from overdrive.checkpoint import reshard, store
+from overdrive.checkpoint import reshard, store, tensor_parallel
 from overdrive.checkpoint.resume import (START_OVER, TRAINER_STATE, ResumePlan, judge, plan_resume,  # noqa: F401
                                          read_state, with_plan)
 from overdrive.config.schema import RunConfig
@@ -136,7 +136,7 @@ class Checkpointer:
                 with reshard.universal_loading(self.acc._models[0]):  # the DeepSpeed engine
                     self.acc.load_state(str(universal))
             else:
-                self.acc.load_state(str(path), **self.load_kwargs)
+                tensor_parallel.load_state(self.acc, path, **self.load_kwargs)
         except UserError:
             raise
         except Exception as error:  # shapes, missing shards: the message says what
@@ -159,7 +159,7 @@ class Checkpointer:
         """The saved loop state, for this run's world size and batch shape."""
         values = {**saved.get("extra", {}), **saved["loop"]}  # first/final loss: in "extra" before they were loop state
         # Micro-batches per rank already taken from this epoch, for this run's batch shape.
-        values["batch_in_epoch"] = saved["samples_in_epoch"] // (self.cfg.training.micro_batch_size * self.acc.num_processes)
+        values["batch_in_epoch"] = saved["samples_in_epoch"] // (self.cfg.training.micro_batch_size * self._data_parallel)
         world, saved_world = self.acc.num_processes, saved["world_size"]
         if saved_world == world:
             values["loss_sum"] = saved["pending_loss"][self.acc.process_index]
@@ -198,7 +198,7 @@ class Checkpointer:
             store.begin(self.root, step)
         acc.wait_for_everyone()
         with _quiet_tied_weights():
-            acc.save_state(str(tmp), **self.save_kwargs)
+            tensor_parallel.save_state(acc, tmp, **self.save_kwargs)
         losses = acc.gather(state.loss_sum.detach().float().reshape(1)).tolist()
         if self.main:
             self._write_trainer_state(tmp, state, losses)
@@ -221,7 +221,7 @@ class Checkpointer:
         record = {
             "format": 1, "step": state.step, "saved_at": time.time(), "lineage": self.lineage,
             "loop": loop,
-            "samples_in_epoch": state.batch_in_epoch * t.micro_batch_size * world,
+            "samples_in_epoch": state.batch_in_epoch * t.micro_batch_size * self._data_parallel,
             "world_size": world, "micro_batch_size": t.micro_batch_size,
             "gradient_accumulation_steps": t.gradient_accumulation_steps, "global_batch": fp.global_batch(config),
             "strategy": cfg.parallel.strategy, "sharded": fp.sharded(config),
@@ -234,6 +234,13 @@ class Checkpointer:
         if base is not None:  # referred to, not copied
             record["base_model"] = base
         (tmp / TRAINER_STATE).write_text(json.dumps(record, indent=1, default=str))
+
+    @property
+    def _data_parallel(self) -> int:
+        """Ranks that take different samples: world / (tp x cp x sp)."""
+        from overdrive.config import batch
+
+        return batch.data_parallel_degree(self.cfg)
 
     def _ours(self, path: Path) -> bool:
         """A checkpoint of this run's lineage (not one left by an earlier run in output_dir)."""

@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     answers.add_argument("--lora-r", help="LoRA rank (with --peft)")
     answers.add_argument("--strategy", help="ddp | deepspeed | fsdp")
     answers.add_argument("--zero-stage", help="DeepSpeed ZeRO stage 0-3")
+    answers.add_argument("--tp-size", help="tensor parallel degree (FSDP; docs/parallelism.md)")
+    answers.add_argument("--dp-replicate-size", help="HSDP replicas (FSDP)")
     answers.add_argument("--offload-optimizer", help="none | cpu | nvme (DeepSpeed)")
     answers.add_argument("--offload-param", help="none | cpu | nvme (DeepSpeed ZeRO-3)")
     answers.add_argument("--nvme-path", help="directory for nvme offload")
@@ -48,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 PRESET_NAMES = (
     "where", "machine_type", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
     "num_processes", "model", "mixed_precision", "peft", "lora_r", "strategy", "zero_stage", "offload_optimizer",
-    "offload_param", "nvme_path", "reshard_after_forward", "fsdp_offload_params", "compile", "accum",
+    "offload_param", "nvme_path", "reshard_after_forward", "fsdp_offload_params", "tp_size", "dp_replicate_size",
+    "compile", "accum",
 )
 
 

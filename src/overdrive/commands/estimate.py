@@ -16,7 +16,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL_OR_CONFIG",
                         help="directory with config.json, a config.json, a run YAML, or a hub name")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides for a run YAML (as in train)")
-    parser.add_argument("--devices", type=int, help="data-parallel processes (default: the YAML's, else 1)")
+    parser.add_argument("--devices", type=int, help="processes, all axes together (default: the YAML's, else 1)")
+    parser.add_argument("--tp", type=int, help="tensor parallel degree (default: the YAML's parallel.tp_size, else 1)")
+    parser.add_argument("--cp", type=int, help="context parallel degree (parallel.cp_size)")
+    parser.add_argument("--sp", type=int, help="sequence parallel degree (parallel.sp_size)")
+    parser.add_argument("--dp-replicate", type=int, help="HSDP replicas (parallel.dp_replicate_size); the rest of "
+                        "--devices is the shard degree")
     parser.add_argument("--precision", choices=["no", "fp16", "bf16"], help="default: the YAML's, else bf16")
     parser.add_argument("--micro-batch", type=int, help="samples per device per step (default: the YAML's, else 1)")
     parser.add_argument("--seq-len", type=int, help="tokens per sample (default: the YAML's, else min(2048, max positions))")
@@ -61,7 +66,7 @@ def build(args: argparse.Namespace):
     from overdrive.memory.model_shape import model_shape, resolve_source
     from overdrive.memory.shape import Setup, setup_for_run
 
-    for name in ("--devices", "--micro-batch", "--seq-len", "--nodes"):
+    for name in ("--devices", "--micro-batch", "--seq-len", "--nodes", "--tp", "--cp", "--sp", "--dp-replicate"):
         _positive(name, getattr(args, name[2:].replace("-", "_"), None))
     check_memory_sizes(args)
     if args.overrides and not args.model.endswith((".yaml", ".yml")):
@@ -70,7 +75,8 @@ def build(args: argparse.Namespace):
     shape = model_shape(source)
     target = _target(args)
     changes = dict(devices=args.devices, precision=args.precision, micro_batch=args.micro_batch,
-                   seq_len=args.seq_len, checkpointing=args.checkpointing)
+                   seq_len=args.seq_len, checkpointing=args.checkpointing, tp=args.tp, cp=args.cp, sp=args.sp,
+                   dp_replicate=args.dp_replicate)
     if source.run is not None:
         setup = setup_for_run(source.run, target, **changes)
     else:
@@ -84,6 +90,10 @@ def build(args: argparse.Namespace):
         from dataclasses import replace
 
         setup = replace(setup, adapter=adapter)
+    axes = setup.dp_replicate * setup.tp * setup.cp * setup.sp
+    if setup.devices % axes:
+        raise UserError(Problem("--devices", f"{setup.devices} devices do not divide into dp_replicate x tp x cp x sp = {axes}",
+                                fix=f"give a multiple of {axes}"))
     strategies = STRATEGIES
     if args.strategies:
         strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())

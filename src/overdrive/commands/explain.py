@@ -138,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
     if args.key:
         return _explain_key(resolved, args.key)
     from overdrive.config.redact import redact, redact_text
+    from overdrive.strategies import layout
 
     if args.training_arguments:
         return _explain_training_arguments(resolved, args.json)
@@ -147,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
             "origins": {key: redact_text(str(origin)) for key, origin in sorted(resolved.origins.items())},
             "warnings": [redact_text(problem.render()) for problem in warnings],
             "resume": _resume(resolved.config),
+            "layout": layout.summary(resolved.config),
         }, indent=2))
         return 0
     rows = []
@@ -163,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
         print_table(["key", "value", "origin"], [row[1:] for row in rows], title="effective configuration")
     else:
         print("every value is the schema default (the embedded job); --all lists them")
+    if layout.layout(resolved.config).is_nd:
+        print(f"layout: {layout.summary(resolved.config)['text']}")
     resume = _resume(resolved.config)
     if resume:
         print(f"resume: {resume['text']}")

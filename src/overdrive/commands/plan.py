@@ -33,10 +33,13 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.memory.shape import setup_for_run, strategy_of_run
 
     from overdrive.commands.estimate import check_memory_sizes
+    from overdrive.commands.train import check_model_layout
+    from overdrive.strategies import layout
 
     check_memory_sizes(args)
     path, cli = _split(args)
     cfg = load_run_config(path, cli)
+    check_model_layout(cfg)  # heads and the tensor-parallel plan against tp_size / sp_size
     micro = cfg.training.micro_batch_size
     micro_note = ""
     if not isinstance(micro, int):
@@ -79,15 +82,18 @@ def run(args: argparse.Namespace) -> int:
             "tokenize": tokenize.to_dict() if tokenize else None,
             "optimizer": _optimizer(cfg), "lr_points": [{"step": step + 1, "lr": lr} for step, lr in curve],
             "sources": sources,
+            "layout": layout.summary(cfg),
         }, indent=2))
         return 0
 
     gib = report.gib
     lines = [
         f"model        {shape.name}: {shape.params:,} parameters, {shape.layers} layers x {shape.hidden} wide",
-        f"batch        micro {micro} x accumulation {math_.accumulation} x world {math_.world} "
+        f"batch        micro {micro} x accumulation {math_.accumulation} x "
+        f"{'data-parallel' if layout.layout(cfg).is_nd else 'world'} {math_.world} "
         f"= global batch {math_.global_batch} sequences{micro_note}",
         f"tokens/step  {math_.global_batch} x {math_.seq_len} = {math_.tokens_per_step:,} tokens per optimizer step",
+        *([f"layout       {layout.summary(cfg)['text']}"] if layout.layout(cfg).is_nd else []),
         f"data         {_fmt(data.tokens)} tokens — {data.basis}",
     ]
     lines.append(_tokenize_line(cfg, tokenize) if not sources else "tokenize     each source on its own (below)")
@@ -105,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     lines.append(f"optimizer    {_optimizer(cfg)['title']}; optimizer state {_optimizer(cfg)['state']}")
     lines.append(f"lr           {cfg.scheduler.name}: " + ", ".join(f"step {step + 1}: {lr:.3g}" for step, lr in curve))
     lines.append(
-        f"memory       {row.label} on {math_.world} device(s): {gib(row.total_bytes)} GiB per device "
+        f"memory       {row.label} on {cfg.launch.num_processes} device(s): {gib(row.total_bytes)} GiB per device "
         f"(params {gib(row.params_bytes)}, grads {gib(row.grads_bytes)}, optim {gib(row.optimizer_bytes)}, "
         f"master {gib(row.master_weights_bytes)}, activations {gib(row.activations_bytes)}, "
         f"buffers {gib(row.buffers_bytes)})" + (f" + {gib(row.host_bytes)} GiB host RAM" if row.host_bytes else ""))

@@ -56,6 +56,23 @@ def _load(args):
     return resolved, False
 
 
+def check_model_layout(cfg) -> None:
+    """The model's heads and tensor-parallel plan against parallel.tp_size / sp_size, read
+    from its config alone (no weights), and what the loop does not do (sequence parallel),
+    before any process starts."""
+    from overdrive.errors import UserError
+    from overdrive.strategies import layout
+
+    lay = layout.layout(cfg)
+    if lay.tp == 1 and lay.sp == 1:
+        return
+    from overdrive.memory.model_shape import hf_config_for_run
+
+    found = layout.loop_problems(cfg) + layout.model_problems(cfg, hf_config_for_run(cfg))
+    if found:
+        raise UserError(found)
+
+
 def run(args: argparse.Namespace) -> int:
     resolved, in_worker = _load(args)
     cfg = resolved.config
@@ -81,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         writable_target(cfg.output_dir, "output_dir", directory=True)
         check_for_train(resolved)
         _check_fine_tuning(cfg)
+        check_model_layout(cfg)
     force = getattr(args, "force", False)
     if not in_worker:
         from overdrive.launch.process import needs_launcher

@@ -36,10 +36,16 @@ def _get(config: Any, section: str, name: str) -> Any:
 
 
 def data_parallel_degree(config: Any) -> int:
-    """Processes that each take different samples. Today every process is one data-parallel
-    replica; an N-D layout (tensor, context, sequence parallel) makes it
-    world / (tp x cp x sp). This is the one place that says so."""
-    return int(_get(config, "launch", "num_processes"))
+    """Processes that each take different samples: world / (tp x cp x sp). The ranks of one
+    tensor, context or sequence parallel group share a batch (strategies/layout.py lays the
+    axes out; a checkpoint's config from before the axes existed has none). This is the one
+    place that says so."""
+    sizes = [(config.get("parallel") or {}).get(key) if isinstance(config, Mapping) else _get(config, "parallel", key)
+             for key in ("tp_size", "cp_size", "sp_size")]
+    model_parallel = 1
+    for size in sizes:
+        model_parallel *= int(size or 1)
+    return max(int(_get(config, "launch", "num_processes")) // model_parallel, 1)
 
 
 @dataclass(frozen=True)

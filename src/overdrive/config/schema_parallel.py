@@ -1,4 +1,5 @@
-"""`parallel.*`: how the work is split across processes (DDP, DeepSpeed ZeRO, FSDP2)."""
+"""`parallel.*`: how the work is split across processes (DDP, DeepSpeed ZeRO, FSDP2), and the
+N-D layout Accelerate's ParallelismConfig composes on top (HSDP, tensor, context, sequence)."""
 
 from __future__ import annotations
 
@@ -101,3 +102,27 @@ class ParallelConfig(Section):
     ddp: DdpConfig = Field(default_factory=DdpConfig, description="DDP settings.")
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig, description="DeepSpeed settings.")
     fsdp: FsdpConfig = Field(default_factory=FsdpConfig, description="FSDP settings.")
+    dp_replicate_size: int = Field(
+        1, ge=1, description="Data-parallel replicas. With fsdp and dp_shard_size > 1: HSDP (shard within a "
+        "replica, all-reduce across replicas; set it to the number of machines).")
+    dp_shard_size: Optional[int] = Field(
+        None, ge=1, description="Ranks the fsdp strategy shards the model over. Empty: the rest of the world, "
+        "num_processes / (dp_replicate_size x tp_size x cp_size x sp_size).")
+    tp_size: int = Field(
+        1, ge=1, description="Tensor parallel degree (Transformers' tensor-parallel plan of the model; heads and KV "
+        "heads must divide by it). Its ranks see the same batch.")
+    cp_size: int = Field(
+        1, ge=1, description="Context parallel degree (torch ring attention over the sequence; needs fsdp and CUDA). "
+        "data.max_length must divide by 2 x cp_size.")
+    cp_comm_strategy: Literal["allgather", "alltoall"] = Field(
+        "allgather", description="How context-parallel ranks exchange keys and values (Accelerate's cp_comm_strategy).")
+    sp_size: int = Field(
+        1, ge=1, description="Sequence parallel degree (DeepSpeed Ulysses/ALST; needs deepspeed and CUDA). "
+        "Attention heads and data.max_length must divide by it.")
+    sp_seq_length_is_variable: bool = Field(
+        True, description="Sequence parallel: batches may differ in length (False: every batch is sp_seq_length long).")
+    sp_seq_length: Optional[int] = Field(
+        None, ge=1, description="Sequence parallel: the fixed sequence length when sp_seq_length_is_variable is false. "
+        "Empty: data.max_length.")
+    sp_attn_implementation: Literal["sdpa", "flash_attention_2", "flash_attention_3"] = Field(
+        "sdpa", description="Sequence parallel: the attention kernel DeepSpeed's Ulysses wraps.")

@@ -142,9 +142,19 @@ def deepspeed_dict_problems(cfg: RunConfig) -> list[Problem]:
     return found
 
 
+def layout_rules(cfg: RunConfig, chains: Chains) -> list[Problem]:
+    """The N-D layout's rules (strategies/layout.py), each pointing at where its key was set."""
+    from dataclasses import replace
+
+    from overdrive.strategies import layout
+
+    return [replace(p, where=p.where or _where(chains, p.key)) for p in layout.problems(cfg)]
+
+
 def check(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]:
     """(errors, warnings) for a validated config."""
-    errors = batch.problems(cfg, chains) + deepspeed_contradictions(chains) + deepspeed_dict_problems(cfg)
+    errors = (batch.problems(cfg, chains) + deepspeed_contradictions(chains) + deepspeed_dict_problems(cfg)
+              + layout_rules(cfg, chains))
     strategy_errors, warnings = strategy_rules(cfg, chains)
     sweep_errors, sweep_warnings = sweep_rules(cfg, chains)
     errors += strategy_errors + launch_rules(cfg, chains) + sweep_errors

@@ -31,6 +31,7 @@ from overdrive.interop.tables import (
     ZERO_KEYS,
 )
 from overdrive.interop.deepspeed_reading import map_deepspeed
+from overdrive.interop.parallelism_reading import map_parallelism, map_parallelism_env
 from overdrive.interop.deepspeed_schema import check as check_deepspeed
 from overdrive.config.keys import coerce
 from overdrive.config.provenance import LayerOutput, Origin, Setting
@@ -122,7 +123,7 @@ def _as_int(value: Any) -> int | None:
 
 
 # Accelerate sections that must be mappings when present: anything else is refused first.
-_SECTIONS = ("deepspeed_config", "fsdp_config", "dynamo_config", "fp8_config", "mpirun_config")
+_SECTIONS = ("deepspeed_config", "fsdp_config", "dynamo_config", "fp8_config", "mpirun_config", "parallelism_config")
 
 
 def map_accelerate(data: Mapping[str, Any], c: _Collector, base_dir: Path, layer: str) -> None:
@@ -218,9 +219,9 @@ def _map_refusals(data: Mapping[str, Any], c: _Collector, dist: str) -> None:
                 "remove mpirun_config and set launch.num_machines / launch.main_process_ip; run `overdrive train` on each machine")
     if data.get("megatron_lm_config"):
         c.error(("megatron_lm_config",), "Megatron-LM is not run by overdrive", "remove the section")
-    if data.get("parallelism_config"):
-        c.error(("parallelism_config",), "tensor/context parallelism is not run by overdrive yet",
-                "remove the section; use parallel.strategy fsdp or deepspeed")
+    block = data.get("parallelism_config")
+    if block:
+        map_parallelism(block, c)
     for key in TPU_ONLY_KEYS:
         if data.get(key):
             c.warn((key,), "ignored: used only by `accelerate tpu-config`")
@@ -377,6 +378,7 @@ def map_accelerate_env(environ: Mapping[str, str]):
         return f"env {names.get(path) or names.get(path[:1], '')}"
 
     c = _Collector(origin_for, where)
+    map_parallelism_env(environ, c, names)
     if _truthy(environ.get("ACCELERATE_USE_DEEPSPEED", "")) and _truthy(environ.get("ACCELERATE_USE_FSDP", "")):
         c.out.errors.append(Problem("parallel.strategy", "FSDP and DeepSpeed are both chosen",
                                     "env ACCELERATE_USE_DEEPSPEED, ACCELERATE_USE_FSDP", "unset one of the two variables"))

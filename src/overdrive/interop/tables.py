@@ -139,3 +139,22 @@ DEEPSPEED_MARKERS = {
     "zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size", "bf16", "bfloat16",
     "optimizer", "scheduler", "gradient_clipping", "steps_per_print", "wall_clock_breakdown",
 }
+
+# parallelism_config keys in an Accelerate YAML (accelerate/commands/config/cluster.py writes
+# them; `accelerate launch` turns each into a PARALLELISM_CONFIG_* variable).
+PARALLELISM_PREFIX = "parallelism_config_"
+PARALLELISM_KEYS = {
+    "parallelism_config_dp_replicate_size": "parallel.dp_replicate_size",
+    "parallelism_config_dp_shard_size": "parallel.dp_shard_size",
+    "parallelism_config_tp_size": "parallel.tp_size",
+    "parallelism_config_cp_size": "parallel.cp_size",
+    "parallelism_config_cp_comm_strategy": "parallel.cp_comm_strategy",
+    "parallelism_config_sp_size": "parallel.sp_size",
+    "parallelism_config_sp_seq_length": "parallel.sp_seq_length",
+    "parallelism_config_sp_seq_length_is_variable": "parallel.sp_seq_length_is_variable",
+    "parallelism_config_sp_attn_implementation": "parallel.sp_attn_implementation",
+    # The one backend Accelerate 1.15 has for each: checked, nothing to set.
+    "parallelism_config_cp_backend": None,
+    "parallelism_config_sp_backend": None,
+}
+PARALLELISM_BACKENDS = {"parallelism_config_cp_backend": "torch", "parallelism_config_sp_backend": "deepspeed"}

@@ -116,6 +116,9 @@ def accelerate_config(cfg: RunConfig, deepspeed_file: Optional[str] = None) -> d
             }
     if dist == "FSDP":
         out["fsdp_config"] = _fsdp_section(cfg)
+    parallelism = parallelism_section(cfg)
+    if parallelism:
+        out["parallelism_config"] = parallelism
     if cfg.compile.backend:
         c = cfg.compile
         out["dynamo_config"] = {"dynamo_backend": c.backend.upper(), "dynamo_mode": c.mode or "default",
@@ -151,6 +154,25 @@ def _fsdp_section(cfg: RunConfig) -> dict[str, Any]:
     return section
 
 
+def parallelism_section(cfg: RunConfig) -> dict[str, Any]:
+    """The `parallelism_config:` block for the run's N-D layout (empty without one): the sizes
+    and handler options Accelerate's launcher turns into PARALLELISM_CONFIG_* variables."""
+    from overdrive.strategies import layout
+
+    kwargs = layout.parallelism_kwargs(cfg)
+    if kwargs is None:
+        return {}
+    section = {f"parallelism_config_{name}": kwargs[name] for name in
+               ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")}
+    if kwargs["cp_size"] > 1:
+        section.update(parallelism_config_cp_backend="torch",
+                       parallelism_config_cp_comm_strategy=kwargs["cp_handler"]["cp_comm_strategy"])
+    if kwargs["sp_size"] > 1:
+        section["parallelism_config_sp_backend"] = "deepspeed"
+        section.update({f"parallelism_config_{k}": v for k, v in kwargs["sp_handler"].items()})
+    return section
+
+
 # `accelerate launch` options that are switches: present when true, absent when false.
 _SWITCHES = {"debug", "enable_cpu_affinity", "same_network", "dynamo_use_fullgraph", "dynamo_use_dynamic",
              "dynamo_use_regional_compilation"}
@@ -167,6 +189,11 @@ def accelerate_flags(cfg: RunConfig, deepspeed_file: Optional[str] = None) -> li
     items = {k: v for k, v in config.items() if not isinstance(v, dict)}
     for section in ("deepspeed_config", "fsdp_config", "dynamo_config"):
         items.update(config.get(section, {}))
+    if config.get("parallelism_config") and dist == "FSDP":
+        # `accelerate launch` takes --use_parallelism_config with --use_fsdp only (its
+        # _validate_launch_command); other types carry the block in the YAML alone.
+        flags.append("--use_parallelism_config")
+        items.update(config["parallelism_config"])
     if cfg.launch.threads_per_process:
         items["num_cpu_threads_per_process"] = cfg.launch.threads_per_process
     for key, value in items.items():

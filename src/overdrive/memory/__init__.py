@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from overdrive.memory.activations import Activations, estimate_activations
 from overdrive.memory.adapter import model_state_row as adapter_row
 from overdrive.memory.formulas import STRATEGIES, Row, model_state_row, uses_autocast, zero_paper_bytes
-from overdrive.memory.shape import ModelShape, Setup
+from overdrive.memory.shape import ModelShape, Setup, tp_slice
 
 __all__ = ["Estimate", "ModelShape", "OOM_MARKS", "Row", "STRATEGIES", "Setup", "estimate", "estimate_row",
            "mentions_out_of_memory", "zero_paper_bytes"]
@@ -48,11 +48,12 @@ class Estimate:
 
 
 def estimate_row(strategy: str, shape: ModelShape, setup: Setup) -> Row:
-    """Model states, buffers and activations of one strategy."""
+    """Model states, buffers and activations of one strategy (of one tensor-parallel slice)."""
+    sliced = tp_slice(shape, setup.tp)
     if setup.adapter is None:
-        row = model_state_row(strategy, shape, setup)
+        row = model_state_row(strategy, sliced, setup)
     else:  # LoRA/QLoRA: gradients and optimizer states for the adapter only (adapter.py)
-        row = adapter_row(strategy, shape, setup, setup.adapter)
+        row = adapter_row(strategy, sliced, setup, setup.adapter)
     act: Activations = estimate_activations(shape, setup, uses_autocast(strategy, setup))
     row.activations_full_bytes = act.peak
     row.activations_checkpointed_bytes = act.peak_checkpointed

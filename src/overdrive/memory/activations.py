@@ -133,25 +133,30 @@ def _norm(shape: ModelShape, d: Dtypes) -> int:
 
 
 def layer_bytes_per_token(shape: ModelShape, setup: Setup, d: Dtypes, kernel: AttentionKernel) -> float:
-    """One layer's saved bytes per token (per sample position)."""
-    h, a, f, s = shape.hidden, shape.heads, shape.intermediate, setup.seq_len
-    kv = shape.kv_heads * shape.head_dim
+    """One layer's saved bytes per token (per sample position).
+
+    Tensor parallel (Korthikanti et al. sec. 4.2.1, without their sequence parallelism): each tp
+    rank keeps its heads' Q, K, V, attention output and scores and its slice of the MLP (the
+    24/t of their 10 + 24/t); norm inputs, the projections' inputs and dropout masks stay whole."""
+    t = setup.tp
+    h, a, f, s = shape.hidden, shape.heads // t, shape.intermediate // t, setup.local_seq_len
+    kv = shape.kv_heads // t * shape.head_dim
     total = 0.0
     # --- attention block
     total += _norm(shape, d)
     total += d.e * h  # input of the Q/K/V projections
     if kernel == "flash":
-        total += d.e * (h + 2 * kv)  # Q, K, V
+        total += d.e * (h // t + 2 * kv)  # Q, K, V
         # Output (also the output projection's input: merging heads is a view of the
         # kernel's (b, s, heads, d) layout) and the fp32 log-sum-exp per head.
-        total += d.e * h + 4 * a
+        total += d.e * h // t + 4 * a
     else:
-        kv_kept = h if kernel == "eager" else kv  # eager attention repeats K/V heads (repeat_kv)
-        total += d.e * (h + 2 * kv_kept)
+        kv_kept = h // t if kernel == "eager" else kv  # eager attention repeats K/V heads (repeat_kv)
+        total += d.e * (h // t + 2 * kv_kept)
         total += d.e * a * s  # softmax output
         if shape.attn_dropout > 0:
             total += (d.mask + d.e) * a * s  # its dropout mask and output
-        total += d.e * h  # output projection input (heads merged: a copy)
+        total += d.e * h // t  # output projection input (heads merged: a copy)
     if shape.resid_dropout > 0:
         total += d.mask * h
     # --- MLP block
@@ -167,7 +172,7 @@ def layer_bytes_per_token(shape: ModelShape, setup: Setup, d: Dtypes, kernel: At
 def estimate_activations(shape: ModelShape, setup: Setup, autocast: bool) -> Activations:
     d = Dtypes.of(setup, autocast)
     kernel = attention_kernel(shape, setup)
-    tokens = setup.micro_batch * setup.seq_len
+    tokens = setup.micro_batch * setup.local_seq_len  # context / sequence parallel split the sequence
     h, v = shape.hidden, shape.vocab
     embeddings = tokens * (d.mask * h if shape.embd_dropout > 0 else 0)
     if shape.learned_positions:

@@ -36,6 +36,12 @@ The optimizer's state is the run's optimizer's (`Setup.optimizer_state_bytes`, f
 training/optimizer_catalog.py): Adam's 8 bytes per parameter by default, SGD 4 (0 without
 momentum), Lion 4, 8-bit AdamW 2, Adafactor its row and column vectors, Muon 4 on the hidden
 matrices and AdamW's 8 on the rest.
+N-D layouts: with tensor parallel each rank holds its slice of every tensor the model's plan
+splits (shape.tp_slice), and the strategies above shard that slice over `Setup.shard_ranks`
+(FSDP2: dp_shard x cp; HSDP's replicas hold copies). For mixed-precision Adam this is the
+ZeRO paper's 16*Psi / N with N = tp x shard ranks, the Megatron-LM + ZeRO composition
+(Rajbhandari et al. 2020, sec. 8; Narayanan et al. 2021, "Efficient Large-Scale Language
+Model Training on GPU Clusters Using Megatron-LM").
 """
 
 from __future__ import annotations
@@ -114,7 +120,7 @@ def _flat_numel(shape: ModelShape, devices: int) -> int:
 def _zero3_numel(shape: ModelShape, setup: Setup) -> tuple[int, int]:
     """(partition elements on this rank, elements of persistent parameters kept whole)."""
     _, _, persist = setup.buckets(shape.hidden)
-    part = sum(zero3_partition_numel(s, setup.devices) for s in shape.param_shapes)
+    part = sum(zero3_partition_numel(s, setup.shard_ranks) for s in shape.param_shapes)
     whole = sum(numel(s) for s in shape.param_shapes if numel(s) <= persist)
     return part, whole
 
@@ -141,7 +147,7 @@ def ddp(shape: ModelShape, setup: Setup) -> Row:
 
 
 def zero12(shape: ModelShape, setup: Setup, stage: int, offload: bool = False) -> Row:
-    n, e = setup.devices, setup.half_bytes
+    n, e = setup.shard_ranks, setup.half_bytes
     flat = _flat_numel(shape, n)
     part = flat // n
     name = f"zero{stage}" + ("_offload" if offload else "")
@@ -190,7 +196,7 @@ def zero12(shape: ModelShape, setup: Setup, stage: int, offload: bool = False) -
 
 
 def zero3(shape: ModelShape, setup: Setup, offload_optimizer: bool = False, offload_param: bool = False) -> Row:
-    n, e = setup.devices, setup.half_bytes
+    n, e = setup.shard_ranks, setup.half_bytes
     part, whole = _zero3_numel(shape, setup)
     name = "zero3" + ("_offload" if offload_param else "_offload_optimizer" if offload_optimizer else "")
     label = "ZeRO-3" + (" + offload params & optimizer" if offload_param else
@@ -224,7 +230,7 @@ def zero3(shape: ModelShape, setup: Setup, offload_optimizer: bool = False, offl
 
 
 def fsdp2(shape: ModelShape, setup: Setup, offload: bool = False) -> Row:
-    n = setup.devices
+    n = setup.shard_ranks  # HSDP: dp_shard x cp, not the replicas
     shard = sum(fsdp2_shard_numel(s, n) for s in shape.param_shapes)
     row = Row("fsdp2_offload" if offload else "fsdp2", "FSDP2" + (" + offload" if offload else ""))
     target = "host" if offload else None

@@ -154,6 +154,30 @@ def _blocks(model) -> list:
     return best
 
 
+# Transformers' tensor-parallel styles -> the dimension of a weight they split (bias: dim 0 for
+# column-wise, whole for row-wise). transformers/distributed/tensor_parallel.py.
+_SPLIT_DIM = {"colwise": 0, "colwise_rep": 0, "colwise_gather_output": 0, "packed_colwise": 0,
+              "rowwise": -1, "rowwise_rep": -1, "rowwise_split_input": -1, "packed_rowwise": -1,
+              "embedding_rowwise": 0, "embedding_colwise": 1}
+
+
+def _tp_splits(model) -> dict[int, int]:
+    """id(parameter) -> the dimension the model's tensor-parallel plan splits it along."""
+    import re
+
+    plan = getattr(model, "tp_plan", None) or {}
+    rules = [(re.compile(re.escape(pattern).replace(r"\*", r"\d+") + r"$"), style) for pattern, style in plan.items()]
+    found = {}
+    for name, param in model.named_parameters():
+        module, _, kind = name.rpartition(".")
+        style = next((style for rule, style in rules if rule.match(module)), None)
+        dim = _SPLIT_DIM.get(style or "")
+        if dim is None or (kind == "bias" and dim != 0):
+            continue
+        found[id(param)] = dim if dim >= 0 else param.dim() - 1
+    return found
+
+
 def shape_of_model(model, name: str) -> ModelShape:
     import torch
 
@@ -175,6 +199,7 @@ def shape_of_model(model, name: str) -> ModelShape:
     if output is not None and not isinstance(output, torch.nn.Linear):
         autocast_params += sum(p.numel() for p in output.parameters())
     norm = "rmsnorm" if any("RMSNorm" in type(m).__name__ for m in model.modules()) else "layernorm"
+    splits = _tp_splits(model)
     hidden = int(_first(config, "hidden_size", "n_embd", "d_model"))
     heads = int(_first(config, "num_attention_heads", "n_head"))
     activation = _first(config, "hidden_act", "activation_function", default="gelu")
@@ -204,6 +229,8 @@ def shape_of_model(model, name: str) -> ModelShape:
         rotary=any(n.endswith("rotary_emb") for n, _ in model.named_modules()),
         learned_positions=any(isinstance(m, torch.nn.Embedding) and n.endswith(("wpe", "position_embeddings"))
                               for n, m in model.named_modules()),
+        tp_split=tuple(splits.get(id(p), -1) for p in params) if splits else (),
+        block_tp_split_params=sum(p.numel() for p in blocks[0].parameters() if id(p) in splits) if blocks and splits else 0,
     )
 
 

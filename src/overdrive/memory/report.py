@@ -65,6 +65,7 @@ def to_json(est: Estimate, cap: Optional[Capacity] = None, best: Optional[Row] =
         "seq_len": s.seq_len,
         "activation_checkpointing": s.checkpointing,
         "target": s.target,
+        "layout": {"dp_replicate": s.dp_replicate, "tp": s.tp, "cp": s.cp, "sp": s.sp, "shard_ranks": s.shard_ranks},
         "rows": [row.to_dict() for row in est.rows],
         "cheapest_fitting": best.strategy if best else None,
     }
@@ -96,7 +97,7 @@ def render(est: Estimate, cap: Capacity, best: Optional[Row], headroom: float = 
     from overdrive.console import print_table
 
     s, shape = est.setup, est.shape
-    title = (f"{shape.name}: {shape.params / 1e9:.3g}B parameters, {s.devices} device(s), precision {s.precision}, "
+    title = (f"{shape.name}: {shape.params / 1e9:.3g}B parameters, {s.devices} device(s){_layout(s)}, precision {s.precision}, "
              f"micro-batch {s.micro_batch} x {s.seq_len} tokens — GiB per device")
     headers, rows = table_rows(est)
     print_table(headers, rows, title=title, file=file)
@@ -109,6 +110,12 @@ def render(est: Estimate, cap: Capacity, best: Optional[Row], headroom: float = 
         "nothing fits: add devices, lower the micro-batch or sequence length, or turn on checkpointing.",
     ]
     print("\n".join(lines), file=file)
+
+
+def _layout(s) -> str:
+    axes = [f"{name} {size}" for name, size in (("dp_replicate", s.dp_replicate), ("tp", s.tp), ("cp", s.cp),
+                                                 ("sp", s.sp)) if size > 1]
+    return f" ({' x '.join(axes)}, model states sharded over {s.shard_ranks})" if axes else ""
 
 
 def _kernel(est: Estimate) -> str:

@@ -56,6 +56,11 @@ class ModelShape:
     attn_implementation: Optional[str] = None
     learned_positions: bool = False
     rotary: bool = False
+    tp_split: tuple[int, ...] = ()
+    """Per entry of `param_shapes`, the dimension the model's tensor-parallel plan splits it along
+    (-1: kept whole on every tp rank). Empty: the model has no plan."""
+    block_tp_split_params: int = 0
+    """Parameters of one block that the tensor-parallel plan splits."""
 
     @property
     def head_dim(self) -> int:
@@ -89,6 +94,11 @@ class Setup:
     # The optimizer (optim.name; training/optimizer_catalog.py knows its state) and SGD's momentum.
     optimizer: str = "adamw"
     momentum: Optional[float] = None
+    # The N-D layout (strategies/layout.py): devices = dp_replicate x dp_shard x tp x cp x sp.
+    tp: int = 1
+    cp: int = 1
+    sp: int = 1
+    dp_replicate: int = 1
     extra_notes: tuple[str, ...] = field(default_factory=tuple)
     adapter: Optional[Any] = None
     """An adapter run (memory/adapter.AdapterShape): frozen base, trained adapter."""
@@ -101,6 +111,18 @@ class Setup:
     def half_bytes(self) -> int:
         """Bytes of a "16-bit" value in this run: 2 with mixed precision, 4 in plain fp32."""
         return 2 if self.mixed else 4
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks that split the model states of one tensor-parallel slice: FSDP2 shards over
+        dp_shard x cp (Accelerate's dp_shard_cp mesh), ZeRO over every data-parallel rank
+        (Ulysses' sequence ranks included); replicas (dp_replicate) hold copies."""
+        return max(self.devices // (self.dp_replicate * self.tp), 1)
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of a sample on one rank: context and sequence parallel split the sequence."""
+        return max(self.seq_len // (self.cp * self.sp), 1)
 
     def buckets(self, hidden: int) -> tuple[int, int, int]:
         """(reduce, prefetch, persistence) in elements, with the "auto" rules applied."""
@@ -173,9 +195,36 @@ def setup_for_run(cfg, target: Target = "cuda", **changes) -> Setup:
         reshard_after_forward=cfg.parallel.fsdp.reshard_after_forward,
         optimizer=optimizer_catalog.of(cfg).name,
         momentum=cfg.optim.momentum,
+        **_layout_of(cfg, changes.get("devices")),
     )
     values.update({k: v for k, v in changes.items() if v is not None})
     return Setup(**values)
+
+
+def _layout_of(cfg, devices: Optional[int]) -> dict:
+    from overdrive.strategies import layout
+
+    lay = layout.layout(cfg, devices)
+    return dict(tp=lay.tp, cp=lay.cp, sp=lay.sp, dp_replicate=lay.dp_replicate)
+
+
+def tp_slice(shape: ModelShape, tp: int) -> ModelShape:
+    """What one tensor-parallel rank holds of `shape`: every tensor the plan splits, divided
+    along its split dimension (rounded up, as Transformers' uneven shards are)."""
+    if tp == 1 or not shape.tp_split:
+        return shape
+    import dataclasses
+
+    sliced = tuple(s if d < 0 else tuple(-(-n // tp) if i == d % len(s) else n for i, n in enumerate(s))
+                   for s, d in zip(shape.param_shapes, shape.tp_split))
+    params = sum(numel(s) for s in sliced)
+    removed = shape.params - params
+    block = shape.block_params - shape.block_tp_split_params + -(-shape.block_tp_split_params // tp)
+    return dataclasses.replace(
+        shape, params=params, param_shapes=sliced, block_params=block,
+        root_params=max(params - shape.layers * block, 0),
+        largest_module_params=-(-shape.largest_module_params // tp),
+        autocast_params=max(shape.autocast_params - removed, 0))
 
 
 def strategy_of_run(cfg) -> str:

@@ -8,6 +8,8 @@ so nothing is read from `ACCELERATE_*` environment variables behind the user's b
     deepspeed.py  ZeRO 0-3, offload, the DeepSpeed config dict and its "auto" values
     fsdp.py       FSDP2 (fully_shard)
     compile.py    torch.compile through Accelerate's dynamo plugin
+    layout.py     the N-D layout (HSDP, TP, CP, SP): sizes, rules, Accelerate's ParallelismConfig
+    tensor_parallel.py  the model split by Transformers' tensor-parallel plan on Accelerate's mesh
     cpu.py        what it takes to run each of them on CPU processes over gloo
 """
 
@@ -29,7 +31,15 @@ def accelerator_kwargs(cfg: RunConfig, world_size: int = 1, gpus: int | None = N
         from overdrive.strategies import fsdp as module
     else:
         from overdrive.strategies import ddp as module
-    return module.accelerator_kwargs(cfg, world_size, gpus)
+    from overdrive.strategies import cpu, layout
+
+    kwargs = module.accelerator_kwargs(cfg, world_size, gpus)
+    if not cpu.on_cpu(cfg, gpus):
+        # On CPU Accelerate refuses a ParallelismConfig (MULTI_CPU): cpu.py attaches it after construction.
+        parallelism = layout.parallelism_config(cfg, world_size)
+        if parallelism is not None:
+            kwargs["parallelism_config"] = parallelism
+    return kwargs
 
 
 def shards_parameters(cfg: RunConfig) -> bool:
@@ -61,9 +71,9 @@ def problems(cfg: RunConfig, world_size: int | None = None, gpus: int | None = N
     entry against the run config). Cheap: builds no plugin and imports no deepspeed.
     """
     from overdrive.config.batch import data_parallel_degree
-    from overdrive.strategies import cpu
+    from overdrive.strategies import cpu, layout
 
-    found = cpu.problems(cfg, gpus)
+    found = layout.problems(cfg) + cpu.problems(cfg, gpus)
     if registry.of(cfg).deepspeed_config:
         from overdrive.interop.deepspeed_config import ds_config
 
@@ -107,11 +117,20 @@ def construct_accelerator(cfg: RunConfig, world_size: int | None = None, **extra
     #    zero3_init must stop Transformers from building models pre-partitioned.
     if cpu.needs_fsdp_promotion(cfg):
         cpu.promote_to_fsdp(accelerator, kwargs["fsdp_plugin"])
+    if cpu.on_cpu(cfg):
+        cpu.attach_parallelism(accelerator, cfg, world)
     if cfg.parallel.strategy == "deepspeed":
         from overdrive.strategies import deepspeed
 
         deepspeed.after_construction(accelerator, cfg)
     return accelerator
+
+
+def split_model(model: Any, accelerator: Any, cfg: RunConfig) -> Any:
+    """The model split by its tensor-parallel plan when the layout has tp_size > 1 (before prepare)."""
+    from overdrive.strategies import tensor_parallel
+
+    return tensor_parallel.split_model(model, accelerator, cfg)
 
 
 def shard_fraction(model: Any) -> float:

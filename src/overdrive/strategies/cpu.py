@@ -18,6 +18,16 @@ FSDP2
     FSDP and hand it the plugin before `prepare()`; prepare then calls `fully_shard` on the
     gloo process group. FSDP1 does not run on CPU (it asks for device `cpu:0`).
 
+N-D layouts (strategies/layout.py)
+    Accelerate refuses a ParallelismConfig on MULTI_CPU (`_validate_accelerator` accepts FSDP2,
+    DeepSpeed and the multi-GPU types only). So it is attached after construction, as
+    Accelerate itself would on a GPU: the config and its device mesh (built for "cpu", over
+    gloo) go into the accelerator's state, then Accelerate's own check runs where it accepts
+    the type (FSDP, after the promotion above). TP, HSDP and FSDP2 x TP then run over gloo.
+    Context parallel does not: torch's ring attention has no sharding rule for the CPU
+    attention kernel (aten._scaled_dot_product_flash_attention_for_cpu, torch 2.13).
+    Sequence parallel is DeepSpeed's Ulysses over its CUDA attention kernels: a GPU path.
+
 "No GPU" means `launch.use_cpu` is set or the machine the job runs on has none. Where the
 job runs elsewhere (a script written on a login node), the caller says how many GPUs that
 machine has (`target_gpus`, from the config alone); otherwise torch is asked here.
@@ -113,6 +123,22 @@ def promote_to_fsdp(accelerator: Any, fsdp_plugin: Any) -> None:
     state.fsdp_plugin = fsdp_plugin
 
 
+def attach_parallelism(accelerator: Any, cfg: RunConfig, world: int) -> None:
+    """Give a CPU accelerator its ParallelismConfig and device mesh (see above). Before prepare()."""
+    from accelerate.utils import DistributedType
+
+    from overdrive.strategies import layout
+
+    parallelism = layout.parallelism_config(cfg, world)
+    if parallelism is None:
+        return
+    state = accelerator.state
+    state.parallelism_config = parallelism
+    state.device_mesh = parallelism.get_device_mesh("cpu")
+    if state.distributed_type == DistributedType.FSDP:
+        parallelism._validate_accelerator(accelerator)  # its world-size and FSDP checks, as on a GPU
+
+
 def problems(cfg: RunConfig, gpus: Optional[int] = None) -> list[Problem]:
     """What cannot run on CPU at all, named by key (empty when on a GPU). The one home of
     these rules; `gpus` as in `on_cpu` (a script for another machine passes `target_gpus`)."""
@@ -126,6 +152,14 @@ def problems(cfg: RunConfig, gpus: Optional[int] = None) -> list[Problem]:
         why = "launch.use_cpu is set" if cfg.launch.use_cpu else "there is no CUDA GPU"
         found.append(Problem("launch.backend", f"nccl needs CUDA GPUs ({why})",
                              fix="use launch.backend=auto (gloo on CPU); for a GPU cluster set launch.gpus_per_machine"))
+    if cfg.parallel.cp_size > 1:
+        found.append(Problem("parallel.cp_size", "context parallel does not run on CPU: torch's ring attention has no "
+                             "CPU kernel (no sharding rule for aten._scaled_dot_product_flash_attention_for_cpu)",
+                             fix="run it on CUDA GPUs (set launch.gpus_per_machine for a cluster script), or "
+                                 "set parallel.cp_size=1 here"))
+    if cfg.parallel.sp_size > 1:
+        found.append(Problem("parallel.sp_size", "sequence parallel (DeepSpeed Ulysses/ALST) is a GPU path: it is not "
+                             "run on CPU processes", fix="run it on CUDA GPUs, or set parallel.sp_size=1 here"))
     if cfg.parallel.strategy == "deepspeed" and cfg.precision.mixed_precision == "fp16":
         found.append(Problem("precision.mixed_precision", "DeepSpeed's CPU accelerator has no fp16 training",
                              fix="use precision.mixed_precision=bf16 or no on CPU"))

@@ -31,7 +31,10 @@ def plugin(cfg: RunConfig) -> Any:
         state_dict_type=f.state_dict_type.upper(),
         activation_checkpointing=f.activation_checkpointing,
         activation_checkpointing_offload=False,
-        cpu_ram_efficient_loading=f.cpu_ram_efficient_loading,
+        # Rank 0's whole state dict broadcast into the shards: under tensor parallel the model
+        # is already split (every rank built it from the same seed), so there is nothing whole
+        # to broadcast, and Accelerate's loader would copy whole tensors into TP slices.
+        cpu_ram_efficient_loading=f.cpu_ram_efficient_loading and int(cfg.parallel.tp_size) == 1,
     )
     if not v2:
         # Options FSDP2 made obsolete; Accelerate warns if they are passed with version 2.

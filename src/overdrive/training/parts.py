@@ -10,6 +10,7 @@ from typing import Any, Optional
 import torch
 
 from overdrive import data as data_mod
+from overdrive import strategies
 import overdrive.config.batch as batch
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
@@ -73,6 +74,7 @@ def build_parts(cfg: RunConfig, accelerator) -> Parts:
     model = model_mod.build_model(cfg, vocab_size=len(tokenizer), label_names=tokens.label_names,
                                   special_tokens=special, device=adapter.load_device(cfg, accelerator.device))
     _check_positions(model.config, d.max_length)
+    model = strategies.split_model(model, accelerator, cfg)  # tensor parallel, when the layout has it
     layers, width = model_mod.shape_of(model.config)
     fpt = telemetry.flops_per_token(model_mod.flop_params(model), layers, width, d.max_length,
                                     frozen_params=model_mod.flop_params(model, frozen=True))

@@ -259,7 +259,13 @@ def build_space(cfg: RunConfig, facts: Facts, only: Optional[dict[str, list[str]
     base["checkpointing"] = on if cfg.model.gradient_checkpointing else off
 
     base["strategy"] = _baseline_strategy(cfg)
-    if world == 1:
+    from overdrive.strategies import layout
+
+    if layout.layout(cfg).is_nd:
+        # Each axis needs its strategy (strategies/layout.py): the layout is the user's choice, kept.
+        notes.append(f"strategy: kept, the layout ({layout.layout(cfg).describe()}) decides it")
+        names = []
+    elif world == 1:
         notes.append("strategy: one process, so plain data parallel (ZeRO and FSDP shard over processes)")
         names = ["ddp"]
     else:

@@ -48,6 +48,10 @@ def run_config(a: Answers) -> dict[str, Any]:
     section = _STRATEGY_SECTIONS.get(a.strategy)
     if section:
         parallel[a.strategy] = section(a)
+    if a.tp_size > 1:
+        parallel["tp_size"] = a.tp_size
+    if a.dp_replicate_size > 1:
+        parallel["dp_replicate_size"] = a.dp_replicate_size
     cfg["parallel"] = parallel
     if a.compile_backend:
         cfg["compile"] = {"backend": a.compile_backend}

@@ -153,6 +153,8 @@ class Answers:
     nvme_path: Optional[str] = None
     reshard_after_forward: bool = True
     fsdp_offload_params: bool = False
+    tp_size: int = 1
+    dp_replicate_size: int = 1
     compile_backend: Optional[str] = None
     accum: int = 1
     peft: str = "none"
@@ -249,10 +251,25 @@ def _ask_fsdp(a: Answers, ask: Callable[..., Any], tip: dict[str, Any]) -> None:
                                   yes_no, True, "yes: ZeRO-3-like, no: ZeRO-2-like, more memory")
     a.fsdp_offload_params = ask("fsdp_offload_params", "Offload parameters to the CPU?", yes_no,
                                 tip.get("fsdp_offload_params", False))
+    if a.num_processes > 1:  # the N-D layout (docs/parallelism.md); each must divide the processes
+        a.tp_size = ask("tp_size", "Tensor parallel degree?", _divisor(a.num_processes), 1,
+                        "1: none; splits each layer over this many processes of a machine (Llama-like models)")
+        a.dp_replicate_size = ask("dp_replicate_size", "HSDP replicas?", _divisor(a.num_processes // a.tp_size), 1,
+                                  "1: shard over every process; the number of machines keeps sharding within one")
 
 
 # The questions a strategy's own settings section asks (`parallel.<name>`), after the strategy.
 _STRATEGY_QUESTIONS = {registry.DEEPSPEED.name: _ask_deepspeed, registry.FSDP.name: _ask_fsdp}
+
+
+def _divisor(total: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = integer(1, total)(text)
+        if total % value:
+            raise ValueError(f"{value} does not divide {total} processes")
+        return value
+
+    return parse
 
 
 def _processes(num_machines: int) -> Callable[[str], int]:
