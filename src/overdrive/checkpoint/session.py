@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 
 from overdrive.checkpoint import fingerprint as fp
 from overdrive.checkpoint import reshard, store
+from overdrive.checkpoint.room import CheckpointRoom
 from overdrive.checkpoint.routes import Route
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
@@ -127,7 +128,7 @@ def plan_resume(cfg: RunConfig, force: bool = False) -> ResumePlan:
     plan = ResumePlan(cfg, force=force)
     if cfg.checkpoint.resume == "never":
         return plan
-    search = store.latest_complete(store.checkpoints_dir(cfg.output_dir), checksums=False)
+    search = store.latest_complete(store.checkpoints_dir(cfg.output_dir), checksums=False, put_aside=True)
     plan.notes += search.messages()
     if search.found is None:
         return plan
@@ -236,6 +237,9 @@ class Checkpointer:
         self.last_saved = -1
         # The schedule is stepped by the loop, not prepared: registering it puts it in save_state.
         accelerator.register_for_checkpointing(scheduler)
+        self.room = CheckpointRoom(cfg, self.root, accelerator._models, plan.checkpoint)
+        if self.main and cfg.checkpoint.enabled:
+            self.room.warn_early(say)
 
     def due(self, step: int, stopping: bool = False) -> bool:
         """Every `every_steps`, at the last step, and before the loop stops early."""
@@ -251,7 +255,8 @@ class Checkpointer:
 
         name = None
         if self.main:
-            search = store.latest_complete(self.root, checksums=True, at_most=store.step_of(self.plan.checkpoint))
+            search = store.latest_complete(self.root, checksums=True, at_most=store.step_of(self.plan.checkpoint),
+                                           put_aside=True)
             for message in search.messages():
                 self.say(f"checkpoint: {message}")
             name = search.found.path.name if search.found else None
@@ -337,25 +342,27 @@ class Checkpointer:
     # -------------------------------------------------------------- save
 
     def save(self, state: Any, pending_loss: Any, pending_micro_steps: int, extra: dict[str, Any]) -> Path:
-        """A complete checkpoint of this step, or none: see store.py for the order of writes."""
+        """A complete checkpoint of this step, or none: see store.py for the order of writes.
+        A part that fails on any rank stops every rank there, the partial save removed
+        (agreed.py); the previous checkpoints stay."""
         acc, step = self.acc, state.step
         tmp = store.temp_dir_for(self.root, step)
-        if self.main:
-            store.begin(self.root, step)
-        acc.wait_for_everyone()
-        with _quiet_tied_weights():
-            acc.save_state(str(tmp))
         losses = acc.gather(pending_loss.detach().float().reshape(1)).tolist()
-        if self.main:
-            self._write_trainer_state(tmp, state, losses, pending_micro_steps, extra)
-        acc.wait_for_everyone()  # every rank's files are written before the manifest lists them
+        parts = self.room.save_parts(acc, tmp, step)
+        parts.part(lambda: self.main and self.room.check_then_begin(step, self.say))
+        with _quiet_tied_weights():
+            parts.part(lambda: acc.save_state(str(tmp)))
+        # every rank's files are written (the part agreed) before the manifest lists them
+        parts.part(lambda: self.main and self._write_trainer_state(tmp, state, losses, pending_micro_steps, extra))
         final = self.root / store.name_for(step)
-        if self.main:
-            store.commit(tmp, step)
-            store.prune(self.root, self.cfg.checkpoint.keep_last, step, belongs=self._ours)
-        acc.wait_for_everyone()
+        parts.part(lambda: self.main and self._commit(tmp, step))
         self.last_saved = step
         return final
+
+    def _commit(self, tmp: Path, step: int) -> None:
+        final = store.commit(tmp, step)
+        store.prune(self.root, self.cfg.checkpoint.keep_last, step, belongs=self._ours)
+        self.room.measured(final)
 
     def _write_trainer_state(self, tmp: Path, state: Any, losses: list, micro_steps: int, extra: dict) -> None:
         from overdrive.config.redact import redact

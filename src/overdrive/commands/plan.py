@@ -113,8 +113,15 @@ def _tokenize_forecast(cfg):
 
     try:
         return estimate.forecast(cfg, build_tokenizer, lambda texts: train_bpe(texts, cfg.tokenizer.vocab_size))
-    except (UserError, OSError, ValueError) as error:  # the plan still stands without it
+    except UserError as error:
+        if any(p.key in _NAMES for p in error.problems):  # a tokenizer that cannot be read stops the run too
+            raise
         return estimate.Forecast(note=f"not measured: {error}")
+    except (OSError, ValueError) as error:  # the plan still stands without it
+        return estimate.Forecast(note=f"not measured: {error}")
+
+
+_NAMES = ("model.name_or_path", "model.revision", "tokenizer.name_or_path")
 
 
 def _data_size(cfg, tokenize):

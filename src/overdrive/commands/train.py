@@ -63,6 +63,15 @@ def run(args: argparse.Namespace) -> int:
         from overdrive.launch.lines import print_launch
 
         return print_launch(resolved)
+    from overdrive.storage import faults
+
+    # A write fault without a path of its own (a tracker's thread) is told against these.
+    with faults.places(**{"output_dir": cfg.output_dir, "data.cache_dir": cfg.data.cache_dir}):
+        return _run(args, resolved, in_worker)
+
+
+def _run(args: argparse.Namespace, resolved, in_worker: bool) -> int:
+    cfg = resolved.config
     if not in_worker:
         from overdrive.launch.process import hide_gpus_for_cpu_runs
 
@@ -73,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
         from overdrive.errors import writable_target
 
         writable_target(cfg.output_dir, "output_dir", directory=True)
+        from overdrive.storage import lock
+
+        lock.hold(cfg.output_dir, cfg.launch.machine_rank)  # one run per output_dir; the workers run under it
         check_for_train(resolved)
     force = getattr(args, "force", False)
     if not in_worker:

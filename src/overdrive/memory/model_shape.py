@@ -89,8 +89,13 @@ def _resolve_source(spec: str, cli: list[str]) -> Source:
         return Source(_config_from_json(path), spec)
     from transformers import AutoConfig
 
+    from overdrive import hub
+
     try:
-        config = AutoConfig.from_pretrained(spec)
+        with hub.reading("MODEL", spec):
+            config = AutoConfig.from_pretrained(spec)
+    except UserError:
+        raise
     except Exception as error:
         raise UserError(Problem("", f"{spec!r} is neither a local path nor a hub model whose config could be read "
                                     f"({type(error).__name__})",

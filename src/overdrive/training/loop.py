@@ -30,6 +30,7 @@ from overdrive.training.evaluation import evaluate
 from overdrive.config.redact import redact
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
+from overdrive.storage import atomic, faults
 from overdrive.strategies import registry
 from overdrive.training.optimization import make_optimizer, make_scheduler
 from overdrive.training.tokenizer import build_tokenizer
@@ -187,7 +188,7 @@ def train(run, force: bool = False) -> TrainResult:
     main = accelerator.is_main_process
     if main:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "resolved.json").write_text(settled.resolved.to_json())
+        faults.write_text(out / "resolved.json", settled.resolved.to_json(), "output_dir")
     parts = build_parts(cfg, accelerator)
     if trackers:  # the trackers' hyperparameters are files too: secrets masked
         accelerator.init_trackers(cfg.logging.project_name, config=telemetry.flat_config(redact(cfg.model_dump(mode="json"))))
@@ -371,12 +372,12 @@ def _save_final(cfg: RunConfig, parts: Parts, out: Path) -> None:
     if acc.is_main_process:
         from transformers.utils import logging as hf_logging
 
-        target = out / "model"
         bar_was_on = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # a one-shard "Writing model shards" bar is only noise
         try:
-            acc.unwrap_model(parts.model).save_pretrained(target, state_dict=state_dict, save_function=acc.save)
-            parts.tokenizer.save_pretrained(target)
+            with atomic.directory(out / "model", "output_dir", "the final model") as target:
+                acc.unwrap_model(parts.model).save_pretrained(target, state_dict=state_dict, save_function=acc.save)
+                parts.tokenizer.save_pretrained(target)
         finally:
             if bar_was_on:
                 hf_logging.enable_progress_bar()

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from overdrive.storage.faults import writing
+
 FILE_NAME = "metrics.jsonl"
 
 
@@ -28,11 +30,12 @@ class MetricsLog:
     def __init__(self, path: Path, enabled: bool = True):
         self.path, self.enabled = Path(path), enabled
         if enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with writing(self.path, "output_dir", what=FILE_NAME):
+                self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: Mapping[str, Any]) -> None:
         if self.enabled:
-            with self.path.open("a") as f:
+            with writing(self.path, "output_dir", what=FILE_NAME), self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
 
 
