@@ -119,15 +119,15 @@ def explain(error: BaseException, key: str, name: str, *, what: str = "model", r
     if _first(chain, hub_errors.RevisionNotFoundError):
         return Problem(revision_key, f"{name} has no revision {revision!r}",
                        fix=f"set {revision_key} to a branch, tag or commit of {page}")
-    if _first(chain, hub_errors.RepositoryNotFoundError) or "is not a valid model identifier" in text:
+    if _first(chain, hub_errors.HFValidationError):
+        return Problem(key, f"{name!r} is neither an existing local path nor a hub name (owner/name)",
+                       fix=f"check the path, or give {local}")
+    if _first(chain, hub_errors.RepositoryNotFoundError):
         return Problem(key, f"{name!r} is not a local path, and the hub has no {what} repository of that name "
                        "(or it is private and no token was given)",
                        fix=f"check the name; for a private repository put a token in HF_TOKEN; or give {local}")
     if _first(chain, hub_errors.DisabledRepoError):
         return Problem(key, f"{name} is disabled on the hub", fix=f"use another {what}, or {local}")
-    if _first(chain, hub_errors.HFValidationError):
-        return Problem(key, f"{name!r} is neither an existing local path nor a hub name (owner/name)",
-                       fix=f"check the path, or give {local}")
     offline = _first(chain, hub_errors.OfflineModeIsEnabled) or _first(chain, hub_errors.LocalEntryNotFoundError)
     network = any(_transport(e) for e in chain) or "couldn't connect" in text.lower() or "couldn't reach" in text.lower()
     if offline or network or offline_why:

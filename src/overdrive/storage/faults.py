@@ -136,14 +136,15 @@ def fault_errno(error: BaseException, path: Union[str, Path, None] = None) -> Op
 
 def _fix(number: int, key: str, fs: FileSystem, folder: Path, hint: str) -> str:
     elsewhere = f"set {key} to a directory on another disk" if key else "write somewhere else"
+    if number in (errno.EACCES, errno.EPERM):
+        return f"give this user write permission on {folder}, or set {key} to a directory you can write" if key \
+            else f"give this user write permission on {folder}, or write somewhere else"
     if number in _FULL:
         text = f"free space on {fs.mount}" + (" or raise the quota" if number == errno.EDQUOT else "")
         text += f", {hint}" if hint else ""
         return f"{text}, or {elsewhere}"
     if number == errno.EROFS:
         return f"{fs.mount} is mounted read-only: {elsewhere}, or remount it read-write"
-    if number in (errno.EACCES, errno.EPERM):
-        return f"give this user write permission on {folder}, or {elsewhere}"
     return f"check the disk or network mount at {fs.mount} (the kernel log says more), then run again; or {elsewhere}"
 
 
