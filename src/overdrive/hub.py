@@ -148,6 +148,34 @@ def explain(error: BaseException, key: str, name: str, *, what: str = "model", r
     return None
 
 
+def cached(name: str, what: str = "model") -> bool:
+    """Whether the local hub cache holds any snapshot of `name` (a directory look, no library)."""
+    from huggingface_hub import constants
+
+    kind = "datasets" if what == "data set" else "models"
+    snapshots = Path(constants.HF_HUB_CACHE) / f"{kind}--{name.replace('/', '--')}" / "snapshots"
+    return snapshots.is_dir() and any(snapshots.iterdir())
+
+
+def refuse_if_unreadable(key: str, name: Optional[str], what: str = "model") -> None:
+    """Before anything heavy is imported or built: a hub name that cannot be read now (the hub
+    plainly unreachable and nothing of it cached) is refused at once."""
+    if not name or is_local(name):
+        return
+    why = unreachable()
+    if why and not cached(name, what):
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        problem = explain(LocalEntryNotFoundError(f"{name} is not cached"), key, name, what=what, offline_why=why)
+        raise UserError(problem, title=f"cannot read the {what} {name!r}")
+
+
+def refuse_unreadable_names(cfg) -> None:
+    """The run's model and tokenizer names, checked as `refuse_if_unreadable` says."""
+    refuse_if_unreadable("model.name_or_path", cfg.model.name_or_path)
+    refuse_if_unreadable("tokenizer.name_or_path", cfg.tokenizer.name_or_path, "tokenizer")
+
+
 @contextmanager
 def reading(key: str, name: Optional[str], *, what: str = "model", revision: Optional[str] = None,
             revision_key: str = "model.revision", cache: Optional[str] = None) -> Iterator[None]:
@@ -156,6 +184,8 @@ def reading(key: str, name: Optional[str], *, what: str = "model", revision: Opt
     if not name or is_local(name):
         yield
         return
+    if what != "data set":  # datasets keeps its own cache (under data.cache_dir): it decides
+        refuse_if_unreadable(key, name, what)
     why = unreachable()
     try:
         if why:

@@ -28,6 +28,16 @@ def parameters(models: Sequence[Any]) -> int:
     return total
 
 
+def planned(cfg: RunConfig, parameters: int) -> space.Room:
+    """For `plan`, before the run: the newest checkpoint in output_dir measured, else the estimate."""
+    root = store.checkpoints_dir(cfg.output_dir)
+    found = store.latest_complete(root, checksums=False).found
+    size = store.size_of(found.path) if found is not None else None
+    per_checkpoint = size if size is not None else space.estimated_checkpoint_bytes(parameters)
+    return space.room(root, per_checkpoint, cfg.checkpoint.keep_last, measured=size is not None,
+                      existing=len(store.candidates(root)))
+
+
 class CheckpointRoom:
     def __init__(self, cfg: RunConfig, root: Path, models: Sequence[Any], resumed: Optional[Path] = None):
         self.root, self.keep_last = root, cfg.checkpoint.keep_last
@@ -36,7 +46,8 @@ class CheckpointRoom:
         self.per_checkpoint = size if size is not None else space.estimated_checkpoint_bytes(parameters(models))
 
     def room(self) -> space.Room:
-        return space.room(self.root, self.per_checkpoint, self.keep_last, self.is_measured)
+        return space.room(self.root, self.per_checkpoint, self.keep_last, self.is_measured,
+                          existing=len(store.candidates(self.root)))
 
     def warn_early(self, say: Callable[[str], None]) -> None:
         warning = self.room().warning()
@@ -58,7 +69,7 @@ class CheckpointRoom:
         if not room.next_fits:
             say(f"checkpoint: warning: step {step} may not fit: {room.summary()}")
         elif room.tight:
-            say(f"checkpoint: warning: the save after this one may not fit: {room.summary()}")
+            say(f"checkpoint: warning: {room.warning()}")
         store.begin(self.root, step)
 
     def measured(self, final: Path) -> None:

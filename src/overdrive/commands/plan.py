@@ -37,6 +37,9 @@ def run(args: argparse.Namespace) -> int:
     check_memory_sizes(args)
     path, cli = _split(args)
     cfg = load_run_config(path, cli)
+    from overdrive import hub
+
+    hub.refuse_unreadable_names(cfg)
     micro = cfg.training.micro_batch_size
     micro_note = ""
     if not isinstance(micro, int):
@@ -53,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
     cap = report.detect_capacity(args.gpu_memory)
     report.apply_verdict(est, cap)
     row = est.rows[0]
+    from overdrive.checkpoint.room import planned
+
+    room = planned(cfg, shape.params)
     speed = arith.measured_throughput(cfg, micro)
     step_s = math_.tokens_per_step / speed.tokens_per_s if speed else None
 
@@ -69,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
             "total_time_s": step_s * math_.max_steps if step_s else None,
             "throughput_source": speed.path if speed else None,
             "tokenize": tokenize.to_dict() if tokenize else None,
+            "checkpoint_bytes": room.per_checkpoint, "checkpoint_bytes_measured": room.measured,
+            "disk_free_bytes": room.free, "disk_warning": room.warning(),
         }, indent=2))
         return 0
 
@@ -94,6 +102,10 @@ def run(args: argparse.Namespace) -> int:
         f"buffers {gib(row.buffers_bytes)})" + (f" + {gib(row.host_bytes)} GiB host RAM" if row.host_bytes else ""))
     lines.append(f"             {'fits' if row.fits else 'does NOT fit'} in {cap.source} with 10% headroom"
                  f"{'' if row.fits else ' — see `overdrive estimate` for the strategies that do'}")
+    if cfg.checkpoint.enabled:
+        lines.append(f"disk         {room.summary()}")
+        if room.warning():
+            lines.append(f"             warning: {room.warning()}")
     if speed:
         caveat = "" if speed.same_shape else " (measured at a different world size, micro-batch or length)"
         lines.append(f"time         {speed.tokens_per_s:,.0f} tokens/s measured in {speed.path}{caveat}: "

@@ -78,8 +78,11 @@ def _run(args: argparse.Namespace, resolved, in_worker: bool) -> int:
         hide_gpus_for_cpu_runs(cfg)  # before anything here asks CUDA
         # What this machine lacks (bf16, GPUs, ...) stops the run before anything starts;
         # workers skip it: the launcher checked the same resolved config.
+        from overdrive import hub
         from overdrive.config import check_for_train
         from overdrive.errors import writable_target
+
+        hub.refuse_unreadable_names(cfg)  # in a second without a network, before torch is imported
 
         writable_target(cfg.output_dir, "output_dir", directory=True)
         from overdrive.storage import lock

@@ -116,7 +116,8 @@ def launch_workers(resolved: Any, worker: Optional[Sequence[str]] = None,
         command = [sys.executable, "-m", "overdrive.launch.elastic", *torchrun_args(local_port(once)),
                    *(worker if worker is not None else train_worker(path))]
         code = run_agent(command, env)
-        if code == 0 or code >= 128 or attempt == cfg.launch.max_restarts:  # done, or stopped by a signal
+        # Done, stopped by a signal, or a problem the user must fix (exit 2: a full disk) that a restart would meet again.
+        if code in (0, 2) or code >= 128 or attempt == cfg.launch.max_restarts:
             return code
         print(f"overdrive: restarting the workers ({attempt + 1} of {cfg.launch.max_restarts} restarts); "
               "they resume from the last checkpoint", file=sys.stderr, flush=True)

@@ -87,9 +87,10 @@ def _resolve_source(spec: str, cli: list[str]) -> Source:
         path = path / "config.json"
     if path.is_file():
         return Source(_config_from_json(path), spec)
-    from transformers import AutoConfig
-
     from overdrive import hub
+
+    hub.refuse_if_unreadable("MODEL", spec)  # before Transformers is imported
+    from transformers import AutoConfig
 
     try:
         with hub.reading("MODEL", spec):

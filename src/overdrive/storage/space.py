@@ -32,10 +32,16 @@ class Room:
     per_checkpoint: int
     keep_last: int
     measured: bool  # per_checkpoint is a saved checkpoint's size, not an estimate
+    existing: int = 0  # checkpoints already on the disk (their space is not in `free`)
 
     @property
     def peak(self) -> int:
         return self.per_checkpoint * (self.keep_last + 1)
+
+    @property
+    def still_needed(self) -> int:
+        """What the run's checkpoints will take beyond what is already on the disk, at their peak."""
+        return self.per_checkpoint * (self.keep_last + 1 - min(self.existing, self.keep_last))
 
     @property
     def next_fits(self) -> bool:
@@ -43,7 +49,7 @@ class Room:
 
     @property
     def tight(self) -> bool:
-        return self.free is not None and self.free < 2 * self.per_checkpoint
+        return self.free is not None and self.free < self.still_needed
 
     def summary(self) -> str:
         how = "measured" if self.measured else "estimated"
@@ -53,7 +59,7 @@ class Room:
 
     def warning(self) -> Optional[str]:
         """A line to print when the space may run out during the run, else None."""
-        if self.free is None or self.free >= self.peak:
+        if self.free is None or self.free >= self.still_needed:
             return None
         saves = self.free // max(self.per_checkpoint, 1)
         return (f"only {mb(self.free)} free on {file_system(self.path).mount} for checkpoints of "
@@ -61,5 +67,6 @@ class Room:
                 f"(now {self.keep_last}) or set output_dir to a disk with room")
 
 
-def room(path: Union[str, Path], per_checkpoint: int, keep_last: int, measured: bool = False) -> Room:
-    return Room(Path(path), file_system(path).free, per_checkpoint, keep_last, measured)
+def room(path: Union[str, Path], per_checkpoint: int, keep_last: int, measured: bool = False,
+         existing: int = 0) -> Room:
+    return Room(Path(path), file_system(path).free, per_checkpoint, keep_last, measured, existing)
