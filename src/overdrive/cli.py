@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "import": ("overdrive.commands.import_config", "turn Accelerate / DeepSpeed config files into an overdrive config"),
     "slurm": ("overdrive.commands.slurm", "write an sbatch script for the same run"),
     "tune": ("overdrive.commands.tune", "measure candidate layouts on this machine and write the fastest as tuned.yaml"),
+    "sweep": ("overdrive.commands.sweep", "search any config keys with Optuna, every trial a real run; resumable, shareable"),
 }
 
 

@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import Field
 
 from overdrive.config.schema_parallel import ParallelConfig
+from overdrive.config.schema_sweep import SweepConfig
 from overdrive.config.sections import Auto, PositiveInt, Section, admits_bool
 
 __all__ = ["OPEN_MAPPINGS", "RunConfig", "Section", "admits_bool"]
@@ -293,6 +294,7 @@ class RunConfig(Section):
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="Processes and machines.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
+    sweep: SweepConfig = Field(default_factory=SweepConfig, description="Hyperparameter search (`overdrive sweep`).")
     output_dir: str = Field("runs/default", description="Where checkpoints, metrics, the resolved config and the final model go.")
 
 
