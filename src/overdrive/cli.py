@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     name = argv[0]
     from overdrive.errors import run_reporting_errors
+    from overdrive.storage import faults
 
     command = " ".join(["overdrive", *argv])
     outcome: dict = {}
@@ -72,11 +73,16 @@ def main(argv: list[str] | None = None) -> int:
         except TypeError:  # a command ending in SCRIPT ARGS... (`overdrive launch`) cannot intermix
             args = command_parser.parse_args(argv[1:])
         outcome["worker"] = bool(getattr(args, "resolved", None))
-        return module.run(args)
+        with faults.thread_faults() as held:  # a library thread's full disk: said once, below
+            code = module.run(args)
+        if held:
+            raise held[0]
+        return code
 
-    # One boundary for every command: a user error is a message and exit code 2, anything
-    # unforeseen one line naming the file that holds the traceback (see errors.py).
-    code = run_reporting_errors(parse_and_run, command=command)
+    # One boundary for every command: a user error is a message and exit code 2, a write
+    # fault (full disk, read-only, quota) the same, anything unforeseen one line naming the
+    # file that holds the traceback (see errors.py).
+    code = run_reporting_errors(parse_and_run, command=command, translate=faults.as_user_error)
     if outcome.get("worker"):
         _exit_worker(code)
     return code

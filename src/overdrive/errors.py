@@ -123,10 +123,12 @@ def render_user_error(error: "UserError") -> str:
     return redact_text(error.render())
 
 
-def run_reporting_errors(function: Callable, *args, command: str = "overdrive") -> int:
+def run_reporting_errors(function: Callable, *args, command: str = "overdrive",
+                         translate: Optional[Callable[[BaseException], Optional["UserError"]]] = None) -> int:
     """Run a command. UserError: its message on stderr and exit code 2. Anything unforeseen:
     one line naming the command and the file holding the traceback, exit code 1. A
-    traceback on the terminal only with OVERDRIVE_DEBUG=1."""
+    traceback on the terminal only with OVERDRIVE_DEBUG=1. `translate` turns an unforeseen
+    error the user can fix (a full disk) into a UserError."""
     try:
         return int(function(*args) or 0)
     except UserError as error:
@@ -145,4 +147,8 @@ def run_reporting_errors(function: Callable, *args, command: str = "overdrive") 
     except SystemExit:
         raise
     except Exception as error:  # the boundary: nothing unforeseen reaches the terminal as a traceback
+        mapped = translate(error) if translate is not None else None
+        if mapped is not None:
+            print(render_user_error(mapped), file=sys.stderr)
+            return 2
         return report_unexpected(error, command)

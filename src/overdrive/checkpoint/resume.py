@@ -108,7 +108,7 @@ def plan_resume(cfg: RunConfig, force: bool = False) -> ResumePlan:
     plan = ResumePlan(cfg, force=force)
     if cfg.checkpoint.resume == "never":
         return plan
-    search = store.latest_complete(store.checkpoints_dir(cfg.output_dir), checksums=False)
+    search = store.latest_complete(store.checkpoints_dir(cfg.output_dir), checksums=False, put_aside=True)
     plan.notes += search.messages()
     if search.found is None:
         return plan

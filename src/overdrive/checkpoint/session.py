@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 from overdrive.checkpoint import adapter_state
 from overdrive.checkpoint import fingerprint as fp
 from overdrive.checkpoint import reshard, store, tensor_parallel
+from overdrive.checkpoint.room import CheckpointRoom
 from overdrive.checkpoint.resume import (START_OVER, TRAINER_STATE, ResumePlan, judge, plan_resume,  # noqa: F401
                                          read_state, with_plan)
 from overdrive.config.schema import RunConfig
@@ -86,6 +87,9 @@ class Checkpointer:
         accelerator.register_for_checkpointing(scheduler)
         # An adapter run saves what is trained, not the frozen base (adapter_state.py).
         self.save_kwargs, self.load_kwargs = adapter_state.attach(cfg, accelerator)
+        self.room = CheckpointRoom(cfg, self.root, accelerator._models, plan.checkpoint)
+        if self.main and cfg.checkpoint.enabled:
+            self.room.warn_early(say)
 
     def due(self, step: int, stopping: bool = False) -> bool:
         """Every `every_steps`, at the last step, and before the loop stops early."""
@@ -101,7 +105,8 @@ class Checkpointer:
 
         name = None
         if self.main:
-            search = store.latest_complete(self.root, checksums=True, at_most=store.step_of(self.plan.checkpoint))
+            search = store.latest_complete(self.root, checksums=True, at_most=store.step_of(self.plan.checkpoint),
+                                           put_aside=True)
             for message in search.messages():
                 self.say(f"checkpoint: {message}")
             name = search.found.path.name if search.found else None
@@ -191,25 +196,26 @@ class Checkpointer:
     def save(self, state: Any) -> Path:
         """A complete checkpoint of this step, or none: see store.py for the order of writes.
         `state` is the loop's state, saved whole: its `state_dict()`, and its device-side
-        `loss_sum` gathered from every rank."""
+        `loss_sum` gathered from every rank. A part that fails on any rank stops every rank
+        there, the partial save removed (agreed.py); the previous checkpoints stay."""
         acc, step = self.acc, state.step
         tmp = store.temp_dir_for(self.root, step)
-        if self.main:
-            store.begin(self.root, step)
-        acc.wait_for_everyone()
-        with _quiet_tied_weights():
-            tensor_parallel.save_state(acc, tmp, **self.save_kwargs)
         losses = acc.gather(state.loss_sum.detach().float().reshape(1)).tolist()
-        if self.main:
-            self._write_trainer_state(tmp, state, losses)
-        acc.wait_for_everyone()  # every rank's files are written before the manifest lists them
+        parts = self.room.save_parts(acc, tmp, step)
+        parts.part(lambda: self.main and self.room.check_then_begin(step, self.say))
+        with _quiet_tied_weights():
+            parts.part(lambda: tensor_parallel.save_state(acc, tmp, **self.save_kwargs))
+        # every rank's files are written (the part agreed) before the manifest lists them
+        parts.part(lambda: self.main and self._write_trainer_state(tmp, state, losses))
         final = self.root / store.name_for(step)
-        if self.main:
-            store.commit(tmp, step)
-            store.prune(self.root, self.cfg.checkpoint.keep_last, step, belongs=self._ours)
-        acc.wait_for_everyone()
+        parts.part(lambda: self.main and self._commit(tmp, step))
         self.last_saved = step
         return final
+
+    def _commit(self, tmp: Path, step: int) -> None:
+        final = store.commit(tmp, step)
+        store.prune(self.root, self.cfg.checkpoint.keep_last, step, belongs=self._ours)
+        self.room.measured(final)
 
     def _write_trainer_state(self, tmp: Path, state: Any, losses: list) -> None:
         from overdrive.config.redact import redact

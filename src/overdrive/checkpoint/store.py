@@ -32,6 +32,7 @@ FORMAT = 1
 _NAME = re.compile(r"^step-(\d{8,})$")
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
+ASIDE_PREFIX = ".corrupt-"  # a checkpoint that failed verification, kept for a look until a newer one is saved
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -148,6 +149,7 @@ class Verdict:
     step: int
     ok: bool
     reason: str = ""
+    aside: Optional[Path] = None  # where it was moved, when set aside
 
 
 def verify(path: Path, checksums: bool = True) -> Verdict:
@@ -200,11 +202,14 @@ class Search:
     skipped: list[Verdict] = field(default_factory=list)
 
     def messages(self) -> list[str]:
-        return [f"skipping {v.path.name}: {v.reason}" for v in self.skipped]
+        return [f"skipping {v.path.name}: {v.reason}" + (f"; set aside as {v.aside.name}" if v.aside else "")
+                for v in self.skipped]
 
 
-def latest_complete(root: Path, checksums: bool = True, at_most: Optional[int] = None) -> Search:
-    """The newest complete checkpoint under `root` (optionally with step <= `at_most`)."""
+def latest_complete(root: Path, checksums: bool = True, at_most: Optional[int] = None,
+                    put_aside: bool = False) -> Search:
+    """The newest complete checkpoint under `root` (optionally with step <= `at_most`); with
+    `put_aside`, the newer ones that fail verification are set aside (a run about to resume)."""
     search = Search()
     for path in candidates(root):
         if at_most is not None and step_of(path) > at_most:
@@ -213,8 +218,32 @@ def latest_complete(root: Path, checksums: bool = True, at_most: Optional[int] =
         if verdict.ok:
             search.found = verdict
             return search
+        if put_aside:
+            verdict.aside = set_aside(verdict)
         search.skipped.append(verdict)
     return search
+
+
+def size_of(path: Path) -> Optional[int]:
+    """Bytes of a complete checkpoint, from its manifest."""
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+        return sum(int(entry["size"]) for entry in files.values())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def set_aside(verdict: Verdict) -> Optional[Path]:
+    """Move a checkpoint that failed verification out of the way (a hidden name, so no resume
+    tries it again); removed by `prune` once a newer checkpoint is saved."""
+    target = verdict.path.parent / f"{ASIDE_PREFIX}{verdict.path.name}"
+    try:
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(verdict.path, target)
+    except OSError:  # a read-only disk: it stays where it is, and is skipped again next time
+        return None
+    return target
 
 
 # ---------------------------------------------------------------- pruning
@@ -249,7 +278,10 @@ def prune(root: Path, keep_last: int, current_step: int,
         else:
             kept += 1
     for path in root.iterdir():
-        if path.name.startswith((TMP_PREFIX, TRASH_PREFIX)) and path.is_dir():
+        aside = path.name.startswith(ASIDE_PREFIX)
+        if aside and (step_of(Path(path.name[len(ASIDE_PREFIX):])) or 0) > current_step:
+            continue  # not yet superseded by a newer checkpoint
+        if (aside or path.name.startswith((TMP_PREFIX, TRASH_PREFIX))) and path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
     return removed
 

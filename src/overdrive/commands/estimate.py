@@ -62,15 +62,19 @@ def check_memory_sizes(args: argparse.Namespace) -> None:
 
 def build(args: argparse.Namespace):
     """(Estimate, Source) for the parsed arguments; shared with `plan`."""
-    from overdrive.memory import STRATEGIES, estimate
-    from overdrive.memory.model_shape import model_shape, resolve_source
-    from overdrive.memory.shape import Setup, setup_for_run
-
     for name in ("--devices", "--micro-batch", "--seq-len", "--nodes", "--tp", "--cp", "--sp", "--dp-replicate"):
         _positive(name, getattr(args, name[2:].replace("-", "_"), None))
     check_memory_sizes(args)
     if args.overrides and not args.model.endswith((".yaml", ".yml")):
         raise UserError(Problem("", "key=value overrides apply to a run YAML only"))
+    if not args.model.endswith((".yaml", ".yml", ".json")):
+        from overdrive import hub
+
+        hub.refuse_if_unreadable("MODEL", args.model)  # before torch and Transformers are imported
+    from overdrive.memory import STRATEGIES, estimate
+    from overdrive.memory.model_shape import model_shape, resolve_source
+    from overdrive.memory.shape import Setup, setup_for_run
+
     source = resolve_source(args.model, args.overrides)
     shape = model_shape(source)
     target = _target(args)

@@ -40,6 +40,9 @@ def run(args: argparse.Namespace) -> int:
     path, cli = _split(args)
     cfg = load_run_config(path, cli)
     check_model_layout(cfg)  # heads and the tensor-parallel plan against tp_size / sp_size
+    from overdrive import hub
+
+    hub.refuse_unreadable_names(cfg)
     micro = cfg.training.micro_batch_size
     micro_note = ""
     if not isinstance(micro, int):
@@ -62,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
     cap = report.detect_capacity(args.gpu_memory)
     report.apply_verdict(est, cap)
     row = est.rows[0]
+    from overdrive.checkpoint.room import planned
+
+    room = planned(cfg, shape.params)
     speed = arith.measured_throughput(cfg, micro)
     step_s = math_.tokens_per_step / speed.tokens_per_s if speed else None
     curve = _lr_points(cfg)
@@ -83,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
             "optimizer": _optimizer(cfg), "lr_points": [{"step": step + 1, "lr": lr} for step, lr in curve],
             "sources": sources,
             "layout": layout.summary(cfg),
+            "checkpoint_bytes": room.per_checkpoint, "checkpoint_bytes_measured": room.measured,
+            "disk_free_bytes": room.free, "disk_warning": room.warning(),
         }, indent=2))
         return 0
 
@@ -117,6 +125,10 @@ def run(args: argparse.Namespace) -> int:
         f"buffers {gib(row.buffers_bytes)})" + (f" + {gib(row.host_bytes)} GiB host RAM" if row.host_bytes else ""))
     lines.append(f"             {'fits' if row.fits else 'does NOT fit'} in {cap.source} with 10% headroom"
                  f"{'' if row.fits else ' — see `overdrive estimate` for the strategies that do'}")
+    if cfg.checkpoint.enabled:
+        lines.append(f"disk         {room.summary()}")
+        if room.warning():
+            lines.append(f"             warning: {room.warning()}")
     if speed:
         caveat = "" if speed.same_shape else " (measured at a different world size, micro-batch or length)"
         lines.append(f"time         {speed.tokens_per_s:,.0f} tokens/s measured in {speed.path}{caveat}: "
@@ -175,8 +187,15 @@ def _tokenize_forecast(cfg):
 
     try:
         return estimate.forecast(cfg, build_tokenizer, lambda texts: train_bpe(texts, cfg.tokenizer.vocab_size))
-    except (UserError, OSError, ValueError) as error:  # the plan still stands without it
+    except UserError as error:
+        if any(p.key in _NAMES for p in error.problems):  # a tokenizer that cannot be read stops the run too
+            raise
         return estimate.Forecast(note=f"not measured: {error}")
+    except (OSError, ValueError) as error:  # the plan still stands without it
+        return estimate.Forecast(note=f"not measured: {error}")
+
+
+_NAMES = ("model.name_or_path", "model.revision", "tokenizer.name_or_path")
 
 
 def _data_size(cfg, tokenize):

@@ -86,16 +86,31 @@ def run(args: argparse.Namespace) -> int:
         from overdrive.launch.lines import print_launch
 
         return print_launch(resolved)
+    from overdrive.storage import faults
+
+    # A write fault without a path of its own (a tracker's thread) is told against these.
+    with faults.places(**{"output_dir": cfg.output_dir, "data.cache_dir": cfg.data.cache_dir}):
+        return _run(args, resolved, in_worker)
+
+
+def _run(args: argparse.Namespace, resolved, in_worker: bool) -> int:
+    cfg = resolved.config
     if not in_worker:
         from overdrive.launch.process import hide_gpus_for_cpu_runs
 
         hide_gpus_for_cpu_runs(cfg)  # before anything here asks CUDA
         # What this machine lacks (bf16, GPUs, ...) stops the run before anything starts;
         # workers skip it: the launcher checked the same resolved config.
+        from overdrive import hub
         from overdrive.config import check_for_train
         from overdrive.errors import writable_target
 
+        hub.refuse_unreadable_names(cfg)  # in a second without a network, before torch is imported
+
         writable_target(cfg.output_dir, "output_dir", directory=True)
+        from overdrive.storage import lock
+
+        lock.hold(cfg.output_dir, cfg.launch.machine_rank)  # one run per output_dir; the workers run under it
         check_for_train(resolved)
         _check_fine_tuning(cfg)
         check_model_layout(cfg)

@@ -104,3 +104,10 @@ def accelerate_default_config_path(environ: Optional[Mapping[str, str]] = None) 
 def debug_requested(environ: Optional[Mapping[str, str]] = None) -> bool:
     """`OVERDRIVE_DEBUG` set to anything but empty, 0, false or no."""
     return _environ(environ).get("OVERDRIVE_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def proxy_configured(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """An HTTP(S) proxy in the environment: the hub is reached through it, not directly."""
+    env = _environ(environ)
+    return any(env.get(name) for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY",
+                                          "all_proxy"))

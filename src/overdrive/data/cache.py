@@ -133,5 +133,41 @@ def done(entry: Path) -> Optional[dict]:
     return read_json(entry / "done.json")
 
 
+ASIDE_PREFIX = ".corrupt-"
+
+
+def damage(entry: Path) -> Optional[str]:
+    """Why an entry that says it is complete cannot be read (done.json unreadable, a file
+    missing or of another length than it records), else None."""
+    if not (entry / "done.json").exists():
+        return None
+    meta = done(entry)
+    if meta is None or not isinstance(meta.get("lengths"), dict):
+        return "done.json is unreadable"
+    for name, length in sorted(meta["lengths"].items()):
+        try:
+            size = (entry / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if size != length:
+            return f"{name} has {size} bytes, done.json says {length}"
+    return None
+
+
+def set_aside(entry: Path) -> Optional[Path]:
+    """Move a damaged entry out of the way (one kept per key, for a look); None when it cannot
+    be moved (a read-only cache), and then it is rebuilt nowhere: the caller says so."""
+    import shutil
+
+    target = entry.with_name(f"{ASIDE_PREFIX}{entry.name}")
+    try:
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(entry, target)
+    except OSError:
+        return None
+    return target
+
+
 def entry_bytes(entry: Path) -> int:
     return sum(p.stat().st_size for p in entry.iterdir() if p.is_file())

@@ -8,12 +8,15 @@ takes an hour). Every process then maps the same token files.
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from overdrive.config.schema import RunConfig
 from overdrive.data import cache, chat, pieces, tokens
+from overdrive.errors import Problem, UserError
+from overdrive.storage import faults
 from overdrive.data.progress import TokenizeProgress
 from overdrive.data.sources import Splits, TextFiles, open_splits
 
@@ -64,10 +67,13 @@ def _one(cfg: RunConfig, corpus, tokenizer, holdout: float, names: Optional[list
     key = tokens.entry_key(corpus.key, cache_kind(cfg, tokenizer), d.max_length, tokenizer, holdout, cfg.training.seed,
                            d.max_bytes, names)
     entry = Path(d.cache_dir).expanduser() / "tokens" / key
+    _set_aside_if_damaged(entry, build, show)
     if cache.done(entry) is None:
         if not build:
             raise cache.NotReady(str(entry))
-        with cache.writing(entry) as needed:
+        with faults.writing(entry, "data.cache_dir", what="the token cache",
+                            hint="the tokens written so far are kept and the next run continues from them"), \
+                cache.writing(entry) as needed:
             if needed:
                 total = corpus.total
                 if isinstance(corpus, TextFiles) and d.max_bytes is not None:
@@ -82,6 +88,23 @@ def _one(cfg: RunConfig, corpus, tokenizer, holdout: float, names: Optional[list
                 if show:
                     _summary(progress, meta, entry)
     return entry, cache.done(entry)
+
+
+def _set_aside_if_damaged(entry: Path, build: bool, show: bool) -> None:
+    """A complete-looking entry whose files do not match its record (a disk that filled, a copy
+    cut short): the building process moves it aside and tokenizes again; the others wait."""
+    why = cache.damage(entry)
+    if why is None:
+        return
+    if not build:
+        raise cache.NotReady(str(entry))
+    aside = cache.set_aside(entry)
+    if aside is None:
+        raise UserError(Problem("data.cache_dir", f"the token cache {entry} is damaged ({why}) and cannot be moved "
+                                "aside", fix=f"delete {entry}, or set data.cache_dir to a directory you can write"))
+    if show:
+        print(f"token cache: {entry.name} is damaged ({why}); set aside as {aside.name}, tokenizing again",
+              file=sys.stderr, flush=True)
 
 
 def _summary(progress: TokenizeProgress, meta: dict, entry: Path) -> None:
@@ -111,8 +134,6 @@ def tokenize(cfg: RunConfig, splits: Splits, tokenizer, build: bool = True, show
         entry_v, _ = _one(cfg, splits.validation, tokenizer, 0.0, fixed, build, show)
         validation = tokens.open_entry(entry_v, **reading)["train"]
     if parts["train"] is None:
-        from overdrive.errors import Problem, UserError
-
         raise UserError(Problem("data.source", f"{cfg.data.source!r} gave no training samples"
                                 f"{' of ' + str(length) + ' tokens' if task == 'causal-lm' else ''}",
                                 fix="give more text, raise data.max_bytes, or lower data.max_length"))

@@ -217,8 +217,13 @@ def _table(dataset, what: str, text_column, label_column) -> Rows:
 def _load(source: str, subset, split: str, streaming: bool, cache_dir: Path, key: str):
     import datasets
 
+    from overdrive import hub
+
     try:
-        return datasets.load_dataset(source, name=subset, split=split, streaming=streaming, cache_dir=str(cache_dir))
+        with hub.reading("data.source", source, what="data set", revision_key="data.source",
+                         cache=str(cache_dir)):
+            return datasets.load_dataset(source, name=subset, split=split, streaming=streaming,
+                                         cache_dir=str(cache_dir))
     except ValueError as error:
         if "split" in str(error).lower():
             raise UserError(Problem(key, str(error), fix=f"set {key} to a split the data has")) from error

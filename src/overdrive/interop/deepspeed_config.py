@@ -47,8 +47,11 @@ def hidden_size_of(cfg: RunConfig) -> Optional[int]:
     try:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(cfg.model.name_or_path, revision=cfg.model.revision,
-                                            trust_remote_code=cfg.model.trust_remote_code)
+        from overdrive import hub
+
+        with hub.reading("model.name_or_path", cfg.model.name_or_path, revision=cfg.model.revision):
+            config = AutoConfig.from_pretrained(cfg.model.name_or_path, revision=cfg.model.revision,
+                                                trust_remote_code=cfg.model.trust_remote_code)
     except Exception:  # offline, private, or not a transformers model: leave it to prepare()
         return None
     sizes = getattr(config, "hidden_sizes", None)

@@ -122,7 +122,8 @@ def launch_workers(resolved: Any, worker: Optional[Sequence[str]] = None,
         command = [sys.executable, "-m", "overdrive.launch.elastic", *torchrun_args(local_port(once), regrouping=regrouping),
                    *(worker if worker is not None else train_worker(path))]
         code = run_agent(command, env)
-        if code == 0 or code >= 128 or attempt == allowed:  # done, or stopped by a signal
+        # Done, stopped by a signal, or a problem the user must fix (exit 2: a full disk) that a restart would meet again.
+        if code in (0, 2) or code >= 128 or attempt == allowed:
             return code
         regrouping = membership.regroup(cfg, code)
         if regrouping:

@@ -87,10 +87,16 @@ def _resolve_source(spec: str, cli: list[str]) -> Source:
         path = path / "config.json"
     if path.is_file():
         return Source(_config_from_json(path), spec)
+    from overdrive import hub
+
+    hub.refuse_if_unreadable("MODEL", spec)  # before Transformers is imported
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(spec)
+        with hub.reading("MODEL", spec):
+            config = AutoConfig.from_pretrained(spec)
+    except UserError:
+        raise
     except Exception as error:
         raise UserError(Problem("", f"{spec!r} is neither a local path nor a hub model whose config could be read "
                                     f"({type(error).__name__})",

@@ -28,6 +28,7 @@ from overdrive import checkpoint
 import overdrive.config.batch as batch
 from overdrive.config.redact import redact
 from overdrive.config.schema import RunConfig
+from overdrive.storage import faults
 from overdrive.strategies import registry
 from overdrive.training import nonfinite, telemetry
 from overdrive.training.evaluation import evaluate
@@ -118,7 +119,7 @@ def train(run, force: bool = False) -> TrainResult:
     main = accelerator.is_main_process
     if main:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "resolved.json").write_text(settled.resolved.to_json())
+        faults.write_text(out / "resolved.json", settled.resolved.to_json(), "output_dir")
     parts = build_parts(cfg, accelerator)
     if trackers:  # the trackers' hyperparameters are files too: secrets masked
         accelerator.init_trackers(cfg.logging.project_name, config=telemetry.flat_config(redact(cfg.model_dump(mode="json"))))

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from overdrive.storage.faults import writing
+
 FILE_NAME = "metrics.jsonl"
 # The numeric fields a run writes that a sweep may judge it by (`sweep.metric`).
 KNOWN_FIELDS = ("eval_loss", "eval_perplexity", "eval_accuracy", "loss", "tokens_per_s", "mfu", "peak_memory_mb",
@@ -31,11 +33,12 @@ class MetricsLog:
     def __init__(self, path: Path, enabled: bool = True):
         self.path, self.enabled = Path(path), enabled
         if enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with writing(self.path, "output_dir", what=FILE_NAME):
+                self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: Mapping[str, Any]) -> None:
         if self.enabled:
-            with self.path.open("a") as f:
+            with writing(self.path, "output_dir", what=FILE_NAME), self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
 
 

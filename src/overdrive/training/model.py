@@ -12,6 +12,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
+from overdrive import hub
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 from overdrive.training import adapter
@@ -53,8 +54,9 @@ def model_config(cfg: RunConfig, vocab_size: Optional[int] = None, *, label_name
     extra = {**_task_fields(m.task, label_names, m.num_labels),
              **{k: v for k, v in (special_tokens or {}).items() if v is not None}}
     if m.name_or_path:
-        config = AutoConfig.from_pretrained(m.name_or_path, revision=m.revision,
-                                            trust_remote_code=m.trust_remote_code, **extra)
+        with hub.reading("model.name_or_path", m.name_or_path, revision=m.revision):
+            config = AutoConfig.from_pretrained(m.name_or_path, revision=m.revision,
+                                                trust_remote_code=m.trust_remote_code, **extra)
     else:
         arch = dict(m.architecture)
         model_type = arch.pop("model_type", None)
@@ -93,7 +95,8 @@ def build_model(cfg: RunConfig, vocab_size: Optional[int] = None, *, label_names
         quantization = adapter.quantization(cfg)
         if quantization is not None:  # bitsandbytes quantizes as the weights are loaded onto the device
             common.update(quantization_config=quantization, device_map={"": str(device or "cpu")})
-        model = cls.from_pretrained(m.name_or_path, config=config, revision=m.revision, **common)
+        with hub.reading("model.name_or_path", m.name_or_path, revision=m.revision):
+            model = cls.from_pretrained(m.name_or_path, config=config, revision=m.revision, **common)
     if m.task == "causal-lm" and getattr(model, "loss_type", None) is None:
         # Class names like GPT2LMHeadModel do not tell Transformers which loss they use; say
         # it (the same shifted cross-entropy it falls back to) rather than be warned.

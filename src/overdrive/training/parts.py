@@ -128,12 +128,14 @@ def save_final(cfg: RunConfig, parts: Parts, out: Path) -> None:
     if acc.is_main_process:
         from transformers.utils import logging as hf_logging
 
-        target = out / "model"
+        from overdrive.storage import atomic
+
         bar_was_on = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # a one-shard "Writing model shards" bar is only noise
         try:
-            acc.unwrap_model(parts.model).save_pretrained(target, state_dict=state_dict, save_function=acc.save)
-            parts.tokenizer.save_pretrained(target)
+            with atomic.directory(out / "model", "output_dir", "the final model") as target:
+                acc.unwrap_model(parts.model).save_pretrained(target, state_dict=state_dict, save_function=acc.save)
+                parts.tokenizer.save_pretrained(target)
         finally:
             if bar_was_on:
                 hf_logging.enable_progress_bar()

@@ -10,6 +10,7 @@ from vendor data sheets) or, on a CPU, from a measured matrix multiply, cached.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -109,10 +110,14 @@ def cpu_peak_flops(dtype: torch.dtype, cache_dir: Optional[Path]) -> float:
     if measured > cache.get(key, 0.0):
         cache[key] = measured
         if path:
-            path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")  # ranks measuring at once do not collide
-            tmp.write_text(json.dumps(cache, indent=1))
-            tmp.replace(path)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp.write_text(json.dumps(cache, indent=1))
+                tmp.replace(path)
+            except OSError:  # a read-only or full cache: the measurement is only not kept for next time
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
     return cache[key]
 
 

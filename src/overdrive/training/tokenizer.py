@@ -63,11 +63,18 @@ def cached_bpe(texts: Iterable[str], content_hash: str, vocab_size: int, max_byt
         from overdrive.data import NotReady
 
         raise NotReady(str(target))
+    from overdrive.storage import faults
+
     tokenizer = train_bpe(texts, vocab_size, max_bytes)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Write into a temporary sibling then rename: a reader never sees a half-written tokenizer.
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    tokenizer.save_pretrained(tmp)
+    with faults.writing(target, "data.cache_dir", what="the trained tokenizer"):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Write into a temporary sibling then rename: a reader never sees a half-written tokenizer.
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+        try:
+            tokenizer.save_pretrained(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     try:
         tmp.rename(target)
     except OSError:  # another process stored the same tokenizer first; theirs is identical
@@ -75,10 +82,14 @@ def cached_bpe(texts: Iterable[str], content_hash: str, vocab_size: int, max_byt
     return tokenizer
 
 
-def load_pretrained(name_or_path: str, revision: Optional[str] = None, trust_remote_code: bool = False):
+def load_pretrained(name_or_path: str, revision: Optional[str] = None, trust_remote_code: bool = False,
+                    key: str = "tokenizer.name_or_path"):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    from overdrive import hub
+
+    with hub.reading(key, name_or_path, what="tokenizer", revision=revision):
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         # Decoder-only tokenizers (GPT-2, Llama) ship without one; padding is masked anyway.
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
@@ -94,7 +105,8 @@ def build_tokenizer(cfg: RunConfig, texts: Iterable[str], content_hash: str, onl
     name = cfg.tokenizer.name_or_path or cfg.model.name_or_path
     if name:
         revision = cfg.model.revision if not cfg.tokenizer.name_or_path else None
-        tokenizer = load_pretrained(name, revision=revision, trust_remote_code=cfg.model.trust_remote_code)
+        key = "tokenizer.name_or_path" if cfg.tokenizer.name_or_path else "model.name_or_path"
+        tokenizer = load_pretrained(name, revision=revision, trust_remote_code=cfg.model.trust_remote_code, key=key)
         if cfg.data.format == "chat":  # its chat template, or tokenizer.chat_template's, or refused
             from overdrive.data.chat import with_template
 
