@@ -227,6 +227,12 @@ class LaunchConfig(Section):
     same_network: bool = Field(True, description="Machines share a network (informational, as in Accelerate).")
     max_restarts: int = Field(0, ge=0, description="Times the elastic agent restarts failed workers (they resume from the last checkpoint).")
     monitor_interval: float = Field(1.0, gt=0, description="Seconds between the agent's health checks of its workers.")
+    hang_timeout_s: Optional[float] = Field(
+        600.0, gt=0, description="Seconds without progress on any rank after which the job is declared hung: the "
+        "stuck rank(s), the step and phase each was last seen in, and every rank's Python stack are printed, then the "
+        "job ends (or restarts from the last checkpoint, `max_restarts`). Empty: no watchdog. Raise it when one rank "
+        "alone does long work (a huge checkpoint) while the others wait."
+    )
     use_cpu: bool = Field(False, description="Train on the CPU even when a GPU is present (the GPUs are hidden from the workers).")
     gpus_per_machine: Optional[int] = Field(
         None, ge=0, description="GPUs on each machine the job runs on. Empty: detected where it runs; scripts written "

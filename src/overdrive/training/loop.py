@@ -167,11 +167,13 @@ def batches(loader, state: LoopState, skip_first_batches=None):
         state.batch_in_epoch = 0
 
 
-def train(run, force: bool = False) -> TrainResult:
+def train(run, force: bool = False, observer=None) -> TrainResult:
     """Train as `run` says: a `Resolved` (config with provenance) or a RunConfig.
 
     With `checkpoint.resume=auto` it continues from the newest complete checkpoint in
     output_dir; `force` allows that even when the config changed the math since.
+    `observer(output_dir, accelerator)` replaces the run's observer (observe/: step timers,
+    heartbeats, stragglers): the profiler and the bench pass their own.
     """
     from overdrive.launch.process import build_accelerator
     from overdrive.training.settle import as_resolved, settle
@@ -200,9 +202,13 @@ def train(run, force: bool = False) -> TrainResult:
                                    say=progress.print)
     state = LoopState()
     restored = ckpt.restore(state)
+    from overdrive import observe
+
+    watch = (observer or observe.for_run)(out, accelerator)
+    watch.say = progress.print
     try:
-        with checkpoint.StopRequest(checkpoint.cpu_group(), accelerator.num_processes) as stop:
-            outcome = _loop(Session(cfg, parts, state, restored, ckpt, stop, progress, metrics))
+        with checkpoint.StopRequest(checkpoint.cpu_group(), accelerator.num_processes) as stop, watch:
+            outcome = _loop(Session(cfg, parts, state, restored, ckpt, stop, progress, metrics, watch))
     finally:
         progress.close()
     result = TrainResult(out, state.step, is_main_process=main, **vars(outcome))
@@ -224,6 +230,7 @@ class Session:
     stop: "checkpoint.StopRequest"
     progress: "telemetry.ProgressDisplay"
     metrics: "telemetry.MetricsLog"
+    observe: Any = None  # observe.RunObserver: where each step's time goes, heartbeats
 
 
 @dataclass
@@ -241,7 +248,7 @@ class Outcome:
 
 
 def _loop(run: Session) -> Outcome:
-    cfg, parts, state, progress, metrics = run.cfg, run.parts, run.state, run.progress, run.metrics
+    cfg, parts, state, progress, metrics, obs = run.cfg, run.parts, run.state, run.progress, run.metrics, run.observe
     t, acc, model, optimizer, scheduler = cfg.training, parts.accelerator, parts.model, parts.optimizer, parts.scheduler
     world = acc.num_processes
     data = batches(parts.train_loader, state, acc.skip_first_batches)
@@ -258,13 +265,18 @@ def _loop(run: Session) -> Outcome:
     grad_norm = None
     after_first = None  # (time, tokens) at the first log: steady-state throughput starts there
     model.train()
+    obs.watch(model)
     while state.step < t.max_steps:
         lr = scheduler.get_last_lr()[0]  # the lr this optimizer step uses
         for _ in range(t.gradient_accumulation_steps):
+            obs.enter("data")
             batch = next(data)
             with acc.accumulate(model):
+                obs.enter("forward")
                 loss = model(**batch).loss
+                obs.enter("backward")
                 acc.backward(loss)  # Accelerate divides by the accumulation steps: the mean of means
+                obs.enter("optimizer")
                 if acc.sync_gradients and (t.gradient_clipping is not None or guard.needs_norm):
                     # Clipping to infinity measures the norm (over all ranks) and changes nothing.
                     grad_norm = acc.clip_grad_norm_(model.parameters(), t.gradient_clipping or math.inf)
@@ -284,17 +296,19 @@ def _loop(run: Session) -> Outcome:
         else:
             guard.scaler_skipped()  # reported as such at the next log, not as a bad loss
         state.step += 1
+        obs.step_done(state.step)
         progress.step(state.step)
 
         if state.step == 1 or state.step % t.log_every_steps == 0 or state.step == t.max_steps:
             # The one sync point of the loop: read the loss accumulated since the last log.
+            obs.enter("sync")
             loss_value = acc.reduce(loss_sum / micro_steps, "mean").item()
             loss_sum.zero_()
             micro_steps = 0
             counts = guard.read()  # steps skipped since the last log
             state.nonfinite_in_a_row = counts.in_a_row
             record = {**_train_record(cfg, parts, state, loss_value, lr, throughput.read(), grad_norm),
-                      **counts.record(), "elapsed_s": throughput.elapsed()}
+                      **counts.record(), "elapsed_s": throughput.elapsed(), **obs.fields()}
             if counts.note(state.step):
                 progress.print(counts.note(state.step))
             metrics.write(record)
@@ -311,12 +325,15 @@ def _loop(run: Session) -> Outcome:
 
         if parts.eval_loader is not None and t.eval_every_steps and state.step % t.eval_every_steps == 0 \
                 and state.step < t.max_steps and not outcome.stopped_early:
+            obs.enter("eval")
             outcome.eval = _eval_and_log(run)
 
         # Save point: (model, optimizer, schedule, RNG, LoopState) when due, and before any stop.
         # Every rank asks whether any rank got SIGTERM/SIGINT, so all stop after the same step.
+        obs.enter("sync")
         signum = run.stop.agreed()
         if run.ckpt.due(state.step, stopping=bool(signum or outcome.stopped_early)):
+            obs.enter("checkpoint")
             state.nonfinite_in_a_row = guard.run_length()
             outcome.checkpoint = run.ckpt.save(state, loss_sum, micro_steps,
                                                {"first_loss": outcome.first_loss, "final_loss": outcome.final_loss})
