@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "import": ("overdrive.commands.import_config", "turn Accelerate / DeepSpeed config files into an overdrive config"),
     "slurm": ("overdrive.commands.slurm", "write an sbatch script for the same run"),
     "preflight": ("overdrive.commands.preflight", "check a job before training: rendezvous, bandwidth, shared output_dir, same versions and config"),
+    "profile": ("overdrive.commands.profile", "where each step's time goes, per rank: the bottleneck and the key to change"),
     "tune": ("overdrive.commands.tune", "measure candidate layouts on this machine and write the fastest as tuned.yaml"),
 }
 

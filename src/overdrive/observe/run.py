@@ -25,6 +25,7 @@ class RunObserver:
         self.hosts = [socket.gethostname()]
         self.stragglers = StragglerWatch(self.hosts)
         self.say: Callable[[str], None] = lambda text: None
+        self._hooks: list[Any] = []
 
     def __enter__(self) -> "RunObserver":
         if self.acc.num_processes > 1:
@@ -37,6 +38,8 @@ class RunObserver:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        for hook in self._hooks:
+            hook.remove()
         self.recorder.close()
         if self.heartbeat is not None:
             self.heartbeat.__exit__(*exc)
@@ -44,6 +47,9 @@ class RunObserver:
     # ------------------------------------------------------------------ the loop's calls
     def watch(self, model: Any) -> None:
         self.recorder.watch_gradients(model.parameters())
+        inner = self.acc.unwrap_model(model, keep_torch_compile=False)
+        if inner is not model and not isinstance(self.recorder, NullRecorder):
+            self._hooks.append(inner.register_forward_pre_hook(lambda *_: self.recorder.wrapped_forward_started()))
 
     def enter(self, phase: str) -> None:
         self.recorder.enter(phase)

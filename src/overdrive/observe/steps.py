@@ -7,9 +7,10 @@ call, cheap enough for every step of every run (bench/bench_observe.py measures 
 Phases: `data` (waiting for the next batch), `forward`, `backward`, `optimizer` (clipping,
 step, zero_grad), `sync` (the loop's own small collectives: the stop agreement, the logged
 loss), `checkpoint`, `eval`. Compute is forward + backward + optimizer; waiting is data and
-sync, plus the part of backward spent after this rank's last gradient was ready: that is
-the gradient reduction waiting for the other ranks (DDP's all-reduce, ZeRO's reduce), told
-apart by a hook on each parameter's gradient accumulation.
+sync, plus the part of backward spent after this rank's last gradient was ready (the
+gradient reduction waiting for the other ranks: DDP's all-reduce, ZeRO's reduce, told apart
+by a hook on each parameter's gradient accumulation), plus the wrapper's synchronisation
+before the model's own forward begins (told apart by a forward pre-hook on the inner model).
 
 Host clocks only: on a GPU they measure when work was queued, not when it ran, unless
 something synchronises; the profiler (`overdrive profile`) measures the device.
@@ -85,6 +86,15 @@ class StepRecorder:
         self.progress += 1
         self._publish()
 
+    def wrapped_forward_started(self) -> None:
+        """The wrapped model's own forward begins: the time since the loop entered `forward`
+        was the wrapper's pre-forward synchronisation (DDP broadcasting buffers waits for
+        every rank), which is waiting, not compute."""
+        if self.phase == "forward":
+            now = self.clock()
+            self.window.seconds["sync"] += now - self.since
+            self.since = now
+
     def step_done(self, step: int) -> None:
         """The end of optimizer step `step` (the loop's own count, so a resumed run is right)."""
         self.step = step
@@ -93,7 +103,12 @@ class StepRecorder:
         self._publish()
 
     def read(self) -> StepTimes:
-        """The window since the last read (per-step figures: `.per_step()`)."""
+        """The window since the last read (per-step figures: `.per_step()`). The phase under
+        way is cut at this moment, so consecutive windows add up to the time between reads."""
+        now = self.clock()
+        if self.phase in self.window.seconds:
+            self.window.seconds[self.phase] += now - self.since
+        self.since = now
         window, self.window = self.window, StepTimes()
         return window
 
@@ -127,6 +142,9 @@ class StepRecorder:
 
 class NullRecorder(StepRecorder):
     """Timers off (the bench's baseline): every call does nothing."""
+
+    def wrapped_forward_started(self) -> None:
+        pass
 
     def enter(self, phase: str) -> None:  # noqa: D401 - intentionally empty
         pass
