@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from overdrive.checkpoint import routes
+from overdrive.config import batch
 from overdrive.config.keys import flatten  # open mappings (model.architecture, deepspeed extra) entry by entry
 from overdrive.strategies import registry
 
@@ -78,10 +79,8 @@ def kind_of(key: str) -> tuple[str, str]:
 
 
 def global_batch(config: Mapping[str, Any]) -> int:
-    t, launch = config["training"], config["launch"]
-    if t["micro_batch_size"] == "auto":  # the micro-batch is found at start-up; the global batch is given
-        return int(t["global_batch_size"])
-    return int(t["micro_batch_size"]) * int(t["gradient_accumulation_steps"]) * int(launch["num_processes"])
+    """The settled split's global batch (with `auto`, the given one: the micro-batch is found at start-up)."""
+    return batch.split(config).required_global()
 
 
 def sharded(config: Mapping[str, Any]) -> bool:
@@ -153,7 +152,7 @@ def compare(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Comparison:
         return result
 
     g_old, g_new = global_batch(saved), global_batch(current)
-    w_old, w_new = int(saved["launch"]["num_processes"]), int(current["launch"]["num_processes"])
+    w_old, w_new = batch.data_parallel_degree(saved), batch.data_parallel_degree(current)
     micro = current["training"]["micro_batch_size"]
     if w_old != w_new:
         if micro == "auto":  # autobatch keeps training.global_batch_size on any world size
@@ -162,12 +161,12 @@ def compare(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Comparison:
             return result
         micro = int(micro)
         if g_new != g_old:
-            if g_old % (micro * w_new):
+            result.accumulation = batch.keeping(g_old, micro, w_new)
+            if result.accumulation is None:
                 result.refusal = (f"the global batch of {g_old} cannot be kept on {w_new} processes with micro-batch "
                                   f"{micro}: {g_old} / ({micro} x {w_new}) is not a whole number. It is kept "
-                                  + routes.batch_combinations(g_old, micro, w_new))
+                                  + batch.combinations(g_old, micro, w_new))
                 return result
-            result.accumulation = g_old // (micro * w_new)
         accumulation = result.accumulation or int(current["training"]["gradient_accumulation_steps"])
         result.world_note = (f"{w_old} -> {w_new} processes: keeping the global batch of {g_old} "
                              f"(micro-batch {micro} x accumulation {accumulation} x {w_new})")

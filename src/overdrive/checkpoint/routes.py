@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from overdrive.config.batch import combinations as batch_combinations  # noqa: F401 (asked for by refusals here)
+
 # (from, to) strategy families a checkpoint can move between, and the reader of the source.
 _ACROSS = {
     ("ddp", "fsdp"): "DDP's whole tensors, sharded by set_state_dict",
@@ -127,20 +129,3 @@ def route(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Route:
     return Route("refused", **base, refusal=f"a {base['source']} checkpoint cannot continue under {base['target']}: "
                  f"{why}. Possible moves: DDP <-> FSDP2, ZeRO-1/2/3 -> FSDP2 or DDP, and any strategy to "
                  "another world size")
-
-
-def batch_combinations(global_batch: int, micro: int, world: int, limit: int = 8) -> str:
-    """The ways to keep `global_batch`, for a refusal: other world sizes at this micro-batch,
-    and other micro-batches on this world size."""
-    worlds = [w for w in range(1, global_batch // micro + 1) if global_batch % (micro * w) == 0][:limit]
-    micros = [m for m in range(1, global_batch // world + 1) if global_batch % (m * world) == 0][:limit]
-    parts = []
-    if worlds:
-        parts.append("with micro-batch {}: {}".format(micro, ", ".join(
-            f"launch.num_processes={w} (accumulation {global_batch // (micro * w)})" for w in worlds)))
-    if micros:
-        parts.append("on {}: {}".format(_processes(world), ", ".join(
-            f"training.micro_batch_size={m} (accumulation {global_batch // (m * world)})" for m in micros)))
-    else:
-        parts.append(f"no micro-batch on {_processes(world)}: {global_batch} is not a multiple of {world}")
-    return "; ".join(parts)

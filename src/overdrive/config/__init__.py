@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 from pydantic import ValidationError
 
-from overdrive.config import layers, validate
+from overdrive.config import batch, layers, validate
 from overdrive.config.layers import Origin, Setting
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
@@ -183,11 +183,14 @@ def resolve(
         except ValidationError:
             pass
         raise UserError(errors + type_errors) from None
+    config, derived = batch.settle(config, chains)  # the batch split, settled once here
     rule_errors, rule_warnings = validate.check(config, chains)
     errors += rule_errors
     if errors:
         raise UserError(errors)
     origins = {key: chain[-1].origin for key, chain in chains.items()}
+    if derived is not None:
+        origins[batch.ACCUMULATION] = derived
     return Resolved(config=config, origins=origins, chains=chains, warnings=warnings + rule_warnings)
 
 

@@ -161,8 +161,9 @@ class TrainingConfig(Section):
     )
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     global_batch_size: Optional[int] = Field(
-        None, ge=1, description="Samples per optimizer step over all processes, kept when micro_batch_size is "
-        "`auto` (accumulation becomes global / (micro x processes)); required then. Unused with an integer micro-batch."
+        None, ge=1, description="Samples per optimizer step over all processes. Set, it derives the accumulation: "
+        "global / (micro x data-parallel processes), refused when that is not a whole number or contradicts a "
+        "gradient_accumulation_steps also set. Kept when micro_batch_size is `auto` (required then)."
     )
     max_steps: int = Field(1200, ge=1, description="Optimizer steps to train.")
     gradient_clipping: Optional[float] = Field(1.0, gt=0.0, description="Max global gradient norm. Empty: no clipping.")

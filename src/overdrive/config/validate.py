@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from overdrive.config import batch
 from overdrive.config.keys import coerce
 from overdrive.config.layers import Setting
 from overdrive.config.redact import shown
@@ -66,14 +67,13 @@ def strategy_rules(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[
             warnings.append(Problem("parallel.deepspeed.activation_checkpointing", "has no effect on Transformers models "
                                     "(they do not call DeepSpeed's checkpointing)", _where(chains, "parallel.deepspeed.activation_checkpointing"),
                                     "set model.gradient_checkpointing=true to recompute activations"))
-        micro = cfg.training.micro_batch_size
-        if ds.train_batch_size is not None and micro != "auto":
-            expected = micro * cfg.training.gradient_accumulation_steps * cfg.launch.num_processes
-            if ds.train_batch_size != expected:
+        split = batch.split(cfg)
+        if ds.train_batch_size is not None and split.micro is not None:
+            if ds.train_batch_size != split.global_batch:
                 errors.append(Problem(
                     "parallel.deepspeed.train_batch_size",
-                    f"is {ds.train_batch_size}, but micro-batch {micro} x accumulation {cfg.training.gradient_accumulation_steps} "
-                    f"x world size {cfg.launch.num_processes} = {expected}",
+                    f"is {ds.train_batch_size}, but micro-batch {split.micro} x accumulation {split.accumulation} "
+                    f"x world size {split.data_parallel} = {split.global_batch}",
                     _where(chains, "parallel.deepspeed.train_batch_size"),
                     'write "auto" for train_batch_size, or change the micro-batch, accumulation or num_processes'))
     # Settings for a strategy that is not the one chosen: often a stale default config.
@@ -128,13 +128,13 @@ def deepspeed_dict_problems(cfg: RunConfig) -> list[Problem]:
     from overdrive.interop.deepspeed_config import ds_config  # pure dict work: no torch, no deepspeed
 
     found: list[Problem] = []
-    ds_config(cfg, cfg.launch.num_processes, problems=found, find_hidden_size=False)
+    ds_config(cfg, batch.data_parallel_degree(cfg), problems=found, find_hidden_size=False)
     return found
 
 
 def check(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]:
     """(errors, warnings) for a validated config."""
-    errors = deepspeed_contradictions(chains) + deepspeed_dict_problems(cfg)
+    errors = batch.problems(cfg, chains) + deepspeed_contradictions(chains) + deepspeed_dict_problems(cfg)
     strategy_errors, warnings = strategy_rules(cfg, chains)
     errors += strategy_errors + launch_rules(cfg, chains)
     warnings += training_rules(cfg, chains)

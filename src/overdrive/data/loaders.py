@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from overdrive.config import batch
 from overdrive.data.samples import PadCollator
 from overdrive.errors import Problem, UserError
 
@@ -48,7 +49,7 @@ def train_loader(dataset, micro_batch_size: int, accumulation: int, world_size: 
     the same size: otherwise Accelerate ends the accumulation early at the end of the data
     and that step averages over fewer samples.
     """
-    global_batch = micro_batch_size * accumulation * world_size
+    global_batch = batch.of(micro_batch_size, accumulation, world_size).global_batch
     usable = (len(dataset) // global_batch) * global_batch
     if usable == 0:
         raise UserError(Problem(

@@ -16,6 +16,7 @@ import copy
 import math
 from typing import Any, Mapping, Optional
 
+from overdrive.config import batch
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 
@@ -157,7 +158,7 @@ def _expected(cfg: RunConfig, world_size: int) -> dict[str, tuple[Any, str]]:
     if micro != AUTO:  # else Accelerate fills both from the DataLoader at prepare time
         values["train_micro_batch_size_per_gpu"] = (micro, "training.micro_batch_size")
         values["train_batch_size"] = (
-            micro * t.gradient_accumulation_steps * world_size,
+            batch.of(micro, t.gradient_accumulation_steps, world_size).global_batch,
             f"training.micro_batch_size x training.gradient_accumulation_steps x world size "
             f"({micro} x {t.gradient_accumulation_steps} x {world_size})")
     return values

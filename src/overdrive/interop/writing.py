@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from overdrive.config.batch import data_parallel_degree
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 from overdrive.strategies import registry
@@ -51,7 +52,7 @@ def deepspeed_json(cfg: RunConfig, batch_auto: bool = False, hidden_size: Option
     if registry.of(cfg) is not registry.DEEPSPEED:
         raise UserError(Problem("parallel.strategy", f"is {cfg.parallel.strategy}: there is no DeepSpeed config to write",
                                 fix="set parallel.strategy=deepspeed, or leave out --deepspeed"))
-    config = deepspeed_config.ds_config(cfg, cfg.launch.num_processes, hidden_size, find_hidden_size=False)
+    config = deepspeed_config.ds_config(cfg, data_parallel_degree(cfg), hidden_size, find_hidden_size=False)
     for key in _TEMPLATE_ONLY:
         if key not in deepspeed_config.passed_on_extra(cfg):
             config.pop(key, None)

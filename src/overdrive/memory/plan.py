@@ -72,10 +72,13 @@ class Arithmetic:
 
 
 def arithmetic(cfg, data: DataSize, micro_batch: int) -> Arithmetic:
-    """Global batch = micro x accumulation x world; the loader drops incomplete global batches."""
+    """The settled batch split (at `micro_batch`, for an `auto` one shown as an integer);
+    the loader drops incomplete global batches."""
+    from overdrive.config import batch
+
     t = cfg.training
-    world = cfg.launch.num_processes
-    global_batch = micro_batch * t.gradient_accumulation_steps * world
+    split = batch.split(batch.with_split(cfg, micro_batch, t.gradient_accumulation_steps))
+    world, global_batch = split.data_parallel, split.global_batch
     tokens_per_step = global_batch * cfg.data.max_length
     train_tokens = steps = epochs = None
     if data.tokens is not None:

@@ -51,13 +51,14 @@ def problems(cfg: RunConfig, world_size: int | None = None, gpus: int | None = N
     Includes the DeepSpeed dict's contradictions (an explicit `parallel.deepspeed.extra`
     entry against the run config). Cheap: builds no plugin and imports no deepspeed.
     """
+    from overdrive.config.batch import data_parallel_degree
     from overdrive.strategies import cpu
 
     found = cpu.problems(cfg, gpus)
     if cfg.parallel.strategy == "deepspeed":
         from overdrive.interop.deepspeed_config import ds_config
 
-        ds_config(cfg, world_size or cfg.launch.num_processes, problems=found, find_hidden_size=False)
+        ds_config(cfg, world_size or data_parallel_degree(cfg), problems=found, find_hidden_size=False)
     return found
 
 
@@ -69,6 +70,7 @@ def construct_accelerator(cfg: RunConfig, world_size: int | None = None, **extra
     `kwargs_handlers` given there are added to overdrive's own.
     """
     from overdrive.errors import UserError
+    from overdrive.config.batch import data_parallel_degree
     from overdrive.strategies import cpu
 
     world = world_size or cfg.launch.num_processes

@@ -38,6 +38,7 @@ import gc
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from overdrive.config import batch
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 from overdrive.memory import mentions_out_of_memory
@@ -62,15 +63,9 @@ class Choice:
 
 
 def per_process_batch(cfg: RunConfig, world: int) -> int:
-    global_batch = cfg.training.global_batch_size
-    if global_batch is None:
-        raise UserError(Problem("training.global_batch_size", "is needed with training.micro_batch_size=auto: it is "
-                                "the batch per optimizer step that `auto` keeps while it picks the micro-batch",
-                                fix="set training.global_batch_size (e.g. 64), or an integer micro_batch_size"))
-    if global_batch % world:
-        raise UserError(Problem("training.global_batch_size", f"{global_batch} does not divide over {world} processes",
-                                fix="make it a multiple of launch.num_processes"))
-    return global_batch // world
+    """Samples per data-parallel replica and optimizer step: the settled split's, on `world` replicas."""
+    split = batch.split(cfg)
+    return batch.BatchSplit(split.micro, split.accumulation, world, split.global_batch).per_replica
 
 
 def sizes(per_process: int) -> list[int]:
@@ -178,11 +173,6 @@ def choose(cfg: RunConfig, world: int, probe: Optional[Probe], on_gpu: bool, cap
     return Choice(agreed, per_process // agreed, predicted, tried, note)
 
 
-def _with(cfg: RunConfig, micro: int, accumulation: int) -> RunConfig:
-    training = cfg.training.model_copy(update={"micro_batch_size": micro, "gradient_accumulation_steps": accumulation})
-    return cfg.model_copy(update={"training": training})
-
-
 # ------------------------------------------------------------------ the real probe
 
 def _is_oom(error: BaseException) -> bool:
@@ -256,10 +246,9 @@ def make_probe(cfg: RunConfig, device, device_bytes: Optional[int] = None) -> Pr
 def predicted_config(cfg: RunConfig, capacity: Optional[Any] = None) -> RunConfig:
     """Step 1, before the Accelerator is built: `auto` replaced by the estimator's size, so
     every strategy's plugin is built from integers."""
-    world = cfg.launch.num_processes
-    per_process = per_process_batch(cfg, world)
+    per_process = batch.split(cfg).per_replica
     micro = predict(cfg, sizes(per_process), capacity) or 1
-    return _with(cfg, micro, per_process // micro)
+    return batch.with_split(cfg, micro, per_process // micro)
 
 
 def confirm(cfg: RunConfig, accelerator, probe: Optional[Probe] = None, capacity: Optional[Any] = None) -> RunConfig:
@@ -278,7 +267,7 @@ def confirm(cfg: RunConfig, accelerator, probe: Optional[Probe] = None, capacity
     def agree(m: int) -> int:
         return int(accelerator.gather(torch.tensor([m], device=device)).min().item())
 
-    choice = choose(cfg, accelerator.num_processes, probe, device.type == "cuda", capacity, agree,
+    choice = choose(cfg, batch.split(cfg).data_parallel, probe, device.type == "cuda", capacity, agree,
                     predicted=cfg.training.micro_batch_size)
     probe = None
     gc.collect()
@@ -293,4 +282,4 @@ def confirm(cfg: RunConfig, accelerator, probe: Optional[Probe] = None, capacity
         plugin.gradient_accumulation_steps = choice.accumulation
     if accelerator.is_main_process and cfg.logging.level != "quiet":
         print(f"overdrive: {choice.describe()}", flush=True)
-    return _with(cfg, choice.micro_batch, choice.accumulation)
+    return batch.with_split(cfg, choice.micro_batch, choice.accumulation)

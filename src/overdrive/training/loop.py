@@ -27,6 +27,7 @@ from overdrive.training import model as model_mod
 from overdrive.training import nonfinite
 from overdrive.training import telemetry
 from overdrive.training.evaluation import evaluate
+from overdrive.config import batch
 from overdrive.config.redact import redact
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
@@ -98,6 +99,7 @@ def build_parts(cfg: RunConfig, accelerator) -> Parts:
 
     t, d = cfg.training, cfg.data
     micro = _micro_batch(cfg)
+    split = batch.split(cfg)
     cache_dir = Path(d.cache_dir).expanduser()
     # One process per machine trains the tokenizer and fills the token cache; the others wait
     # for those files (not in a barrier), then every process memory-maps the same token ids.
@@ -116,14 +118,14 @@ def build_parts(cfg: RunConfig, accelerator) -> Parts:
     fpt = telemetry.flops_per_token(model_mod.flop_params(model), layers, width, d.max_length)
 
     collate = data_mod.collate_for(cfg.model.task, tokenizer.pad_token_id)
-    train_loader = data_mod.train_loader(tokens.train, micro, t.gradient_accumulation_steps,
-                                         accelerator.num_processes, t.seed, d.shuffle, d.num_workers,
+    train_loader = data_mod.train_loader(tokens.train, split.micro, split.accumulation,
+                                         split.data_parallel, t.seed, d.shuffle, d.num_workers,
                                          d.pin_memory, collate)
     eval_loader = None
     if tokens.validation is not None:
         # A fixed leading subset: evaluations are comparable across steps, and the loader is
         # always iterated to its end (leaving it early confuses Accelerate's end-of-data tracking).
-        n = min(len(tokens.validation), t.eval_batches * micro * accelerator.num_processes)
+        n = min(len(tokens.validation), t.eval_batches * micro * split.data_parallel)
         eval_loader = data_mod.eval_loader(torch.utils.data.Subset(tokens.validation, range(n)), micro,
                                            d.num_workers, d.pin_memory, collate)
     o, s = cfg.optim, cfg.scheduler

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from overdrive import checkpoint
-from overdrive.config import Origin, Resolved
+from overdrive.config import Origin, Resolved, batch
 from overdrive.config.schema import RunConfig
 
 
@@ -89,9 +89,20 @@ def _with_auto(resolved: Resolved, final: RunConfig, device: str) -> Resolved:
     return replace(resolved, config=final, origins=origins)
 
 
+def _with_split(resolved: Resolved) -> Resolved:
+    """The batch split settled as `config.resolve` settles it (a RunConfig built in Python
+    was not resolved); a resolved config is already settled, and comes back as it is."""
+    config = batch.settled(resolved.config)
+    if config is resolved.config:
+        return resolved
+    _, origin = batch.settle(resolved.config)
+    origins = {**resolved.origins, batch.ACCUMULATION: origin} if origin else resolved.origins
+    return replace(resolved, config=config, origins=origins)
+
+
 def settle(run: Resolved | RunConfig, force: bool, build: Callable[[RunConfig], Any]) -> Settled:
     """Steps 1 to 4 above; `build(config)` constructs the Accelerator for `config`."""
-    resolved = as_resolved(run)
+    resolved = _with_split(as_resolved(run))
     plan = resume_plan(resolved, force)
     resolved = _with_plan(resolved, plan)
     if resolved.config.training.micro_batch_size != "auto":

@@ -18,6 +18,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
+from overdrive.config import batch
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 
@@ -117,20 +118,8 @@ def detect_facts(cfg: RunConfig) -> Facts:
 
 
 def global_batch(cfg: RunConfig) -> int:
-    """Samples per optimizer step over all processes: what every candidate keeps."""
-    t, world = cfg.training, cfg.launch.num_processes
-    if t.micro_batch_size == "auto":
-        if t.global_batch_size is None:
-            raise UserError(Problem("training.global_batch_size", "is needed with training.micro_batch_size=auto: "
-                                    "it is the global batch that tuning keeps",
-                                    fix="set training.global_batch_size (e.g. 64), or an integer micro-batch"))
-        return t.global_batch_size
-    total = t.micro_batch_size * t.gradient_accumulation_steps * world
-    if t.global_batch_size is not None and t.global_batch_size != total:
-        raise UserError(Problem("training.global_batch_size", f"is {t.global_batch_size}, but micro-batch "
-                                f"{t.micro_batch_size} x accumulation {t.gradient_accumulation_steps} x {world} "
-                                f"process(es) = {total}", fix="make them agree, or leave global_batch_size empty"))
-    return total
+    """Samples per optimizer step over all processes: what every candidate keeps (the settled split's)."""
+    return batch.split(batch.settled(cfg)).required_global()
 
 
 @dataclass
@@ -178,10 +167,7 @@ def _add(options: list[Option], option: Option) -> None:
 
 
 def batch_options(global_batch_size: int, world: int, baseline_micro: Optional[int], most: int = 4) -> list[Option]:
-    if global_batch_size % world:
-        raise UserError(Problem("training.global_batch_size", f"{global_batch_size} does not divide over {world} processes",
-                                fix="make the global batch a multiple of launch.num_processes"))
-    per_rank = global_batch_size // world
+    per_rank = batch.BatchSplit(None, 1, world, global_batch_size).per_replica
     divisors = [m for m in range(per_rank, 0, -1) if per_rank % m == 0][:most]
     if baseline_micro and baseline_micro not in divisors:
         divisors.append(baseline_micro)
@@ -229,15 +215,16 @@ def _baseline_strategy(cfg: RunConfig) -> Option:
 def build_space(cfg: RunConfig, facts: Facts, only: Optional[dict[str, list[str]]] = None) -> Space:
     """The space for this run on this machine. `only` narrows a dimension to some labels
     (the benchmark's reduced space; tests), always keeping the baseline's option."""
-    world = cfg.launch.num_processes
-    gb = global_batch(cfg)
+    cfg = batch.settled(cfg)  # a RunConfig built in Python: its accumulation derived as resolve() would
+    split = batch.split(cfg)
+    world, gb = cfg.launch.num_processes, split.required_global()
     local = max(world // max(cfg.launch.num_machines, 1), 1)
     t, notes = cfg.training, []
     dims: dict[str, list[Option]] = {d: [] for d in DIMENSIONS}
     base: dict[str, Option] = {}
 
     micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else None
-    dims["batch"] = batch_options(gb, world, micro)
+    dims["batch"] = batch_options(gb, split.data_parallel, micro)
     base["batch"] = next((o for o in dims["batch"] if dict(o.values)["training.micro_batch_size"] == micro),
                          dims["batch"][0])
 
