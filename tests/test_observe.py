@@ -92,3 +92,18 @@ def test_the_live_record_is_current_between_heartbeats(tmp_path):
         seen = read_beats(tmp_path)[0]  # the JSON was written once, at the start; the map has the rest
         assert (seen.step, seen.phase) == (7, "backward")
     assert read_beats(tmp_path)[0].phase == "finished"
+
+
+def test_communication_hidden_behind_compute_is_not_counted():
+    from types import SimpleNamespace as NS
+
+    from overdrive.observe.profiling import collective_seconds_by_phase
+
+    def event(name, start, end, thread=1):
+        return NS(name=name, thread=thread, time_range=NS(start=start, end=end))
+
+    events = [event("phase:backward", 0, 100), event("phase:forward", 100, 200),
+              event("aten::mm", 0, 60), event("gloo:all_reduce", 40, 90, thread=7),  # 20 hidden, 30 exposed
+              event("c10d::_allgather_base_", 110, 130), event("aten::addmm", 130, 200)]
+    seconds = collective_seconds_by_phase(events)
+    assert abs(seconds["backward"] - 30e-6) < 1e-12 and abs(seconds["forward"] - 20e-6) < 1e-12

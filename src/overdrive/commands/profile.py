@@ -11,7 +11,9 @@ to `<output_dir>/profile/run`, so the job's own run directory is left alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -39,14 +41,33 @@ def run(args: argparse.Namespace) -> int:
 
     files = [item for item in args.items if "=" not in item]
     cli = [item for item in args.items if "=" in item]
-    report = profile(files, cli, args.steps, args.warmup)
-    if args.try_advice:
-        report["try"] = _try(files, cli, args, report)
+    # With --json, stdout is the contract alone: what the job prints (libraries included,
+    # in this process and in the workers, which inherit the descriptor) goes to stderr.
+    with _stdout_to_stderr(args.json):
+        report = profile(files, cli, args.steps, args.warmup)
+        if args.try_advice:
+            report["try"] = _try(files, cli, args, report)
     if args.json:
         print(json.dumps(report, indent=1))
     else:
         print(render(report))
     return 0
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr(active: bool):
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _try(files, cli, args, before) -> dict:
@@ -74,6 +95,13 @@ def _train_profiled(resolved, profile_dir: Path, warmup: int, steps: int) -> Non
     from overdrive.training.loop import train
     from overdrive.training.telemetry import peak_memory_mb
 
+    if not resolved.config.launch.num_processes > 1:
+        # Profiled in this process, maybe a second time (--try): Accelerate's state is a
+        # process-wide singleton that would keep the first run's settings.
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
     train(resolved, observer=lambda out, acc: ProfilingObserver(out, acc, profile_dir, warmup, steps, peak_memory_mb))
 
 

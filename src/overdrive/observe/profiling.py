@@ -7,8 +7,9 @@ spent inside collectives (ZeRO-3 and FSDP gather parameters in forward), told ap
 phase ranges recorded as `record_function` spans. So, per optimizer step:
 
 - communication = the loop's own collectives (sync) + the gradient reduction the rank
-  waited for after its last gradient (or, if larger, the collectives the profiler saw in
-  backward) + the collectives inside forward and optimizer;
+  waited for after its last gradient (or, if larger, the exposed collectives the profiler
+  saw in backward) + the exposed collectives inside forward and optimizer; "exposed": in
+  flight on any thread while the main thread ran no operator of its own;
 - forward, backward, optimizer = their time minus that;
 - data = waiting for the next batch; other = the rest of the step.
 
@@ -65,8 +66,31 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
     return total
 
 
+def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of the (merged) intervals `a` not covered by the (merged) intervals `b`."""
+    out: list[tuple[float, float]] = []
+    j = 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k, cursor = j, start
+        while k < len(b) and b[k][0] < end:
+            if b[k][0] > cursor:
+                out.append((cursor, b[k][0]))
+            cursor = max(cursor, b[k][1])
+            k += 1
+        if cursor < end:
+            out.append((cursor, end))
+    return out
+
+
 def collective_seconds_by_phase(events: list[Any]) -> dict[str, float]:
-    """Seconds the main thread spent in collectives within each phase span (profiler events)."""
+    """Seconds of communication not hidden behind compute within each phase span.
+
+    Collectives run on the backend's own threads (gloo's `gloo:all_reduce`) as well as the
+    main thread; they are exposed when the main thread is not computing meanwhile (no
+    `aten::` operator of its own running). Pure: any objects with `name`, `thread` and
+    `time_range` (microseconds) will do."""
     phases: dict[str, list[tuple[float, float]]] = {}
     main_thread = None
     for e in events:
@@ -74,8 +98,11 @@ def collective_seconds_by_phase(events: list[Any]) -> dict[str, float]:
             phases.setdefault(e.name[len(PHASE_PREFIX):], []).append((e.time_range.start, e.time_range.end))
             main_thread = e.thread
     comm = _union([(e.time_range.start, e.time_range.end) for e in events
-                   if e.thread == main_thread and not e.name.startswith(PHASE_PREFIX) and COLLECTIVE.search(e.name)])
-    return {phase: _overlap(_union(spans), comm) / 1e6 for phase, spans in phases.items()}
+                   if not e.name.startswith(PHASE_PREFIX) and COLLECTIVE.search(e.name)])
+    computing = _union([(e.time_range.start, e.time_range.end) for e in events
+                        if e.thread == main_thread and e.name.startswith("aten::") and not COLLECTIVE.search(e.name)])
+    exposed = _minus(comm, computing)
+    return {phase: _overlap(_union(spans), exposed) / 1e6 for phase, spans in phases.items()}
 
 
 def top_ops(profiler: Any, steps: int, cuda: bool) -> list[dict[str, Any]]:
