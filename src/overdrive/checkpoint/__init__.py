@@ -2,13 +2,14 @@
 
     plan = plan_resume(cfg, force)          # before the accelerator: what to resume, is it allowed
     ckpt = Checkpointer(plan.config, accelerator, scheduler, plan, metrics_path)
-    restored = ckpt.restore(loop_state)     # load the newest verified checkpoint (or start fresh)
+    restored = ckpt.restore(loop_state)     # the newest verified checkpoint into loop_state, whole (or a fresh start)
     ...
-    if ckpt.due(step): ckpt.save(loop_state, loss_sum, micro_steps, extra)
+    if ckpt.due(step): ckpt.save(loop_state)
 
     store.py        atomic directories, manifests with sha256, finding the newest complete one, pruning
     fingerprint.py  which config changes alter the math, the world size and the global batch
     routes.py       how a checkpoint of another world size or strategy gets in (or why it cannot)
+    resume.py       what a run resumes, judged once: the typed plan, handed to the workers whole
     reshard.py      that move: DeepSpeed's universal checkpoint, DCP, set_state_dict
     session.py      save_state / load_state and the trainer's own state
     signals.py      SIGTERM / SIGINT: stop after the step every rank agrees on
@@ -16,10 +17,12 @@
 The trainer calls these; none of them reads the environment.
 """
 
-from overdrive.checkpoint.session import (TRAINER_STATE, Checkpointer, Restored, ResumePlan, plan_resume,
-                                          read_state, with_plan)
+from overdrive.checkpoint.resume import (TRAINER_STATE, ResumePlan, describe_resume, judge_resume, plan_resume,
+                                         read_state, resume_plan, with_plan)
+from overdrive.checkpoint.session import Checkpointer, Restored
 from overdrive.checkpoint.signals import StopRequest, cpu_group, signal_name
 from overdrive.checkpoint.store import checkpoints_dir, latest_complete
 
 __all__ = ["TRAINER_STATE", "Checkpointer", "Restored", "ResumePlan", "StopRequest", "checkpoints_dir", "cpu_group",
-           "latest_complete", "plan_resume", "read_state", "signal_name", "with_plan"]
+           "describe_resume", "judge_resume", "latest_complete", "plan_resume", "read_state", "resume_plan",
+           "signal_name", "with_plan"]

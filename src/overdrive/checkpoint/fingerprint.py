@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from overdrive.checkpoint import routes
-from overdrive.config import batch
+import overdrive.config.batch as batch
 from overdrive.config.keys import flatten  # open mappings (model.architecture, deepspeed extra) entry by entry
 from overdrive.strategies import registry
 

@@ -24,23 +24,20 @@ and how long it took.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from overdrive.checkpoint import fingerprint as fp
 from overdrive.checkpoint import reshard, store
-from overdrive.checkpoint.routes import Route
+from overdrive.checkpoint.resume import (START_OVER, TRAINER_STATE, ResumePlan, judge, plan_resume,  # noqa: F401
+                                         read_state, with_plan)
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
-
-TRAINER_STATE = "trainer_state.json"
-START_OVER = "start over instead: checkpoint.resume=never, or a new output_dir"
 
 
 class _TiedWeightsNotice(logging.Filter):
@@ -63,164 +60,14 @@ def _quiet_tied_weights():
         accelerate_logger.removeFilter(notice)
 
 
-def read_state(path: Path) -> dict[str, Any]:
-    return json.loads((path / TRAINER_STATE).read_text())
-
-
-# ---------------------------------------------------------------- before the accelerator
-
-@dataclass
-class ResumePlan:
-    """What a run will resume from, decided before anything is built.
-
-    `config` is the config to build with: the one given, except that a different world size
-    changes the accumulation so the checkpoint's global batch is kept.
-    """
-
-    config: RunConfig
-    checkpoint: Optional[Path] = None
-    saved: Optional[dict[str, Any]] = None
-    notes: list[str] = field(default_factory=list)
-    force: bool = False
-    route: Optional[Route] = None  # how the checkpoint loads (resharded for another world size or strategy)
-
-
-def _judge(saved: dict[str, Any], cfg: RunConfig, name: str, force: bool,
-           comparison: Optional[fp.Comparison] = None) -> fp.Comparison:
-    """Compare the checkpoint's config with `cfg`; raise on what cannot or may not resume."""
-    comparison = comparison or fp.compare(saved["config"], cfg.model_dump(mode="json"))
-    route = comparison.route
-    problems = []
-    if comparison.refusal and route is not None and route.how == "refused":
-        keys = [c.key for c in comparison.of("layout")] or ["launch.num_processes"]
-        old = ", ".join(f"{c.key}={c.old}" for c in comparison.of("layout")) or \
-            f"launch.num_processes={route.source_world}"
-        problems.append(Problem(keys[0], f"{name}: {comparison.refusal}", fix=f"resume with {old}, or {START_OVER}"))
-    else:
-        problems += [Problem(c.key, f"{c.old!r} -> {c.new!r}: {name} cannot be loaded ({c.why})",
-                             fix=f"put the old value back, or {START_OVER}") for c in comparison.of("layout")]
-        if comparison.refusal:
-            problems.append(Problem("launch.num_processes", comparison.refusal,
-                                    fix=f"resume with one of those, or launch.num_processes="
-                                    f"{saved['config']['launch']['num_processes']}, or {START_OVER}"))
-    if problems:
-        raise UserError(problems, title=f"cannot resume from {name}")
-    math = comparison.of("math")
-    if math and not force:
-        raise UserError(
-            [Problem(c.key, f"{c.old!r} -> {c.new!r} since {name} was saved: changes {c.why}") for c in math]
-            + [Problem("", f"to resume anyway with the new values: the same command with --force; or put the old "
-                       f"values back; or {START_OVER}")],
-            title=f"the config changed the math since {name}")
-    return comparison
-
-
-def plan_resume(cfg: RunConfig, force: bool = False) -> ResumePlan:
-    """The newest complete-looking checkpoint in output_dir, and whether this config may resume it.
-
-    Cheap: reads manifests and file sizes, not their contents (the main process checks the
-    sha256 sums before loading, see `Checkpointer.restore`). Raises UserError when the
-    config changed the math (without `force`) or cannot load the checkpoint at all, unless
-    that checkpoint ends a finished run: then there is nothing to resume, and a different
-    config starts a new run in the same output_dir.
-    """
-    plan = ResumePlan(cfg, force=force)
-    if cfg.checkpoint.resume == "never":
-        return plan
-    search = store.latest_complete(store.checkpoints_dir(cfg.output_dir), checksums=False)
-    plan.notes += search.messages()
-    if search.found is None:
-        return plan
-    path = search.found.path
-    try:
-        saved = read_state(path)
-    except (OSError, ValueError) as error:
-        raise UserError(Problem("checkpoint.resume", f"{path}/{TRAINER_STATE} is unreadable: {error}",
-                                fix=START_OVER)) from None
-    comparison = fp.compare(saved["config"], cfg.model_dump(mode="json"))
-    finished = search.found.step >= saved["config"]["training"]["max_steps"]
-    different = [c.key for c in comparison.of("math") + comparison.of("layout")]
-    different += [c.key for c in comparison.of("harmless") if c.why.startswith(fp.MOVED_BY)]  # another strategy
-    if comparison.world_note or comparison.refusal:
-        different.append("launch.num_processes")
-    if finished and different and not force:
-        plan.notes.append(f"{path.name} ends a finished run with a different config ({', '.join(different)}): "
-                          "starting a new run here (its checkpoints replace the old ones; --force would continue "
-                          "the old one instead)")
-        return plan
-    _judge(saved, cfg, path.name, force, comparison)
-    plan.checkpoint, plan.saved = path, saved
-    harmless = [c.render() for c in comparison.of("harmless")]
-    if harmless:
-        plan.notes.append("changed since the checkpoint (the math is the same): " + "; ".join(harmless))
-    forced = [c.render() for c in comparison.of("math")]
-    if forced:
-        plan.notes.append("--force: resuming with changed math: " + "; ".join(forced))
-    if comparison.world_note:
-        plan.notes.append(comparison.world_note)
-    plan.route = comparison.route
-    if plan.route is not None and plan.route.reshards:
-        plan.notes.append(f"resharding {path.name}: {plan.route.summary()}")
-    if comparison.accumulation is not None:
-        t = cfg.training.model_copy(update={"gradient_accumulation_steps": comparison.accumulation})
-        plan.config = cfg.model_copy(update={"training": t})
-    return plan
-
-
-def describe_resume(cfg: RunConfig) -> Optional[dict[str, Any]]:
-    """What `overdrive train` with this config would resume, and how the checkpoint gets in
-    (resharded from another world size or strategy, and at what cost). None without a checkpoint."""
-    if cfg.checkpoint.resume == "never":
-        return None
-    found = store.latest_complete(store.checkpoints_dir(cfg.output_dir), checksums=False).found
-    if found is None:
-        return None
-    try:
-        saved = read_state(found.path)
-    except (OSError, ValueError):
-        return None
-    comparison = fp.compare(saved["config"], cfg.model_dump(mode="json"))
-    route = comparison.route
-    text = f"{found.path.name}: " + (route.summary() if route.how != "as saved" else "loaded as saved")
-    if comparison.refusal:
-        text = f"{found.path.name}: refused: {comparison.refusal}"
-    elif comparison.world_note:
-        text += f"; {comparison.world_note}"
-    math = [c.key for c in comparison.of("math")]
-    if math:
-        text += f"; the math changed since ({', '.join(math)}): train refuses it without --force"
-    cost = reshard.conversion_record(found.path) if route.universal else None
-    if route.universal and not comparison.refusal:
-        text += (f"; universal form converted once in {cost['seconds']:.1f} s ({cost['bytes'] / 1e6:.1f} MB beside "
-                 f"{cost['source_bytes'] / 1e6:.1f} MB)" if cost else "; converted to the universal form on resume")
-    return {"checkpoint": str(found.path), "step": found.step, "how": route.how, "resharding": route.summary(),
-            "refusal": comparison.refusal, "conversion": cost, "text": text}
-
-
-def with_plan(resolved: Any, plan: ResumePlan) -> Any:
-    """`resolved` carrying the plan's config; a changed accumulation gets its origin."""
-    from overdrive.config import Origin, Resolved
-
-    if getattr(resolved, "config", resolved) is plan.config:
-        return resolved
-    if not isinstance(resolved, Resolved):
-        return plan.config
-    origins = dict(resolved.origins)
-    origins["training.gradient_accumulation_steps"] = Origin("resume", f"global batch of {plan.checkpoint}")
-    return Resolved(config=plan.config, origins=origins, chains=resolved.chains, warnings=resolved.warnings)
-
-
 # ---------------------------------------------------------------- with the accelerator
 
 @dataclass
 class Restored:
-    """What the loop needs beyond the accelerator's own objects after a resume."""
+    """Which checkpoint a run resumed from (None: a fresh start)."""
 
     step: int = 0
     path: Optional[Path] = None
-    pending_loss: float = 0.0  # this rank's loss summed since the last log
-    pending_micro_steps: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Checkpointer:
@@ -272,10 +119,10 @@ class Checkpointer:
                 store.truncate(self.metrics_path, 0)  # a fresh start: no records of an earlier run
             return Restored()
         saved = read_state(path)
-        if path != self.plan.checkpoint:
-            _judge(saved, self.cfg, path.name, self.plan.force)
+        route = self.plan.route
+        if path != self.plan.checkpoint or route is None:  # an older checkpoint than the judged one
+            route = judge(saved, self.cfg, path.name, self.plan.force).route
         self.lineage = saved.get("lineage") or self.lineage
-        route = fp.compare(saved["config"], self.cfg.model_dump(mode="json")).route
         started = time.perf_counter()
         try:
             universal = self._universal(path) if route.universal else None
@@ -296,28 +143,29 @@ class Checkpointer:
             # is in the old accumulation's units. A checkpoint is always at an optimizer step.
             self.acc.step = 0
             self.say(f"resharded {route.summary()} in {time.perf_counter() - started:.1f} s")
-        loop = saved["loop"]
-        for item in dataclasses.fields(state):
-            if item.name in loop:
-                setattr(state, item.name, loop[item.name])
-        # Micro-batches per rank already taken from this epoch, for this run's batch shape.
-        state.batch_in_epoch = saved["samples_in_epoch"] // (self.cfg.training.micro_batch_size * self.acc.num_processes)
-        restored = Restored(step=state.step, path=path, extra=saved.get("extra", {}))
-        world, saved_world = self.acc.num_processes, saved["world_size"]
-        if saved_world == world:
-            restored.pending_loss = saved["pending_loss"][self.acc.process_index]
-            restored.pending_micro_steps = saved["pending_micro_steps"]
-        else:
-            # The loss summed since the last log, shared out so the next logged mean is over the
-            # same micro-batches: whole optimizer steps, so the count converts exactly.
-            restored.pending_loss = sum(saved["pending_loss"]) / world
-            restored.pending_micro_steps = saved["pending_micro_steps"] * saved_world // world
+        state.load_state_dict(self._loop_values(saved))
         if self.main:
             store.truncate(self.metrics_path, saved["metrics_bytes"])
         self.last_saved = state.step
         self.say(f"resumed from {path} (step {state.step}, epoch {state.epoch}, "
                  f"{state.batch_in_epoch} micro-batches into it)")
-        return restored
+        return Restored(step=state.step, path=path)
+
+    def _loop_values(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """The saved loop state, for this run's world size and batch shape."""
+        values = {**saved.get("extra", {}), **saved["loop"]}  # first/final loss: in "extra" before they were loop state
+        # Micro-batches per rank already taken from this epoch, for this run's batch shape.
+        values["batch_in_epoch"] = saved["samples_in_epoch"] // (self.cfg.training.micro_batch_size * self.acc.num_processes)
+        world, saved_world = self.acc.num_processes, saved["world_size"]
+        if saved_world == world:
+            values["loss_sum"] = saved["pending_loss"][self.acc.process_index]
+            values["micro_steps"] = saved["pending_micro_steps"]
+        else:
+            # The loss summed since the last log, shared out so the next logged mean is over the
+            # same micro-batches: whole optimizer steps, so the count converts exactly.
+            values["loss_sum"] = sum(saved["pending_loss"]) / world
+            values["micro_steps"] = saved["pending_micro_steps"] * saved_world // world
+        return values
 
     def _universal(self, path: Path) -> Path:
         """DeepSpeed's universal form of `path`: the main process converts it (once; cached in the
@@ -336,8 +184,10 @@ class Checkpointer:
 
     # -------------------------------------------------------------- save
 
-    def save(self, state: Any, pending_loss: Any, pending_micro_steps: int, extra: dict[str, Any]) -> Path:
-        """A complete checkpoint of this step, or none: see store.py for the order of writes."""
+    def save(self, state: Any) -> Path:
+        """A complete checkpoint of this step, or none: see store.py for the order of writes.
+        `state` is the loop's state, saved whole: its `state_dict()`, and its device-side
+        `loss_sum` gathered from every rank."""
         acc, step = self.acc, state.step
         tmp = store.temp_dir_for(self.root, step)
         if self.main:
@@ -345,9 +195,9 @@ class Checkpointer:
         acc.wait_for_everyone()
         with _quiet_tied_weights():
             acc.save_state(str(tmp))
-        losses = acc.gather(pending_loss.detach().float().reshape(1)).tolist()
+        losses = acc.gather(state.loss_sum.detach().float().reshape(1)).tolist()
         if self.main:
-            self._write_trainer_state(tmp, state, losses, pending_micro_steps, extra)
+            self._write_trainer_state(tmp, state, losses)
         acc.wait_for_everyone()  # every rank's files are written before the manifest lists them
         final = self.root / store.name_for(step)
         if self.main:
@@ -357,22 +207,24 @@ class Checkpointer:
         self.last_saved = step
         return final
 
-    def _write_trainer_state(self, tmp: Path, state: Any, losses: list, micro_steps: int, extra: dict) -> None:
+    def _write_trainer_state(self, tmp: Path, state: Any, losses: list) -> None:
         from overdrive.config.redact import redact
 
         cfg, t = self.cfg, self.cfg.training
         config = cfg.model_dump(mode="json")
         world = self.acc.num_processes
+        loop = state.state_dict()
         record = {
             "format": 1, "step": state.step, "saved_at": time.time(), "lineage": self.lineage,
-            "loop": dataclasses.asdict(state),
+            "loop": loop,
             "samples_in_epoch": state.batch_in_epoch * t.micro_batch_size * world,
             "world_size": world, "micro_batch_size": t.micro_batch_size,
             "gradient_accumulation_steps": t.gradient_accumulation_steps, "global_batch": fp.global_batch(config),
             "strategy": cfg.parallel.strategy, "sharded": fp.sharded(config),
             "fingerprint": fp.fingerprint(config), "config": redact(config),
             "metrics_bytes": self.metrics_path.stat().st_size if self.metrics_path.exists() else 0,
-            "pending_loss": losses, "pending_micro_steps": micro_steps, "extra": extra,
+            "pending_loss": losses, "pending_micro_steps": loop["micro_steps"],
+            "extra": {"first_loss": loop["first_loss"], "final_loss": loop["final_loss"]},  # as earlier versions read it
         }
         (tmp / TRAINER_STATE).write_text(json.dumps(record, indent=1, default=str))
 

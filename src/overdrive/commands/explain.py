@@ -172,6 +172,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _resume(config) -> Any:
     """The checkpoint a train with this config would continue, and how it gets in (None: none)."""
-    from overdrive.checkpoint.session import describe_resume
+    from overdrive.checkpoint.resume import describe_resume
 
     return describe_resume(config)

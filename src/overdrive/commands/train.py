@@ -107,7 +107,7 @@ def _launch(resolved, force: bool) -> int:
     anything starts, and a new world size reaches the workers with its accumulation."""
     from overdrive import checkpoint
     from overdrive.launch import workers as launch
-    from overdrive.training.settle import judge_resume
+    from overdrive.checkpoint import judge_resume
 
     resolved = judge_resume(resolved, force)  # handed to the workers in the resolved file
     worker = launch.train_worker(launch.resolved_path(resolved.config)) + (["--force"] if force else [])

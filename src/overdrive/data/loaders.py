@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from overdrive.config import batch
+import overdrive.config.batch as batch
 from overdrive.data.samples import PadCollator
 from overdrive.errors import Problem, UserError
 

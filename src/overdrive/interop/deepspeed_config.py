@@ -16,7 +16,7 @@ import copy
 import math
 from typing import Any, Mapping, Optional
 
-from overdrive.config import batch
+import overdrive.config.batch as batch
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 

@@ -74,7 +74,7 @@ class Arithmetic:
 def arithmetic(cfg, data: DataSize, micro_batch: int) -> Arithmetic:
     """The settled batch split (at `micro_batch`, for an `auto` one shown as an integer);
     the loader drops incomplete global batches."""
-    from overdrive.config import batch
+    import overdrive.config.batch as batch
 
     t = cfg.training
     split = batch.split(batch.with_split(cfg, micro_batch, t.gradient_accumulation_steps))

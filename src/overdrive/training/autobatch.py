@@ -38,7 +38,7 @@ import gc
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from overdrive.config import batch
+import overdrive.config.batch as batch
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 from overdrive.memory import mentions_out_of_memory

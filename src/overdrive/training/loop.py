@@ -1,50 +1,63 @@
 """The training loop, readable top to bottom.
 
 `train(resolved)` settles the run config once (training/settle.py), builds everything from
-it (accelerator, tokenizer, model, data, optimizer, schedule), then runs `training.max_steps`
-optimizer steps (`_loop`, given one `Session`, returning an `Outcome`). Each optimizer
-step is `training.gradient_accumulation_steps` micro-batches under
-`accelerator.accumulate`; the loss is summed on the device and read (a host-device sync)
-only at logging steps. Everything that says where the loop is lives in `LoopState`; the end
-of each step is the one place where a checkpoint is taken (checkpoint/: atomic saves,
-exact resume, stopping on SIGTERM), and a non-finite step is kept out of the weights by
-nonfinite.py.
+it (training/parts.py: accelerator, tokenizer, model, data, optimizer, schedule), then runs
+`training.max_steps` optimizer steps. The outer loop (`_run`) is short: each pass calls the
+named steps, each with its own "due":
+
+    optimizer_step   the split's accumulation micro-batches under `accelerator.accumulate`
+    log_point        every `training.log_every_steps`: the one host-device sync, metrics.jsonl
+    evaluate         every `training.eval_every_steps`
+    save             checkpoint/: every `checkpoint.every_steps`, at the end, before any stop
+
+Where the loop is lives in one `LoopState`, which the checkpoint saves and restores whole;
+a non-finite step is kept out of the weights by nonfinite.py.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from overdrive import checkpoint, strategies
-from overdrive import data as data_mod
-from overdrive.training import model as model_mod
-from overdrive.training import nonfinite
-from overdrive.training import telemetry
-from overdrive.training.evaluation import evaluate
-from overdrive.config import batch
+import overdrive.config.batch as batch
 from overdrive.config.redact import redact
 from overdrive.config.schema import RunConfig
-from overdrive.errors import Problem, UserError
-from overdrive.strategies import registry
-from overdrive.training.optimization import make_optimizer, make_scheduler
-from overdrive.training.tokenizer import build_tokenizer
+from overdrive.training import nonfinite, telemetry
+from overdrive.training.evaluation import evaluate
+from overdrive.training.parts import Parts, build_parts, save_final
 
 
 @dataclass
 class LoopState:
-    """Where the loop is: with model, optimizer, schedule and RNG states, a resumable point."""
+    """Where the loop is: with model, optimizer, schedule and RNG states, a resumable point.
+    The checkpoint saves it whole (`state_dict`) and restores it whole (`load_state_dict`)."""
 
     step: int = 0  # optimizer steps done
     epoch: int = 0  # passes over the training data started
     batch_in_epoch: int = 0  # micro-batches consumed in the current epoch (data position)
     tokens_seen: int = 0  # across all processes
     nonfinite_in_a_row: int = 0
+    # This rank's loss summed on the device since the last log point (no sync per step),
+    # and the micro-batches in that sum: a resume carries on the interval being summed.
+    loss_sum: Any = 0.0
+    micro_steps: int = 0
+    first_loss: Optional[float] = None  # the first and latest logged losses
+    final_loss: Optional[float] = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every field but the loss sum, which lives on the device (the checkpoint gathers it)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "loss_sum"}
+
+    def load_state_dict(self, values: dict[str, Any]) -> None:
+        for f in fields(self):
+            if f.name in values:
+                setattr(self, f.name, values[f.name])
 
 
 @dataclass
@@ -62,94 +75,6 @@ class TrainResult:
     checkpoint: Optional[Path] = None  # the last checkpoint written or resumed from
 
 
-# ---------------------------------------------------------------- setup
-
-@dataclass
-class Parts:
-    accelerator: Any
-    model: Any
-    optimizer: Any
-    scheduler: Any
-    train_loader: Any
-    eval_loader: Any
-    tokenizer: Any
-    flops_per_token: float
-    peak: telemetry.DevicePeak
-    seq_len: int
-
-
-def _micro_batch(cfg: RunConfig) -> int:
-    mbs = cfg.training.micro_batch_size
-    if mbs == "auto":
-        raise UserError(Problem("training.micro_batch_size", "`auto` must be resolved before the parts are built",
-                                fix="train() resolves it (overdrive.training.autobatch); or set an integer"))
-    return mbs
-
-
-def _check_positions(config, seq_len: int) -> None:
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if limit is not None and seq_len > limit:
-        raise UserError(Problem("data.max_length", f"{seq_len} is longer than the model's {limit} positions",
-                                fix=f"set data.max_length <= {limit}"))
-
-
-def build_parts(cfg: RunConfig, accelerator) -> Parts:
-    """Tokenizer, model, data, optimizer and schedule, prepared by `accelerator`."""
-    from accelerate.utils import set_seed
-
-    t, d = cfg.training, cfg.data
-    micro = _micro_batch(cfg)
-    split = batch.split(cfg)
-    cache_dir = Path(d.cache_dir).expanduser()
-    # One process per machine trains the tokenizer and fills the token cache; the others wait
-    # for those files (not in a barrier), then every process memory-maps the same token ids.
-    tokenizer, tokens = data_mod.prepare(cfg, build_tokenizer, build=accelerator.is_local_main_process,
-                                         show=accelerator.is_main_process and cfg.logging.level != "quiet")
-    special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
-    if cfg.model.task == "sequence-classification":
-        # The classifier reads the last non-pad token. A causal LM gets no pad id: packed
-        # blocks have no padding, and with pad == eos Transformers would warn on every batch.
-        special["pad_token_id"] = tokenizer.pad_token_id
-    set_seed(t.seed)  # same initial weights on every rank and every run
-    model = model_mod.build_model(cfg, vocab_size=len(tokenizer), label_names=tokens.label_names,
-                                  special_tokens=special)
-    _check_positions(model.config, d.max_length)
-    layers, width = model_mod.shape_of(model.config)
-    fpt = telemetry.flops_per_token(model_mod.flop_params(model), layers, width, d.max_length)
-
-    collate = data_mod.collate_for(cfg.model.task, tokenizer.pad_token_id)
-    train_loader = data_mod.train_loader(tokens.train, split.micro, split.accumulation,
-                                         split.data_parallel, t.seed, d.shuffle, d.num_workers,
-                                         d.pin_memory, collate)
-    eval_loader = None
-    if tokens.validation is not None:
-        # A fixed leading subset: evaluations are comparable across steps, and the loader is
-        # always iterated to its end (leaving it early confuses Accelerate's end-of-data tracking).
-        n = min(len(tokens.validation), t.eval_batches * micro * split.data_parallel)
-        eval_loader = data_mod.eval_loader(torch.utils.data.Subset(tokens.validation, range(n)), micro,
-                                           d.num_workers, d.pin_memory, collate)
-    o, s = cfg.optim, cfg.scheduler
-    optimizer = make_optimizer(model, o.lr, o.weight_decay, o.betas, o.eps, o.implementation, accelerator.device.type)
-    scheduler = make_scheduler(optimizer, s.name, s.warmup_steps, t.max_steps, s.min_lr_ratio)
-    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
-    if eval_loader is not None:
-        eval_loader = accelerator.prepare(eval_loader)
-    model = _maybe_compile(model, cfg, accelerator)
-    peak = telemetry.DevicePeak(accelerator.device, cfg.precision.mixed_precision, cache_dir)
-    return Parts(accelerator, model, optimizer, scheduler, train_loader, eval_loader, tokenizer, fpt, peak,
-                 d.max_length)
-
-
-def _maybe_compile(model, cfg: RunConfig, accelerator):
-    """torch.compile when `compile.backend` is set and the Accelerator has not already done it."""
-    c = cfg.compile
-    if not c.backend or accelerator.state.dynamo_plugin.backend.value.lower() != "no":
-        return model
-    return torch.compile(model, backend=c.backend, mode=c.mode, fullgraph=c.fullgraph, dynamic=c.dynamic)
-
-
-# ---------------------------------------------------------------- the loop
-
 def batches(loader, state: LoopState, skip_first_batches=None):
     """Micro-batches forever, epoch after epoch; keeps the data position in `state`.
 
@@ -162,9 +87,9 @@ def batches(loader, state: LoopState, skip_first_batches=None):
         epoch = loader
         if state.batch_in_epoch and skip_first_batches is not None:
             epoch = skip_first_batches(loader, state.batch_in_epoch)
-        for batch in epoch:
+        for batch_ in epoch:
             state.batch_in_epoch += 1
-            yield batch
+            yield batch_
         state.epoch += 1
         state.batch_in_epoch = 0
 
@@ -185,7 +110,7 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
     if given.launch.threads_per_process:
         torch.set_num_threads(given.launch.threads_per_process)
     trackers = telemetry.resolve_trackers(given.logging.trackers)
-    # The resume plan and the auto micro-batch, settled once into the config that runs.
+    # The batch split, the resume plan and the auto micro-batch, settled once into the config that runs.
     settled = settle(run, force, lambda cfg: build_accelerator(cfg, log_with=trackers or None, project_dir=str(out)))
     cfg, accelerator = settled.config, settled.accelerator
     main = accelerator.is_main_process
@@ -210,37 +135,21 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
     watch.say = progress.print
     try:
         with checkpoint.StopRequest(checkpoint.cpu_group(), accelerator.num_processes) as stop, watch:
-            outcome = _loop(Session(cfg, parts, state, restored, ckpt, stop, progress, metrics, watch))
+            outcome = _run(Loop(cfg, parts, state, ckpt, stop, progress, metrics, checkpoint=restored.path,
+                                observe=watch))
     finally:
         progress.close()
-    result = TrainResult(out, state.step, is_main_process=main, **vars(outcome))
+    result = TrainResult(out, state.step, state.first_loss, state.final_loss, is_main_process=main, **vars(outcome))
     if not result.stopped_by:  # a stopped run is not finished: its checkpoint is the result
-        _save_final(cfg, parts, out)
+        save_final(cfg, parts, out)
     accelerator.end_training()
     return result
 
 
 @dataclass
-class Session:
-    """What the loop works with, built by train() before the first step."""
-
-    cfg: RunConfig
-    parts: Parts
-    state: LoopState
-    restored: "checkpoint.Restored"
-    ckpt: "checkpoint.Checkpointer"
-    stop: "checkpoint.StopRequest"
-    progress: "telemetry.ProgressDisplay"
-    metrics: "telemetry.MetricsLog"
-    observe: Any = None  # observe.RunObserver: where each step's time goes, heartbeats
-
-
-@dataclass
 class Outcome:
-    """What the loop found out; train() turns it into the TrainResult."""
+    """What the loop found out beyond its state; train() turns both into the TrainResult."""
 
-    first_loss: Optional[float] = None
-    final_loss: Optional[float] = None
     eval: dict[str, float] = field(default_factory=dict)
     stopped_early: str = ""
     stopped_by: int = 0
@@ -249,155 +158,170 @@ class Outcome:
     elapsed_s: float = 0.0
 
 
-def _loop(run: Session) -> Outcome:
-    cfg, parts, state, progress, metrics, obs = run.cfg, run.parts, run.state, run.progress, run.metrics, run.observe
-    t, acc, model, optimizer, scheduler = cfg.training, parts.accelerator, parts.model, parts.optimizer, parts.scheduler
-    world = acc.num_processes
-    data = batches(parts.train_loader, state, acc.skip_first_batches)
-    throughput = telemetry.Throughput()
-    # Summed on the device: no sync per step. A resume carries on the interval being summed.
-    loss_sum = torch.full((), run.restored.pending_loss, device=acc.device)
-    micro_steps = run.restored.pending_micro_steps
-    guard = nonfinite.NonfiniteGuard(t.nonfinite_loss, optimizer, acc.device, scaler=acc.scaler,
-                                     deepspeed=registry.of(cfg).engine_steps_optimizer,
-                                     dynamic_loss_scale=strategies.loss_scaler_owns_overflows(cfg))
-    guard.restore(state.nonfinite_in_a_row)
-    outcome = Outcome(run.restored.extra.get("first_loss"), run.restored.extra.get("final_loss"),
-                      checkpoint=run.restored.path)
-    grad_norm = None
-    after_first = None  # (time, tokens) at the first log: steady-state throughput starts there
-    model.train()
-    obs.watch(model)
-    while state.step < t.max_steps:
-        lr = scheduler.get_last_lr()[0]  # the lr this optimizer step uses
-        for _ in range(t.gradient_accumulation_steps):
-            obs.enter("data")
-            batch = next(data)
+def _run(loop: "Loop") -> Outcome:
+    """The outer loop: the named steps, each when it is due."""
+    loop.parts.model.train()
+    loop.observe.watch(loop.parts.model)
+    while loop.state.step < loop.cfg.training.max_steps:
+        loop.optimizer_step()
+        if loop.log_due():
+            loop.log_point()
+        if loop.eval_due():
+            loop.observe.enter("eval")
+            loop.evaluate()
+        # Every rank asks whether any rank got SIGTERM/SIGINT, so all stop after the same step.
+        loop.observe.enter("sync")
+        signum = loop.stop.agreed()
+        if loop.ckpt.due(loop.state.step, stopping=bool(signum or loop.outcome.stopped_early)):
+            loop.observe.enter("checkpoint")
+            loop.save()
+        if signum:
+            loop.stopped_by(signum)
+        if signum or loop.outcome.stopped_early:
+            break
+    return loop.finish()
+
+
+class Loop:
+    """What the steps work with, built by train() before the first step, and the steps."""
+
+    def __init__(self, cfg: RunConfig, parts: Parts, state: LoopState, ckpt: "checkpoint.Checkpointer",
+                 stop: "checkpoint.StopRequest", progress: "telemetry.ProgressDisplay",
+                 metrics: "telemetry.MetricsLog", checkpoint: Optional[Path] = None, observe: Any = None):
+        self.cfg, self.parts, self.state, self.ckpt, self.stop = cfg, parts, state, ckpt, stop
+        self.observe = observe  # observe.RunObserver: where each step's time goes, the heartbeat
+        self.progress, self.metrics = progress, metrics
+        acc, t = parts.accelerator, cfg.training
+        self.split = batch.split(cfg)
+        self.data = batches(parts.train_loader, state, acc.skip_first_batches)
+        self.throughput = telemetry.Throughput()
+        state.loss_sum = torch.full((), float(state.loss_sum), device=acc.device)
+        self.guard = nonfinite.NonfiniteGuard(t.nonfinite_loss, parts.optimizer, acc.device, scaler=acc.scaler,
+                                              deepspeed=strategies.registry.of(cfg).engine_steps_optimizer,
+                                              dynamic_loss_scale=strategies.loss_scaler_owns_overflows(cfg))
+        self.guard.restore(state.nonfinite_in_a_row)
+        self.outcome = Outcome(checkpoint=checkpoint)
+        self.grad_norm = None
+        self.lr = 0.0
+        self.after_first: Optional[tuple[float, int]] = None  # (time, tokens) at the first log: steady state
+
+    # -------------------------------------------------------------- the optimizer step
+
+    def optimizer_step(self) -> None:
+        """One optimizer step: `accumulation` micro-batches, then the schedule."""
+        acc, model, optimizer, guard, state = (self.parts.accelerator, self.parts.model, self.parts.optimizer,
+                                               self.guard, self.state)
+        clipping = self.cfg.training.gradient_clipping
+        world = self.split.data_parallel
+        self.lr = self.parts.scheduler.get_last_lr()[0]  # the lr this optimizer step uses
+        for _ in range(self.split.accumulation):
+            self.observe.enter("data")
+            micro_batch = next(self.data)
             with acc.accumulate(model):
-                obs.enter("forward")
-                loss = model(**batch).loss
-                obs.enter("backward")
+                self.observe.enter("forward")
+                loss = model(**micro_batch).loss
+                self.observe.enter("backward")
                 acc.backward(loss)  # Accelerate divides by the accumulation steps: the mean of means
-                obs.enter("optimizer")
-                if acc.sync_gradients and (t.gradient_clipping is not None or guard.needs_norm):
+                self.observe.enter("optimizer")
+                if acc.sync_gradients and (clipping is not None or guard.needs_norm):
                     # Clipping to infinity measures the norm (over all ranks) and changes nothing.
-                    grad_norm = acc.clip_grad_norm_(model.parameters(), t.gradient_clipping or math.inf)
-                    guard.check(grad_norm)  # a non-finite norm: this step will not touch the weights
+                    self.grad_norm = acc.clip_grad_norm_(model.parameters(), clipping or math.inf)
+                    guard.check(self.grad_norm)  # a non-finite norm: this step will not touch the weights
                 if guard.allows_step():
                     optimizer.step()  # a no-op until the last micro-batch of the accumulation
                 optimizer.zero_grad(set_to_none=True)
-            loss_sum += loss.detach().float()
-            micro_steps += 1
-            tokens = batch["input_ids"].numel() * world  # shapes are host-side: no sync
-            throughput.add(tokens)
+            state.loss_sum += loss.detach().float()
+            state.micro_steps += 1
+            tokens = micro_batch["input_ids"].numel() * world  # shapes are host-side: no sync
+            self.throughput.add(tokens)
             state.tokens_seen += tokens
         if not acc.sync_gradients:
             raise RuntimeError("accumulation out of step with the data: optimizer did not step")
         if not acc.optimizer_step_was_skipped:  # fp16 overflow skips a step; the schedule waits too
-            scheduler.step()
+            self.parts.scheduler.step()
         else:
             guard.scaler_skipped()  # reported as such at the next log, not as a bad loss
         state.step += 1
-        obs.step_done(state.step)
-        progress.step(state.step)
+        self.observe.step_done(state.step)
+        self.progress.step(state.step)
 
-        if state.step == 1 or state.step % t.log_every_steps == 0 or state.step == t.max_steps:
-            # The one sync point of the loop: read the loss accumulated since the last log.
-            obs.enter("sync")
-            loss_value = acc.reduce(loss_sum / micro_steps, "mean").item()
-            loss_sum.zero_()
-            micro_steps = 0
-            counts = guard.read()  # steps skipped since the last log
-            state.nonfinite_in_a_row = counts.in_a_row
-            record = {**_train_record(cfg, parts, state, loss_value, lr, throughput.read(), grad_norm),
-                      **counts.record(), "elapsed_s": throughput.elapsed(), **obs.fields()}
-            if counts.note(state.step):
-                progress.print(counts.note(state.step))
-            metrics.write(record)
-            acc.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"},
-                    step=state.step)
-            progress.log(state.step, record)
-            outcome.first_loss = loss_value if outcome.first_loss is None else outcome.first_loss
-            outcome.final_loss = loss_value
-            if after_first is None:
-                after_first = (time.perf_counter(), state.tokens_seen)
-            outcome.stopped_early = counts.verdict(t.nonfinite_loss, t.max_nonfinite_in_a_row, loss_value, state.step)
-            if outcome.stopped_early:
-                progress.print(f"stopping: {outcome.stopped_early}")
+    # -------------------------------------------------------------- the log point
 
-        if parts.eval_loader is not None and t.eval_every_steps and state.step % t.eval_every_steps == 0 \
-                and state.step < t.max_steps and not outcome.stopped_early:
-            obs.enter("eval")
-            outcome.eval = _eval_and_log(run)
+    def log_due(self) -> bool:
+        step, t = self.state.step, self.cfg.training
+        return step == 1 or step % t.log_every_steps == 0 or step == t.max_steps
 
-        # Save point: (model, optimizer, schedule, RNG, LoopState) when due, and before any stop.
-        # Every rank asks whether any rank got SIGTERM/SIGINT, so all stop after the same step.
-        obs.enter("sync")
-        signum = run.stop.agreed()
-        if run.ckpt.due(state.step, stopping=bool(signum or outcome.stopped_early)):
-            obs.enter("checkpoint")
-            state.nonfinite_in_a_row = guard.run_length()
-            outcome.checkpoint = run.ckpt.save(state, loss_sum, micro_steps,
-                                               {"first_loss": outcome.first_loss, "final_loss": outcome.final_loss})
-            progress.print(f"checkpoint: {outcome.checkpoint}")
-        if signum:
-            outcome.stopped_by = signum
-            progress.print(f"stopping after step {state.step}: received {checkpoint.signal_name(signum)}")
-        if signum or outcome.stopped_early:
-            break
+    def log_point(self) -> None:
+        """The one sync point of the loop: read the loss accumulated since the last log."""
+        acc, state = self.parts.accelerator, self.state
+        self.observe.enter("sync")
+        loss_value = acc.reduce(state.loss_sum / state.micro_steps, "mean").item()
+        state.loss_sum.zero_()
+        state.micro_steps = 0
+        counts = self.guard.read()  # steps skipped since the last log
+        state.nonfinite_in_a_row = counts.in_a_row
+        record = {**self._record(loss_value), **counts.record(), "elapsed_s": self.throughput.elapsed(),
+                  **self.observe.fields()}
+        if counts.note(state.step):
+            self.progress.print(counts.note(state.step))
+        self.metrics.write(record)
+        acc.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, step=state.step)
+        self.progress.log(state.step, record)
+        state.first_loss = loss_value if state.first_loss is None else state.first_loss
+        state.final_loss = loss_value
+        if self.after_first is None:
+            self.after_first = (time.perf_counter(), state.tokens_seen)
+        t = self.cfg.training
+        self.outcome.stopped_early = counts.verdict(t.nonfinite_loss, t.max_nonfinite_in_a_row, loss_value, state.step)
+        if self.outcome.stopped_early:
+            self.progress.print(f"stopping: {self.outcome.stopped_early}")
 
-    outcome.elapsed_s = throughput.elapsed()
-    if after_first is not None and state.step > 1:
-        seconds = time.perf_counter() - after_first[0]
-        outcome.tokens_per_s = (state.tokens_seen - after_first[1]) / max(seconds, 1e-9)
-    if parts.eval_loader is not None and not outcome.stopped_by:
-        outcome.eval = _eval_and_log(run)
-    return outcome
+    def _record(self, loss: float) -> dict[str, Any]:
+        parts, state, acc = self.parts, self.state, self.parts.accelerator
+        tokens_per_s = self.throughput.read()
+        mfu = parts.peak.mfu(parts.flops_per_token * tokens_per_s / acc.num_processes)
+        return {
+            "step": state.step, "loss": loss, "lr": self.lr, "tokens_per_s": tokens_per_s, "seq_len": parts.seq_len,
+            "micro_batch_size": self.split.micro, "gradient_accumulation_steps": self.split.accumulation,
+            "num_processes": acc.num_processes, "mixed_precision": self.cfg.precision.mixed_precision, "mfu": mfu,
+            "grad_norm": float(self.grad_norm) if self.grad_norm is not None else None,
+            "tokens": state.tokens_seen, "epoch": state.epoch,
+            "peak_memory_mb": telemetry.peak_memory_mb(acc.device), "time": time.time(),
+        }
 
+    # -------------------------------------------------------------- evaluation
 
-def _train_record(cfg: RunConfig, parts: Parts, state: LoopState, loss: float, lr: float, tokens_per_s: float,
-                  grad_norm) -> dict[str, Any]:
-    acc = parts.accelerator
-    per_device = tokens_per_s / acc.num_processes
-    mfu = parts.peak.mfu(parts.flops_per_token * per_device)
-    return {
-        "step": state.step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "seq_len": parts.seq_len,
-        "micro_batch_size": cfg.training.micro_batch_size, "gradient_accumulation_steps":
-        cfg.training.gradient_accumulation_steps, "num_processes": acc.num_processes,
-        "mixed_precision": cfg.precision.mixed_precision, "mfu": mfu,
-        "grad_norm": float(grad_norm) if grad_norm is not None else None,
-        "tokens": state.tokens_seen, "epoch": state.epoch,
-        "peak_memory_mb": telemetry.peak_memory_mb(acc.device), "time": time.time(),
-    }
+    def eval_due(self) -> bool:
+        step, t = self.state.step, self.cfg.training
+        return (self.parts.eval_loader is not None and bool(t.eval_every_steps) and step % t.eval_every_steps == 0
+                and step < t.max_steps and not self.outcome.stopped_early)
 
+    def evaluate(self) -> None:
+        values = evaluate(self.parts, self.cfg.model.task)
+        self.metrics.write({"step": self.state.step, **values, "time": time.time()})
+        self.parts.accelerator.log(values, step=self.state.step)
+        self.progress.log(self.state.step, values)
+        self.outcome.eval = values
 
-def _eval_and_log(run: Session) -> dict[str, float]:
-    values = evaluate(run.parts, run.cfg.model.task)
-    run.metrics.write({"step": run.state.step, **values, "time": time.time()})
-    run.parts.accelerator.log(values, step=run.state.step)
-    run.progress.log(run.state.step, values)
-    return values
+    # -------------------------------------------------------------- saving and stopping
 
+    def save(self) -> None:
+        """(model, optimizer, schedule, RNG, LoopState), due by the checkpointer's rule."""
+        self.state.nonfinite_in_a_row = self.guard.run_length()
+        self.outcome.checkpoint = self.ckpt.save(self.state)
+        self.progress.print(f"checkpoint: {self.outcome.checkpoint}")
 
-def _save_final(cfg: RunConfig, parts: Parts, out: Path) -> None:
-    """The trained model and tokenizer as a `save_pretrained` directory: out/model."""
-    acc = parts.accelerator
-    acc.wait_for_everyone()
-    if not cfg.checkpoint.save_final_model:
-        return
-    # Every rank takes part: under ZeRO-3 or FSDP the full weights are gathered from shards.
-    state_dict = acc.get_state_dict(parts.model)
-    if acc.is_main_process:
-        from transformers.utils import logging as hf_logging
+    def stopped_by(self, signum: int) -> None:
+        self.outcome.stopped_by = signum
+        self.progress.print(f"stopping after step {self.state.step}: received {checkpoint.signal_name(signum)}")
 
-        target = out / "model"
-        bar_was_on = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()  # a one-shard "Writing model shards" bar is only noise
-        try:
-            acc.unwrap_model(parts.model).save_pretrained(target, state_dict=state_dict, save_function=acc.save)
-            parts.tokenizer.save_pretrained(target)
-        finally:
-            if bar_was_on:
-                hf_logging.enable_progress_bar()
-    acc.wait_for_everyone()
-
+    def finish(self) -> Outcome:
+        """Throughput over the steady state, and the closing evaluation."""
+        outcome, state = self.outcome, self.state
+        outcome.elapsed_s = self.throughput.elapsed()
+        if self.after_first is not None and state.step > 1:
+            seconds = time.perf_counter() - self.after_first[0]
+            outcome.tokens_per_s = (state.tokens_seen - self.after_first[1]) / max(seconds, 1e-9)
+        if self.parts.eval_loader is not None and not outcome.stopped_by:
+            self.evaluate()
+        return outcome

@@ -5,9 +5,11 @@
     settled.resolved.to_json()              # -> <output_dir>/resolved.json
 
 In order:
-1. The resume: what to resume, whether this config may, and (on a new world size) the
-   accumulation that keeps the checkpoint's global batch. Judged once: by the launcher when
-   there is one (`judge_resume`, handed to the workers in the resolved file), else here.
+0. The batch split (config/batch.py), as `config.resolve` settles it, for a RunConfig built in Python.
+1. The resume (checkpoint/resume.py): what to resume, whether this config may, and (on a new
+   world size) the accumulation that keeps the checkpoint's global batch. Judged once: by the
+   launcher when there is one (`judge_resume`, the plan handed to the workers in the resolved
+   file), else here.
 2. `training.micro_batch_size: auto` predicted by the memory estimator, so every strategy's
    plugin is built from integers.
 3. The Accelerator, built by the caller's `build(config)`.
@@ -18,18 +20,18 @@ Each changed value gets its origin, so `resolved.json` says why it differs from 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
-from overdrive import checkpoint
-from overdrive.config import Origin, Resolved, batch
+from overdrive.checkpoint.resume import ResumePlan, judge_resume, resume_plan, with_plan  # noqa: F401 (judge_resume: the launcher's)
+import overdrive.config.batch as batch
+from overdrive.config import Origin, Resolved
 from overdrive.config.schema import RunConfig
 
 
 @dataclass(frozen=True)
 class Settled:
     resolved: Resolved  # the config as it runs, with the origin of every value
-    plan: "checkpoint.ResumePlan"
+    plan: ResumePlan
     accelerator: Any
 
     @property
@@ -40,43 +42,6 @@ class Settled:
 def as_resolved(run: Resolved | RunConfig) -> Resolved:
     """A bare RunConfig (the Python API) as a Resolved whose origins are unknown."""
     return run if isinstance(run, Resolved) else Resolved(config=run, origins={})
-
-
-def _record(plan: "checkpoint.ResumePlan") -> dict[str, Any]:
-    return {"checkpoint": str(plan.checkpoint) if plan.checkpoint else None, "force": plan.force,
-            "notes": list(plan.notes)}
-
-
-def _with_plan(resolved: Resolved, plan: "checkpoint.ResumePlan") -> Resolved:
-    return replace(checkpoint.with_plan(resolved, plan), resume=_record(plan))
-
-
-def judge_resume(run: Resolved | RunConfig, force: bool = False) -> Resolved:
-    """The launcher's judgement: refused before any worker starts, else handed to them."""
-    resolved = as_resolved(run)
-    return _with_plan(resolved, checkpoint.plan_resume(resolved.config, force))
-
-
-def _same(a: Optional[str | Path], b: Optional[str | Path]) -> bool:
-    return (a is None and b is None) or (a is not None and b is not None and Path(a).resolve() == Path(b).resolve())
-
-
-def resume_plan(resolved: Resolved, force: bool = False) -> "checkpoint.ResumePlan":
-    """The handed judgement while the checkpoint it names is still the newest one; a checkpoint
-    written since (the elastic agent restarted the workers after a save) is judged here."""
-    handed, cfg = resolved.resume, resolved.config
-    if handed is not None:
-        newest = checkpoint.latest_complete(checkpoint.checkpoints_dir(cfg.output_dir), checksums=False).found
-        judged = handed.get("checkpoint")
-        if _same(newest.path if newest else None, judged):
-            try:
-                saved = checkpoint.read_state(Path(judged)) if judged else None
-            except (OSError, ValueError):  # judged again below, which says what is wrong with it
-                saved = None
-            if saved is not None or not judged:
-                return checkpoint.ResumePlan(cfg, Path(judged) if judged else None, saved,
-                                             list(handed.get("notes", [])), bool(handed.get("force", force)))
-    return checkpoint.plan_resume(cfg, force)
 
 
 def _with_auto(resolved: Resolved, final: RunConfig, device: str) -> Resolved:
@@ -92,10 +57,9 @@ def _with_auto(resolved: Resolved, final: RunConfig, device: str) -> Resolved:
 def _with_split(resolved: Resolved) -> Resolved:
     """The batch split settled as `config.resolve` settles it (a RunConfig built in Python
     was not resolved); a resolved config is already settled, and comes back as it is."""
-    config = batch.settled(resolved.config)
+    config, origin = batch.settle(batch.refused(resolved.config))
     if config is resolved.config:
         return resolved
-    _, origin = batch.settle(resolved.config)
     origins = {**resolved.origins, batch.ACCUMULATION: origin} if origin else resolved.origins
     return replace(resolved, config=config, origins=origins)
 
@@ -104,7 +68,7 @@ def settle(run: Resolved | RunConfig, force: bool, build: Callable[[RunConfig], 
     """Steps 1 to 4 above; `build(config)` constructs the Accelerator for `config`."""
     resolved = _with_split(as_resolved(run))
     plan = resume_plan(resolved, force)
-    resolved = _with_plan(resolved, plan)
+    resolved = with_plan(resolved, plan)
     if resolved.config.training.micro_batch_size != "auto":
         return Settled(resolved, plan, build(resolved.config))
     from overdrive.training import autobatch

@@ -18,7 +18,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
-from overdrive.config import batch
+import overdrive.config.batch as batch
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 

@@ -1,0 +1,214 @@
+"""Resuming: what a run continues from, judged once, and handed to the workers whole.
+
+    plan = plan_resume(cfg, force)          # before anything is built: what to resume, is it allowed
+    resolved = with_plan(resolved, plan)    # the config it runs with, and the plan as a record
+    plan = resume_plan(resolved, force)     # a worker: the handed plan, while its checkpoint is the newest
+
+The judgement compares the checkpoint's config with this one once (fingerprint.compare):
+what changed, whether this config may resume it, how its files get in (`route`), and on a
+new world size the accumulation that keeps the checkpoint's global batch. The plan keeps all
+of it, also through the resolved file the launcher hands its workers, so a worker does not
+compare again; only a checkpoint other than the judged one (written since, or the judged one
+failing its checksums) is judged anew.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from overdrive.checkpoint import fingerprint as fp
+from overdrive.checkpoint import reshard, store
+from overdrive.checkpoint.routes import Route
+from overdrive.config import Origin, Resolved
+from overdrive.config.schema import RunConfig
+from overdrive.errors import Problem, UserError
+
+TRAINER_STATE = "trainer_state.json"
+START_OVER = "start over instead: checkpoint.resume=never, or a new output_dir"
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    return json.loads((path / TRAINER_STATE).read_text())
+
+
+@dataclass
+class ResumePlan:
+    """What a run will resume from, decided before anything is built.
+
+    `config` is the config to build with: the one given, except that a different world size
+    changes the accumulation so the checkpoint's global batch is kept.
+    """
+
+    config: RunConfig
+    checkpoint: Optional[Path] = None
+    saved: Optional[dict[str, Any]] = None
+    notes: list[str] = field(default_factory=list)
+    force: bool = False
+    route: Optional[Route] = None  # how the checkpoint loads (resharded for another world size or strategy)
+
+    def record(self) -> dict[str, Any]:
+        """The plan as the resolved file carries it to the workers (`resume` in resolved.json)."""
+        record = {"checkpoint": str(self.checkpoint) if self.checkpoint else None, "force": self.force,
+                  "notes": list(self.notes)}
+        if self.route is not None:
+            record["route"] = dataclasses.asdict(self.route)
+        return record
+
+    @classmethod
+    def from_record(cls, config: RunConfig, record: dict[str, Any], saved: Optional[dict[str, Any]],
+                    force: bool = False) -> "ResumePlan":
+        route = record.get("route")
+        return cls(config, Path(record["checkpoint"]) if record.get("checkpoint") else None, saved,
+                   list(record.get("notes", [])), bool(record.get("force", force)), Route(**route) if route else None)
+
+
+def judge(saved: dict[str, Any], cfg: RunConfig, name: str, force: bool,
+          comparison: Optional[fp.Comparison] = None) -> fp.Comparison:
+    """Compare the checkpoint's config with `cfg`; raise on what cannot or may not resume."""
+    comparison = comparison or fp.compare(saved["config"], cfg.model_dump(mode="json"))
+    route = comparison.route
+    problems = []
+    if comparison.refusal and route is not None and route.how == "refused":
+        keys = [c.key for c in comparison.of("layout")] or ["launch.num_processes"]
+        old = ", ".join(f"{c.key}={c.old}" for c in comparison.of("layout")) or \
+            f"launch.num_processes={route.source_world}"
+        problems.append(Problem(keys[0], f"{name}: {comparison.refusal}", fix=f"resume with {old}, or {START_OVER}"))
+    else:
+        problems += [Problem(c.key, f"{c.old!r} -> {c.new!r}: {name} cannot be loaded ({c.why})",
+                             fix=f"put the old value back, or {START_OVER}") for c in comparison.of("layout")]
+        if comparison.refusal:
+            problems.append(Problem("launch.num_processes", comparison.refusal,
+                                    fix=f"resume with one of those, or launch.num_processes="
+                                    f"{saved['config']['launch']['num_processes']}, or {START_OVER}"))
+    if problems:
+        raise UserError(problems, title=f"cannot resume from {name}")
+    math = comparison.of("math")
+    if math and not force:
+        raise UserError(
+            [Problem(c.key, f"{c.old!r} -> {c.new!r} since {name} was saved: changes {c.why}") for c in math]
+            + [Problem("", f"to resume anyway with the new values: the same command with --force; or put the old "
+                       f"values back; or {START_OVER}")],
+            title=f"the config changed the math since {name}")
+    return comparison
+
+
+def plan_resume(cfg: RunConfig, force: bool = False) -> ResumePlan:
+    """The newest complete-looking checkpoint in output_dir, and whether this config may resume it.
+
+    Cheap: reads manifests and file sizes, not their contents (the main process checks the
+    sha256 sums before loading, see `Checkpointer.restore`). Raises UserError when the
+    config changed the math (without `force`) or cannot load the checkpoint at all, unless
+    that checkpoint ends a finished run: then there is nothing to resume, and a different
+    config starts a new run in the same output_dir.
+    """
+    plan = ResumePlan(cfg, force=force)
+    if cfg.checkpoint.resume == "never":
+        return plan
+    search = store.latest_complete(store.checkpoints_dir(cfg.output_dir), checksums=False)
+    plan.notes += search.messages()
+    if search.found is None:
+        return plan
+    path = search.found.path
+    try:
+        saved = read_state(path)
+    except (OSError, ValueError) as error:
+        raise UserError(Problem("checkpoint.resume", f"{path}/{TRAINER_STATE} is unreadable: {error}",
+                                fix=START_OVER)) from None
+    comparison = fp.compare(saved["config"], cfg.model_dump(mode="json"))
+    finished = search.found.step >= saved["config"]["training"]["max_steps"]
+    different = [c.key for c in comparison.of("math") + comparison.of("layout")]
+    different += [c.key for c in comparison.of("harmless") if c.why.startswith(fp.MOVED_BY)]  # another strategy
+    if comparison.world_note or comparison.refusal:
+        different.append("launch.num_processes")
+    if finished and different and not force:
+        plan.notes.append(f"{path.name} ends a finished run with a different config ({', '.join(different)}): "
+                          "starting a new run here (its checkpoints replace the old ones; --force would continue "
+                          "the old one instead)")
+        return plan
+    judge(saved, cfg, path.name, force, comparison)
+    plan.checkpoint, plan.saved = path, saved
+    harmless = [c.render() for c in comparison.of("harmless")]
+    if harmless:
+        plan.notes.append("changed since the checkpoint (the math is the same): " + "; ".join(harmless))
+    forced = [c.render() for c in comparison.of("math")]
+    if forced:
+        plan.notes.append("--force: resuming with changed math: " + "; ".join(forced))
+    if comparison.world_note:
+        plan.notes.append(comparison.world_note)
+    plan.route = comparison.route
+    if plan.route is not None and plan.route.reshards:
+        plan.notes.append(f"resharding {path.name}: {plan.route.summary()}")
+    if comparison.accumulation is not None:
+        t = cfg.training.model_copy(update={"gradient_accumulation_steps": comparison.accumulation})
+        plan.config = cfg.model_copy(update={"training": t})
+    return plan
+
+
+def describe_resume(cfg: RunConfig) -> Optional[dict[str, Any]]:
+    """What `overdrive train` with this config would resume, and how the checkpoint gets in
+    (resharded from another world size or strategy, and at what cost). None without a checkpoint."""
+    if cfg.checkpoint.resume == "never":
+        return None
+    found = store.latest_complete(store.checkpoints_dir(cfg.output_dir), checksums=False).found
+    if found is None:
+        return None
+    try:
+        saved = read_state(found.path)
+    except (OSError, ValueError):
+        return None
+    comparison = fp.compare(saved["config"], cfg.model_dump(mode="json"))
+    route = comparison.route
+    text = f"{found.path.name}: " + (route.summary() if route.how != "as saved" else "loaded as saved")
+    if comparison.refusal:
+        text = f"{found.path.name}: refused: {comparison.refusal}"
+    elif comparison.world_note:
+        text += f"; {comparison.world_note}"
+    math = [c.key for c in comparison.of("math")]
+    if math:
+        text += f"; the math changed since ({', '.join(math)}): train refuses it without --force"
+    cost = reshard.conversion_record(found.path) if route.universal else None
+    if route.universal and not comparison.refusal:
+        text += (f"; universal form converted once in {cost['seconds']:.1f} s ({cost['bytes'] / 1e6:.1f} MB beside "
+                 f"{cost['source_bytes'] / 1e6:.1f} MB)" if cost else "; converted to the universal form on resume")
+    return {"checkpoint": str(found.path), "step": found.step, "how": route.how, "resharding": route.summary(),
+            "refusal": comparison.refusal, "conversion": cost, "text": text}
+
+
+def with_plan(resolved: Resolved, plan: ResumePlan) -> Resolved:
+    """`resolved` carrying the plan: its config (a changed accumulation gets its origin) and
+    the plan's record, which the resolved file hands to the workers."""
+    origins = dict(resolved.origins)
+    if resolved.config is not plan.config:
+        origins["training.gradient_accumulation_steps"] = Origin("resume", f"global batch of {plan.checkpoint}")
+    return dataclasses.replace(resolved, config=plan.config, origins=origins, resume=plan.record())
+
+
+def judge_resume(resolved: Resolved, force: bool = False) -> Resolved:
+    """The launcher's judgement: refused before any worker starts, else handed to them."""
+    return with_plan(resolved, plan_resume(resolved.config, force))
+
+
+def _same(a: Optional[str | Path], b: Optional[str | Path]) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and Path(a).resolve() == Path(b).resolve())
+
+
+def resume_plan(resolved: Resolved, force: bool = False) -> ResumePlan:
+    """The handed plan while the checkpoint it names is still the newest one; a checkpoint
+    written since (the elastic agent restarted the workers after a save), or a hand-off
+    without a route (a resolved file written before routes were handed over), is judged here."""
+    handed, cfg = resolved.resume, resolved.config
+    if handed is not None and (handed.get("route") or not handed.get("checkpoint")):
+        newest = store.latest_complete(store.checkpoints_dir(cfg.output_dir), checksums=False).found
+        judged = handed.get("checkpoint")
+        if _same(newest.path if newest else None, judged):
+            try:
+                saved = read_state(Path(judged)) if judged else None
+            except (OSError, ValueError):  # judged again below, which says what is wrong with it
+                saved = None
+            if saved is not None or not judged:
+                return ResumePlan.from_record(cfg, handed, saved, force)
+    return plan_resume(cfg, force)
