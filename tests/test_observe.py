@@ -107,3 +107,26 @@ def test_communication_hidden_behind_compute_is_not_counted():
               event("c10d::_allgather_base_", 110, 130), event("aten::addmm", 130, 200)]
     seconds = collective_seconds_by_phase(events)
     assert abs(seconds["backward"] - 30e-6) < 1e-12 and abs(seconds["forward"] - 20e-6) < 1e-12
+
+
+def rank_record(step_s, **phases):
+    full = dict.fromkeys(("data", "forward", "backward", "optimizer", "communication", "other"), 0.0)
+    full.update(phases)
+    return {"rank": 0, "step_s": step_s, "phases": full, "peak_memory_bytes": 10 * 2**20}
+
+
+def test_the_verdict_names_the_bottleneck_and_the_key_to_change():
+    from overdrive.config import load_config
+    from overdrive.observe.verdict import judge
+
+    zero3 = load_config(cli=["parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3"], env={})
+    bottleneck, advice = judge(zero3, [rank_record(1.0, forward=0.2, backward=0.2, communication=0.6)], 2**30)
+    assert bottleneck == "communication" and (advice[0]["key"], advice[0]["value"]) == ("parallel.deepspeed.zero_stage", 2)
+    plain = load_config(cli=[], env={})
+    bottleneck, advice = judge(plain, [rank_record(1.0, data=0.5, forward=0.5)], 2**30)
+    assert bottleneck == "data" and advice[0]["key"] == "data.num_workers" and advice[0]["value"] >= 1
+    bottleneck, advice = judge(plain, [rank_record(1.0, forward=0.5, backward=0.5)], 2**30)
+    assert bottleneck == "compute" and advice[0] == {**advice[0], "key": "precision.mixed_precision", "value": "bf16"}
+    assert advice[-1]["key"] == "training.micro_batch_size"  # 10 MiB of 1 GiB: room for more
+    bottleneck, _ = judge(plain, [{**rank_record(1.0, forward=1.0), "peak_memory_bytes": 0.95 * 2**30}], 2**30)
+    assert bottleneck == "memory"

@@ -35,12 +35,12 @@ def lighter_sharding(cfg) -> Optional[dict[str, Any]]:
     if not strategy.sharding(cfg).parameters:
         return None
     if strategy.engine_steps_optimizer:  # DeepSpeed's engine: stage 3 -> stage 2
-        return _advice(f"parallel.{strategy.section}.zero_stage", 2,
+        return _advice(f"{strategy.section}.zero_stage", 2,
                        "ZeRO-3 gathers every layer's parameters in forward and again in backward; ZeRO-2 keeps whole "
                        "parameters on each rank and shards only gradients and optimizer state",
                        "the parameter all-gathers disappear: communication falls by about two thirds, memory rises by "
                        "the parameters")
-    return _advice(f"parallel.{strategy.section}.reshard_after_forward", False,
+    return _advice(f"{strategy.section}.reshard_after_forward", False,
                    "resharding after forward gathers the parameters again in backward; keeping them (ZeRO-2-like) "
                    "saves that all-gather", "one all-gather fewer per layer and step, at the memory of the parameters")
 
