@@ -48,34 +48,8 @@ def deepspeed_contradictions(chains: Chains) -> list[Problem]:
 
 
 def strategy_rules(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]:
-    errors, warnings = [], []
-    ds, fsdp = cfg.parallel.deepspeed, cfg.parallel.fsdp
     strategy = registry.of(cfg)
-    if strategy is registry.DEEPSPEED:
-        if ds.offload_param != "none" and ds.zero_stage < 3:
-            errors.append(Problem("parallel.deepspeed.offload_param", f"offloads parameters, which needs ZeRO-3 (zero_stage is {ds.zero_stage})",
-                                  _where(chains, "parallel.deepspeed.offload_param"), "set parallel.deepspeed.zero_stage=3 or offload_param=none"))
-        if ds.offload_optimizer != "none" and ds.zero_stage == 0:
-            errors.append(Problem("parallel.deepspeed.offload_optimizer", "optimizer offload needs ZeRO stage 1, 2 or 3",
-                                  _where(chains, "parallel.deepspeed.offload_optimizer"), "set parallel.deepspeed.zero_stage=2"))
-        if "nvme" in (ds.offload_optimizer, ds.offload_param) and not ds.nvme_path:
-            errors.append(Problem("parallel.deepspeed.nvme_path", "nvme offload needs a directory", _where(chains, "parallel.deepspeed.offload_optimizer"),
-                                  "set parallel.deepspeed.nvme_path to a directory on a fast local disk"))
-        if ds.activation_checkpointing and not cfg.model.gradient_checkpointing:
-            # DeepSpeed's section configures deepspeed.checkpointing.checkpoint, which only models
-            # written for it call; Transformers models checkpoint through torch.utils.checkpoint.
-            warnings.append(Problem("parallel.deepspeed.activation_checkpointing", "has no effect on Transformers models "
-                                    "(they do not call DeepSpeed's checkpointing)", _where(chains, "parallel.deepspeed.activation_checkpointing"),
-                                    "set model.gradient_checkpointing=true to recompute activations"))
-        split = batch.split(cfg)
-        if ds.train_batch_size is not None and split.micro is not None:
-            if ds.train_batch_size != split.global_batch:
-                errors.append(Problem(
-                    "parallel.deepspeed.train_batch_size",
-                    f"is {ds.train_batch_size}, but micro-batch {split.micro} x accumulation {split.accumulation} "
-                    f"x world size {split.data_parallel} = {split.global_batch}",
-                    _where(chains, "parallel.deepspeed.train_batch_size"),
-                    'write "auto" for train_batch_size, or change the micro-batch, accumulation or num_processes'))
+    errors, warnings = strategy.setting_problems(cfg, lambda key: _where(chains, key))
     # Settings for a strategy that is not the one chosen: often a stale default config.
     for other in registry.STRATEGIES.values():
         if other is strategy or not other.section:
@@ -87,8 +61,6 @@ def strategy_rules(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[
             warnings.append(Problem(stray[0], f"has no effect: parallel.strategy is {cfg.parallel.strategy} "
                                     f"({len(stray)} {name} key(s) set, e.g. here)", _where(chains, stray[0]),
                                     f"set parallel.strategy={name} if you meant it, else remove them"))
-    if strategy is registry.FSDP and fsdp.version == 1 and fsdp.offload_params and not fsdp.reshard_after_forward:
-        warnings.append(Problem("parallel.fsdp.offload_params", "CPU offload with SHARD_GRAD_OP is unsupported by FSDP1", _where(chains, "parallel.fsdp.offload_params")))
     return errors, warnings
 
 
@@ -122,7 +94,7 @@ def training_rules(cfg: RunConfig, chains: Chains) -> list[Problem]:
 def deepspeed_dict_problems(cfg: RunConfig) -> list[Problem]:
     """The DeepSpeed dict overdrive would hand over, checked before launch: verbatim entries
     in parallel.deepspeed.extra that contradict the run config, or "auto" with nothing to fill."""
-    if registry.of(cfg) is not registry.DEEPSPEED or cfg.training.micro_batch_size == "auto":
+    if not registry.of(cfg).deepspeed_config or cfg.training.micro_batch_size == "auto":
         # `auto` is resolved to integers before the plugin is built, and the dict checked then.
         return []
     from overdrive.interop.deepspeed_config import ds_config  # pure dict work: no torch, no deepspeed
@@ -156,7 +128,7 @@ def nvme_problems(cfg: RunConfig, chains: Chains) -> list[Problem]:
     import os
 
     ds = cfg.parallel.deepspeed
-    if registry.of(cfg) is not registry.DEEPSPEED or "nvme" not in (ds.offload_optimizer, ds.offload_param) or not ds.nvme_path:
+    if not registry.of(cfg).deepspeed_config or "nvme" not in (ds.offload_optimizer, ds.offload_param) or not ds.nvme_path:
         return []
     path = os.path.expanduser(ds.nvme_path)
     why = ("does not exist" if not os.path.exists(path) else "is not a directory" if not os.path.isdir(path)

@@ -49,7 +49,7 @@ def deepspeed_json(cfg: RunConfig, batch_auto: bool = False, hidden_size: Option
     """
     from overdrive.interop import deepspeed_config
 
-    if registry.of(cfg) is not registry.DEEPSPEED:
+    if not registry.of(cfg).deepspeed_config:
         raise UserError(Problem("parallel.strategy", f"is {cfg.parallel.strategy}: there is no DeepSpeed config to write",
                                 fix="set parallel.strategy=deepspeed, or leave out --deepspeed"))
     config = deepspeed_config.ds_config(cfg, data_parallel_degree(cfg), hidden_size, find_hidden_size=False)

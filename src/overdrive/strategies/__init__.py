@@ -34,14 +34,23 @@ def accelerator_kwargs(cfg: RunConfig, world_size: int = 1, gpus: int | None = N
 
 def shards_parameters(cfg: RunConfig) -> bool:
     """FSDP and ZeRO-3: no rank ever holds the whole model (outside a gather)."""
-    return registry.of(cfg).sharding(cfg).parameters or registry.of(cfg) is registry.FSDP
+    return not registry.of(cfg).holds_whole_model(cfg)
 
 
 def loss_scaler_owns_overflows(cfg: RunConfig) -> bool:
-    """DeepSpeed fp16 with dynamic loss scaling (`loss_scale: 0`): DeepSpeed skips a step whose
-    gradients overflow and lowers the scale itself (a fixed scale skips nothing)."""
-    return (cfg.parallel.strategy == "deepspeed" and cfg.precision.mixed_precision == "fp16"
-            and not cfg.parallel.deepspeed.loss_scale)
+    """The strategy's engine skips overflowing fp16 steps itself (`Strategy.skips_overflowing_steps`)."""
+    return registry.of(cfg).skips_overflowing_steps(cfg)
+
+
+def use_split(accelerator: Any, micro: int, accumulation: int) -> None:
+    """Tell a constructed Accelerator (and DeepSpeed's config, read only in prepare()) a batch
+    split settled after construction (the auto micro-batch); the global batch is unchanged."""
+    accelerator.gradient_accumulation_steps = accumulation
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None:
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro
+        plugin.deepspeed_config["gradient_accumulation_steps"] = accumulation
+        plugin.gradient_accumulation_steps = accumulation
 
 
 def problems(cfg: RunConfig, world_size: int | None = None, gpus: int | None = None) -> list[Problem]:
@@ -55,7 +64,7 @@ def problems(cfg: RunConfig, world_size: int | None = None, gpus: int | None = N
     from overdrive.strategies import cpu
 
     found = cpu.problems(cfg, gpus)
-    if cfg.parallel.strategy == "deepspeed":
+    if registry.of(cfg).deepspeed_config:
         from overdrive.interop.deepspeed_config import ds_config
 
         ds_config(cfg, world_size or data_parallel_degree(cfg), problems=found, find_hidden_size=False)

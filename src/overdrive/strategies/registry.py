@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
+from overdrive.strategies import settings
+
 
 def _get(tree: Any, dotted: str) -> Any:
     for part in dotted.split("."):
@@ -23,7 +25,10 @@ def _get(tree: Any, dotted: str) -> Any:
 
 @dataclass(frozen=True)
 class Sharding:
-    """Which training state a strategy splits over the ranks, and which it keeps on the host."""
+    """Which training state a strategy splits over the ranks, and which it keeps on the host,
+    as the memory estimator counts it: `parameters` is whether they stay sharded between
+    forward and backward (FSDP2 keeps them gathered without reshard_after_forward). Whether a
+    rank ever holds the whole model is `Strategy.holds_whole_model`."""
 
     parameters: bool = False
     gradients: bool = False
@@ -50,13 +55,32 @@ class Strategy:
     engine_steps_optimizer: bool
     # A file of its own that `accelerate launch` reads beside the Accelerate YAML.
     native_file: Optional[str]
+    # The run hands DeepSpeed a config dict (interop/deepspeed_config.py), checked before launch.
+    deepspeed_config: bool
     _sharding: Callable[[Any], Sharding]
+    _holds_whole_model: Callable[[Any], bool]
+    _setting_problems: Callable[[Any, settings.Where], settings.Found]
     _checkpoint_per_rank: Callable[[Any], bool]
     _estimator_row: Callable[[Any], str]
     _label: Callable[[Any], str]
 
     def sharding(self, cfg: Any) -> Sharding:
         return self._sharding(cfg)
+
+    def holds_whole_model(self, cfg: Any) -> bool:
+        """Whether a rank holds the whole model outside a gather: not under ZeRO-3 or FSDP
+        (which shards the parameters at rest whatever reshard_after_forward says)."""
+        return self._holds_whole_model(cfg)
+
+    def setting_problems(self, cfg: Any, where: settings.Where) -> settings.Found:
+        """(errors, warnings) of this strategy's own settings; `where(key)`: where a value was set."""
+        return self._setting_problems(cfg, where)
+
+    def skips_overflowing_steps(self, cfg: Any) -> bool:
+        """The strategy's engine skips a step whose fp16 gradients overflow and lowers the loss
+        scale itself: DeepSpeed with dynamic loss scaling (`loss_scale: 0`; a fixed scale skips nothing)."""
+        return (self.engine_steps_optimizer and _get(cfg, "precision.mixed_precision") == "fp16"
+                and not _get(cfg, "parallel.deepspeed.loss_scale"))
 
     def checkpoint_per_rank(self, cfg: Any) -> bool:
         """True when the checkpoint's optimizer state (or weights) is written as one shard per rank."""
@@ -131,21 +155,23 @@ def _fsdp_label(cfg: Any) -> str:
 
 DDP = Strategy(
     name="ddp", title="plain data parallel (also one process)", accelerate_type=None, section=None,
-    always_grouped=False, engine_steps_optimizer=False, native_file=None,
-    _sharding=lambda cfg: Sharding(), _checkpoint_per_rank=lambda cfg: False,
+    always_grouped=False, engine_steps_optimizer=False, native_file=None, deepspeed_config=False,
+    _sharding=lambda cfg: Sharding(), _holds_whole_model=lambda cfg: True, _setting_problems=settings.none,
+    _checkpoint_per_rank=lambda cfg: False,
     _estimator_row=lambda cfg: "ddp", _label=lambda cfg: "ddp")
 
 DEEPSPEED = Strategy(
     name="deepspeed", title="DeepSpeed ZeRO", accelerate_type="DEEPSPEED", section="parallel.deepspeed",
-    always_grouped=True, engine_steps_optimizer=True, native_file="deepspeed.json",
-    _sharding=_zero_sharding,
+    always_grouped=True, engine_steps_optimizer=True, native_file="deepspeed.json", deepspeed_config=True,
+    _sharding=_zero_sharding, _holds_whole_model=lambda cfg: int(_get(cfg, "parallel.deepspeed.zero_stage")) < 3,
+    _setting_problems=settings.deepspeed,
     _checkpoint_per_rank=lambda cfg: int(_get(cfg, "parallel.deepspeed.zero_stage")) >= 1,
     _estimator_row=_zero_row, _label=_zero_label)
 
 FSDP = Strategy(
     name="fsdp", title="PyTorch FSDP2", accelerate_type="FSDP", section="parallel.fsdp",
-    always_grouped=True, engine_steps_optimizer=False, native_file=None,
-    _sharding=_fsdp_sharding,
+    always_grouped=True, engine_steps_optimizer=False, native_file=None, deepspeed_config=False,
+    _sharding=_fsdp_sharding, _holds_whole_model=lambda cfg: False, _setting_problems=settings.fsdp,
     _checkpoint_per_rank=lambda cfg: _get(cfg, "parallel.fsdp.state_dict_type") == "sharded_state_dict",
     _estimator_row=lambda cfg: "fsdp2_offload" if _get(cfg, "parallel.fsdp.offload_params") else "fsdp2",
     _label=_fsdp_label)

@@ -259,9 +259,10 @@ def confirm(cfg: RunConfig, accelerator, probe: Optional[Probe] = None, capacity
     import torch
 
     device = accelerator.device
-    from overdrive.strategies import shards_parameters
+    from overdrive import strategies
+    from overdrive.strategies import registry
 
-    if probe is None and not shards_parameters(cfg):
+    if probe is None and registry.of(cfg).holds_whole_model(cfg):
         probe = make_probe(cfg, device)
 
     def agree(m: int) -> int:
@@ -274,12 +275,7 @@ def confirm(cfg: RunConfig, accelerator, probe: Optional[Probe] = None, capacity
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)  # the run's peak memory, not the probe's
-    accelerator.gradient_accumulation_steps = choice.accumulation
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is not None:
-        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = choice.micro_batch
-        plugin.deepspeed_config["gradient_accumulation_steps"] = choice.accumulation
-        plugin.gradient_accumulation_steps = choice.accumulation
+    strategies.use_split(accelerator, choice.micro_batch, choice.accumulation)
     if accelerator.is_main_process and cfg.logging.level != "quiet":
         print(f"overdrive: {choice.describe()}", flush=True)
     return batch.with_split(cfg, choice.micro_batch, choice.accumulation)

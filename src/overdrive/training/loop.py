@@ -24,10 +24,11 @@ from typing import Any, Optional
 
 import torch
 
-from overdrive import checkpoint, strategies
+from overdrive import checkpoint
 import overdrive.config.batch as batch
 from overdrive.config.redact import redact
 from overdrive.config.schema import RunConfig
+from overdrive.strategies import registry
 from overdrive.training import nonfinite, telemetry
 from overdrive.training.evaluation import evaluate
 from overdrive.training.parts import Parts, build_parts, save_final
@@ -196,9 +197,10 @@ class Loop:
         self.data = batches(parts.train_loader, state, acc.skip_first_batches)
         self.throughput = telemetry.Throughput()
         state.loss_sum = torch.full((), float(state.loss_sum), device=acc.device)
+        strategy = registry.of(cfg)
         self.guard = nonfinite.NonfiniteGuard(t.nonfinite_loss, parts.optimizer, acc.device, scaler=acc.scaler,
-                                              deepspeed=strategies.registry.of(cfg).engine_steps_optimizer,
-                                              dynamic_loss_scale=strategies.loss_scaler_owns_overflows(cfg))
+                                              deepspeed=strategy.engine_steps_optimizer,
+                                              dynamic_loss_scale=strategy.skips_overflowing_steps(cfg))
         self.guard.restore(state.nonfinite_in_a_row)
         self.outcome = Outcome(checkpoint=checkpoint)
         self.grad_norm = None

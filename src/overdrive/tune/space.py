@@ -194,22 +194,31 @@ def _strategy_option(name: str) -> Option:
                   twin="fsdp2" if offload else "")
 
 
-def _baseline_strategy(cfg: RunConfig) -> Option:
-    from overdrive.memory.shape import strategy_of_run
+def _fsdp_baseline(cfg: RunConfig) -> Option:
+    f = cfg.parallel.fsdp
+    return Option("strategy", "fsdp2" + (" offload" if f.offload_params else ""),
+                  (("parallel.strategy", "fsdp"), ("parallel.fsdp.reshard_after_forward", f.reshard_after_forward),
+                   ("parallel.fsdp.offload_params", f.offload_params)))
+
+
+def _deepspeed_baseline(cfg: RunConfig) -> Option:
     from overdrive.strategies import registry
 
-    p, strategy = cfg.parallel, registry.of(cfg)
-    if strategy is registry.DDP:
-        return _strategy_option("ddp")
-    if strategy is registry.FSDP:
-        return Option("strategy", "fsdp2" + (" offload" if p.fsdp.offload_params else ""),
-                      (("parallel.strategy", "fsdp"), ("parallel.fsdp.reshard_after_forward", p.fsdp.reshard_after_forward),
-                       ("parallel.fsdp.offload_params", p.fsdp.offload_params)))
-    ds = p.deepspeed
-    return Option("strategy", strategy_of_run(cfg).replace("_", " ") + ("" if ds.zero_stage else " (stage 0)"),
+    ds = cfg.parallel.deepspeed
+    return Option("strategy", registry.of(cfg).estimator_row(cfg).replace("_", " ") + ("" if ds.zero_stage else " (stage 0)"),
                   (("parallel.strategy", "deepspeed"), ("parallel.deepspeed.zero_stage", ds.zero_stage),
                    ("parallel.deepspeed.offload_optimizer", ds.offload_optimizer),
                    ("parallel.deepspeed.offload_param", ds.offload_param)))
+
+
+# The configuration as given, as an option of the strategy dimension: by the strategy's name.
+_BASELINES = {"ddp": lambda cfg: _strategy_option("ddp"), "fsdp": _fsdp_baseline, "deepspeed": _deepspeed_baseline}
+
+
+def _baseline_strategy(cfg: RunConfig) -> Option:
+    from overdrive.strategies import registry
+
+    return _BASELINES[registry.of(cfg).name](cfg)
 
 
 def build_space(cfg: RunConfig, facts: Facts, only: Optional[dict[str, list[str]]] = None) -> Space:
