@@ -53,6 +53,36 @@ def tokens_per_s(cfg, timers: bool, args) -> float:
     return (end["tokens"] - start["tokens"]) / (end["time"] - start["time"])
 
 
+def per_call_costs(work: Path, calls: int = 200_000) -> dict[str, float]:
+    """Seconds per call of what the loop pays: a phase change (clock, sums, the live map), a
+    step end, a gradient hook, and one heartbeat write (paid by its thread once a second).
+    Independent of how busy the machine is, unlike tokens/s."""
+    from overdrive.observe.heartbeat import Heartbeat
+    from overdrive.observe.steps import StepRecorder
+
+    rec = StepRecorder()
+    costs = {}
+    with Heartbeat(rec, work / "costs", rank=0, local_rank=0, world_size=1, interval_s=3600) as beat:
+        phases = ("data", "forward", "backward", "optimizer")
+        start = time.perf_counter()
+        for i in range(calls):
+            rec.enter(phases[i & 3])
+        costs["phase change"] = (time.perf_counter() - start) / calls
+        start = time.perf_counter()
+        for i in range(calls):
+            rec.step_done(i)
+        costs["step end"] = (time.perf_counter() - start) / calls
+        start = time.perf_counter()
+        for _ in range(calls):
+            rec._grad_ready(None)
+        costs["gradient hook"] = (time.perf_counter() - start) / calls
+        start = time.perf_counter()
+        for _ in range(200):
+            beat.write()
+        costs["heartbeat write (1/s, its own thread)"] = (time.perf_counter() - start) / 200
+    return costs
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
@@ -65,6 +95,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="bench-observe-"))
+    costs = per_call_costs(work)
     tokens_per_s(config(args, work / "warm-up"), True, args)  # caches filled, first-run costs paid
     pairs = []
     for i in range(args.pairs):
@@ -82,7 +113,11 @@ def main(argv=None) -> int:
     lines += [f"| {i + 1} | {w:,.0f} | {wo:,.0f} | {w / wo:.4f} |" for i, (w, wo) in enumerate(pairs)]
     lines += ["", f"Median with / without: **{median:.4f}** (target >= {TARGET}: {'met' if median >= TARGET else 'NOT met'}); "
               f"pairs range {min(ratios):.4f} .. {max(ratios):.4f}.",
-              "", f"Written by `python bench/bench_observe.py {' '.join(sys.argv[1:])}` on {time.strftime('%Y-%m-%d %H:%M')}.", ""]
+              "", "What the loop pays per call (measured in the same run; a step pays 4 phase changes per",
+              "micro-batch, 2-3 more per step, one step end, and one gradient hook per parameter):", "",
+              "| call | microseconds |", "| --- | --- |"]
+    lines += [f"| {name} | {seconds * 1e6:.2f} |" for name, seconds in costs.items()]
+    lines += ["", f"Written by `python bench/bench_observe.py {' '.join(sys.argv[1:])}` on {time.strftime('%Y-%m-%d %H:%M')}.", ""]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines))
     print("\n".join(lines))

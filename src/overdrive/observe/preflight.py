@@ -100,7 +100,7 @@ def step_traffic_bytes(cfg, params: int, world: int) -> float:
 
     grad_bytes = params * (2 if cfg.precision.mixed_precision in ("bf16", "fp16") else 4)
     traffic = grad_bytes * 2 * (world - 1) / world
-    if registry.of(cfg).sharding(cfg).parameters:
+    if not registry.of(cfg).holds_whole_model(cfg):  # ZeRO-3, FSDP: parameters gathered for use
         traffic += 2 * grad_bytes * (world - 1) / world
     return traffic
 
