@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("overdrive.commands.export", "write the Accelerate YAML and DeepSpeed JSON for the same run"),
     "import": ("overdrive.commands.import_config", "turn Accelerate / DeepSpeed config files into an overdrive config"),
     "slurm": ("overdrive.commands.slurm", "write an sbatch script for the same run"),
+    "preflight": ("overdrive.commands.preflight", "check a job before training: rendezvous, bandwidth, shared output_dir, same versions and config"),
+    "profile": ("overdrive.commands.profile", "where each step's time goes, per rank: the bottleneck and the key to change"),
     "k8s": ("overdrive.commands.k8s", "write Kubernetes manifests (TrainJob, PyTorchJob or JobSet) for the same run"),
     "skypilot": ("overdrive.commands.skypilot", "write a SkyPilot task YAML for the same run"),
     "tune": ("overdrive.commands.tune", "measure candidate layouts on this machine and write the fastest as tuned.yaml"),

@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     rows = [(label, fmt(summary[key], kind)) for key, label, kind in METRICS if summary[key] is not None]
     print_table(["metric", "value"], rows, title=f"run {args.run_dir}", console=console)
+    _rank_panel(args.run_dir, console, print_table)
     console.print(f"Wrote {path}" + (f" and {len(images)} plot(s)" if images else " (nothing to plot)"))
     return _list_files(args, console, path, images)
 
@@ -46,6 +47,20 @@ def _list_files(args: argparse.Namespace, console, path, images) -> int:
     if args.print_summary or args.verbose:
         console.print(path.read_text(), markup=False)
     return 0
+
+
+def _rank_panel(run_dir, console, print_table) -> None:
+    """Each rank's compute and waiting, and the straggler, for a multi-process run."""
+    from overdrive.reports.ranks import panel, straggler_sentence
+    from overdrive.training.metrics import path_in, read
+
+    p = panel([r for r in read(path_in(run_dir)).records if "loss" in r])
+    if p is None:
+        return
+    rows = [(f"{r['rank']}{' (straggler)' if r['rank'] == p['straggler'] else ''}", r["host"],
+             f"{r['compute_s']:.4f}", f"{r['wait_s']:.4f}") for r in p["ranks"]]
+    print_table(["rank", "host", "compute s/step", "waiting s/step"], rows, title="ranks", console=console)
+    console.print(straggler_sentence(p) or "no straggler: no rank's compute stayed clearly above the others'")
 
 
 def _sweep(args: argparse.Namespace, console) -> int:

@@ -30,6 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(the message without --force lists them)",
     )
     parser.add_argument(
+        "--preflight", action="store_true",
+        help="run `overdrive preflight` first (rendezvous, bandwidth, shared output_dir, same versions and config) "
+        "and train only if it passes",
+    )
+    parser.add_argument(
         "--print-launch", action="store_true",
         help="print the equivalent torchrun, `accelerate launch` and srun command lines, and exit",
     )
@@ -115,6 +120,10 @@ def _run(args: argparse.Namespace, resolved, in_worker: bool) -> int:
         _check_fine_tuning(cfg)
         check_model_layout(cfg)
     force = getattr(args, "force", False)
+    if not in_worker and getattr(args, "preflight", False):
+        from overdrive.commands.preflight import preflight
+
+        preflight(resolved)  # a failure is a UserError: exit 2 before anything trains
     if not in_worker:
         from overdrive.launch.process import needs_launcher
 

@@ -331,6 +331,12 @@ class LaunchConfig(Section):
     same_network: bool = Field(True, description="Machines share a network (informational, as in Accelerate).")
     max_restarts: int = Field(0, ge=0, description="Times the elastic agent restarts failed workers (they resume from the last checkpoint).")
     monitor_interval: float = Field(1.0, gt=0, description="Seconds between the agent's health checks of its workers.")
+    hang_timeout_s: Optional[float] = Field(
+        600.0, gt=0, description="Seconds without progress on any rank after which the job is declared hung: the "
+        "stuck rank(s), the step and phase each was last seen in, and every rank's Python stack are printed, then the "
+        "job ends (or restarts from the last checkpoint, `max_restarts`). Empty: no watchdog. Raise it when one rank "
+        "alone does long work (a huge checkpoint) while the others wait."
+    )
     stop_timeout: float = Field(
         30.0, gt=0, description="Seconds a worker whose launcher is gone (killed, its terminal closed) has to finish "
         "its step and save a checkpoint before it is killed. A user's script gets SIGTERM, then SIGKILL after this long."

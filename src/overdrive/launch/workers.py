@@ -121,7 +121,9 @@ def launch_workers(resolved: Any, worker: Optional[Sequence[str]] = None,
         # overdrive.launch.elastic is torch.distributed.run ending with one line naming a failed rank.
         command = [sys.executable, "-m", "overdrive.launch.elastic", *torchrun_args(local_port(once), regrouping=regrouping),
                    *(worker if worker is not None else train_worker(path))]
-        code = run_agent(command, env)
+        code, hang = watched(cfg, lambda: run_agent(command, env))
+        if hang:
+            code = code if code >= 128 else 1
         # Done, stopped by a signal, or a problem the user must fix (exit 2: a full disk) that a restart would meet again.
         if code in (0, 2) or code >= 128 or attempt == allowed:
             return code
@@ -134,6 +136,16 @@ def launch_workers(resolved: Any, worker: Optional[Sequence[str]] = None,
             print(f"overdrive: restarting the workers ({attempt + 1} of {allowed} restarts); "
                   "they resume from the last checkpoint", file=sys.stderr, flush=True)
     return code
+
+
+def watched(cfg: RunConfig, run: Any) -> tuple[int, bool]:
+    """Run the agent with the hang watchdog beside it (`launch.hang_timeout_s`): (exit code, hung?)."""
+    from overdrive.observe.watchdog import Watchdog
+
+    say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    with Watchdog(cfg.output_dir, cfg.launch.hang_timeout_s, cfg.launch.num_processes, say) as watchdog:
+        code = run()
+    return code, watchdog.hang is not None
 
 
 FORWARDED = (signal.SIGTERM, signal.SIGHUP)

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from overdrive.config.keys import flatten
 from overdrive.errors import UserError
+from overdrive.reports import ranks
 from overdrive.training import metrics as metrics_file
 
 # Peak memory has been logged under several names and units; all are read, in bytes.
@@ -286,6 +287,7 @@ def summary_markdown(run: Run, summary: dict[str, Any], images: list[Path]) -> s
     if s["mean_tokens_per_s"] is not None or s["mean_mfu"] is not None:
         out += ["", "Mean tokens/s and MFU are total tokens over total time of the logged windows, leaving out the "
                 "first (start-up, compilation) when there are three or more."]
+    out += ranks.markdown(run.train)
     if run.bad_lines:
         out += ["", f"{run.bad_lines} line(s) of metrics.jsonl could not be read and were skipped."]
     if images:

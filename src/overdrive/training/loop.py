@@ -99,11 +99,13 @@ def batches(loader, state: LoopState, skip_first_batches=None):
         state.batch_in_epoch = 0
 
 
-def train(run, force: bool = False) -> TrainResult:
+def train(run, force: bool = False, observer=None) -> TrainResult:
     """Train as `run` says: a `Resolved` (config with provenance) or a RunConfig.
 
     With `checkpoint.resume=auto` it continues from the newest complete checkpoint in
     output_dir; `force` allows that even when the config changed the math since.
+    `observer(output_dir, accelerator)` replaces the run's observer (observe/: step timers,
+    heartbeats, stragglers): the profiler and the bench pass their own.
     """
     from overdrive.launch.process import build_accelerator
     from overdrive.training.settle import as_resolved, settle
@@ -134,9 +136,14 @@ def train(run, force: bool = False) -> TrainResult:
                                    say=progress.print)
     state = LoopState()
     restored = ckpt.restore(state)
+    from overdrive import observe
+
+    watch = (observer or observe.for_run)(out, accelerator)
+    watch.say = progress.print
     try:
-        with checkpoint.StopRequest(checkpoint.cpu_group(), accelerator.num_processes) as stop:
-            outcome = _run(Loop(cfg, parts, state, ckpt, stop, progress, metrics, checkpoint=restored.path))
+        with checkpoint.StopRequest(checkpoint.cpu_group(), accelerator.num_processes) as stop, watch:
+            outcome = _run(Loop(cfg, parts, state, ckpt, stop, progress, metrics, checkpoint=restored.path,
+                                observe=watch))
     finally:
         progress.close()
     result = TrainResult(out, state.step, state.first_loss, state.final_loss, is_main_process=main, **vars(outcome))
@@ -162,6 +169,7 @@ def _run(loop: "Loop") -> Outcome:
     """The outer loop: the named steps, each when it is due."""
     loop.parts.model.train()
     loop.parts.recipe.train_mode()
+    loop.observe.watch(loop.parts.model)
     while loop.state.step < loop.cfg.training.max_steps:
         if loop.exhausted():  # a resumed run whose mixture had already run out
             break
@@ -169,11 +177,14 @@ def _run(loop: "Loop") -> Outcome:
         if loop.log_due():
             loop.log_point()
         if loop.eval_due():
+            loop.observe.enter("eval")
             loop.evaluate()
         loop.exhausted()
         # Every rank asks whether any rank got SIGTERM/SIGINT, so all stop after the same step.
+        loop.observe.enter("sync")
         signum = loop.stop.agreed()
         if loop.ckpt.due(loop.state.step, stopping=bool(signum or loop.outcome.stopped_early)):
+            loop.observe.enter("checkpoint")
             loop.save()
         if signum:
             loop.stopped_by(signum)
@@ -187,8 +198,9 @@ class Loop:
 
     def __init__(self, cfg: RunConfig, parts: Parts, state: LoopState, ckpt: "checkpoint.Checkpointer",
                  stop: "checkpoint.StopRequest", progress: "telemetry.ProgressDisplay",
-                 metrics: "telemetry.MetricsLog", checkpoint: Optional[Path] = None):
+                 metrics: "telemetry.MetricsLog", checkpoint: Optional[Path] = None, observe: Any = None):
         self.cfg, self.parts, self.state, self.ckpt, self.stop = cfg, parts, state, ckpt, stop
+        self.observe = observe  # observe.RunObserver: where each step's time goes, the heartbeat
         self.progress, self.metrics = progress, metrics
         acc, t = parts.accelerator, cfg.training
         self.split = batch.split(cfg)
@@ -219,10 +231,14 @@ class Loop:
         world = self.split.data_parallel
         self.lr = self.parts.scheduler.get_last_lr()[0]  # the lr this optimizer step uses
         for _ in range(self.split.accumulation):
+            self.observe.enter("data")
             micro_batch = next(self.data)
             with acc.accumulate(model):
+                self.observe.enter("forward")
                 loss = model(**micro_batch).loss
+                self.observe.enter("backward")
                 acc.backward(loss)  # Accelerate divides by the accumulation steps: the mean of means
+                self.observe.enter("optimizer")
                 if acc.sync_gradients and (clipping is not None or guard.needs_norm):
                     # Clipping to infinity measures the norm (over all ranks) and changes nothing.
                     self.grad_norm = acc.clip_grad_norm_(model.parameters(), clipping or math.inf)
@@ -243,6 +259,7 @@ class Loop:
         else:
             guard.scaler_skipped()  # reported as such at the next log, not as a bad loss
         state.step += 1
+        self.observe.step_done(state.step)
         self.progress.step(state.step)
 
     # -------------------------------------------------------------- the log point
@@ -254,13 +271,14 @@ class Loop:
     def log_point(self) -> None:
         """The one sync point of the loop: read the loss accumulated since the last log."""
         acc, state = self.parts.accelerator, self.state
+        self.observe.enter("sync")
         loss_value = acc.reduce(state.loss_sum / state.micro_steps, "mean").item()
         state.loss_sum.zero_()
         state.micro_steps = 0
         counts = self.guard.read()  # steps skipped since the last log
         state.nonfinite_in_a_row = counts.in_a_row
         record = {**self._record(loss_value), **counts.record(), "elapsed_s": self.throughput.elapsed(),
-                  "loss_tokens": self.loss_tokens.read(acc)}
+                  "loss_tokens": self.loss_tokens.read(acc), **self.observe.fields()}
         if counts.note(state.step):
             self.progress.print(counts.note(state.step))
         self.metrics.write(record)

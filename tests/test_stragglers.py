@@ -1,0 +1,63 @@
+"""A 2-process run whose rank 1 is slowed names rank 1 as the straggler, in the run's output
+and in `overdrive report`.
+
+Rank 1 is slowed by being stopped and continued (SIGSTOP/SIGCONT, 0.1 s each): on this kind
+of virtual machine, pinning it to a core shared with busy loops slows the other core as much
+(a loop on core 0 ran 3x slower with core 1 busy), so both ranks slowed alike."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from checkpoint_probe import command, finish, kill_group, start, steps_logged, wait_for, worker_pids
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def slow_down(pid: int, done: threading.Event, period_s: float = 0.1) -> None:
+    while not done.is_set():
+        try:
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(period_s)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(period_s)
+        except ProcessLookupError:
+            return
+
+
+def test_a_slowed_rank_is_named_the_straggler_in_the_output_and_the_report(tmp_path):
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    args = command(out, cache, "training.max_steps=40", "training.micro_batch_size=16", "model.architecture.n_embd=128",
+                   "model.architecture.n_layer=2", "training.log_every_steps=4", "training.eval_every_steps=null",
+                   "checkpoint.enabled=false", "launch.num_processes=2", "launch.threads_per_process=1",
+                   "data.max_bytes=60000", f"launch.main_process_port={free_port()}")
+    proc = start(args, cwd=tmp_path)
+    done = threading.Event()
+    try:
+        wait_for(lambda: len(steps_logged(out)) >= 1, proc, what="the first logged step")
+        rank1 = worker_pids(out)[1]
+        threading.Thread(target=slow_down, args=(rank1, done), daemon=True).start()
+        code, stdout, stderr = finish(proc, timeout=300)
+    finally:
+        done.set()
+        kill_group(proc)
+    assert code == 0, stderr[-3000:]
+    assert "straggler: rank 1" in stdout, stdout[-3000:]
+    report = subprocess.run([sys.executable, "-m", "overdrive.cli", "report", str(out)], capture_output=True,
+                            text=True, timeout=120)
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert "straggler: rank 1" in report.stdout and "1 (straggler)" in report.stdout, report.stdout[-3000:]
+    assert "| 1 (straggler) |" in (out / "report" / "summary.md").read_text()
