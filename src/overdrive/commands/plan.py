@@ -26,11 +26,10 @@ def _split(args) -> tuple[str | None, list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from overdrive.memory import estimate
     from overdrive.memory import plan as arith
     from overdrive.memory import report
-    from overdrive.memory.model_shape import Source, hf_config_for_run, load_run_config, model_shape
-    from overdrive.memory.shape import setup_for_run, strategy_of_run
+    from overdrive.memory.model_shape import load_run_config, run_estimate, run_shape
+    from overdrive.training import metrics
 
     from overdrive.commands.estimate import check_memory_sizes
 
@@ -44,16 +43,13 @@ def run(args: argparse.Namespace) -> int:
     tokenize = _tokenize_forecast(cfg)
     data = _data_size(cfg, tokenize)
     math_ = arith.arithmetic(cfg, data, micro)
-    source = Source(hf_config_for_run(cfg), cfg.model.name_or_path or str(cfg.model.architecture.get("model_type")),
-                    run=cfg, task=cfg.model.task, attn_implementation=cfg.model.attn_implementation)
-    shape = model_shape(source)
-    strategy = strategy_of_run(cfg)
+    shape = run_shape(cfg)
     target = "cuda" if args.gpu_memory else ("cpu" if _cpu(cfg) else "cuda")
-    est = estimate(shape, setup_for_run(cfg, target, micro_batch=micro), (strategy,))
+    est = run_estimate(cfg, target, shape, micro_batch=micro)
     cap = report.detect_capacity(args.gpu_memory)
     report.apply_verdict(est, cap)
     row = est.rows[0]
-    speed = arith.measured_throughput(cfg, micro)
+    speed = metrics.measured_throughput(cfg, micro)
     step_s = math_.tokens_per_step / speed.tokens_per_s if speed else None
 
     if args.json:

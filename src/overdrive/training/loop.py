@@ -130,7 +130,7 @@ def train(run, force: bool = False) -> TrainResult:
     restored = ckpt.restore(state)
     try:
         with checkpoint.StopRequest(checkpoint.cpu_group(), accelerator.num_processes) as stop:
-            outcome = _run(Loop(cfg, parts, state, ckpt, stop, progress, metrics, checkpoint=restored.path))
+            outcome = _steps(Loop(cfg, parts, state, ckpt, stop, progress, metrics, checkpoint=restored.path))
     finally:
         progress.close()
     result = TrainResult(out, state.step, state.first_loss, state.final_loss, is_main_process=main, **vars(outcome))
@@ -152,7 +152,7 @@ class Outcome:
     elapsed_s: float = 0.0
 
 
-def _run(loop: "Loop") -> Outcome:
+def _steps(loop: "Loop") -> Outcome:
     """The outer loop: the named steps, each when it is due."""
     loop.parts.model.train()
     while loop.state.step < loop.cfg.training.max_steps:
