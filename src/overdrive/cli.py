@@ -27,7 +27,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("overdrive.commands.export", "write the Accelerate YAML and DeepSpeed JSON for the same run"),
     "import": ("overdrive.commands.import_config", "turn Accelerate / DeepSpeed config files into an overdrive config"),
     "slurm": ("overdrive.commands.slurm", "write an sbatch script for the same run"),
+    "k8s": ("overdrive.commands.k8s", "write Kubernetes manifests (TrainJob, PyTorchJob or JobSet) for the same run"),
+    "skypilot": ("overdrive.commands.skypilot", "write a SkyPilot task YAML for the same run"),
     "tune": ("overdrive.commands.tune", "measure candidate layouts on this machine and write the fastest as tuned.yaml"),
+    "sweep": ("overdrive.commands.sweep", "search any config keys with Optuna, every trial a real run; resumable, shareable"),
 }
 
 

@@ -61,6 +61,7 @@ _RULES: dict[str, tuple[str, str]] = {
     "launch.": ("harmless", ""),
     "checkpoint.": ("harmless", ""),
     "logging.": ("harmless", ""),
+    "sweep.": ("harmless", ""),
     "output_dir": ("harmless", ""),
 }
 # The batch size keys are judged together, as the global batch (see `compare`).

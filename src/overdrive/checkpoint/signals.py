@@ -1,4 +1,4 @@
-"""SIGTERM and SIGINT: finish the step, save, leave.
+"""SIGTERM, SIGINT and SIGHUP: finish the step, save, leave.
 
 Schedulers (SLURM, Kubernetes, spot instances) announce a preemption with SIGTERM and kill
 a little later; torch.distributed.run forwards SIGTERM/SIGINT to every worker. The handler
@@ -19,7 +19,9 @@ import signal
 import threading
 from typing import Any, Optional
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGHUP: the terminal closed; the launcher and agent pass it on (a worker whose agent
+# died gets SIGTERM from the kernel, launch/lifetime.py).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def signal_name(signum: int) -> str:
@@ -30,7 +32,7 @@ def signal_name(signum: int) -> str:
 
 
 class StopRequest:
-    """Context manager: while active, SIGTERM/SIGINT ask the loop to stop after this step.
+    """Context manager: while active, SIGTERM/SIGINT/SIGHUP ask the loop to stop after this step.
 
     A second SIGINT (Ctrl-C twice) stops at once, as a user pressing it again expects.
     """

@@ -1,4 +1,5 @@
-"""`overdrive report RUN_DIR`: plots and a markdown summary of a run, under RUN_DIR/report/."""
+"""`overdrive report RUN_DIR`: plots and a markdown summary of a run, under RUN_DIR/report/.
+A sweep's output_dir gets the sweep's: every trial, the best, Optuna's plots."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run's output_dir (holds metrics.jsonl)")
+    parser.add_argument("run_dir", metavar="RUN_DIR",
+                        help="a run's output_dir (holds metrics.jsonl), or a sweep's (holds sweep.json)")
     parser.add_argument("-o", "--out", help="directory for the plots and summary.md (default: RUN_DIR/report)")
     parser.add_argument("--print", dest="print_summary", action="store_true", help="also print summary.md")
     verbosity = parser.add_mutually_exclusive_group()
@@ -20,6 +22,10 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.reports.write import write_report
 
     console = get_console(quiet=args.quiet)
+    from overdrive.sweep.outputs import is_sweep_dir
+
+    if is_sweep_dir(args.run_dir):
+        return _sweep(args, console)
     if is_interactive() and not args.quiet:
         with console.status("plotting ..."):
             path, images, summary = write_report(args.run_dir, args.out)
@@ -30,9 +36,27 @@ def run(args: argparse.Namespace) -> int:
     rows = [(label, fmt(summary[key], kind)) for key, label, kind in METRICS if summary[key] is not None]
     print_table(["metric", "value"], rows, title=f"run {args.run_dir}", console=console)
     console.print(f"Wrote {path}" + (f" and {len(images)} plot(s)" if images else " (nothing to plot)"))
+    return _list_files(args, console, path, images)
+
+
+def _list_files(args: argparse.Namespace, console, path, images) -> int:
     if args.verbose:
         for image in images:
             console.print(f"  {image}")
     if args.print_summary or args.verbose:
         console.print(path.read_text(), markup=False)
     return 0
+
+
+def _sweep(args: argparse.Namespace, console) -> int:
+    from pathlib import Path
+
+    from overdrive.sweep import outputs, table
+
+    study, marker = outputs.load(Path(args.run_dir))
+    path, images, notes = outputs.write_report(study, Path(args.run_dir), marker, Path(args.out) if args.out else None)
+    if args.quiet:
+        return 0
+    table.print_summary(study, marker["metric"], marker["trials"], file=console.file)
+    console.print(f"Wrote {path} and {len(images)} plot(s)" + "".join(f"\n  no {note}" for note in notes))
+    return _list_files(args, console, path, images)

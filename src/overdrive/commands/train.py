@@ -59,6 +59,12 @@ def _load(args):
 def run(args: argparse.Namespace) -> int:
     resolved, in_worker = _load(args)
     cfg = resolved.config
+    if in_worker:
+        from overdrive.launch import lifetime, membership
+
+        lifetime.follow_agent(cfg.launch.stop_timeout)  # no worker outlives its launcher
+        resolved = membership.as_launched(resolved)  # an elastic job that lost a machine
+        cfg = resolved.config
     if getattr(args, "print_launch", False):
         from overdrive.launch.lines import print_launch
 

@@ -149,8 +149,12 @@ def resolve(
     overrides: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
     accelerate_default: bool | str | Path = True,
+    above: Sequence[str | Path] = (),
 ) -> Resolved:
     """Resolve every layer, validate, and return the config with provenance.
+
+    `above`: files applied over every layer, overrides included (a sweep trial's values:
+    `overdrive sweep` writes them, labelled with their own `layer:`).
 
     Raises UserError listing every problem found (unknown keys, types, ranges, cross-field
     and world-size rules). Hardware checks are separate: see `check_for_train`.
@@ -165,6 +169,7 @@ def resolve(
     outputs = [layers.defaults_layer(), layers.accelerate_default_layer(default_path)]
     outputs += [layers.file_layer(path) for path in files]
     outputs += [layers.env_layer(environ), layers.cli_layer(cli), layers.overrides_layer(overrides)]
+    outputs += [layers.file_layer(path) for path in above]
 
     errors = [problem for output in outputs for problem in output.errors]
     warnings = [problem for output in outputs for problem in output.warnings]

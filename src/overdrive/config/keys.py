@@ -234,3 +234,15 @@ def flatten(values: Mapping[str, Any], prefix: str = "", keep_whole: Iterable[st
         else:
             flat[path] = value
     return flat
+
+
+def unflatten(values: Mapping[str, Any]) -> dict[str, Any]:
+    """{dotted key: value} -> nested sections (the inverse of `flatten`), as a config file writes them."""
+    nested: dict[str, Any] = {}
+    for key, value in values.items():
+        node = nested
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return nested

@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import Field
 
 from overdrive.config.schema_parallel import ParallelConfig
+from overdrive.config.schema_sweep import SweepConfig
 from overdrive.config.sections import Auto, PositiveInt, Section, admits_bool
 
 __all__ = ["OPEN_MAPPINGS", "RunConfig", "Section", "admits_bool"]
@@ -221,6 +222,11 @@ class LaunchConfig(Section):
     num_processes: int = Field(1, ge=1, description="Total processes across all machines.")
     num_machines: int = Field(1, ge=1, description="Machines taking part.")
     machine_rank: int = Field(0, ge=0, description="This machine's rank, 0 .. num_machines-1.")
+    min_machines: Optional[int] = Field(
+        None, ge=1, description="Elastic: the job goes on with this many machines when others leave (c10d "
+        "rendezvous min:max; it resumes from the last checkpoint with the accumulation that keeps the global batch). "
+        "Empty: launch.num_machines (every machine is needed)."
+    )
     main_process_ip: Optional[str] = Field(None, description="Address of machine 0 (required with several machines).")
     main_process_port: int = Field(29500, ge=1, le=65535, description="Rendezvous port on machine 0.")
     rdzv_backend: Literal["static", "c10d"] = Field("static", description="Rendezvous: static ranks, or c10d (elastic).")
@@ -228,6 +234,10 @@ class LaunchConfig(Section):
     same_network: bool = Field(True, description="Machines share a network (informational, as in Accelerate).")
     max_restarts: int = Field(0, ge=0, description="Times the elastic agent restarts failed workers (they resume from the last checkpoint).")
     monitor_interval: float = Field(1.0, gt=0, description="Seconds between the agent's health checks of its workers.")
+    stop_timeout: float = Field(
+        30.0, gt=0, description="Seconds a worker whose launcher is gone (killed, its terminal closed) has to finish "
+        "its step and save a checkpoint before it is killed. A user's script gets SIGTERM, then SIGKILL after this long."
+    )
     use_cpu: bool = Field(False, description="Train on the CPU even when a GPU is present (the GPUs are hidden from the workers).")
     gpus_per_machine: Optional[int] = Field(
         None, ge=0, description="GPUs on each machine the job runs on. Empty: detected where it runs; scripts written "
@@ -235,6 +245,13 @@ class LaunchConfig(Section):
         "`launch.use_cpu`. 0 says the machines have none."
     )
     gpu_ids: str = Field("all", description="GPUs to use on each machine (`all` or a comma list).")
+    image: Optional[str] = Field(
+        None, description="Container image the job runs in (`overdrive k8s`, `overdrive skypilot`), with overdrive "
+        "and torch installed."
+    )
+    accelerator: Optional[str] = Field(
+        None, description="GPU type to ask a cloud for (`overdrive skypilot`: e.g. A100, H100, L4)."
+    )
     backend: Literal["auto", "nccl", "gloo", "mpi", "xccl", "hccl"] = Field(
         "auto", description="Process-group backend: `auto` is nccl on CUDA (with a gloo side for FSDP CPU offload and "
         "full state dicts), gloo on CPU."
@@ -293,6 +310,7 @@ class RunConfig(Section):
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="Processes and machines.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
+    sweep: SweepConfig = Field(default_factory=SweepConfig, description="Hyperparameter search (`overdrive sweep`).")
     output_dir: str = Field("runs/default", description="Where checkpoints, metrics, the resolved config and the final model go.")
 
 

@@ -14,6 +14,7 @@ from overdrive.config.keys import coerce
 from overdrive.config.layers import Setting
 from overdrive.config.redact import shown
 from overdrive.config.schema import RunConfig
+from overdrive.config.sweep_space import sweep_rules
 from overdrive.errors import Problem
 from overdrive.strategies import registry
 
@@ -77,7 +78,44 @@ def launch_rules(cfg: RunConfig, chains: Chains | None = None) -> list[Problem]:
     if launch.num_machines > 1 and not launch.main_process_ip:
         problems.append(Problem("launch.main_process_ip", "is required with several machines",
                                 _where(chains, "launch.num_machines"), "set launch.main_process_ip to the address of machine 0"))
-    return problems
+    return problems + elastic_rules(cfg, chains)
+
+
+def elastic_rules(cfg: RunConfig, chains: Chains | None = None) -> list[Problem]:
+    """launch.min_machines: at most launch.num_machines, and every machine count from min to
+    max must keep the global batch with a whole accumulation (a shrink resumes with it)."""
+    launch = cfg.launch
+    if launch.min_machines is None or launch.min_machines == launch.num_machines:
+        return []
+    where = _where(chains, "launch.min_machines")
+    if launch.min_machines > launch.num_machines:
+        return [Problem("launch.min_machines", f"is {launch.min_machines}, above launch.num_machines "
+                        f"({launch.num_machines})", where, "the fewest machines the job may go on with: at most "
+                        "launch.num_machines")]
+    if launch.num_processes % launch.num_machines:
+        return []  # reported above
+    # The batch split (config/batch.py) says what each machine count would need; data-parallel
+    # processes scale with the machines.
+    split = batch.split(cfg)
+    if split.global_batch is None:
+        return []  # micro-batch auto without a global batch: refused where the split is settled
+    per_machine = batch.data_parallel_degree(cfg) // launch.num_machines
+
+    def keeps(machines: int) -> bool:
+        dp = machines * per_machine
+        if split.micro is None:  # auto: the micro-batch is found on the device, per process
+            return split.global_batch % dp == 0
+        return batch.keeping(split.global_batch, split.micro, dp) is not None
+    counts = range(launch.min_machines, launch.num_machines + 1)
+    if all(keeps(m) for m in counts):
+        return []
+    good = [m for m in counts if keeps(m)]
+    return [Problem("launch.min_machines", f"{launch.min_machines}..{launch.num_machines} machines: "
+                    f"{', '.join(str(m) for m in counts if not keeps(m))} cannot keep the global batch of "
+                    f"{split.global_batch} (micro-batch {split.micro or 'auto'} x {per_machine} process(es) per machine "
+                    "x a whole accumulation)", where,
+                    f"machine counts that keep it: {', '.join(map(str, good)) or 'none'}; raise launch.min_machines "
+                    "or choose a global batch they all divide")]
 
 
 def training_rules(cfg: RunConfig, chains: Chains) -> list[Problem]:
@@ -108,8 +146,9 @@ def check(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]
     """(errors, warnings) for a validated config."""
     errors = batch.problems(cfg, chains) + deepspeed_contradictions(chains) + deepspeed_dict_problems(cfg)
     strategy_errors, warnings = strategy_rules(cfg, chains)
-    errors += strategy_errors + launch_rules(cfg, chains)
-    warnings += training_rules(cfg, chains)
+    sweep_errors, sweep_warnings = sweep_rules(cfg, chains)
+    errors += strategy_errors + launch_rules(cfg, chains) + sweep_errors
+    warnings += training_rules(cfg, chains) + sweep_warnings
     return errors, warnings
 
 

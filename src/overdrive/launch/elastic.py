@@ -52,6 +52,10 @@ def describe(error: Any) -> str:
         how = f"was killed by {failure.signal_name()}"
     elif message or callstack:
         how = f"exited with code {failure.exitcode}"
+    elif failure.exitcode > 128:  # overdrive's loop stopping on a signal, after its checkpoint
+        signum = failure.exitcode - 128
+        name = signal.Signals(signum).name if signum in set(signal.Signals) else f"signal {signum}"
+        how = f"stopped on {name} (exit {failure.exitcode})"
     else:
         how = f"exited with code {failure.exitcode} (its error is printed above)"
     lines = [f"overdrive: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}, host {socket.gethostname()}) "
@@ -80,6 +84,9 @@ def exit_code(error: Any) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from overdrive.launch import lifetime
+
+    lifetime.follow_launcher()  # before torch's import: a launcher already gone ends this at once
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run

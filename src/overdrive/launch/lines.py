@@ -9,6 +9,8 @@ from typing import Any, Sequence
 
 from overdrive.config.schema import RunConfig
 from overdrive.strategies.cpu import target_gpus
+from overdrive.launch import membership
+from overdrive.launch.job import secret_variables
 from overdrive.launch.process import STRIPPED_PREFIXES, local_processes, process_env
 from overdrive.launch.workers import check, resolved_path, torchrun_args, train_worker
 
@@ -47,19 +49,18 @@ def _slurm_torchrun(cfg: RunConfig) -> str:
     # Under SLURM the first node of the allocation is the rendezvous host and c10d assigns
     # ranks, so one script serves every node.
     launch = cfg.launch
-    return (f"--nnodes {launch.num_machines} --nproc-per-node {local_processes(cfg)} "
-            f"--max-restarts {launch.max_restarts} --rdzv-backend c10d "
+    # Elastic (launch.min_machines): torchrun's own min:max, so the job goes on when a node leaves.
+    return (f"--nnodes {membership.nnodes(cfg, regrouping=True)} --nproc-per-node {local_processes(cfg)} "
+            f"--max-restarts {membership.regroups_allowed(cfg)} --rdzv-backend c10d "
             f"--rdzv-endpoint \"$MASTER_ADDR:{launch.main_process_port}\" --rdzv-id \"$SLURM_JOB_ID\"")
 
 
 def _secrets_line(resolved: Any) -> str:
     # resolved.json below has its secrets masked; the job takes them from the environment
     # sbatch passes on, never from the script on disk.
-    secrets = sorted(resolved.secret_values()) if hasattr(resolved, "secret_values") else []
-    if not secrets:
-        return ""
-    return (f': "${{OVERDRIVE_SECRET_VALUES:?export OVERDRIVE_SECRET_VALUES (JSON of {", ".join(secrets)}) '
-            'before sbatch: resolved.json holds them masked}"\n')
+    lines = [f': "${{{s.name}:?export {s.name} ({s.holds}) before sbatch: resolved.json holds them masked}}"\n'
+             for s in secret_variables(resolved) if s.required]
+    return "".join(lines)
 
 
 def sbatch_script(resolved: Any, job_name: str = "overdrive") -> str:

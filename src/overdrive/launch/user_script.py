@@ -111,11 +111,13 @@ def run_user_script(resolved_file: str, script: str, script_args: Sequence[str])
 
     from overdrive.config import Resolved
     from overdrive.errors import UserError
-    from overdrive.launch import script_values
+    from overdrive.launch import lifetime, script_values
     from overdrive.strategies import cpu
 
     resolved = Resolved.from_json(Path(resolved_file).read_text())
     cfg = resolved.config
+    # SIGTERM when the agent is gone, then SIGKILL launch.stop_timeout seconds later.
+    lifetime.follow_agent(cfg.launch.stop_timeout)
     sys.argv = [script, *script_args]
     sys.path.insert(0, str(Path(script).resolve().parent))
     code = 0

@@ -24,6 +24,7 @@ from overdrive import strategies
 from overdrive.config.schema import RunConfig
 from overdrive.config.validate import launch_rules  # the same rules `overdrive explain` applies
 from overdrive.errors import Problem, UserError
+from overdrive.launch import lifetime, membership
 from overdrive.launch.process import free_port, local_processes, secrets_env, worker_environment
 
 
@@ -62,17 +63,20 @@ def local_port(cfg: RunConfig) -> RunConfig:
     return cfg.model_copy(update={"launch": launch.model_copy(update={"main_process_port": port})})
 
 
-def torchrun_args(cfg: RunConfig, rendezvous: Optional[str] = None) -> list[str]:
-    """Arguments for torch.distributed.run (before the worker command)."""
+def torchrun_args(cfg: RunConfig, rendezvous: Optional[str] = None, regrouping: bool = False) -> list[str]:
+    """Arguments for torch.distributed.run (before the worker command). `regrouping`: a new
+    rendezvous of the machines still there, after one left (launch.min_machines)."""
     launch = cfg.launch
-    backend = rendezvous or launch.rdzv_backend
-    args = ["--nnodes", str(launch.num_machines), "--nproc-per-node", str(local_processes(cfg)),
+    backend = "c10d" if membership.is_elastic(cfg) else (rendezvous or launch.rdzv_backend)
+    args = ["--nnodes", membership.nnodes(cfg, regrouping), "--nproc-per-node", str(local_processes(cfg)),
             "--max-restarts", str(launch.max_restarts), "--monitor-interval", str(launch.monitor_interval)]
     address = launch.main_process_ip or "127.0.0.1"
     if backend == "c10d":
         # Elastic: ranks are assigned by the rendezvous, so no machine needs to know its own.
         args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{address}:{launch.main_process_port}",
                  "--rdzv-id", launch.rdzv_id]
+        if regrouping:
+            args += ["--rdzv-conf", f"last_call_timeout={membership.REJOIN_SECONDS}"]
     else:
         args += ["--node-rank", str(launch.machine_rank), "--master-addr", address,
                  "--master-port", str(launch.main_process_port)]
@@ -111,26 +115,39 @@ def launch_workers(resolved: Any, worker: Optional[Sequence[str]] = None,
     # with "Connection refused". A new agent brings a new store. The workers resume from the
     # last checkpoint either way.
     once = cfg.model_copy(update={"launch": cfg.launch.model_copy(update={"max_restarts": 0})})
-    for attempt in range(cfg.launch.max_restarts + 1):
+    allowed = membership.regroups_allowed(cfg)
+    regrouping = False
+    for attempt in range(allowed + 1):
         # overdrive.launch.elastic is torch.distributed.run ending with one line naming a failed rank.
-        command = [sys.executable, "-m", "overdrive.launch.elastic", *torchrun_args(local_port(once)),
+        command = [sys.executable, "-m", "overdrive.launch.elastic", *torchrun_args(local_port(once), regrouping=regrouping),
                    *(worker if worker is not None else train_worker(path))]
         code = run_agent(command, env)
-        if code == 0 or code >= 128 or attempt == cfg.launch.max_restarts:  # done, or stopped by a signal
+        if code == 0 or code >= 128 or attempt == allowed:  # done, or stopped by a signal
             return code
-        print(f"overdrive: restarting the workers ({attempt + 1} of {cfg.launch.max_restarts} restarts); "
-              "they resume from the last checkpoint", file=sys.stderr, flush=True)
+        regrouping = membership.regroup(cfg, code)
+        if regrouping:
+            print(f"overdrive: the job failed; rendezvous again with the machines still there "
+                  f"({cfg.launch.min_machines} to {cfg.launch.num_machines}, {attempt + 1} of {allowed} regroups); "
+                  "the workers resume from the last checkpoint", file=sys.stderr, flush=True)
+        else:
+            print(f"overdrive: restarting the workers ({attempt + 1} of {allowed} restarts); "
+                  "they resume from the last checkpoint", file=sys.stderr, flush=True)
     return code
+
+
+FORWARDED = (signal.SIGTERM, signal.SIGHUP)
 
 
 def run_agent(command: Sequence[str], env: Mapping[str, str]) -> int:
     # A subprocess rather than torch.distributed.run.main() in this process: the workers
-    # get exactly `env`, and this process's own environment and state stay untouched.
-    process = subprocess.Popen(list(command), env=dict(env))
-    # A SIGTERM sent to this process alone (`kill <pid>`, a scheduler) is passed on: the
-    # agent forwards it to the workers, which save a checkpoint and stop.
+    # get exactly `env`, and this process's own environment and state stay untouched. The
+    # agent follows this process (launch/lifetime.py): if it dies, the agent and workers end.
+    process = subprocess.Popen(list(command), env={**env, **lifetime.launcher_env()})
+    # A SIGTERM or SIGHUP sent to this process alone (`kill <pid>`, a scheduler, a closed
+    # terminal) is passed on: the agent forwards it to the workers, which save a checkpoint and stop.
     forwarding = threading.current_thread() is threading.main_thread()  # handlers live in the main thread
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: process.send_signal(signum)) if forwarding else None
+    previous = {signum: signal.signal(signum, lambda signum, frame: process.send_signal(signum))
+                for signum in FORWARDED} if forwarding else {}
     try:
         return process.wait()
     except KeyboardInterrupt:
@@ -143,5 +160,5 @@ def run_agent(command: Sequence[str], env: Mapping[str, str]) -> int:
             process.wait()
         return 130
     finally:
-        if forwarding:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 FILE_NAME = "metrics.jsonl"
+# The numeric fields a run writes that a sweep may judge it by (`sweep.metric`).
+KNOWN_FIELDS = ("eval_loss", "eval_perplexity", "eval_accuracy", "loss", "tokens_per_s", "mfu", "peak_memory_mb",
+                "grad_norm", "elapsed_s")
 
 
 def path_in(output_dir: str | Path) -> Path:
@@ -69,7 +72,8 @@ def read(path: str | Path) -> Records:
 
 
 class Tail:
-    """The new complete records of a metrics.jsonl another process is appending to."""
+    """The new complete records of a metrics.jsonl another process is appending to (read
+    from the start again if the file gets shorter)."""
 
     def __init__(self, path: Path):
         self.path, self.offset, self.partial = Path(path), 0, ""
@@ -77,6 +81,8 @@ class Tail:
     def records(self) -> list[dict[str, Any]]:
         try:
             with self.path.open() as f:
+                if self.offset > f.seek(0, 2):  # cut back (a resumed run returns to its checkpoint): read it again
+                    self.offset, self.partial = 0, ""
                 f.seek(self.offset)
                 text = f.read()
                 self.offset = f.tell()

@@ -26,7 +26,7 @@ from overdrive.tune.search import Search, SearchSettings
 from overdrive.tune.space import DIMENSIONS, Candidate, Space, build_space, detect_facts
 from overdrive.tune.trials import Outcome, Rung, TrialPlan
 
-__all__ = ["Job", "Rung", "TrialPlan", "TuneOptions", "lookup", "make_job", "run"]
+__all__ = ["Job", "Rung", "TrialPlan", "TuneOptions", "lookup", "make_job", "run", "starter_for"]
 
 
 @dataclass
@@ -85,16 +85,22 @@ def trial_config(job: Job, overrides: dict[str, Any], workdir: Path) -> str:
 
 def open_starter(job: Job, root: Path):
     """What starts trial processes for this job (close it when done)."""
+    return starter_for(job.config, job.plan.runner, root)
+
+
+def starter_for(cfg, runner: str, root: Path):
+    """What starts processes training configs like `cfg`: "fork" (from a warm server under
+    `root`) or "spawn" (fresh interpreters). Close it when done."""
     from overdrive.launch import process as launch
     from overdrive.tune import processes
 
     # The environment an `overdrive train` worker would get (Accelerate's variables removed:
     # the resolved config already holds what they said).
-    env = launch.worker_environment(job.config)
-    env.update(launch.secrets_env(job.config))  # the trial's resolved JSON holds them masked
-    if job.plan.runner == "spawn":
+    env = launch.worker_environment(cfg)
+    env.update(launch.secrets_env(cfg))  # the trial's resolved JSON holds them masked
+    if runner == "spawn":
         return processes.Spawner(env)
-    arch = job.config.model.architecture if not job.config.model.name_or_path else {}
+    arch = cfg.model.architecture if not cfg.model.name_or_path else {}
     model_type = str(arch.get("model_type", "")).replace("-", "_")
     extra = (f"transformers.models.{model_type}.modeling_{model_type}",) if model_type else ()
     return processes.ForkServer(root, env, extra)

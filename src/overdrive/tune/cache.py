@@ -25,7 +25,7 @@ FORMAT = 1
 PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "datasets", "tokenizers", "overdrive")
 # Sections and keys that do not change how fast a step runs.
 _IGNORED = {
-    "output_dir": None, "logging": None, "checkpoint": None, "scheduler": None,
+    "output_dir": None, "logging": None, "checkpoint": None, "scheduler": None, "sweep": None,
     "optim": ("lr", "weight_decay", "betas", "eps"),
     "training": ("seed", "eval_every_steps", "eval_batches", "log_every_steps", "nonfinite_loss",
                  "max_nonfinite_in_a_row"),

@@ -14,19 +14,9 @@ from typing import Any, Optional
 
 import yaml
 
+from overdrive.config.keys import unflatten as nest  # tuned.yaml writes the schema's sections
+
 STATUS_ORDER = ("ok", "stopped", "crashed", "oom", "timeout", "skipped", "dominated", "pruned")
-
-
-def nest(overrides: dict[str, Any]) -> dict[str, Any]:
-    nested: dict[str, Any] = {}
-    for key, value in overrides.items():
-        node = nested
-        *parents, last = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = value
-    return nested
-
 
 def free_path(path: Path, force: bool) -> Path:
     """`path`, or when it exists (and not `force`) the first free `stem-N.suffix` beside it."""

@@ -113,6 +113,7 @@ class ForkServer:
 
     def start(self, task: str, path: Path, log: Path) -> _Forked:
         exit_file = Path(f"{log}.exit")
+        exit_file.unlink(missing_ok=True)  # an earlier run's in the same directory (a resumed sweep trial)
         try:
             self.server.stdin.write(json.dumps({"task": task, "path": str(path), "log": str(log),
                                                 "exit": str(exit_file)}) + "\n")

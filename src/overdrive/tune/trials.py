@@ -174,7 +174,10 @@ def _train(resolved) -> int:
         return int(launch_workers(resolved) or 0)
     from overdrive.training.loop import train
 
-    return 1 if train(resolved).stopped_early else 0
+    result = train(resolved)
+    if result.stopped_by:  # stopped by a signal after a checkpoint: not finished (as `overdrive train` says)
+        return 128 + result.stopped_by
+    return 1 if result.stopped_early else 0
 
 
 def prepare_data(path: str) -> int:

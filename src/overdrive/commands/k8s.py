@@ -1,0 +1,25 @@
+"""`overdrive k8s [config...] [key=value...] [--kind trainjob|pytorchjob|jobset]`: the run as
+Kubernetes manifests, on stdout (a ConfigMap with the resolved config, and the job)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from overdrive.commands.explain import add_config_arguments
+
+    add_config_arguments(parser)
+    parser.add_argument("--kind", choices=("trainjob", "pytorchjob", "jobset"), default="trainjob",
+                        help="Kubeflow Trainer TrainJob (default), Kubeflow PyTorchJob, or JobSet")
+    parser.add_argument("--job-name", default="overdrive",
+                        help="name of the job; its ConfigMap, Secret and volume claim are named after it")
+
+
+def run(args: argparse.Namespace) -> int:
+    from overdrive.commands.explain import split_items
+    from overdrive.launch import job, k8s
+
+    described = job.describe(job.resolve_for_cluster(*split_items(args.items), not args.no_accelerate_default), args.job_name, container=True)
+    print(k8s.render(described, args.kind), end="")
+    return 0
