@@ -26,11 +26,10 @@ def _split(args) -> tuple[str | None, list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from overdrive.memory import estimate
     from overdrive.memory import plan as arith
     from overdrive.memory import report
-    from overdrive.memory.model_shape import Source, hf_config_for_run, load_run_config, model_shape
-    from overdrive.memory.shape import setup_for_run, strategy_of_run
+    from overdrive.memory.model_shape import load_run_config, run_estimate, run_shape
+    from overdrive.training import metrics
 
     from overdrive.commands.estimate import check_memory_sizes
     from overdrive.commands.train import check_model_layout
@@ -56,19 +55,16 @@ def run(args: argparse.Namespace) -> int:
         tokenize, sizes = _tokenize_forecast(cfg), []
         data = _data_size(cfg, tokenize)
     math_ = arith.arithmetic(cfg, data, micro)
-    source = Source(hf_config_for_run(cfg), cfg.model.name_or_path or str(cfg.model.architecture.get("model_type")),
-                    run=cfg, task=cfg.model.task, attn_implementation=cfg.model.attn_implementation)
-    shape = model_shape(source)
-    strategy = strategy_of_run(cfg)
+    shape = run_shape(cfg)
     target = "cuda" if args.gpu_memory else ("cpu" if _cpu(cfg) else "cuda")
-    est = estimate(shape, setup_for_run(cfg, target, micro_batch=micro), (strategy,))
+    est = run_estimate(cfg, target, shape, micro_batch=micro)
     cap = report.detect_capacity(args.gpu_memory)
     report.apply_verdict(est, cap)
     row = est.rows[0]
     from overdrive.checkpoint.room import planned
 
     room = planned(cfg, shape.params)
-    speed = arith.measured_throughput(cfg, micro)
+    speed = metrics.measured_throughput(cfg, micro)
     step_s = math_.tokens_per_step / speed.tokens_per_s if speed else None
     curve = _lr_points(cfg)
     sources = _sources(cfg, sizes, math_)
@@ -147,7 +143,7 @@ def _lr_points(cfg) -> list[tuple[int, float]]:
 
 
 def _optimizer(cfg) -> dict:
-    from overdrive.training import optimizer_catalog
+    from overdrive.config import optimizer_catalog
 
     kind = optimizer_catalog.of(cfg)
     title = f"{kind.title} ({cfg.optim.class_path})" if cfg.optim.class_path else kind.title

@@ -18,7 +18,7 @@ from typing import Callable
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem
 from overdrive.strategies import registry
-from overdrive.training import optimizer_catalog
+from overdrive.config import optimizer_catalog
 
 
 def check(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:

@@ -33,7 +33,7 @@ is where it differs from the paper (every difference named in `Row.terms`):
 Each of these was measured per rank on 2 CPU processes (tests/memory_probe.py).
 
 The optimizer's state is the run's optimizer's (`Setup.optimizer_state_bytes`, from
-training/optimizer_catalog.py): Adam's 8 bytes per parameter by default, SGD 4 (0 without
+config/optimizer_catalog.py): Adam's 8 bytes per parameter by default, SGD 4 (0 without
 momentum), Lion 4, 8-bit AdamW 2, Adafactor its row and column vectors, Muon 4 on the hidden
 matrices and AdamW's 8 on the rest.
 N-D layouts: with tensor parallel each rank holds its slice of every tensor the model's plan

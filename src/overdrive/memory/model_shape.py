@@ -54,7 +54,7 @@ def load_run_config(path: Optional[str], cli: list[str] = ()):
 
 def hf_config_for_run(cfg) -> Any:
     """The Transformers config a run would build, without weights or tokenizer."""
-    from overdrive.training.model import model_config
+    from overdrive.hf.model_config import model_config
 
     vocab = None if cfg.model.name_or_path else cfg.tokenizer.vocab_size
     try:
@@ -135,8 +135,9 @@ def build_meta_model(config: Any, task: str = "causal-lm", attn_implementation: 
     import torch
     import transformers
 
-    cls = {"causal-lm": transformers.AutoModelForCausalLM,
-           "sequence-classification": transformers.AutoModelForSequenceClassification}[task]
+    from overdrive.hf.model_config import auto_class
+
+    cls = auto_class(task)
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     with torch.device("meta"):
         try:
@@ -243,3 +244,20 @@ def shape_of_model(model, name: str) -> ModelShape:
 def model_shape(source: Source) -> ModelShape:
     model = build_meta_model(source.config, source.task, source.attn_implementation)
     return shape_of_model(model, source.name)
+
+
+def run_shape(cfg) -> ModelShape:
+    """The shape of the model a run config trains (meta device, no weights): built once by
+    whoever estimates for a run, and handed to `run_estimate` for every size it tries."""
+    name = cfg.model.name_or_path or str(cfg.model.architecture.get("model_type"))
+    return model_shape(Source(hf_config_for_run(cfg), name, run=cfg, task=cfg.model.task,
+                              attn_implementation=cfg.model.attn_implementation))
+
+
+def run_estimate(cfg, target: str = "cuda", shape: Optional[ModelShape] = None, **changes):
+    """The estimate of a run config's own strategy: the one place the estimator's input is
+    built from a run (the plan, the tuner, the auto micro-batch). `changes` go to the Setup."""
+    from overdrive.memory import estimate
+    from overdrive.memory.shape import setup_for_run, strategy_of_run
+
+    return estimate(shape or run_shape(cfg), setup_for_run(cfg, target, **changes), (strategy_of_run(cfg),))

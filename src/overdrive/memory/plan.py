@@ -6,7 +6,6 @@ cached; otherwise it is the raw text's bytes over BYTES_PER_TOKEN, and the plan 
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -89,28 +88,3 @@ def arithmetic(cfg, data: DataSize, micro_batch: int) -> Arithmetic:
         epochs = t.max_steps / steps if steps else None
     return Arithmetic(world, micro_batch, t.gradient_accumulation_steps, cfg.data.max_length, global_batch,
                       tokens_per_step, t.max_steps, train_tokens, steps, epochs)
-
-
-@dataclass(frozen=True)
-class Throughput:
-    tokens_per_s: float
-    records: int
-    path: str
-    same_shape: bool  # measured at this run's world size, micro-batch and sequence length
-
-
-def measured_throughput(cfg, micro_batch: int) -> Optional[Throughput]:
-    """Median tokens/s of the last logged steps in `<output_dir>/metrics.jsonl`, if any."""
-    from overdrive.training import metrics
-
-    path = metrics.path_in(cfg.output_dir)
-    records = [r for r in metrics.read(path).records if r.get("tokens_per_s")]
-    if not records:
-        return None
-    # The first logged step includes compilation and warm-up: leave it out when there are more.
-    recent = records[1:][-20:] if len(records) > 1 else records
-    last = recent[-1]
-    same = (last.get("num_processes", cfg.launch.num_processes) == cfg.launch.num_processes
-            and last.get("micro_batch_size", micro_batch) == micro_batch
-            and last.get("seq_len", cfg.data.max_length) == cfg.data.max_length)
-    return Throughput(statistics.median(r["tokens_per_s"] for r in recent), len(recent), str(path), same)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from overdrive.strategies import registry
-from overdrive.training import optimizer_catalog
+from overdrive.config import optimizer_catalog
 
 Precision = Literal["no", "fp16", "bf16"]
 Target = Literal["cuda", "cpu"]
@@ -91,7 +91,7 @@ class Setup:
     # DDP and FSDP2
     gradient_as_bucket_view: bool = True
     reshard_after_forward: bool = True
-    # The optimizer (optim.name; training/optimizer_catalog.py knows its state) and SGD's momentum.
+    # The optimizer (optim.name; config/optimizer_catalog.py knows its state) and SGD's momentum.
     optimizer: str = "adamw"
     momentum: Optional[float] = None
     # The N-D layout (strategies/layout.py): devices = dp_replicate x dp_shard x tp x cp x sp.

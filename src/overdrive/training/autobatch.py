@@ -73,19 +73,18 @@ def sizes(per_process: int) -> list[int]:
     return [m for m in range(per_process, 0, -1) if per_process % m == 0]
 
 
-def predict(cfg: RunConfig, candidates: list[int], capacity: Optional[Any] = None) -> Optional[int]:
-    """The largest size the estimator says fits, or None."""
-    from overdrive.memory import estimate
+def predict(cfg: RunConfig, candidates: list[int], capacity: Optional[Any] = None,
+            shape: Optional[Any] = None) -> Optional[int]:
+    """The largest size the estimator says fits, or None. `shape`: the run's model shape,
+    computed once by the caller (else here)."""
     from overdrive.memory import report
-    from overdrive.memory.model_shape import Source, hf_config_for_run, model_shape
-    from overdrive.memory.shape import setup_for_run, strategy_of_run
+    from overdrive.memory.model_shape import run_estimate, run_shape
 
     capacity = capacity or _capacity()
-    shape = model_shape(Source(hf_config_for_run(cfg), "model", run=cfg, task=cfg.model.task,
-                               attn_implementation=cfg.model.attn_implementation))
+    shape = shape or run_shape(cfg)
     target = "cpu" if capacity.kind == "host" else "cuda"
     for m in candidates:
-        est = estimate(shape, setup_for_run(cfg, target, micro_batch=m), (strategy_of_run(cfg),))
+        est = run_estimate(cfg, target, shape, micro_batch=m)
         report.apply_verdict(est, capacity, headroom=HEADROOM, nodes=cfg.launch.num_machines)
         if est.rows[0].fits:
             return m
@@ -105,23 +104,16 @@ def _capacity():
     return cap
 
 
-def _estimate_row(cfg: RunConfig, micro: int, target: str = "cuda"):
-    from overdrive.memory import estimate
-    from overdrive.memory.model_shape import Source, hf_config_for_run, model_shape
-    from overdrive.memory.shape import setup_for_run, strategy_of_run
-
-    shape = model_shape(Source(hf_config_for_run(cfg), "model", run=cfg, task=cfg.model.task,
-                               attn_implementation=cfg.model.attn_implementation))
-    return estimate(shape, setup_for_run(cfg, target, micro_batch=micro), (strategy_of_run(cfg),)).rows[0]
-
-
-def probe_terms(cfg: RunConfig, micro: int, measured_bytes: int, device_bytes: int) -> list[tuple[str, int]]:
+def probe_terms(cfg: RunConfig, micro: int, measured_bytes: int, device_bytes: int,
+                shape: Optional[Any] = None) -> list[tuple[str, int]]:
     """What a micro-batch needs on a GPU: the probe's measured forward and backward (its
     activations and whole-model gradients; the probe's weights were already resident), plus
     what the probe never allocates, from the estimator for the configured strategy at this
     size, plus the margin. The last term is the device's memory, negative: the size fits when
     the terms sum to <= 0."""
-    row = _estimate_row(cfg, micro)
+    from overdrive.memory.model_shape import run_estimate
+
+    row = run_estimate(cfg, "cuda", shape, micro_batch=micro).rows[0]
     return [
         ("forward and backward, measured by the probe", int(measured_bytes)),
         ("weights on this rank (estimator)", row.params_bytes),
@@ -162,10 +154,7 @@ def choose(cfg: RunConfig, world: int, probe: Optional[Probe], on_gpu: bool, cap
                     break
                 chosen = m
     if chosen is None:
-        raise UserError(Problem("training.micro_batch_size", f"auto: not even a micro-batch of "
-                                f"{candidates[-1]} fits ({tried[-1][1] if tried else 'estimate'})",
-                                fix="shard more (parallel.strategy=deepspeed with zero_stage 3, or fsdp), turn on "
-                                "model.gradient_checkpointing, or shorten data.max_length"))
+        raise UserError(_nothing_fits(candidates[-1], tried[-1][1] if tried else "estimate"))
     agreed = agree(chosen)
     note = f"(another process fitted only {agreed})" if agreed != chosen else ""
     if predicted is None:
@@ -181,18 +170,20 @@ def _is_oom(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or mentions_out_of_memory(str(error))
 
 
-def make_probe(cfg: RunConfig, device, device_bytes: Optional[int] = None) -> Probe:
+def make_probe(cfg: RunConfig, device, device_bytes: Optional[int] = None, shape: Optional[Any] = None) -> Probe:
     """Forward and backward of the (unsharded) model at a given micro-batch on `device`; on a
-    GPU, judged by `probe_terms` against `device_bytes` (default: the device's total)."""
+    GPU, judged by `probe_terms` against `device_bytes` (default: the device's total).
+    The model is the one that trains (training/model.py: its dtype, attention implementation
+    and gradient checkpointing), with fresh weights."""
     import torch
 
+    from overdrive.memory.model_shape import hf_config_for_run, run_shape
     from overdrive.training import model as model_mod
-    from overdrive.memory.model_shape import hf_config_for_run
 
     config = hf_config_for_run(cfg)  # what the estimator sizes: the tokenizer's vocabulary, no weights
+    shape = shape or (run_shape(cfg) if device.type == "cuda" else None)  # probe_terms asks it at every size
     try:
-        with torch.device(device):
-            net = model_mod.auto_class(cfg.model.task).from_config(config)
+        net = model_mod.fresh_model(cfg, config, device)
     except (torch.OutOfMemoryError, RuntimeError) as error:
         if not _is_oom(error):
             raise
@@ -201,14 +192,9 @@ def make_probe(cfg: RunConfig, device, device_bytes: Optional[int] = None) -> Pr
     on_gpu = device.type == "cuda"
     if on_gpu and device_bytes is None:
         device_bytes = torch.cuda.get_device_properties(device).total_memory
-    if cfg.model.gradient_checkpointing and net.supports_gradient_checkpointing:
-        kwargs = {"use_reentrant": False}  # as model.build_model turns it on
-        if hasattr(net, "activation_checkpointing_enable"):
-            net.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            net.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    net = model_mod.with_gradient_checkpointing(cfg, net)
     net.train()
-    dtype = {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.mixed_precision)
+    dtype = model_mod.autocast_dtype(cfg.precision.mixed_precision)
     vocab_size, seq_len = config.vocab_size, cfg.data.max_length
 
     def probe(m: int) -> Optional[str]:
@@ -224,7 +210,7 @@ def make_probe(cfg: RunConfig, device, device_bytes: Optional[int] = None) -> Pr
                 loss = net(input_ids=ids, labels=labels).loss
             loss.backward()
             if on_gpu:
-                terms = probe_terms(cfg, m, torch.cuda.max_memory_allocated(device) - before, device_bytes)
+                terms = probe_terms(cfg, m, torch.cuda.max_memory_allocated(device) - before, device_bytes, shape)
                 short = sum(b for _, b in terms)
                 if short > 0:
                     return f"out of memory with optimizer states, buffers and margin ({short / 2**30:.2f} GiB short)"
@@ -243,12 +229,26 @@ def make_probe(cfg: RunConfig, device, device_bytes: Optional[int] = None) -> Pr
     return probe
 
 
-def predicted_config(cfg: RunConfig, capacity: Optional[Any] = None) -> RunConfig:
+def predicted_config(cfg: RunConfig, capacity: Optional[Any] = None, shape: Optional[Any] = None) -> RunConfig:
     """Step 1, before the Accelerator is built: `auto` replaced by the estimator's size, so
-    every strategy's plugin is built from integers."""
+    every strategy's plugin is built from integers. When the estimator says nothing fits,
+    the probe starts from the smallest size; where no probe runs (parameters sharded), that
+    verdict stands: a refusal."""
+    from overdrive.strategies import registry
+
     per_process = batch.split(cfg).per_replica
-    micro = predict(cfg, sizes(per_process), capacity) or 1
+    candidates = sizes(per_process)
+    micro = predict(cfg, candidates, capacity, shape)
+    if micro is None and not registry.of(cfg).holds_whole_model(cfg):
+        raise UserError(_nothing_fits(candidates[-1], "the estimate for this strategy"))
+    micro = micro or candidates[-1]
     return batch.with_split(cfg, micro, per_process // micro)
+
+
+def _nothing_fits(smallest: int, why: str) -> Problem:
+    return Problem("training.micro_batch_size", f"auto: not even a micro-batch of {smallest} fits ({why})",
+                   fix="shard more (parallel.strategy=deepspeed with zero_stage 3, or fsdp), turn on "
+                   "model.gradient_checkpointing, or shorten data.max_length")
 
 
 def confirm(cfg: RunConfig, accelerator, probe: Optional[Probe] = None, capacity: Optional[Any] = None) -> RunConfig:

@@ -142,8 +142,8 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
     watch.say = progress.print
     try:
         with checkpoint.StopRequest(checkpoint.cpu_group(), accelerator.num_processes) as stop, watch:
-            outcome = _run(Loop(cfg, parts, state, ckpt, stop, progress, metrics, checkpoint=restored.path,
-                                observe=watch))
+            outcome = _steps(Loop(cfg, parts, state, ckpt, stop, progress, metrics, checkpoint=restored.path,
+                                  observe=watch))
     finally:
         progress.close()
     result = TrainResult(out, state.step, state.first_loss, state.final_loss, is_main_process=main, **vars(outcome))
@@ -165,7 +165,7 @@ class Outcome:
     elapsed_s: float = 0.0
 
 
-def _run(loop: "Loop") -> Outcome:
+def _steps(loop: "Loop") -> Outcome:
     """The outer loop: the named steps, each when it is due."""
     loop.parts.model.train()
     loop.parts.recipe.train_mode()

@@ -11,9 +11,10 @@ Pure (json and files only): `overdrive report`, `plan`, the tuner and bench read
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from overdrive.storage.faults import writing
 
@@ -92,3 +93,26 @@ class Tail:
             return []
         *lines, self.partial = (self.partial + text).split("\n")
         return _parse(lines, Records()).records
+
+
+@dataclass(frozen=True)
+class MeasuredThroughput:
+    tokens_per_s: float
+    records: int
+    path: str
+    same_shape: bool  # measured at this run's world size, micro-batch and sequence length
+
+
+def measured_throughput(cfg, micro_batch: int) -> Optional[MeasuredThroughput]:
+    """Median tokens/s of the last logged steps in `<output_dir>/metrics.jsonl`, if any."""
+    path = path_in(cfg.output_dir)
+    records = [r for r in read(path).records if r.get("tokens_per_s")]
+    if not records:
+        return None
+    # The first logged step includes compilation and warm-up: leave it out when there are more.
+    recent = records[1:][-20:] if len(records) > 1 else records
+    last = recent[-1]
+    same = (last.get("num_processes", cfg.launch.num_processes) == cfg.launch.num_processes
+            and last.get("micro_batch_size", micro_batch) == micro_batch
+            and last.get("seq_len", cfg.data.max_length) == cfg.data.max_length)
+    return MeasuredThroughput(statistics.median(r["tokens_per_s"] for r in recent), len(recent), str(path), same)

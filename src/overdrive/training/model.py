@@ -1,7 +1,7 @@
 """Models through the Transformers Auto classes.
 
-`model_config(cfg, vocab_size)` builds the Transformers config without any weights (the
-memory estimator uses it); `build_model(cfg, ...)` builds the model: from a hub name or a
+`model_config(cfg, vocab_size)` (hf/model_config.py) builds the Transformers config without any
+weights (the memory estimator sizes the same); `build_model(cfg, ...)` builds the model: from a hub name or a
 local `save_pretrained` directory, or with fresh weights from `model.architecture`.
 Remote code runs only when `model.trust_remote_code` says so.
 """
@@ -15,63 +15,22 @@ import torch
 from overdrive import hub
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
+from overdrive.hf.model_config import auto_class, model_config  # noqa: F401 (the model's config, shared with memory/)
 from overdrive.training import adapter
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+# The one map from the config's dtype names (model.dtype) to torch's.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# precision.mixed_precision -> the dtype autocast computes in (None: no autocast). Accelerate
+# runs fp8 training's other operations under a bf16 autocast, so fp8 reads bf16 here.
+_AUTOCAST = {"no": None, "fp16": "float16", "bf16": "bfloat16", "fp8": "bfloat16"}
+
+
+def autocast_dtype(mixed_precision: str) -> Optional[torch.dtype]:
+    name = _AUTOCAST.get(mixed_precision)
+    return DTYPES[name] if name else None
 # Names under which models keep learned position embeddings; they are table look-ups, not
 # matrix multiplies, so they do not count towards training FLOPs (as in nanoGPT).
 _POSITION_EMBEDDINGS = ("wpe", "position_embeddings", "embed_positions")
-
-
-def auto_class(task: str):
-    import transformers
-
-    return {
-        "causal-lm": transformers.AutoModelForCausalLM,
-        "sequence-classification": transformers.AutoModelForSequenceClassification,
-    }[task]
-
-
-def _task_fields(task: str, label_names: Sequence[str], num_labels: Optional[int]) -> dict:
-    if task != "sequence-classification":
-        return {}
-    n = num_labels or len(label_names) or 2
-    names = list(label_names) or [str(i) for i in range(n)]
-    return {"num_labels": n, "id2label": dict(enumerate(names)), "label2id": {v: k for k, v in enumerate(names)}}
-
-
-def model_config(cfg: RunConfig, vocab_size: Optional[int] = None, *, label_names: Sequence[str] = (),
-                 special_tokens: Optional[Mapping[str, Optional[int]]] = None):
-    """The Transformers config for this run, without weights.
-
-    `vocab_size` comes from the tokenizer; `special_tokens` maps `pad_token_id`,
-    `bos_token_id`, `eos_token_id` to the tokenizer's ids (GPT-2 finds the last real token
-    of a classification input through `pad_token_id`).
-    """
-    from transformers import AutoConfig
-
-    m = cfg.model
-    extra = {**_task_fields(m.task, label_names, m.num_labels),
-             **{k: v for k, v in (special_tokens or {}).items() if v is not None}}
-    if m.name_or_path:
-        with hub.reading("model.name_or_path", m.name_or_path, revision=m.revision):
-            config = AutoConfig.from_pretrained(m.name_or_path, revision=m.revision,
-                                                trust_remote_code=m.trust_remote_code, **extra)
-    else:
-        arch = dict(m.architecture)
-        model_type = arch.pop("model_type", None)
-        if not model_type:
-            raise UserError(Problem("model.architecture", "needs a `model_type` (e.g. gpt2, llama)",
-                                    fix="add model.architecture.model_type=gpt2, or set model.name_or_path"))
-        if vocab_size is not None:
-            arch["vocab_size"] = vocab_size
-        try:
-            config = AutoConfig.for_model(model_type, **arch, **extra)
-        except ValueError as error:
-            raise UserError(Problem("model.architecture.model_type", str(error))) from error
-    # The key/value cache only serves generation; in training it is memory and time spent.
-    config.use_cache = False
-    return config
 
 
 def build_model(cfg: RunConfig, vocab_size: Optional[int] = None, *, label_names: Sequence[str] = (),
@@ -82,40 +41,65 @@ def build_model(cfg: RunConfig, vocab_size: Optional[int] = None, *, label_names
     a qlora base is quantized onto `device` as it loads."""
     m = cfg.model
     config = model_config(cfg, vocab_size, label_names=label_names, special_tokens=special_tokens)
-    cls = auto_class(m.task)
-    common = {"trust_remote_code": m.trust_remote_code, "dtype": _DTYPES[m.dtype]}
-    if m.attn_implementation:
-        common["attn_implementation"] = m.attn_implementation
     if not m.name_or_path or m.from_scratch or device == "meta":
-        if common["dtype"] == "auto":
-            common.pop("dtype")
-        with torch.device(device or "cpu"):
-            model = cls.from_config(config, **common)
+        model = fresh_model(cfg, config, device)
     else:
+        common = _loading(cfg)
         quantization = adapter.quantization(cfg)
         if quantization is not None:  # bitsandbytes quantizes as the weights are loaded onto the device
             common.update(quantization_config=quantization, device_map={"": str(device or "cpu")})
         with hub.reading("model.name_or_path", m.name_or_path, revision=m.revision):
-            model = cls.from_pretrained(m.name_or_path, config=config, revision=m.revision, **common)
-    if m.task == "causal-lm" and getattr(model, "loss_type", None) is None:
-        # Class names like GPT2LMHeadModel do not tell Transformers which loss they use; say
-        # it (the same shifted cross-entropy it falls back to) rather than be warned.
-        model.loss_type = "ForCausalLM"
+            model = _with_loss_type(cfg, auto_class(m.task).from_pretrained(m.name_or_path, config=config,
+                                                                            revision=m.revision, **common))
     if vocab_size is not None and vocab_size > model.get_input_embeddings().num_embeddings:
         # A tokenizer with added tokens: grow the table rather than index past its end.
         model.resize_token_embeddings(vocab_size)
-    if m.gradient_checkpointing:
-        if not model.supports_gradient_checkpointing:
-            raise UserError(Problem("model.gradient_checkpointing", f"{type(model).__name__} does not support it",
-                                    fix="set model.gradient_checkpointing=false"))
-        # Non-reentrant checkpointing works with DDP/FSDP and with inputs that need no grad.
-        kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # the name since Transformers 5.x
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model = with_gradient_checkpointing(cfg, model)
     if adapter.enabled(cfg) and device != "meta":
         model = adapter.apply(cfg, model, gradient_checkpointing=m.gradient_checkpointing)
+    return model
+
+
+def _loading(cfg: RunConfig) -> dict:
+    """How the run's model is built: remote code, dtype, attention implementation."""
+    m = cfg.model
+    common = {"trust_remote_code": m.trust_remote_code, "dtype": "auto" if m.dtype == "auto" else DTYPES[m.dtype]}
+    if m.attn_implementation:
+        common["attn_implementation"] = m.attn_implementation
+    return common
+
+
+def fresh_model(cfg: RunConfig, config, device: Optional[str | torch.device] = None):
+    """The run's model with fresh weights from `config`, on `device`: what `build_model`
+    builds from an architecture, and what the auto micro-batch probes."""
+    common = _loading(cfg)
+    if common["dtype"] == "auto":
+        common.pop("dtype")
+    with torch.device(device or "cpu"):
+        return _with_loss_type(cfg, auto_class(cfg.model.task).from_config(config, **common))
+
+
+def _with_loss_type(cfg: RunConfig, model):
+    if cfg.model.task == "causal-lm" and getattr(model, "loss_type", None) is None:
+        # Class names like GPT2LMHeadModel do not tell Transformers which loss they use; say
+        # it (the same shifted cross-entropy it falls back to) rather than be warned.
+        model.loss_type = "ForCausalLM"
+    return model
+
+
+def with_gradient_checkpointing(cfg: RunConfig, model):
+    """`model.gradient_checkpointing` turned on, the one switch (the trained model and the probe)."""
+    if not cfg.model.gradient_checkpointing:
+        return model
+    if not model.supports_gradient_checkpointing:
+        raise UserError(Problem("model.gradient_checkpointing", f"{type(model).__name__} does not support it",
+                                fix="set model.gradient_checkpointing=false"))
+    # Non-reentrant checkpointing works with DDP/FSDP and with inputs that need no grad.
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # the name since Transformers 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model
 
 

@@ -2,7 +2,7 @@
 
 Every optimizer gets the same weight-decay rule: matrices and embeddings decay, biases and norm
 scales do not. What each name is (its class, state, whether it is elementwise) is described in
-optimizer_catalog.py; this module imports the classes and builds them.
+config/optimizer_catalog.py; this module imports the classes and builds them.
 
 Muon, as its authors prescribe, orthogonalises only the hidden 2-D matrices (inside the
 transformer blocks); the embeddings, the output head and every vector go to AdamW at
@@ -20,7 +20,7 @@ import torch
 
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
-from overdrive.training import optimizer_catalog
+from overdrive.config import optimizer_catalog
 from overdrive.training.optimization import adamw_kernel, full_ndim, make_scheduler, param_groups
 
 # Keyword arguments overdrive passes itself, from its own keys: `optim.kwargs` may not repeat them.

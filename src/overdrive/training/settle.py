@@ -71,9 +71,11 @@ def settle(run: Resolved | RunConfig, force: bool, build: Callable[[RunConfig], 
     resolved = with_plan(resolved, plan)
     if resolved.config.training.micro_batch_size != "auto":
         return Settled(resolved, plan, build(resolved.config))
+    from overdrive.memory.model_shape import run_shape
     from overdrive.training import autobatch
 
-    predicted = autobatch.predicted_config(resolved.config)  # integers before any strategy plugin is built
+    shape = run_shape(resolved.config)  # the model's shape, once: every size the estimator tries reads it
+    predicted = autobatch.predicted_config(resolved.config, shape=shape)  # integers before any plugin is built
     accelerator = build(predicted)
     final = autobatch.confirm(predicted, accelerator)  # probed on this device, agreed by all ranks
     return Settled(_with_auto(resolved, final, str(accelerator.device)), plan, accelerator)

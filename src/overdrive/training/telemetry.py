@@ -126,7 +126,9 @@ def device_peak_flops(device: torch.device, mixed_precision: str, cache_dir: Opt
     if device.type == "cuda":
         return gpu_peak_flops(torch.cuda.get_device_name(device), mixed_precision)
     if device.type == "cpu":
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, torch.float32)
+        from overdrive.training.model import autocast_dtype
+
+        dtype = autocast_dtype(mixed_precision) or torch.float32
         return cpu_peak_flops(dtype, cache_dir)
     return None
 

@@ -339,14 +339,10 @@ def fits_by_estimate(cfg: RunConfig, gpu_memory_gib: Optional[float] = None) -> 
 
     Builds the model once on the meta device (no weights); each candidate is then arithmetic.
     """
-    from overdrive.memory import estimate
     from overdrive.memory import report
-    from overdrive.memory.model_shape import Source, hf_config_for_run, model_shape
-    from overdrive.memory.shape import setup_for_run, strategy_of_run
+    from overdrive.memory.model_shape import run_estimate, run_shape
 
-    source = Source(hf_config_for_run(cfg), cfg.model.name_or_path or "model", run=cfg, task=cfg.model.task,
-                    attn_implementation=cfg.model.attn_implementation)
-    shape = model_shape(source)
+    shape = run_shape(cfg)
     capacity = report.detect_capacity(gpu_memory_gib)
     target = "cpu" if capacity.kind == "host" else "cuda"
 
@@ -356,7 +352,7 @@ def fits_by_estimate(cfg: RunConfig, gpu_memory_gib: Optional[float] = None) -> 
         if candidate.key in verdicts:
             return verdicts[candidate.key]
         run = apply(cfg, candidate.overrides())
-        est = estimate(shape, setup_for_run(run, target), (strategy_of_run(run),))
+        est = run_estimate(run, target, shape)
         report.apply_verdict(est, capacity, nodes=run.launch.num_machines)
         row = est.rows[0]
         verdicts[candidate.key] = bool(row.fits), int(row.total_bytes + row.host_bytes)

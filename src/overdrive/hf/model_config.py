@@ -1,0 +1,65 @@
+"""The Transformers config a run builds, without weights: for the model that trains
+(training/model.py) and for the memory estimator (memory/), which sizes that same model.
+
+torch and transformers are imported inside the functions: `overdrive plan` and `estimate` reach here.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional, Sequence
+
+from overdrive.config.schema import RunConfig
+from overdrive.errors import Problem, UserError
+
+
+def auto_class(task: str):
+    import transformers
+
+    return {
+        "causal-lm": transformers.AutoModelForCausalLM,
+        "sequence-classification": transformers.AutoModelForSequenceClassification,
+    }[task]
+
+
+def _task_fields(task: str, label_names: Sequence[str], num_labels: Optional[int]) -> dict:
+    if task != "sequence-classification":
+        return {}
+    n = num_labels or len(label_names) or 2
+    names = list(label_names) or [str(i) for i in range(n)]
+    return {"num_labels": n, "id2label": dict(enumerate(names)), "label2id": {v: k for k, v in enumerate(names)}}
+
+
+def model_config(cfg: RunConfig, vocab_size: Optional[int] = None, *, label_names: Sequence[str] = (),
+                 special_tokens: Optional[Mapping[str, Optional[int]]] = None):
+    """The Transformers config for this run, without weights.
+
+    `vocab_size` comes from the tokenizer; `special_tokens` maps `pad_token_id`,
+    `bos_token_id`, `eos_token_id` to the tokenizer's ids (GPT-2 finds the last real token
+    of a classification input through `pad_token_id`).
+    """
+    from transformers import AutoConfig
+
+    m = cfg.model
+    extra = {**_task_fields(m.task, label_names, m.num_labels),
+             **{k: v for k, v in (special_tokens or {}).items() if v is not None}}
+    if m.name_or_path:
+        from overdrive import hub
+
+        with hub.reading("model.name_or_path", m.name_or_path, revision=m.revision):
+            config = AutoConfig.from_pretrained(m.name_or_path, revision=m.revision,
+                                                trust_remote_code=m.trust_remote_code, **extra)
+    else:
+        arch = dict(m.architecture)
+        model_type = arch.pop("model_type", None)
+        if not model_type:
+            raise UserError(Problem("model.architecture", "needs a `model_type` (e.g. gpt2, llama)",
+                                    fix="add model.architecture.model_type=gpt2, or set model.name_or_path"))
+        if vocab_size is not None:
+            arch["vocab_size"] = vocab_size
+        try:
+            config = AutoConfig.for_model(model_type, **arch, **extra)
+        except ValueError as error:
+            raise UserError(Problem("model.architecture.model_type", str(error))) from error
+    # The key/value cache only serves generation; in training it is memory and time spent.
+    config.use_cache = False
+    return config
