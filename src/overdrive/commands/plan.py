@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.training import metrics
 
     from overdrive.commands.estimate import check_memory_sizes
-    from overdrive.commands.train import check_model_layout
+    from overdrive.commands.run_config import check_model_layout
     from overdrive.strategies import layout
 
     check_memory_sizes(args)
@@ -143,7 +143,7 @@ def _lr_points(cfg) -> list[tuple[int, float]]:
 
 
 def _optimizer(cfg) -> dict:
-    from overdrive.config import optimizer_catalog
+    import overdrive.config.optimizer_catalog as optimizer_catalog
 
     kind = optimizer_catalog.of(cfg)
     title = f"{kind.title} ({cfg.optim.class_path})" if cfg.optim.class_path else kind.title

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.strategies.cpu import target_gpus
 
     launch.check(resolved.config, gpus=target_gpus(resolved.config))  # the cluster's machines, not this one
-    from overdrive.commands.train import check_model_layout
+    from overdrive.commands.run_config import check_model_layout
 
     check_model_layout(resolved.config)  # the job is `overdrive train`: what its loop cannot do is refused here
     script = launch_lines.sbatch_script(resolved, args.job_name)

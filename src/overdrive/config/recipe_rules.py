@@ -18,7 +18,7 @@ from typing import Callable
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem
 from overdrive.strategies import registry
-from overdrive.config import optimizer_catalog
+import overdrive.config.optimizer_catalog as optimizer_catalog
 
 
 def check(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
@@ -70,7 +70,7 @@ def optimizer_problems(cfg: RunConfig, where: Callable[[str], str]) -> list[Prob
         problems.append(Problem("scheduler.min_lr_ratio", "polynomial decay needs a final lr below the peak",
                                 where("scheduler.min_lr_ratio"), "set it below 1, or use scheduler.name=constant"))
     if o.kwargs or o.class_path:
-        from overdrive.training.optimizers import kwargs_problems
+        from overdrive.config.optimizer_classes import kwargs_problems
 
         problems += kwargs_problems(cfg, where)
     return problems

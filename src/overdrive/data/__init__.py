@@ -2,7 +2,8 @@
 
     chat.py      chat rows rendered by the chat template, with the assistant-only loss mask
     chat_samples.py  conversations one per row or packed (position ids restart), their collator
-    sources.py   `open_splits(cfg)`: the train/validation corpora (stdlib, files, save_to_disk, hub), unread
+    sources.py   the corpora as stored (stdlib, files, save_to_disk, hub), unread
+    opening.py   `open_splits(cfg)`: the train/validation corpora of a run (chat rows rendered by chat.py)
     pieces.py    plain text in bounded pieces; cheap fingerprints of files
     tokens.py    a corpus through the tokenizer into the cache, batch by batch; hold-out by piece
     cache.py     the token cache: resumable writer, memory-mapped reader
@@ -17,7 +18,8 @@ from overdrive.data.cache import NotReady
 from overdrive.data.chat import sample_kind
 from overdrive.data.loaders import EpochShuffle, collate_for, eval_loader, train_loader
 from overdrive.data.prepare import cached_token_count, prepare, tokenize, train_texts
-from overdrive.data.sources import Splits, open_splits, stdlib_files
+from overdrive.data.opening import open_splits
+from overdrive.data.sources import Splits, stdlib_files
 from overdrive.data.tokens import TokenizedSplits
 
 __all__ = ["EpochShuffle", "NotReady", "Splits", "TokenizedSplits", "cached_token_count", "collate_for",

@@ -127,7 +127,7 @@ def forecast(cfg, make_tokenizer, train_sample_bpe) -> Forecast:
     `make_tokenizer(cfg, texts, key, only_cached=True)` as in prepare(); when it has no cached
     BPE, `train_sample_bpe(texts)` trains one on the sample, timed, to measure with.
     """
-    from overdrive.data.sources import open_splits
+    from overdrive.data.opening import open_splits
 
     d = cfg.data
     if d.source != "stdlib" and not Path(d.source).expanduser().exists():

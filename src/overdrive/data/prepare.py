@@ -18,7 +18,8 @@ from overdrive.data import cache, chat, pieces, tokens
 from overdrive.errors import Problem, UserError
 from overdrive.storage import faults
 from overdrive.data.progress import TokenizeProgress
-from overdrive.data.sources import Splits, TextFiles, open_splits
+from overdrive.data.opening import open_splits
+from overdrive.data.sources import Splits, TextFiles
 
 _POLL_S = 0.5
 

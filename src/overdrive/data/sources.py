@@ -234,21 +234,8 @@ def _load(source: str, subset, split: str, streaming: bool, cache_dir: Path, key
                                 "set name (hub names need network access or a filled cache)")) from error
 
 
-def open_source(cfg: RunConfig, split: str, key: str):
-    """The corpus of one split of `data.source` (conversations with `data.format: chat`)."""
-    corpus = _open_source(cfg, split, key)
-    if cfg.data.format != "chat":
-        return corpus
-    from overdrive.data.chat import ChatRows
-
-    if not isinstance(corpus, Rows):
-        raise UserError(Problem("data.format", f"chat needs rows of conversations; {cfg.data.source!r} is plain text",
-                                fix="give a jsonl, json, csv or parquet file (or a data set) with a messages "
-                                "column or prompt/completion columns"))
-    return ChatRows(corpus, cfg)
-
-
-def _open_source(cfg: RunConfig, split: str, key: str):
+def read_source(cfg: RunConfig, split: str, key: str):
+    """The corpus of one split of `data.source`, as stored (text files or rows)."""
     d = cfg.data
     label = d.label_column if cfg.model.task == "sequence-classification" else None
     if d.source == "stdlib":
@@ -272,28 +259,3 @@ def _open_source(cfg: RunConfig, split: str, key: str):
     # names give the splits): `load_dataset` treats both the same way.
     name = str(path) if path.is_dir() else d.source
     return _table(_load(name, d.subset, split, d.streaming, cache, key), name, d.text_column, label)
-
-
-def _check_columns(corpus, cfg: RunConfig) -> None:
-    if not isinstance(corpus, Rows):
-        return
-    names = _columns(corpus.dataset)
-    for key, column in (("data.text_column", corpus.text_column), ("data.label_column", corpus.label_column)):
-        if column is not None and column not in names:
-            raise UserError(Problem(key, f"no column {column!r}; the data has {names}", fix=f"set {key} to one of those"))
-
-
-def open_splits(cfg: RunConfig) -> Splits:
-    """Builder: config -> the train corpus, and validation as a separate split or a hold-out."""
-    d = cfg.data
-    if cfg.model.task == "sequence-classification" and d.source == "stdlib":
-        raise UserError(Problem("data.source", "the standard-library corpus has no labels for classification",
-                                fix="set data.source to a labelled data set (and data.label_column)"))
-    train = open_source(cfg, d.split, "data.split")
-    _check_columns(train, cfg)
-    validation = open_source(cfg, d.validation_split, "data.validation_split") if d.validation_split else None
-    if validation is not None:
-        _check_columns(validation, cfg)
-    holdout = d.validation_fraction if validation is None else 0.0
-    label = d.label_column if cfg.model.task == "sequence-classification" else None
-    return Splits(train, validation, holdout, cfg.training.seed, d.max_bytes, label)

@@ -81,18 +81,41 @@ def _base_terms(row: Row, shape: ModelShape, a: AdapterShape, bytes_unquantized:
                 a.quantized_bytes() * fraction)
 
 
+@dataclass(frozen=True)
+class _Holding:
+    """How an estimator row (formulas.STRATEGIES) holds a run: the ZeRO stage (0: not
+    DeepSpeed), whether FSDP2 shards it, and what it offloads to the host."""
+    label: str
+    zero_stage: int = 0
+    fsdp: bool = False
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+
+_HOLDS = {
+    "ddp": _Holding("DDP"),
+    "zero1": _Holding("ZeRO-1", 1),
+    "zero2": _Holding("ZeRO-2", 2),
+    "zero3": _Holding("ZeRO-3", 3),
+    "fsdp2": _Holding("FSDP2", fsdp=True),
+    "zero2_offload": _Holding("zero2_offload", 2, offload_optimizer=True),
+    "zero3_offload_optimizer": _Holding("zero3_offload_optimizer", 3, offload_optimizer=True),
+    "zero3_offload": _Holding("zero3_offload", 3, offload_optimizer=True, offload_params=True),
+    "fsdp2_offload": _Holding("fsdp2_offload", fsdp=True, offload_optimizer=True, offload_params=True),
+}
+
+
 def model_state_row(strategy: str, shape: ModelShape, setup: Setup, a: AdapterShape) -> Row:
     """The strategy's row for an adapter run (activations are added by the caller as for any run)."""
     n, e, A = setup.devices, setup.half_bytes, a.trainable
     # The run's optimizer keeps its state for the trained parameters only (Adam: two fp32 moments).
     state, words = setup.optimizer_state_bytes(shape), setup.optimizer_words()
-    offload_opt = strategy in ("zero2_offload", "zero3_offload_optimizer", "zero3_offload", "fsdp2_offload")
-    offload_params = strategy in ("zero3_offload", "fsdp2_offload")
-    label = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp2": "FSDP2"}
-    row = Row(strategy, label.get(strategy, strategy) + f" + {a.method}")
+    how = _HOLDS[strategy]
+    offload_opt, offload_params = how.offload_optimizer, how.offload_params
+    row = Row(strategy, how.label + f" + {a.method}")
     opt = "host" if offload_opt else "optimizer_bytes"
-    if strategy == "ddp" or strategy.startswith("fsdp2"):
-        sharded = strategy.startswith("fsdp2")
+    if not how.zero_stage:  # DDP or FSDP2
+        sharded = how.fsdp
         part = 1 / n if sharded else 1
         where = " shards" if sharded else ""
         _base_terms(row, shape, a, a.base_bytes, part, where, "host" if offload_params else "params_bytes")
@@ -111,7 +134,7 @@ def model_state_row(strategy: str, shape: ModelShape, setup: Setup, a: AdapterSh
             row.add("buffers_bytes", "one weight dequantized for its matmul (transient)", e * a.largest_quantized)
         return row
     # DeepSpeed casts the module to the 16-bit dtype; only trained parameters enter the optimizer.
-    stage = 3 if strategy.startswith("zero3") else 2 if strategy.startswith("zero2") else 1
+    stage = how.zero_stage
     part = 1 / n if stage == 3 else 1
     where = " partition" if stage == 3 else ", whole on every rank"
     _base_terms(row, shape, a, e, part, where, "host" if offload_params else "params_bytes")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from overdrive.strategies import registry
-from overdrive.config import optimizer_catalog
+import overdrive.config.optimizer_catalog as optimizer_catalog
 
 Precision = Literal["no", "fp16", "bf16"]
 Target = Literal["cuda", "cpu"]

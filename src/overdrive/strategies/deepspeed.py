@@ -49,7 +49,7 @@ def forces_ds_cpu_optimizer(cfg: RunConfig) -> bool:
     So it stays on only for Adam/AdamW where DeepSpeedCPUAdam builds; the trainer hands Lion
     DeepSpeed's own DeepSpeedCPULion itself (training/optimizers.py) and every other
     optimizer runs as torch code on the offloaded fp32 master weights."""
-    from overdrive.config import optimizer_catalog
+    import overdrive.config.optimizer_catalog as optimizer_catalog
 
     kind = optimizer_catalog.of(cfg)
     return kind.name in ("adamw", "adam") and cpu_adam_available()

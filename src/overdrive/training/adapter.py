@@ -175,9 +175,10 @@ def merge(cfg, adapter_dir, target, tokenizer) -> None:
     adapter merged into its weights (`merge_and_unload`), saved as a plain model."""
     from peft import PeftModel
 
-    from overdrive.training.model import _DTYPES, auto_class
+    from overdrive.hf.model_config import auto_class
+    from overdrive.training.dtypes import DTYPES
 
-    dtype = _DTYPES[cfg.model.dtype]
+    dtype = "auto" if cfg.model.dtype == "auto" else DTYPES[cfg.model.dtype]
     base = auto_class(cfg.model.task).from_pretrained(cfg.model.name_or_path, revision=cfg.model.revision,
                                                       trust_remote_code=cfg.model.trust_remote_code, dtype=dtype)
     if len(tokenizer) > base.get_input_embeddings().num_embeddings:

@@ -17,17 +17,8 @@ from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 from overdrive.hf.model_config import auto_class, model_config  # noqa: F401 (the model's config, shared with memory/)
 from overdrive.training import adapter
+from overdrive.training.dtypes import DTYPES, autocast_dtype  # noqa: F401 (the one dtype map, asked here too)
 
-# The one map from the config's dtype names (model.dtype) to torch's.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# precision.mixed_precision -> the dtype autocast computes in (None: no autocast). Accelerate
-# runs fp8 training's other operations under a bf16 autocast, so fp8 reads bf16 here.
-_AUTOCAST = {"no": None, "fp16": "float16", "bf16": "bfloat16", "fp8": "bfloat16"}
-
-
-def autocast_dtype(mixed_precision: str) -> Optional[torch.dtype]:
-    name = _AUTOCAST.get(mixed_precision)
-    return DTYPES[name] if name else None
 # Names under which models keep learned position embeddings; they are table look-ups, not
 # matrix multiplies, so they do not count towards training FLOPs (as in nanoGPT).
 _POSITION_EMBEDDINGS = ("wpe", "position_embeddings", "embed_positions")
