@@ -141,6 +141,11 @@ def test_a_skypilot_task_passes_its_schema_and_maps_the_node_rank_and_addresses(
     (["k8s", *JOB, "launch.min_machines=5"], "launch.min_machines"),  # a min above the max
     (["k8s", *JOB, "launch.min_machines=3"], "launch.min_machines"),  # 3 x 8 processes cannot keep 32 x 8
     (["skypilot", *JOB], "launch.accelerator"),  # GPUs of no named type
+    (["k8s", *JOB, "launch.image=ghcr.io/Example/overdrive:1"], "launch.image"),  # registries take lower case
+    (["k8s", *JOB, "launch.image=my image"], "launch.image"),
+    (["skypilot", *JOB, "launch.accelerator=A100:8"], "launch.accelerator"),
+    (["k8s", *JOB, "output_dir=/etc"], "output_dir"),  # the volume would hide the config's own mount
+    (["k8s", *JOB, "output_dir=../.."], "output_dir"),  # the container's root  # the count is gpus_per_machine
     (["explain", "launch.num_machines=2", "launch.num_processes=2", "launch.main_process_ip=10.0.0.1",
       "launch.min_machines=3"], "launch.min_machines"),
 ])
@@ -149,6 +154,20 @@ def test_bad_input_is_refused_by_key(capsys, argv, key):
     assert code == 2, (out, err)
     assert f"- {key}:" in err
     assert "Traceback" not in err
+
+
+def test_an_image_with_a_tag_and_a_digest_is_written_as_given(capsys):
+    image = "ghcr.io/example/overdrive:1.0@sha256:" + "a" * 64
+    code, out, err = written(capsys, "k8s", *JOB, f"launch.image={image}")
+    assert code == 0, err
+    assert documents(out)["TrainJob"]["spec"]["trainer"]["image"] == image
+
+
+def test_an_output_dir_with_dots_is_mounted_where_the_worker_writes(capsys):
+    code, out, err = written(capsys, "k8s", *JOB, "--kind", "jobset", "output_dir=runs/../out")
+    assert code == 0, err
+    mounts = documents(out)["JobSet"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert {"name": "output", "mountPath": "/workspace/out"} in mounts["containers"][0]["volumeMounts"]
 
 
 def test_a_shrink_that_cannot_keep_the_global_batch_lists_the_machine_counts_that_can(capsys):

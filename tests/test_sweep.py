@@ -100,6 +100,20 @@ def test_bad_input_exits_2_by_key_and_starts_no_trial(tmp_path, capsys, item, ke
     assert not (tmp_path / "out").exists()  # nothing made, no trial started
 
 
+@pytest.mark.parametrize("existing", ["", "output_dir: somewhere\n", None])
+def test_a_storage_naming_a_file_that_is_no_database_or_a_directory_is_refused_and_left_alone(tmp_path, capsys, existing):
+    target = tmp_path / "mine"
+    if existing is None:
+        target.mkdir()
+    else:
+        target.write_text(existing)
+    code, err = _sweep_cli(tmp_path, capsys, f"sweep.storage=sqlite:///{target}")
+    assert code == 2, err
+    assert "sweep.storage:" in err and str(target) in err and "Traceback" not in err
+    assert existing is None or target.read_text() == existing
+    assert not (tmp_path / "out").exists()
+
+
 # ------------------------------------------------------------------ the study's bookkeeping
 
 def _job(tmp_path, **sweep):

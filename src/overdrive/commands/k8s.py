@@ -21,5 +21,10 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.launch import job, k8s
 
     described = job.describe(job.resolve_for_cluster(*split_items(args.items), not args.no_accelerate_default), args.job_name, container=True)
+    from overdrive.errors import UserError
+
+    found = k8s.problems(described)
+    if found:
+        raise UserError(found, title="cannot write the job")
     print(k8s.render(described, args.kind), end="")
     return 0

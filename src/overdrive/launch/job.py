@@ -34,6 +34,13 @@ HUB_TOKEN = "HF_TOKEN"
 # The cluster supplies the rendezvous address and each machine's rank.
 CLUSTER_SUPPLIED = ("launch.main_process_ip", "launch.machine_rank")
 CLUSTER_ADDRESS = "supplied-by-the-cluster"
+# A container image reference as registries and kubelets parse it (the distribution reference
+# grammar): [host[:port]/]path[:tag][@digest], path components lower-case.
+_PATH_PART = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_HOST = r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*(?::[0-9]+)?/)"
+IMAGE_REFERENCE = re.compile(rf"{_HOST}?{_PATH_PART}(?:/{_PATH_PART})*(?::[\w][\w.-]{{0,127}})?"
+                             r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?")
+ACCELERATOR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 @dataclass(frozen=True)
@@ -123,11 +130,29 @@ def describe(resolved: Any, name: str = "overdrive", container: bool = False) ->
         found.append(Problem("launch.image", "is required: the job runs in a container",
                              fix="set launch.image to an image with overdrive and torch installed, "
                                  "e.g. launch.image=ghcr.io/you/overdrive:latest"))
+    found += value_problems(cfg)
     if found:
         raise UserError(found, title="cannot write the job")
     env = process_env(cfg, elsewhere=True)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return Job(name, cfg, resolved.to_json(), env, secret_variables(resolved))
+
+
+def value_problems(cfg: RunConfig) -> list[Problem]:
+    """Values a cluster would refuse only once the job is submitted (an image it cannot pull by
+    that name, an accelerator type with a count inside it), refused here by key."""
+    found = []
+    image = cfg.launch.image
+    if image and not IMAGE_REFERENCE.fullmatch(image):
+        found.append(Problem("launch.image", f"{image!r} is not an image reference",
+                             fix="[registry/]path[:tag][@sha256:digest], the path in lower case with no spaces, "
+                                 "e.g. ghcr.io/you/overdrive:1.0"))
+    accelerator = cfg.launch.accelerator
+    if accelerator is not None and not ACCELERATOR_NAME.fullmatch(accelerator):
+        found.append(Problem("launch.accelerator", f"{accelerator!r} is not an accelerator type",
+                             fix="name the type alone, e.g. launch.accelerator=A100; the count per machine comes "
+                                 "from launch.gpus_per_machine"))
+    return found
 
 
 def comment_lines(job: Job, secret_source: str) -> list[str]:

@@ -14,8 +14,11 @@ Checked against the published CRD schemas in tests/fixtures/crds.
 
 from __future__ import annotations
 
+import posixpath
 from pathlib import PurePosixPath
 from typing import Any
+
+from overdrive.errors import Problem
 
 from overdrive.launch import membership
 from overdrive.launch.job import Job, comment_lines, shell_join, to_yaml
@@ -39,7 +42,19 @@ def _env(job: Job) -> list[dict[str, Any]]:
 
 def _output_mount(job: Job) -> str:
     out = PurePosixPath(str(job.config.output_dir))
-    return str(out if out.is_absolute() else PurePosixPath(WORKDIR) / out)
+    # Kubernetes takes the path as written: `..` is resolved here, as the worker's cwd resolves it.
+    return posixpath.normpath(str(out if out.is_absolute() else PurePosixPath(WORKDIR) / out))
+
+
+def problems(job: Job) -> list[Problem]:
+    """An output_dir the volume claim cannot be mounted at: the root, or on the config's own mount."""
+    mount = _output_mount(job)
+    inside = lambda a, b: a == b or a.startswith(b.rstrip("/") + "/")  # noqa: E731
+    if mount == "/" or inside(mount, CONFIG_DIR) or inside(CONFIG_DIR, mount):
+        return [Problem("output_dir", f"{job.config.output_dir} is mounted at {mount}, which "
+                        + ("is the container's root" if mount == "/" else f"overlaps the config's mount {CONFIG_DIR}"),
+                        fix=f"use a directory of its own, e.g. output_dir=/data/run or a relative path (under {WORKDIR})")]
+    return []
 
 
 def _volumes(job: Job) -> list[dict[str, Any]]:

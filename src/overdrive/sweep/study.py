@@ -67,6 +67,7 @@ def open_storage(cfg: RunConfig, where: str = ""):
 
     quiet_optuna()
     url = storage_url(cfg)
+    _refuse_foreign_sqlite_file(url, where)
     # SQLite shared by several sweep processes: a writer waits for the lock instead of failing at once.
     engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None
     for attempt in range(3):
@@ -81,6 +82,42 @@ def open_storage(cfg: RunConfig, where: str = ""):
             raise UserError(Problem("sweep.storage", f"cannot open {redact_text(url)}: {reason}", where,
                                     "an Optuna storage URL such as sqlite:///path/sweep.db (its directory must exist), "
                                     "postgresql://host/db or mysql://host/db (with its driver installed)")) from None
+
+
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def _refuse_foreign_sqlite_file(url: str, where: str) -> None:
+    """SQLite makes an empty or missing file a new database: a URL naming a directory or a file
+    of the user's that is not a database (a config, an empty placeholder) is refused, not overwritten."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    from overdrive.config.redact import redact_text
+
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):
+        return  # RDBStorage names the malformed URL
+    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
+        return
+    path = Path(parsed.database).expanduser()
+    if not path.exists():
+        return
+    if path.is_dir():
+        why = f"{path} is a directory"
+    else:
+        try:
+            with path.open("rb") as handle:
+                header = handle.read(len(SQLITE_HEADER))
+        except OSError as error:
+            why = f"{path} cannot be read ({error.strerror or error})"
+        else:
+            if header == SQLITE_HEADER:
+                return
+            why = f"{path} exists and is not an SQLite database; it is left as it is"
+    raise UserError(Problem("sweep.storage", f"cannot open {redact_text(url)}: {why}", where,
+                            "name a new file (e.g. sqlite:///path/sweep.db) or an existing sweep database"))
 
 
 def _creation_race(error: BaseException) -> bool:
