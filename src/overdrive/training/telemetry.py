@@ -71,6 +71,9 @@ def gpu_peak_flops(device_name: str, mixed_precision: str = "bf16") -> Optional[
     return None
 
 
+_PROBE_BUDGET_S = 2.0  # the most one larger probe size may take
+
+
 def measure_matmul_flops(dtype: torch.dtype = torch.float32, sizes=(512, 1024, 2048), repeats: int = 3) -> float:
     """Best achieved FLOPs/s of square matrix multiplies on this CPU with the current threads.
 
@@ -82,11 +85,17 @@ def measure_matmul_flops(dtype: torch.dtype = torch.float32, sizes=(512, 1024, 2
     generator = torch.Generator().manual_seed(0)
     for n in sizes:
         a, b = (torch.randn(n, n, dtype=dtype, generator=generator) for _ in range(2))
+        start = time.perf_counter()
         torch.mm(a, b)  # warm-up: the first call pays for allocation and kernel selection
+        warm_up_s = time.perf_counter() - start
         for _ in range(repeats):
             start = time.perf_counter()
             torch.mm(a, b)
             best = max(best, 2.0 * n**3 / max(time.perf_counter() - start, 1e-9))
+        # A kernel without hardware support (bf16 on most CPUs) is ~70x slower than fp32: the
+        # next size costs 8x this one, minutes at 2048, and would say no more about the peak.
+        if warm_up_s * 8 > _PROBE_BUDGET_S:
+            break
     return best
 
 
