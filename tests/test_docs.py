@@ -156,16 +156,24 @@ def stand_ins(tmp_path: Path) -> Path:
 PAGES = [path for path in DOCS if bash_blocks(path)]
 
 
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory) -> Path:
+    """One data cache for every page: the pages train on the same toy corpus, so the
+    tokenizer and the token cache are built once, not once per page (the cache is keyed by
+    what it holds, as a user's is)."""
+    return tmp_path_factory.mktemp("docs-cache")
+
+
 def test_the_docs_have_commands():
     assert sum(len(bash_blocks(path)) for path in PAGES) >= 10
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: p.name)
-def test_every_command_block_runs(path, tmp_path):
+def test_every_command_block_runs(path, tmp_path, shared_cache):
     # One scratch directory per page: its blocks build on each other (train, then report).
     work = scratch_dir(tmp_path)
-    env = {**os.environ, **TOY, **PAGE_ENV.get(path.name, {}), "OVERDRIVE_DATA__CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, **TOY, **PAGE_ENV.get(path.name, {}), "OVERDRIVE_DATA__CACHE_DIR": str(shared_cache)}
     env["PATH"] = os.pathsep.join([str(stand_ins(tmp_path)), str(Path(sys.executable).parent), env["PATH"]])
     for index, block in enumerate(bash_blocks(path)):
         result = subprocess.run(["bash", "-c", "set -euo pipefail\n" + block + "\n" + BACKGROUND_CHECK], cwd=work,

@@ -81,7 +81,7 @@ def test_estimate_run_yaml(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("args,message", [
-    (["estimate", "no/such-model-anywhere"], "neither a local path"),
+    (["estimate", "no/such-model-anywhere"], "is not in the local cache"),
     (["estimate", "missing.yaml"], "no such run config"),
     (["estimate", "x.yaml", "--devices", "0"], "--devices"),
 ])

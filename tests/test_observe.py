@@ -128,5 +128,8 @@ def test_the_verdict_names_the_bottleneck_and_the_key_to_change():
     bottleneck, advice = judge(plain, [rank_record(1.0, forward=0.5, backward=0.5)], 2**30)
     assert bottleneck == "compute" and advice[0] == {**advice[0], "key": "precision.mixed_precision", "value": "bf16"}
     assert advice[-1]["key"] == "training.micro_batch_size"  # 10 MiB of 1 GiB: room for more
+    # A CPU without native bf16 emulates it, slower than fp32: compile is the first advice there.
+    _, advice = judge(plain, [rank_record(1.0, forward=0.5, backward=0.5)], 2**30, fast_bf16=False)
+    assert [a["key"] for a in advice] == ["compile.backend", "training.micro_batch_size"]
     bottleneck, _ = judge(plain, [{**rank_record(1.0, forward=1.0), "peak_memory_bytes": 0.95 * 2**30}], 2**30)
     assert bottleneck == "memory"

@@ -33,20 +33,21 @@ def traces(profile_dir: Path) -> list[str]:
     return [str(p) for p in found]
 
 
-def capacity_bytes(cfg, processes_here: int) -> tuple[Optional[float], bool]:
-    """Memory one process may use, and whether it is a GPU's."""
+def device_facts(cfg, processes_here: int) -> tuple[Optional[float], bool, bool]:
+    """Memory one process may use, whether it is a GPU's, and whether the device multiplies
+    bf16 natively."""
     from overdrive.system.hardware import detect
 
     hw = detect()
     if hw.gpus and not cfg.launch.use_cpu:
-        return float(hw.gpus[0].memory_bytes), True
-    return (hw.ram_bytes / max(processes_here, 1)) if hw.ram_bytes else None, False
+        return float(hw.gpus[0].memory_bytes), True, hw.supports_bf16
+    return (hw.ram_bytes / max(processes_here, 1)) if hw.ram_bytes else None, False, hw.cpu_bf16_native
 
 
 def summarise(cfg, ranks: list[dict[str, Any]], profile_dir: Path, cores_per_process: int = 1,
               processes_here: int = 1, mfu: Optional[float] = None) -> dict[str, Any]:
-    capacity, cuda = capacity_bytes(cfg, processes_here)
-    bottleneck, advice = judge(cfg, ranks, capacity, cores_per_process, cuda)
+    capacity, cuda, fast_bf16 = device_facts(cfg, processes_here)
+    bottleneck, advice = judge(cfg, ranks, capacity, cores_per_process, cuda, fast_bf16)
     t = cfg.training
     tokens_per_step = t.micro_batch_size * t.gradient_accumulation_steps * cfg.launch.num_processes * cfg.data.max_length
     slowest = max(r["step_s"] for r in ranks)

@@ -46,7 +46,10 @@ def lighter_sharding(cfg) -> Optional[dict[str, Any]]:
 
 
 def judge(cfg, ranks: list[dict[str, Any]], capacity_bytes: Optional[float] = None,
-          cores_per_process: int = 1, cuda: bool = False) -> tuple[str, list[dict[str, Any]]]:
+          cores_per_process: int = 1, cuda: bool = False,
+          fast_bf16: bool = True) -> tuple[str, list[dict[str, Any]]]:
+    """`fast_bf16`: the device multiplies bf16 natively (a GPU from Ampere on, or a CPU with
+    AMX / AVX512-BF16). Without it bf16 is emulated and slower than fp32, so it is not advised."""
     share = shares(ranks)
     peak = max(r["peak_memory_bytes"] for r in ranks)
     used = peak / capacity_bytes if capacity_bytes else None
@@ -88,10 +91,9 @@ def judge(cfg, ranks: list[dict[str, Any]], capacity_bytes: Optional[float] = No
     else:
         bottleneck = "compute"
     if bottleneck in ("compute", "host"):
-        if cfg.precision.mixed_precision == "no":
+        if cfg.precision.mixed_precision == "no" and fast_bf16:
             advice.append(_advice("precision.mixed_precision", "bf16", "the step is compute-bound at fp32",
-                                  "16-bit matmuls: up to 2x or more on GPU tensor cores; on a CPU only with native "
-                                  "bf16 instructions (AMX, avx512_bf16)"))
+                                  "16-bit matmuls: up to 2x or more on GPU tensor cores or a CPU's AMX"))
         if not cfg.compile.backend and not any(a["key"] == "compile.backend" for a in advice):
             advice.append(_advice("compile.backend", "inductor", "compute-bound: fused kernels do the same math in "
                                   "fewer passes over memory", "typically 1.1-1.5x steps/s after compilation"))
