@@ -86,11 +86,15 @@ def test_killed_after_two_trials_and_started_again_by_two_processes_it_finishes_
     out = tmp_path / "out"
     first = start_sweep(config)
     deadline = time.monotonic() + 600
+
+    def third_trials_checkpoint():
+        return checkpoint.latest_complete(checkpoint.checkpoints_dir(out / "trial-0002"), checksums=False).found
+
     try:
         # One process runs its trials one after another: once the third has a checkpoint to
         # continue from, two are finished. Only that file is watched, so the kill lands at once
         # (a trial is a second of training here).
-        while checkpoint.latest_complete(checkpoint.checkpoints_dir(out / "trial-0002"), checksums=False).found is None:
+        while third_trials_checkpoint() is None:
             assert first.poll() is None, first.stdout.read()
             assert time.monotonic() < deadline, "the sweep did not reach its third trial's first checkpoint"
             time.sleep(0.02)
@@ -102,7 +106,7 @@ def test_killed_after_two_trials_and_started_again_by_two_processes_it_finishes_
     assert [t.number for t in load(out).get_trials() if t.state.name == "RUNNING"] == [2]
     # The interrupted trial's last checkpoint: the one seen above, or a later one written
     # before its training process followed the sweep down.
-    saved = checkpoint.latest_complete(checkpoint.checkpoints_dir(out / "trial-0002"), checksums=False).found
+    saved = third_trials_checkpoint()
 
     # Started again as two processes on the one SQLite storage: they share what is left.
     again = [start_sweep(config) for _ in range(2)]
