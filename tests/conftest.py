@@ -16,6 +16,12 @@ PEER_CONFIGS = REPO / "tests" / "fixtures" / "peer-configs"
 SHARED_PEER_CONFIGS = Path(os.environ.get("OVERDRIVE_PEER_CONFIGS") or REPO.parent / "shared" / "peer-configs")
 NO_SHARED_PEER_CONFIGS = f"no {SHARED_PEER_CONFIGS} beside the checkout: only tests/fixtures/peer-configs is read"
 
+# As in an activated venv (and as the `overdrive` command arranges for itself): the tools
+# installed beside this interpreter come first, so DeepSpeed's just-in-time ops are built by
+# the venv's ninja in the test process and in every process it starts, once, not rebuilt by
+# whichever ninja each process happens to find.
+os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+
 
 def peer_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.suffix in (".yaml", ".json")) if root.is_dir() else []
@@ -36,6 +42,16 @@ def isolated_environment(tmp_path_factory, monkeypatch):
     monkeypatch.undo()
     os.environ.clear()
     os.environ.update(saved)
+
+
+def free_port() -> int:
+    """A port nothing listens on now, for a job's rendezvous (a second job could still take
+    it first: single-machine jobs move to another port themselves)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:

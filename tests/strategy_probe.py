@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 # Tiny GPT-2, no dropout, a few hundred KB of the stdlib as data, 4 steps at lr 1e-2 (so the
@@ -28,12 +29,6 @@ TOY = [
 GLOBAL_BATCH = 8
 # Per-step loss agreement between strategies, absolute, fp32. Measured differences are ~1e-6.
 TOLERANCE = 1e-4
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def train(*items: str, output_dir: Path, cache_dir: Path, timeout: float = 300,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -63,3 +64,17 @@ def test_a_reader_that_leaves_early_gets_no_traceback():
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 1
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
+def test_the_interpreters_own_tools_come_first_on_path(monkeypatch):
+    """DeepSpeed's just-in-time ops are built by the ninja PATH finds: the venv's, as if it
+    were activated, whether or not the user activated it."""
+    from overdrive.cli import _installed_tools_first
+
+    tools = os.path.dirname(sys.executable)
+    monkeypatch.setenv("PATH", os.pathsep.join(["/usr/bin", tools, "/bin"]))
+    _installed_tools_first()
+    first = os.environ["PATH"]
+    assert first.split(os.pathsep)[:2] == [tools, "/usr/bin"]
+    _installed_tools_first()  # a worker started by the launcher: already first, nothing added
+    assert os.environ["PATH"] == first

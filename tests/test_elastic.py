@@ -11,6 +11,7 @@ import time
 import pytest
 from checkpoint_probe import (command, finish, kill_group, losses, records, run, start, steps_logged, wait_for,
                               warm_cache)
+from conftest import free_port
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -20,12 +21,6 @@ RUN = [f"training.max_steps={MAX_STEPS}", "training.micro_batch_size=4", "traini
 # Two processes against one with twice the accumulation: the same samples per step, summed in
 # another order.
 REL = 1e-4
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def listening(port: int) -> bool:

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
-import socket
 import time
 
 import pytest
 from checkpoint_probe import (assert_same_losses, checkpoint_then, command, finish, kill_group, losses, run, start,
                               steps_logged, wait_for, warm_cache, worker_pids)
+from conftest import free_port
 
 pytestmark = pytest.mark.slow  # every test here starts processes or trains
 
@@ -26,12 +27,6 @@ RUN = [f"training.max_steps={MAX_STEPS}", "training.micro_batch_size=4", "traini
 # FSDP2 resumed against themselves; the cross-strategy comparison (FSDP2 against DDP) is
 # the one that needs this tolerance.
 CROSS_STRATEGY_REL = 1e-5
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def job(out, cache, *extra):
@@ -73,7 +68,9 @@ def test_a_dead_rank_is_restarted_and_the_job_ends_on_the_uninterrupted_loss(ref
     kill_rank(out, 1)
     code, stdout, stderr = finish(proc)
     assert code == 0, stderr[-3000:]
-    assert "resumed from" in stdout and "step-00000010" in stdout
+    # From checkpoint 10, or a later one when the run got that far while rank 1 was being found and killed.
+    resumed = re.search(r"resumed from \S*/step-(\d{8})", stdout)
+    assert resumed and int(resumed.group(1)) >= 10, stdout[-2000:]
     assert steps_logged(out) == list(range(1, MAX_STEPS + 1))
     got = losses(out)
     assert_same_losses(reference, got, range(11, MAX_STEPS + 1))  # bitwise: same strategy, same world
@@ -87,17 +84,21 @@ def test_a_killed_rank_ends_the_job_within_seconds_naming_it_then_zero3_resumes_
     proc = start(args, cwd=tmp_path)
     wait_for(checkpoint_then(out, 5, 3), proc, what="checkpoint 5 and three more steps")
     killed_at = kill_rank(out, 1)
-    code, _, stderr = finish(proc, timeout=60)
+    code, _, stderr = finish(proc, timeout=180)
     seconds = time.monotonic() - killed_at
     print(f"job ended {seconds:.1f}s after rank 1's SIGKILL")
     assert code == 1
-    assert seconds < 30
+    # A few seconds on a quiet machine (the agent's monitor tick and three interpreters ending);
+    # the bound leaves room for a loaded one. What must not happen is the agent's wait for the
+    # survivor ending in SIGKILL: the survivor was stopped by SIGTERM and left by itself.
+    assert seconds < 60
+    assert "rank 0 (SIGKILL)" not in stderr, stderr[-3000:]
     assert "rank 1 (local rank 1" in stderr and "was killed by SIGKILL" in stderr
     newest = max(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-"))
     saved_at = int(newest[5:])
     assert "To resume, run the same command again" in stderr and f"last checkpoint is {out}/checkpoints/{newest}" in stderr
     before = losses(out)
-    assert max(before) > saved_at
+    assert max(before) >= saved_at
 
     again = run(args, cwd=tmp_path)  # the same command (the port is a harmless change)
     assert again.returncode == 0, again.stderr[-3000:]

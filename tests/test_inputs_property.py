@@ -121,7 +121,7 @@ def _run(argv: list[str], env: dict[str, str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(scenarios())
 def test_any_input_exits_0_or_2_without_traceback_or_secret(scenario):
     secret, body, suffix, items, env, command, as_default = scenario

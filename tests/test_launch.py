@@ -47,6 +47,25 @@ def test_c10d_rendezvous_needs_no_node_rank():
     assert args[args.index("--rdzv-id") + 1] == "job7"
 
 
+def test_the_printed_torchrun_line_of_an_elastic_job_regroups_by_itself(tmp_path, capsys):
+    """No overdrive launcher stands behind a torchrun the user starts by hand: the printed line
+    itself takes min:max machines and a restart per machine the job may lose."""
+    from torch.distributed.run import get_args_parser
+
+    from overdrive.launch import lines
+
+    resolved = resolve([REPO / "configs" / "multi-node.yaml"], cli=["launch.min_machines=1", f"output_dir={tmp_path}"],
+                       env={}, accelerate_default=False)
+    torchrun = lines.launch_lines(resolved)["torchrun"]
+    parsed = get_args_parser().parse_args(torchrun.split(" torchrun ", 1)[1].split())
+    assert parsed.nnodes == "1:2" and parsed.max_restarts == 1 and parsed.rdzv_backend == "c10d"
+    assert lines.print_launch(resolved) == 0
+    assert "launch.min_machines=1 does not apply to this line" in capsys.readouterr().out
+    fixed = resolve([REPO / "configs" / "multi-node.yaml"], cli=[f"output_dir={tmp_path}"], env={},
+                    accelerate_default=False)
+    assert "--nnodes 2 " in lines.launch_lines(fixed)["torchrun"]
+
+
 def test_a_busy_port_on_one_machine_is_swapped_for_a_free_one():
     import socket
 

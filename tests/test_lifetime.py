@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from checkpoint_probe import command, finish, kill_group, run, start, steps_logged, wait_for, warm_cache, worker_pids
+from conftest import free_port
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -22,14 +23,6 @@ REPO = Path(__file__).resolve().parents[1]
 RUN = ["training.micro_batch_size=4", "training.eval_every_steps=null", "checkpoint.every_steps=5",
        "data.max_bytes=60000", "training.max_steps=40"]
 GONE_WITHIN = 10.0
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def alive(pid: int) -> bool:

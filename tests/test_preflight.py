@@ -9,17 +9,12 @@ import subprocess
 import sys
 
 import pytest
+from conftest import free_port
 
 pytestmark = pytest.mark.slow
 
 TINY = ["model.architecture.n_layer=1", "model.architecture.n_embd=32", "model.architecture.n_head=2",
         "model.architecture.n_positions=64", "tokenizer.vocab_size=512", "data.max_length=32"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def preflight(*items: str, cwd) -> subprocess.Popen:

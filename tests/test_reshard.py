@@ -36,10 +36,10 @@ LABELS = {"ddp": "DDP", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "zero3-offload": "
           "fsdp2": "FSDP2"}
 
 
-def args(strategy: str, world: int) -> list[str]:
+def args(strategy: str, world: int, steps: int = MAX_STEPS) -> list[str]:
     return [*RUN, *STRATEGIES[strategy], f"launch.num_processes={world}",
             f"training.gradient_accumulation_steps={max(1, GLOBAL_BATCH // (MICRO * world))}",
-            f"launch.main_process_port={free_port()}"]
+            f"launch.main_process_port={free_port()}", f"training.max_steps={steps}"]
 
 
 def processes(n: int) -> str:
@@ -53,21 +53,21 @@ def cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, cache):
-    """(strategy, world) -> the output_dir of its uninterrupted run, run on first use."""
+    """(strategy, world[, steps]) -> the output_dir of its uninterrupted run, run on first use."""
     done = {}
 
-    def get(strategy: str, world: int):
-        if (strategy, world) not in done:
-            work = tmp_path_factory.mktemp(f"reference-{strategy}-{world}")
-            proc = run(command(work / "run", cache, *args(strategy, world)), cwd=work, timeout=600)
+    def get(strategy: str, world: int, steps: int = MAX_STEPS):
+        if (strategy, world, steps) not in done:
+            work = tmp_path_factory.mktemp(f"reference-{strategy}-{world}-{steps}")
+            proc = run(command(work / "run", cache, *args(strategy, world, steps)), cwd=work, timeout=600)
             assert proc.returncode == 0, proc.stderr[-3000:]
-            assert steps_logged(work / "run") == list(range(1, MAX_STEPS + 1))
-            done[strategy, world] = work / "run"
-        return done[strategy, world]
+            assert steps_logged(work / "run") == list(range(1, steps + 1))
+            done[strategy, world, steps] = work / "run"
+        return done[strategy, world, steps]
     return get
 
 
-def resume(source, strategy: str, world: int, cache, tmp_path, stopped_at: int):
+def resume(source, strategy: str, world: int, cache, tmp_path, stopped_at: int, steps: int = MAX_STEPS):
     """The same command on `world` processes (and `strategy`): accumulation as the user had it,
     so the resume itself must find the one that keeps the global batch."""
     out = tmp_path / "resumed"
@@ -78,7 +78,7 @@ def resume(source, strategy: str, world: int, cache, tmp_path, stopped_at: int):
             shutil.rmtree(later)
     source_world = json.loads((out / "checkpoints" / f"step-{stopped_at:08d}" / "trainer_state.json").read_text()
                               )["world_size"]
-    given = [a for a in args(strategy, world) if not a.startswith("training.gradient_accumulation_steps")]
+    given = [a for a in args(strategy, world, steps) if not a.startswith("training.gradient_accumulation_steps")]
     given.append(f"training.gradient_accumulation_steps={GLOBAL_BATCH // (MICRO * source_world)}")
     proc = run(command(out, cache, *given), cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -114,20 +114,23 @@ def test_a_checkpoint_continues_on_another_world_size_or_strategy(references, ca
 
 def test_ddp_stopped_by_sigterm_on_two_processes_continues_on_one(references, cache, tmp_path):
     """The resume that used to stop with "accumulation out of step with the data"."""
-    reference = references("ddp", 2)
+    # A longer run than the others: the signal must land while it is still going, and a tiny
+    # DDP step takes milliseconds while the signal passes launcher, agent and worker.
+    steps = 40
+    reference = references("ddp", 2, steps)
     out = tmp_path / "resumed"
-    proc = start(command(out, cache, *args("ddp", 2), "checkpoint.every_steps=1000"), cwd=tmp_path)
+    proc = start(command(out, cache, *args("ddp", 2, steps), "checkpoint.every_steps=1000"), cwd=tmp_path)
     wait_for(lambda: len(steps_logged(out)) >= 3, proc, what="step 3")
     kill_group(proc, sig=15)
     code, _, stderr = finish(proc)
     assert code == 128 + 15, stderr[-3000:]
     stopped = max(steps_logged(out))
-    assert stopped < MAX_STEPS
-    _, stdout = resume(out, "ddp", 1, cache, tmp_path, stopped)
+    assert stopped < steps
+    _, stdout = resume(out, "ddp", 1, cache, tmp_path, stopped, steps)
     assert "resharded DDP on 2 processes -> DDP on 1 process" in stdout
     assert "keeping the global batch of 8 (micro-batch 4 x accumulation 2 x 1)" in stdout
-    assert steps_logged(out) == list(range(1, MAX_STEPS + 1))
-    assert_same_losses(losses(reference), losses(out), range(stopped + 1, MAX_STEPS + 1), rel=1e-4)
+    assert steps_logged(out) == list(range(1, steps + 1))
+    assert_same_losses(losses(reference), losses(out), range(stopped + 1, steps + 1), rel=1e-4)
 
 
 def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_with_the_ones_that_can(references, cache,

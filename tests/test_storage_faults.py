@@ -72,6 +72,25 @@ def test_writing_maps_faults_and_lets_everything_else_through(tmp_path):
             raise KeyError("a bug stays a bug")
 
 
+def test_a_target_that_cannot_be_written_is_refused_up_front_with_its_file_system(tmp_path, monkeypatch):
+    real_mkdir = os.mkdir
+
+    def read_only(path, *args, **kwargs):
+        if str(path).startswith(str(tmp_path / "ro")):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", read_only)
+    with pytest.raises(UserError) as caught:
+        faults.writable_target(tmp_path / "ro" / "run", "output_dir", directory=True)
+    text = caught.value.render()
+    assert "output_dir: cannot write" in text and "the file system is read-only" in text and "file system" in text
+    assert "remount it read-write" in text
+    with pytest.raises(UserError, match="is a directory, not a file"):  # not a write fault: its own words
+        faults.writable_target(tmp_path, "--plot")
+    assert faults.writable_target(tmp_path / "fine" / "run", "output_dir", directory=True).is_dir()
+
+
 def test_the_command_boundary_maps_a_fault_without_a_path_to_the_declared_place(tmp_path, capsys):
     def tracker_flush():
         raise OSError(errno.EIO, "Input/output error")  # a writer's file object: no filename

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,14 +16,9 @@ import time
 
 import pytest
 from checkpoint_probe import command, finish, kill_group, start, steps_logged, wait_for, worker_pids
+from conftest import free_port
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def slow_down(pid: int, done: threading.Event, period_s: float = 0.1) -> None:

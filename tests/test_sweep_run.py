@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -79,6 +80,13 @@ def check_trials(study, asked: int) -> list:
     return complete
 
 
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def test_killed_after_two_trials_and_started_again_by_two_processes_it_finishes_the_study(tmp_path, capsys):
     from overdrive import checkpoint
 
@@ -105,7 +113,11 @@ def test_killed_after_two_trials_and_started_again_by_two_processes_it_finishes_
     assert sum(t.state.name == "COMPLETE" for t in load(out).get_trials()) == 2
     assert [t.number for t in load(out).get_trials() if t.state.name == "RUNNING"] == [2]
     # The interrupted trial's last checkpoint: the one seen above, or a later one written
-    # before its training process followed the sweep down.
+    # before its training process followed the sweep down; read once that process is gone.
+    trial_pid = next(t for t in load(out).get_trials() if t.number == 2).system_attrs["overdrive:owner"].get("trial_pid")
+    while trial_pid and running(trial_pid):
+        assert time.monotonic() < deadline, "the interrupted trial's training process did not end"
+        time.sleep(0.05)
     saved = third_trials_checkpoint()
 
     # Started again as two processes on the one SQLite storage: they share what is left.

@@ -46,34 +46,11 @@ class UserError(Exception):
 
 def keep_existing_files(paths: Iterable[Union[str, Path, None]], force: bool) -> None:
     """Refuse, before any work, to write over files the user already has, unless --force."""
-    # A directory is not overwritten: `writable_target` refuses it as a file target.
+    # A directory is not overwritten: `storage.faults.writable_target` refuses it as a file target.
     existing = [Path(p) for p in paths if p is not None and Path(p).exists() and not Path(p).is_dir()]
     if existing and not force:
         raise UserError([Problem(str(p), "exists and would be overwritten",
                                  fix="pass --force to overwrite it, or write to another path") for p in existing])
-
-
-def writable_target(path: Union[str, Path], name: str, *, directory: bool = False) -> Path:
-    """Refuse, before any work, a place that cannot be written: a file where a directory is
-    wanted (or the reverse), a path under a file, or a directory that cannot be created or
-    written into (tried for real: permission bits do not tell for root or special file systems).
-    The directory (for a file: its parent) exists afterwards."""
-    import tempfile
-
-    path = Path(path).expanduser()
-    if directory and path.exists() and not path.is_dir():
-        raise UserError(Problem(name, f"{path} is a file, not a directory", fix="choose a directory path"))
-    if not directory and path.is_dir():
-        raise UserError(Problem(name, f"{path} is a directory, not a file", fix="give a file name inside it"))
-    folder = path if directory else path.parent
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as error:
-        raise UserError(Problem(name, f"cannot write {path}: {error.strerror or error}",
-                                fix="choose a place you can write to")) from None
-    return path
 
 
 def debug_enabled() -> bool:

@@ -22,7 +22,8 @@ def run(args: argparse.Namespace) -> int:
 
     from overdrive.console import get_console, print_table
     from overdrive.config.keys import flatten
-    from overdrive.errors import keep_existing_files, writable_target
+    from overdrive.errors import keep_existing_files
+    from overdrive.storage.faults import writable_target
     from overdrive.reports.summary import config_differences, load_run, metric_rows, summarize
 
     if args.plot:

@@ -138,7 +138,8 @@ def _target(args) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from overdrive.errors import keep_existing_files, writable_target
+    from overdrive.errors import keep_existing_files
+    from overdrive.storage.faults import writable_target
     from overdrive.memory import report
 
     if args.plot:

@@ -30,7 +30,8 @@ def run(args: argparse.Namespace) -> int:
     import sys
     from pathlib import Path
 
-    from overdrive.errors import Problem, UserError, keep_existing_files, writable_target
+    from overdrive.errors import Problem, UserError, keep_existing_files
+    from overdrive.storage.faults import writable_target
 
     if not args.accelerate and not args.deepspeed and not args.peft:
         raise UserError("nothing to write: give --accelerate FILE, --deepspeed FILE and/or --peft DIR")

@@ -25,7 +25,8 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from overdrive.config.redact import redact, redact_text
-    from overdrive.errors import keep_existing_files, writable_target
+    from overdrive.errors import keep_existing_files
+    from overdrive.storage.faults import writable_target
 
     keep_existing_files((args.output,), args.force)
     if args.output:

@@ -43,7 +43,8 @@ def config_values(cfg) -> dict:
 
 def preflight(resolved) -> int:
     """The checks for `resolved`, from the launcher's side: 0, or UserError (exit 2)."""
-    from overdrive.errors import Problem, UserError, writable_target
+    from overdrive.errors import Problem, UserError
+    from overdrive.storage.faults import writable_target
     from overdrive.launch import workers
     from overdrive.launch.process import needs_launcher
     from overdrive.observe.preflight import result_path, run_checks

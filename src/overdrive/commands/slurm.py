@@ -23,7 +23,8 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.commands.explain import resolve_from_args
     import re
 
-    from overdrive.errors import Problem, UserError, keep_existing_files, writable_target
+    from overdrive.errors import Problem, UserError, keep_existing_files
+    from overdrive.storage.faults import writable_target
 
     # The name goes into an `#SBATCH --job-name=` line: a newline would start a shell line of
     # its own, and quotes, spaces or $ would be read by sbatch or the shell.

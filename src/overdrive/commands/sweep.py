@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.config import check_for_train
     from overdrive.config.redact import redact_text
     from overdrive.console import is_interactive
-    from overdrive.errors import writable_target
+    from overdrive.storage.faults import writable_target
     from overdrive.sweep import outputs, study as studies, table
 
     resolved = resolve_from_args(args)  # the space is checked here, with the rest of the config

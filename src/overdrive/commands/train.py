@@ -72,7 +72,7 @@ def _run(args: argparse.Namespace, resolved, in_worker: bool) -> int:
         # workers skip it: the launcher checked the same resolved config.
         from overdrive import hub
         from overdrive.config import check_for_train
-        from overdrive.errors import writable_target
+        from overdrive.storage.faults import writable_target
 
         hub.refuse_unreadable_names(cfg)  # in a second without a network, before torch is imported
 

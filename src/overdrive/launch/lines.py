@@ -27,12 +27,23 @@ def launch_lines(resolved: Any) -> dict[str, str]:
     env = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in sorted(process_env(cfg, elsewhere=True).items())),
                     *_threads_on_the_node(cfg)])
     worker = train_worker(path)
-    torchrun = f"{env} torchrun {_quote(torchrun_args(cfg))} {_quote(worker)}"
+    torchrun = f"{env} torchrun {_quote(_standalone_torchrun_args(cfg))} {_quote(worker)}"
     accelerate = f"{env} accelerate launch {_quote(export.accelerate_flags(cfg))} {_quote(worker)}"
     srun = ('MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1) '
             f"srun --nodes={cfg.launch.num_machines} --ntasks-per-node=1 bash -c "
             + shlex.quote(f"{env} python -m torch.distributed.run {_slurm_torchrun(cfg)} {_quote(worker)}"))
     return {"torchrun": torchrun, "accelerate": accelerate, "srun": srun}
+
+
+def _standalone_torchrun_args(cfg: RunConfig) -> list[str]:
+    """torchrun started by hand on each machine. Elastic (launch.min_machines): no overdrive
+    launcher is there to regroup the machines left after a loss, so torchrun does it itself with
+    min:max machines and one restart more per machine the job may lose, as in the srun line."""
+    if not membership.is_elastic(cfg):
+        return torchrun_args(cfg)
+    args = torchrun_args(cfg, regrouping=True)
+    args[args.index("--max-restarts") + 1] = str(membership.regroups_allowed(cfg))
+    return args
 
 
 def _threads_on_the_node(cfg: RunConfig) -> list[str]:
@@ -110,6 +121,11 @@ def print_launch(resolved: Any) -> int:
     check(resolved.config, gpus=target_gpus(resolved.config))  # the machines it runs on, not this one
     lines = launch_lines(resolved)
     print(f"# workers read {resolved_path(resolved.config)} (written by `overdrive train` when it launches)")
+    notes = {}
+    if membership.is_elastic(resolved.config):
+        launch = resolved.config.launch
+        notes["accelerate"] = (f"# (accelerate launch starts exactly {launch.num_machines} machines: it has no min:max, "
+                               f"so launch.min_machines={launch.min_machines} does not apply to this line)\n")
     for name in ("torchrun", "accelerate", "srun"):
-        print(f"\n# {name}\n{lines[name]}")
+        print(f"\n# {name}\n{notes.get(name, '')}{lines[name]}")
     return 0

@@ -12,7 +12,7 @@ from overdrive.reports.summary import load_run, summarize, summary_markdown
 def write_report(run_dir: str | Path, out_dir: Optional[str | Path] = None) -> tuple[Path, list[Path], dict]:
     """Plots and summary.md under `<run>/report/`. Returns (summary path, images, summary)."""
     from overdrive.config.redact import redact_text
-    from overdrive.errors import writable_target
+    from overdrive.storage.faults import writable_target
 
     run = load_run(run_dir)
     target = writable_target(Path(out_dir) if out_dir else run.path / "report", "-o/--out", directory=True)

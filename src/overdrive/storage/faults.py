@@ -184,6 +184,30 @@ def writing(path: Union[str, Path], key: str, *, what: str = "", needed: Optiona
         raise mapped from None
 
 
+def writable_target(path: Union[str, Path], name: str, *, directory: bool = False) -> Path:
+    """Refuse, before any work, a place that cannot be written: a file where a directory is
+    wanted (or the reverse), a path under a file, or a directory that cannot be created or
+    written into (tried for real: permission bits do not tell for root or special file systems).
+    The directory (for a file: its parent) exists afterwards."""
+    import tempfile
+
+    path = Path(path).expanduser()
+    if directory and path.exists() and not path.is_dir():
+        raise UserError(Problem(name, f"{path} is a file, not a directory", fix="choose a directory path"))
+    if not directory and path.is_dir():
+        raise UserError(Problem(name, f"{path} is a directory, not a file", fix="give a file name inside it"))
+    folder = path if directory else path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        # A write fault (read-only, permission, full, quota, EIO) with its file system and way out.
+        raise explain(error, path, name) or UserError(Problem(name, f"cannot write {path}: {error.strerror or error}",
+                                                              fix="choose a place you can write to")) from None
+    return path
+
+
 def write_text(path: Union[str, Path], text: str, key: str, what: str = "") -> None:
     """A small file (resolved.json, a report) written whole, or a clear message."""
     path = Path(path)
