@@ -115,6 +115,23 @@ def test_a_target_no_file_can_have_is_refused_by_option(tmp_path, name, said):
     assert caught.value.problems[0].key == "--output"
 
 
+def test_a_small_file_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    target = tmp_path / "job.sbatch"
+    target.write_text("the user's script\n")
+    (tmp_path / "link.sbatch").symlink_to(target)
+    faults.write_text(tmp_path / "link.sbatch", "new\n", "--output")  # through the link, the link kept
+    assert target.read_text() == "new\n" and (tmp_path / "link.sbatch").is_symlink()
+
+    def disk_full(self, *args, **kwargs):
+        raise full()
+
+    monkeypatch.setattr(type(target), "write_text", disk_full)
+    with pytest.raises(UserError, match="no space left"):
+        faults.write_text(target, "newer\n", "--output")
+    monkeypatch.undo()
+    assert target.read_text() == "new\n" and sorted(p.name for p in tmp_path.iterdir()) == ["job.sbatch", "link.sbatch"]
+
+
 def test_a_folder_that_cannot_be_searched_still_gets_its_message(tmp_path, monkeypatch):
     from pathlib import Path
 

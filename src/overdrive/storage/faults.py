@@ -236,18 +236,26 @@ def output_file(value: Union[str, Path], option: str, force: bool, *, suffix: st
     file checked is the file written; refused if it exists without --force, or if its folder
     cannot be written. The caller writes to the path returned."""
     path = Path(value).expanduser()
-    if suffix and not path.suffix:
+    if suffix and not path.suffix and not (_exists(path) and path.is_dir()):  # a directory is refused below
         path = path.with_name(path.name + suffix)
     keep_existing_files((path,), force)
     return writable_target(path, option)
 
 
 def write_text(path: Union[str, Path], text: str, key: str, what: str = "") -> None:
-    """A small file (resolved.json, a report) written whole, or a clear message."""
+    """A small file (resolved.json, a script, a config) written whole, or a clear message and
+    the previous file as it was: written beside its name, then renamed over it (through a
+    symbolic link, to the file it points at)."""
     path = Path(path)
+    final = path.resolve() if path.is_symlink() else path
+    temporary = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     with writing(path, key, what=what or path.name):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            temporary.write_text(text)
+            os.replace(temporary, final)
+        finally:
+            temporary.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- where a command writes
