@@ -72,9 +72,17 @@ def test_the_interpreters_own_tools_come_first_on_path(monkeypatch):
     from overdrive.cli import _installed_tools_first
 
     tools = os.path.dirname(sys.executable)
+    monkeypatch.setattr(sys, "base_prefix", "/a/base/interpreter")  # as in a venv
     monkeypatch.setenv("PATH", os.pathsep.join(["/usr/bin", tools, "/bin"]))
     _installed_tools_first()
     first = os.environ["PATH"]
     assert first.split(os.pathsep)[:2] == [tools, "/usr/bin"]
     _installed_tools_first()  # a worker started by the launcher: already first, nothing added
     assert os.environ["PATH"] == first
+    monkeypatch.delenv("PATH")  # unset: the default lookups stay behind the venv's
+    _installed_tools_first()
+    assert os.environ["PATH"] == os.pathsep.join([tools, os.defpath])
+    monkeypatch.setattr(sys, "base_prefix", sys.prefix)  # a system or --user install: PATH as it was
+    monkeypatch.setenv("PATH", "/home/me/.local/bin:/usr/bin")
+    _installed_tools_first()
+    assert os.environ["PATH"] == "/home/me/.local/bin:/usr/bin"

@@ -98,7 +98,8 @@ def test_a_full_disk_stops_cleanly_then_the_run_resumes_on_a_bigger_one(mounts, 
 def test_a_read_only_output_dir_and_a_token_cache_without_write_permission(mounts, tmp_path):
     read_only = mounts(tmp_path / "ro", "size=1m", "ro")
     proc = run(command(read_only / "run", tmp_path / "cache", "training.max_steps=1"), cwd=tmp_path)
-    assert_one_clear_message(proc, "output_dir:", "Read-only file system")
+    assert_one_clear_message(proc, "output_dir:", "the file system is read-only", f"mounted at {read_only}",
+                             "remount it read-write")
 
     setpriv = shutil.which("setpriv")
     if setpriv is None:

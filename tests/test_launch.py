@@ -59,6 +59,7 @@ def test_the_printed_torchrun_line_of_an_elastic_job_regroups_by_itself(tmp_path
     torchrun = lines.launch_lines(resolved)["torchrun"]
     parsed = get_args_parser().parse_args(torchrun.split(" torchrun ", 1)[1].split())
     assert parsed.nnodes == "1:2" and parsed.max_restarts == 1 and parsed.rdzv_backend == "c10d"
+    assert "last_call_timeout" not in torchrun  # machines started by hand get torch's own wait for latecomers
     assert lines.print_launch(resolved) == 0
     assert "launch.min_machines=1 does not apply to this line" in capsys.readouterr().out
     fixed = resolve([REPO / "configs" / "multi-node.yaml"], cli=[f"output_dir={tmp_path}"], env={},

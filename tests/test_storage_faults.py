@@ -91,6 +91,63 @@ def test_a_target_that_cannot_be_written_is_refused_up_front_with_its_file_syste
     assert faults.writable_target(tmp_path / "fine" / "run", "output_dir", directory=True).is_dir()
 
 
+def test_the_file_checked_is_the_file_written(tmp_path, monkeypatch):
+    """`--plot loss` is written as loss.png by matplotlib, `-o ~/job.sbatch` under $HOME: the
+    check and the write name the same file, so a file the user has is never overwritten unasked."""
+    (tmp_path / "loss.png").write_text("the user's own plot")
+    with pytest.raises(UserError, match="exists and would be overwritten"):
+        faults.output_file(tmp_path / "loss", "--plot", False, suffix=".png")
+    assert faults.output_file(tmp_path / "loss", "--plot", True, suffix=".png") == tmp_path / "loss.png"
+    assert faults.output_file(tmp_path / "a.svg", "--plot", False, suffix=".png") == tmp_path / "a.svg"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert faults.output_file("~/jobs/job.sbatch", "--output", False) == tmp_path / "home" / "jobs" / "job.sbatch"
+    assert (tmp_path / "home" / "jobs").is_dir()
+
+
+@pytest.mark.parametrize("name, said", [
+    ("nul", "contains a NUL byte"), ("dangling", "which does not exist"), ("long", "File name too long"),
+])
+def test_a_target_no_file_can_have_is_refused_by_option(tmp_path, name, said):
+    target = {"nul": str(tmp_path / "a\0b"), "dangling": tmp_path / "link", "long": tmp_path / ("x" * 300)}[name]
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere" / "file")
+    with pytest.raises(UserError, match=said) as caught:
+        faults.output_file(target, "--output", False)
+    assert caught.value.problems[0].key == "--output"
+
+
+def test_a_small_file_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    target = tmp_path / "job.sbatch"
+    target.write_text("the user's script\n")
+    (tmp_path / "link.sbatch").symlink_to(target)
+    faults.write_text(tmp_path / "link.sbatch", "new\n", "--output")  # through the link, the link kept
+    assert target.read_text() == "new\n" and (tmp_path / "link.sbatch").is_symlink()
+
+    def disk_full(self, *args, **kwargs):
+        raise full()
+
+    monkeypatch.setattr(type(target), "write_text", disk_full)
+    with pytest.raises(UserError, match="no space left"):
+        faults.write_text(target, "newer\n", "--output")
+    monkeypatch.undo()
+    assert target.read_text() == "new\n" and sorted(p.name for p in tmp_path.iterdir()) == ["job.sbatch", "link.sbatch"]
+
+
+def test_a_folder_that_cannot_be_searched_still_gets_its_message(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    real_exists = Path.exists
+
+    def unsearchable(self, *args, **kwargs):
+        if str(self).startswith(str(tmp_path / "locked" / "")):
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_exists(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "exists", unsearchable)
+    assert faults.nearest_existing(tmp_path / "locked" / "sub" / "file") == tmp_path
+    error = faults.explain(PermissionError(errno.EACCES, "Permission denied"), tmp_path / "locked" / "p.png", "--plot")
+    assert "write permission" in error.problems[0].fix and "a path you can write" in error.problems[0].fix
+
+
 def test_the_command_boundary_maps_a_fault_without_a_path_to_the_declared_place(tmp_path, capsys):
     def tracker_flush():
         raise OSError(errno.EIO, "Input/output error")  # a writer's file object: no filename

@@ -92,21 +92,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _installed_tools_first() -> None:
-    """Put the directory of this interpreter's own commands first on PATH, as an activated
-    virtual environment does, for everything this run starts.
+    """In a virtual environment, put its commands first on PATH, as activating it does, for
+    everything this run starts (a user's script under `overdrive launch` too: its `python`
+    is the venv's).
 
     DeepSpeed builds its CPU ops (shared-memory collectives, CPU Adam) just in time with
     whichever `ninja` PATH finds. `.venv/bin/overdrive` run without activating the venv would
     find none on a machine without a system ninja (the load fails), or a system ninja of
     another version, whose build log hashes commands differently: every switch between the two
-    rebuilds the op from scratch (35 to 80 s on two cores).
+    rebuilds the op from scratch (35 to 80 s on two cores). Outside a venv (a system or
+    `--user` install) the interpreter's directory is /usr/bin or the like, and putting it first
+    would shadow ~/.local/bin: PATH is left as the user ordered it.
     """
     import os
 
+    if sys.prefix == sys.base_prefix:
+        return
     tools = os.path.dirname(sys.executable)
-    path = os.environ.get("PATH", "")
+    path = os.environ.get("PATH") or os.defpath  # unset: what the shell's lookups fall back to
     if tools and path.split(os.pathsep)[0] != tools:
-        os.environ["PATH"] = os.pathsep.join([tools, path]) if path else tools
+        os.environ["PATH"] = os.pathsep.join([tools, path])
 
 
 def _exit_worker(code: int) -> None:

@@ -44,10 +44,17 @@ class UserError(Exception):
         return "\n".join(lines)
 
 
+def _is_file(path: Path) -> bool:
+    try:
+        return path.exists() and not path.is_dir()
+    except (OSError, ValueError):  # unreadable, too long, a NUL byte: the target check says which
+        return False
+
+
 def keep_existing_files(paths: Iterable[Union[str, Path, None]], force: bool) -> None:
     """Refuse, before any work, to write over files the user already has, unless --force."""
     # A directory is not overwritten: `storage.faults.writable_target` refuses it as a file target.
-    existing = [Path(p) for p in paths if p is not None and Path(p).exists() and not Path(p).is_dir()]
+    existing = [Path(p) for p in paths if p is not None and _is_file(Path(p).expanduser())]
     if existing and not force:
         raise UserError([Problem(str(p), "exists and would be overwritten",
                                  fix="pass --force to overwrite it, or write to another path") for p in existing])

@@ -22,13 +22,11 @@ def run(args: argparse.Namespace) -> int:
 
     from overdrive.console import get_console, print_table
     from overdrive.config.keys import flatten
-    from overdrive.errors import keep_existing_files
-    from overdrive.storage.faults import writable_target
+    from overdrive.storage.faults import output_file
     from overdrive.reports.summary import config_differences, load_run, metric_rows, summarize
 
     if args.plot:
-        keep_existing_files((args.plot,), args.force)
-        writable_target(args.plot, "--plot")
+        args.plot = str(output_file(args.plot, "--plot", args.force, suffix=".png"))
     a, b = load_run(args.run_a), load_run(args.run_b)
     sa, sb = summarize(a), summarize(b)
     differences = config_differences(a, b)

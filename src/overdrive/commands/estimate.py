@@ -138,13 +138,11 @@ def _target(args) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from overdrive.errors import keep_existing_files
-    from overdrive.storage.faults import writable_target
+    from overdrive.storage.faults import output_file
     from overdrive.memory import report
 
     if args.plot:
-        keep_existing_files((args.plot,), args.force)
-        writable_target(args.plot, "--plot")
+        args.plot = str(output_file(args.plot, "--plot", args.force, suffix=".png"))
     est, _ = build(args)
     cap = report.detect_capacity(args.gpu_memory, args.host_memory)
     best = report.apply_verdict(est, cap, nodes=args.nodes)

@@ -30,19 +30,22 @@ def run(args: argparse.Namespace) -> int:
     import sys
     from pathlib import Path
 
-    from overdrive.errors import Problem, UserError, keep_existing_files
-    from overdrive.storage.faults import writable_target
+    from overdrive.errors import Problem, UserError
+    from overdrive.storage.faults import output_file, writable_target
 
     if not args.accelerate and not args.deepspeed and not args.peft:
         raise UserError("nothing to write: give --accelerate FILE, --deepspeed FILE and/or --peft DIR")
     if args.accelerate and args.deepspeed and Path(args.accelerate).resolve() == Path(args.deepspeed).resolve():
         raise UserError(Problem("--deepspeed", f"is the same file as --accelerate ({args.deepspeed}): one would "
                                 "overwrite the other", fix="give the two files different names"))
-    peft_file = str(Path(args.peft) / "adapter_config.json") if args.peft else None
-    keep_existing_files((args.accelerate, args.deepspeed, peft_file), args.force)
-    for option, target in (("--accelerate", args.accelerate), ("--deepspeed", args.deepspeed)):
-        if target:
-            writable_target(target, option)
+    if args.accelerate:
+        args.accelerate = str(output_file(args.accelerate, "--accelerate", args.force))
+    if args.deepspeed:
+        args.deepspeed = str(output_file(args.deepspeed, "--deepspeed", args.force))
+    peft_file = None
+    if args.peft:
+        args.peft = str(writable_target(args.peft, "--peft", directory=True))
+        peft_file = str(output_file(Path(args.peft) / "adapter_config.json", "--peft", args.force))
     cfg = resolve_from_args(args).config
     if args.accelerate or args.deepspeed:
         for path in export.write(cfg, args.accelerate, args.deepspeed, batch_auto=args.batch_auto):

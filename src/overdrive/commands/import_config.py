@@ -16,8 +16,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     import yaml
 
     from overdrive.interop import writing as export
@@ -25,12 +23,10 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from overdrive.config.redact import redact, redact_text
-    from overdrive.errors import keep_existing_files
-    from overdrive.storage.faults import writable_target
+    from overdrive.storage import faults
 
-    keep_existing_files((args.output,), args.force)
     if args.output:
-        writable_target(args.output, "--output")
+        args.output = str(faults.output_file(args.output, "--output", args.force))
     # Only the files: neither Accelerate's default config nor this shell's variables.
     resolved = resolve(args.files, env={}, accelerate_default=False)
     # Messages to stderr: `overdrive import x > run.yaml` must leave a valid file.
@@ -40,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     header = f"# overdrive run config imported from {', '.join(args.files)}\n"
     text = header + (yaml.safe_dump(settings, sort_keys=False) if settings else "{}\n")
     if args.output:
-        Path(args.output).write_text(text)
+        faults.write_text(args.output, text, "--output")
         print(f"wrote {args.output}", file=sys.stderr)
     else:
         print(text, end="")

@@ -23,17 +23,16 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.commands.explain import resolve_from_args
     import re
 
-    from overdrive.errors import Problem, UserError, keep_existing_files
-    from overdrive.storage.faults import writable_target
+    from overdrive.errors import Problem, UserError
+    from overdrive.storage import faults
 
     # The name goes into an `#SBATCH --job-name=` line: a newline would start a shell line of
     # its own, and quotes, spaces or $ would be read by sbatch or the shell.
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", args.job_name):
         raise UserError(Problem("--job-name", f"{args.job_name!r} is not a plain job name",
                                 fix="use letters, digits, '.', '_' and '-' only (at most 128 characters)"))
-    keep_existing_files((args.output,), args.force)
     if args.output:
-        writable_target(args.output, "--output")
+        args.output = str(faults.output_file(args.output, "--output", args.force))
     resolved = resolve_from_args(args)
     from overdrive.strategies.cpu import target_gpus
 
@@ -43,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     check_model_layout(resolved.config)  # the job is `overdrive train`: what its loop cannot do is refused here
     script = launch_lines.sbatch_script(resolved, args.job_name)
     if args.output:
-        Path(args.output).write_text(script)
+        faults.write_text(args.output, script, "--output")
         Path(args.output).chmod(0o755)
         import sys
 

@@ -38,11 +38,15 @@ def launch_lines(resolved: Any) -> dict[str, str]:
 def _standalone_torchrun_args(cfg: RunConfig) -> list[str]:
     """torchrun started by hand on each machine. Elastic (launch.min_machines): no overdrive
     launcher is there to regroup the machines left after a loss, so torchrun does it itself with
-    min:max machines and one restart more per machine the job may lose, as in the srun line."""
+    min:max machines and one restart more per machine the job may lose, as in the srun line.
+    The short wait for latecomers of overdrive's own regrouping is left out: machines typed in
+    by hand seconds apart would start a smaller job (torch waits its default 30 s for them)."""
     if not membership.is_elastic(cfg):
         return torchrun_args(cfg)
     args = torchrun_args(cfg, regrouping=True)
     args[args.index("--max-restarts") + 1] = str(membership.regroups_allowed(cfg))
+    conf = args.index("--rdzv-conf")
+    del args[conf:conf + 2]
     return args
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
-from overdrive.errors import Problem, UserError
+from overdrive.errors import Problem, UserError, keep_existing_files
 
 WRITE_FAULTS = {
     errno.ENOSPC: "no space left on the device",
@@ -62,9 +62,16 @@ def mb(size: Optional[float]) -> str:
 
 def nearest_existing(path: Union[str, Path]) -> Path:
     path = Path(path).expanduser().absolute()
-    while not path.exists() and path.parent != path:
+    while not _exists(path) and path.parent != path:
         path = path.parent
     return path
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):  # a folder that cannot be searched, a name too long
+        return False
 
 
 def _mounts() -> list[tuple[str, str]]:
@@ -134,10 +141,19 @@ def fault_errno(error: BaseException, path: Union[str, Path, None] = None) -> Op
     return None
 
 
+# The kernel's own file systems: no permission makes them a place for files.
+_PSEUDO = {"proc", "sysfs", "cgroup", "cgroup2", "debugfs", "securityfs", "devpts", "configfs", "pstore", "bpf"}
+
+
 def _fix(number: int, key: str, fs: FileSystem, folder: Path, hint: str) -> str:
-    elsewhere = f"set {key} to a directory on another disk" if key else "write somewhere else"
+    # A key names a directory (output_dir, data.cache_dir); an option (--plot, -o) a file.
+    place = "a path" if key.startswith("-") else "a directory"
+    elsewhere = f"set {key} to {place} on another disk" if key else "write somewhere else"
+    if fs.kind in _PSEUDO:
+        return f"{fs.mount} is the kernel's {fs.kind} file system, not a disk: " + (
+            f"set {key} to {place} on a disk" if key else "write somewhere else")
     if number in (errno.EACCES, errno.EPERM):
-        return f"give this user write permission on {folder}, or set {key} to a directory you can write" if key \
+        return f"give this user write permission on {folder}, or set {key} to {place} you can write" if key \
             else f"give this user write permission on {folder}, or write somewhere else"
     if number in _FULL:
         text = f"free space on {fs.mount}" + (" or raise the quota" if number == errno.EDQUOT else "")
@@ -192,12 +208,18 @@ def writable_target(path: Union[str, Path], name: str, *, directory: bool = Fals
     import tempfile
 
     path = Path(path).expanduser()
-    if directory and path.exists() and not path.is_dir():
-        raise UserError(Problem(name, f"{path} is a file, not a directory", fix="choose a directory path"))
-    if not directory and path.is_dir():
-        raise UserError(Problem(name, f"{path} is a directory, not a file", fix="give a file name inside it"))
+    if "\0" in str(path):
+        raise UserError(Problem(name, f"{str(path)!r} contains a NUL byte, which no file name can hold",
+                                fix="give a plain path"))
     folder = path if directory else path.parent
     try:
+        if directory and path.exists() and not path.is_dir():
+            raise UserError(Problem(name, f"{path} is a file, not a directory", fix="choose a directory path"))
+        if not directory and path.is_dir():
+            raise UserError(Problem(name, f"{path} is a directory, not a file", fix="give a file name inside it"))
+        if not directory and path.is_symlink() and not path.exists():
+            raise UserError(Problem(name, f"{path} is a symbolic link to {os.readlink(path)}, which does not exist",
+                                    fix="remove the link or give another path"))
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):
             pass
@@ -208,12 +230,32 @@ def writable_target(path: Union[str, Path], name: str, *, directory: bool = Fals
     return path
 
 
+def output_file(value: Union[str, Path], option: str, force: bool, *, suffix: str = "") -> Path:
+    """A file a command is asked to write (`-o`, `--plot`): `~` expanded and, with `suffix`,
+    the suffix the writer would add itself (matplotlib writes `plot` as `plot.png`), so the
+    file checked is the file written; refused if it exists without --force, or if its folder
+    cannot be written. The caller writes to the path returned."""
+    path = Path(value).expanduser()
+    if suffix and not path.suffix and not (_exists(path) and path.is_dir()):  # a directory is refused below
+        path = path.with_name(path.name + suffix)
+    keep_existing_files((path,), force)
+    return writable_target(path, option)
+
+
 def write_text(path: Union[str, Path], text: str, key: str, what: str = "") -> None:
-    """A small file (resolved.json, a report) written whole, or a clear message."""
+    """A small file (resolved.json, a script, a config) written whole, or a clear message and
+    the previous file as it was: written beside its name, then renamed over it (through a
+    symbolic link, to the file it points at)."""
     path = Path(path)
+    final = path.resolve() if path.is_symlink() else path
+    temporary = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     with writing(path, key, what=what or path.name):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            temporary.write_text(text)
+            os.replace(temporary, final)
+        finally:
+            temporary.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- where a command writes
