@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Optional
 
 
 @dataclass(frozen=True)
@@ -42,22 +42,6 @@ class UserError(Exception):
         lines = [f"overdrive: {self.title}:"] if len(self.problems) > 1 or self.title else []
         lines += [f"  - {p.render()}" for p in self.problems]
         return "\n".join(lines)
-
-
-def _is_file(path: Path) -> bool:
-    try:
-        return path.exists() and not path.is_dir()
-    except (OSError, ValueError):  # unreadable, too long, a NUL byte: the target check says which
-        return False
-
-
-def keep_existing_files(paths: Iterable[Union[str, Path, None]], force: bool) -> None:
-    """Refuse, before any work, to write over files the user already has, unless --force."""
-    # A directory is not overwritten: `storage.faults.writable_target` refuses it as a file target.
-    existing = [Path(p) for p in paths if p is not None and _is_file(Path(p).expanduser())]
-    if existing and not force:
-        raise UserError([Problem(str(p), "exists and would be overwritten",
-                                 fix="pass --force to overwrite it, or write to another path") for p in existing])
 
 
 def debug_enabled() -> bool:

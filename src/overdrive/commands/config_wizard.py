@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.config.env_report import accelerate_default_config_path
     from overdrive.console import get_console, is_interactive
     from overdrive.system.report import hardware
-    from overdrive.errors import keep_existing_files
+    from overdrive.storage.faults import keep_existing_files
 
     console = get_console(quiet=args.quiet)
     output = Path(args.output)

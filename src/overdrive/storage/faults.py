@@ -18,9 +18,9 @@ import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Iterable, Iterator, Optional, Union
 
-from overdrive.errors import Problem, UserError, keep_existing_files
+from overdrive.errors import Problem, UserError
 
 WRITE_FAULTS = {
     errno.ENOSPC: "no space left on the device",
@@ -228,6 +228,17 @@ def writable_target(path: Union[str, Path], name: str, *, directory: bool = Fals
         raise explain(error, path, name) or UserError(Problem(name, f"cannot write {path}: {error.strerror or error}",
                                                               fix="choose a place you can write to")) from None
     return path
+
+
+def keep_existing_files(paths: Iterable[Union[str, Path, None]], force: bool) -> None:
+    """Refuse, before any work, to write over files the user already has, unless --force."""
+    # A directory is not overwritten: `writable_target` refuses it as a file target. A path
+    # that cannot even be looked at (too long, a NUL byte) is `writable_target`'s to explain.
+    existing = [Path(p) for p in paths if p is not None and _exists(Path(p).expanduser())
+                and not Path(p).expanduser().is_dir()]
+    if existing and not force:
+        raise UserError([Problem(str(p), "exists and would be overwritten",
+                                 fix="pass --force to overwrite it, or write to another path") for p in existing])
 
 
 def output_file(value: Union[str, Path], option: str, force: bool, *, suffix: str = "") -> Path:
