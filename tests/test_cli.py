@@ -69,20 +69,20 @@ def test_a_reader_that_leaves_early_gets_no_traceback():
 def test_the_interpreters_own_tools_come_first_on_path(monkeypatch):
     """DeepSpeed's just-in-time ops are built by the ninja PATH finds: the venv's, as if it
     were activated, whether or not the user activated it."""
-    from overdrive.cli import _installed_tools_first
+    from overdrive.launch.tools import installed_tools_first
 
     tools = os.path.dirname(sys.executable)
     monkeypatch.setattr(sys, "base_prefix", "/a/base/interpreter")  # as in a venv
     monkeypatch.setenv("PATH", os.pathsep.join(["/usr/bin", tools, "/bin"]))
-    _installed_tools_first()
+    installed_tools_first()
     first = os.environ["PATH"]
     assert first.split(os.pathsep)[:2] == [tools, "/usr/bin"]
-    _installed_tools_first()  # a worker started by the launcher: already first, nothing added
+    installed_tools_first()  # a worker started by the launcher: already first, nothing added
     assert os.environ["PATH"] == first
     monkeypatch.delenv("PATH")  # unset: the default lookups stay behind the venv's
-    _installed_tools_first()
+    installed_tools_first()
     assert os.environ["PATH"] == os.pathsep.join([tools, os.defpath])
     monkeypatch.setattr(sys, "base_prefix", sys.prefix)  # a system or --user install: PATH as it was
     monkeypatch.setenv("PATH", "/home/me/.local/bin:/usr/bin")
-    _installed_tools_first()
+    installed_tools_first()
     assert os.environ["PATH"] == "/home/me/.local/bin:/usr/bin"

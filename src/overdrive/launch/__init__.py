@@ -11,4 +11,5 @@
     skypilot.py     a SkyPilot task
     lines.py        the same run as torchrun / accelerate launch / srun lines and an sbatch script
     user_script.py  a user's own Accelerate script under the configured strategy
+    tools.py        a venv's own commands (ninja for DeepSpeed's ops, python) first on PATH
 """
