@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from overdrive.launch.tools import installed_tools_first
+
 REPO = Path(__file__).resolve().parents[1]
 # Accelerate's and Transformers' own config files, copied with the tests (see the README there).
 PEER_CONFIGS = REPO / "tests" / "fixtures" / "peer-configs"
@@ -16,11 +18,10 @@ PEER_CONFIGS = REPO / "tests" / "fixtures" / "peer-configs"
 SHARED_PEER_CONFIGS = Path(os.environ.get("OVERDRIVE_PEER_CONFIGS") or REPO.parent / "shared" / "peer-configs")
 NO_SHARED_PEER_CONFIGS = f"no {SHARED_PEER_CONFIGS} beside the checkout: only tests/fixtures/peer-configs is read"
 
-# As in an activated venv (and as the `overdrive` command arranges for itself): the tools
-# installed beside this interpreter come first, so DeepSpeed's just-in-time ops are built by
-# the venv's ninja in the test process and in every process it starts, once, not rebuilt by
-# whichever ninja each process happens to find.
-os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+# As the `overdrive` command arranges for itself: the venv's tools first on PATH, so DeepSpeed's
+# just-in-time ops are built by the venv's ninja in the test process and in every process it
+# starts, once, not rebuilt by whichever ninja each process happens to find.
+installed_tools_first()
 
 
 def peer_files(root: Path) -> list[Path]:
