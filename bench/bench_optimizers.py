@@ -38,7 +38,7 @@ def held_state_bytes(name: str) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from overdrive.config import resolve
+    from overdrive.resolving import resolve
     from overdrive.training import optimizers
 
     cfg = resolve(cli=[f"optim.name={name}", *EXTRA.get(name, [])], accelerate_default=False).config

@@ -63,7 +63,7 @@ def chosen(result: dict) -> dict:
 
 def head_to_head(run_yaml: Path, work: Path, contenders: dict[str, dict], rounds: int = ROUNDS) -> dict[str, list]:
     """Each contender measured in full, `rounds` times, interleaved, in fresh trial processes."""
-    from overdrive.config import resolve
+    from overdrive.resolving import resolve
     from overdrive.tune import TuneOptions, make_job, open_starter, trial_config
     from overdrive.tune.trials import TrialPlan, run_trial
 

@@ -38,7 +38,7 @@ def main() -> None:
     import torch
     from accelerate.state import PartialState
 
-    from overdrive.config import resolve
+    from overdrive.resolving import resolve
     from overdrive.training.loop import train
 
     # train() ends by closing the process group (Accelerator.end_training); the runs after the

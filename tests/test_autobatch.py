@@ -116,7 +116,7 @@ def test_predicted_then_confirmed_on_an_accelerator():
 
 DEEPSPEED = """
 import json, sys
-from overdrive.config import load_config
+from overdrive.resolving import load_config
 from overdrive import build_accelerator
 from overdrive.training import autobatch
 from overdrive.memory.report import Capacity
@@ -148,7 +148,7 @@ def test_under_deepspeed_the_plugin_is_built_from_integers_and_gets_the_final_sp
 
 
 def test_deepspeed_accepts_micro_batch_auto():
-    from overdrive.config import load_config
+    from overdrive.resolving import load_config
 
     load_config(cli=[*DS_ITEMS, "training.micro_batch_size=auto"])
 

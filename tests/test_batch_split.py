@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from overdrive.config import batch, resolve
+from overdrive.config import batch
+from overdrive.resolving import resolve
 from overdrive.errors import UserError
 
 TINY = ["model.architecture.model_type=gpt2", "model.architecture.n_layer=1", "model.architecture.n_head=2",
@@ -51,7 +52,7 @@ def test_a_global_batch_that_does_not_divide_or_contradicts_is_refused_by_key(tm
 
 def test_the_same_config_gives_the_same_split_in_train_tune_plan_and_a_resumed_run(tmp_path):
     from overdrive.checkpoint import fingerprint, session, store
-    from overdrive.interop.deepspeed_config import ds_config
+    from overdrive.strategies.deepspeed_config import ds_config
     from overdrive.memory.plan import DataSize, arithmetic
     from overdrive.training import settle
     from overdrive.tune.space import Facts, build_space

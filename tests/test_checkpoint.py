@@ -236,7 +236,7 @@ def test_plan_resume_adjusts_accumulation_for_a_new_world_size(tmp_path):
          "launch": {"num_processes": 2}}))
     plan = session.plan_resume(RunConfig.model_validate({"output_dir": out, "training": {"micro_batch_size": 4}}))
     assert plan.config.training.gradient_accumulation_steps == 2
-    from overdrive.config import resolve
+    from overdrive.resolving import resolve
 
     resolved = resolve(cli=[f"output_dir={out}", "training.micro_batch_size=4"], env={})
     adjusted = session.with_plan(resolved, session.plan_resume(resolved.config))

@@ -55,7 +55,7 @@ def test_config_reference_is_up_to_date():
 
 def test_a_reader_that_leaves_early_gets_no_traceback():
     """`overdrive estimate --json | head -1`: the pipe closes before the output is written."""
-    code = ("import sys\nfrom overdrive.errors import run_reporting_errors\n"
+    code = ("import sys\nfrom overdrive.boundary import run_reporting_errors\n"
             "def write():\n    while True:\n        sys.stdout.write('x' * 65536)\n"
             "sys.exit(run_reporting_errors(write))\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from overdrive.config import load_config, resolve
+from overdrive.resolving import load_config, resolve
 from overdrive.config.schema import RunConfig
 from overdrive.errors import UserError
 

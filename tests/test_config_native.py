@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import NO_SHARED_PEER_CONFIGS, PEER_CONFIGS, SHARED_PEER_CONFIGS, peer_files, run_cli
-from overdrive.config import resolve
+from overdrive.resolving import resolve
 from overdrive.config.schema import RunConfig
 from overdrive.errors import UserError
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import PEER_CONFIGS, run_cli
-from overdrive.config import check_for_train, hardware_warnings, resolve
+from overdrive.resolving import check_for_train, hardware_warnings, resolve
 from overdrive.errors import UserError
 from overdrive.system.hardware import Gpu, Hardware
 

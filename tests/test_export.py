@@ -10,8 +10,8 @@ import yaml
 from conftest import PEER_CONFIGS, REPO, run_cli
 
 from overdrive.interop import writing as export
-from overdrive.config import resolve
-from overdrive.interop import deepspeed_config
+from overdrive.resolving import resolve
+from overdrive.strategies import deepspeed_config
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 # Every key the two formats carry, to compare after a round trip.

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hf_fixtures import CHAT_TEMPLATE, CHAT_TEMPLATE_GENERATION, make_chat_data, make_tiny_llama
-from overdrive.config import resolve
+from overdrive.resolving import resolve
 from overdrive.errors import UserError
 
 

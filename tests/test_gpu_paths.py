@@ -17,7 +17,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from overdrive.config import load_config, resolve
+from overdrive.resolving import load_config, resolve
 from overdrive.errors import UserError
 from overdrive.strategies import accelerator_kwargs, cpu
 
@@ -120,7 +120,7 @@ def test_use_cpu_hides_the_gpus_from_every_worker_and_names_gloo():
 
 
 def test_a_lone_use_cpu_process_hides_the_gpus_before_cuda_starts():
-    code = ("import os, sys; from overdrive.config import load_config; "
+    code = ("import os, sys; from overdrive.resolving import load_config; "
             "from overdrive.launch.process import prepare_this_process; "
             "prepare_this_process(load_config(cli=sys.argv[1:], env={})); "
             "print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))")
@@ -285,7 +285,7 @@ def _free_port() -> int:
 
 
 def test_gpu_ids_are_what_validation_counts():
-    from overdrive.config.validate import hardware_problems
+    from overdrive.resolving.validate import hardware_problems
     from overdrive.system.hardware import Gpu, Hardware
 
     eight = Hardware(gpus=tuple(Gpu("NVIDIA H100 80GB HBM3", 80 * 2**30, (9, 0)) for _ in range(8)), cpu_cores=64)
@@ -330,7 +330,7 @@ def test_pinned_batches_are_copied_without_waiting():
 
 
 def test_nvme_offload_path_is_checked(tmp_path):
-    from overdrive.config.validate import hardware_problems
+    from overdrive.resolving.validate import hardware_problems
     from overdrive.system.hardware import Hardware
 
     items = ("parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3", "parallel.deepspeed.offload_param=nvme")
@@ -340,7 +340,7 @@ def test_nvme_offload_path_is_checked(tmp_path):
 
 
 def test_nccl_on_cpu_is_refused_in_one_place():
-    from overdrive.config.validate import hardware_problems
+    from overdrive.resolving.validate import hardware_problems
     from overdrive.system.hardware import Hardware
 
     cfg = cfg_of("launch.backend=nccl")
@@ -350,7 +350,7 @@ def test_nccl_on_cpu_is_refused_in_one_place():
 
 
 def test_deepspeed_activation_checkpointing_says_it_does_nothing_for_transformers():
-    from overdrive.config import resolve
+    from overdrive.resolving import resolve
 
     resolved = resolve([], cli=["parallel.strategy=deepspeed", "parallel.deepspeed.activation_checkpointing=true"], env={})
     assert any(w.key == "parallel.deepspeed.activation_checkpointing" for w in resolved.warnings)

@@ -12,7 +12,7 @@ import pytest
 from strategy_probe import REPO
 
 from overdrive import load_config
-from overdrive.config import resolve
+from overdrive.resolving import resolve
 from overdrive.errors import UserError
 
 CPU = ["launch.use_cpu=true"]

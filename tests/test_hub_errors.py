@@ -10,7 +10,7 @@ from huggingface_hub import constants
 from huggingface_hub import errors as hub_errors
 
 from overdrive import hub
-from overdrive.config import resolve
+from overdrive.resolving import resolve
 from overdrive.errors import UserError
 
 NAME = "someone/missing-model"

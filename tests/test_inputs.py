@@ -368,7 +368,7 @@ def test_report_summary_and_compare_mask_secrets_of_an_older_run(tmp_path, monke
 
 
 def test_resolved_json_masks_secrets_and_a_worker_gets_them_from_its_environment(monkeypatch):
-    from overdrive.config import SECRETS_VARIABLE, Resolved, resolve
+    from overdrive.resolving import SECRETS_VARIABLE, Resolved, resolve
 
     resolved = resolve(cli=[f"parallel.deepspeed.extra.hub_token={TOKEN}"], env={})
     text = resolved.to_json()
@@ -381,7 +381,7 @@ def test_resolved_json_masks_secrets_and_a_worker_gets_them_from_its_environment
 
 def test_trainer_state_config_is_masked_and_resume_sees_no_change():
     from overdrive.checkpoint import fingerprint as fp
-    from overdrive.config import resolve
+    from overdrive.resolving import resolve
 
     config = resolve(cli=[f"parallel.deepspeed.extra.hub_token={TOKEN}"], env={}).config.model_dump(mode="json")
     from overdrive.config.redact import redact

@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO, run_cli
 
 from overdrive.launch import process, workers
-from overdrive.config import Resolved, load_config, resolve
+from overdrive.resolving import Resolved, load_config, resolve
 from overdrive.config.schema import LaunchConfig, RunConfig
 from overdrive.errors import UserError
 

@@ -116,7 +116,7 @@ def rank_record(step_s, **phases):
 
 
 def test_the_verdict_names_the_bottleneck_and_the_key_to_change():
-    from overdrive.config import load_config
+    from overdrive.resolving import load_config
     from overdrive.observe.verdict import judge
 
     zero3 = load_config(cli=["parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3"], env={})

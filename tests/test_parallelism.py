@@ -9,7 +9,8 @@ import pytest
 import yaml
 from conftest import run_cli
 
-from overdrive.config import batch, load_config, resolve
+from overdrive.config import batch
+from overdrive.resolving import load_config, resolve
 from overdrive.errors import UserError
 from overdrive.interop import writing as export
 from overdrive.strategies import accelerator_kwargs, cpu, layout

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from overdrive import cli
-from overdrive.config import resolve
+from overdrive.resolving import resolve
 from overdrive.config.schema import RunConfig
 from overdrive.errors import UserError
 from overdrive.memory.model_shape import Source, model_shape
@@ -237,11 +237,11 @@ def test_a_deepspeed_lamb_block_is_read_with_its_lines_and_refused_on_cpu(tmp_pa
     assert cfg.optim.name == "deepspeed" and cfg.optim.lr == 1e-3
     origin = resolved.origins["optim.name"]
     assert origin.source.endswith("lamb.json") and origin.line == 7  # the "type" line
-    from overdrive.interop.deepspeed_config import ds_config
+    from overdrive.strategies.deepspeed_config import ds_config
 
     block = ds_config(cfg, 1, find_hidden_size=False)["optimizer"]
     assert block["type"] == "Lamb" and block["params"]["lr"] == 1e-3 and block["params"]["max_coeff"] == 0.3
-    from overdrive.config import hardware_warnings
+    from overdrive.resolving import hardware_warnings
 
     found = {p.key: p for p in hardware_warnings(resolved)}
     assert "parallel.deepspeed.extra.optimizer.type" in found

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from overdrive.checkpoint import fingerprint, resume, store
-from overdrive.config import Resolved, resolve
+from overdrive.resolving import Resolved, resolve
 
 
 def write_checkpoint(cfg, step=4):

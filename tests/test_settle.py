@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from overdrive.config import Resolved, resolve
+from overdrive.resolving import Resolved, resolve
 from overdrive.training import settle
 
 

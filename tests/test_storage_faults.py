@@ -16,7 +16,8 @@ import pytest
 
 from overdrive.checkpoint import store
 from overdrive.checkpoint.agreed import SaveParts
-from overdrive.errors import UserError, run_reporting_errors
+from overdrive.boundary import run_reporting_errors
+from overdrive.errors import UserError
 from overdrive.storage import atomic, faults, lock, space
 
 

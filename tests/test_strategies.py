@@ -7,10 +7,11 @@ import json
 import pytest
 from conftest import PEER_CONFIGS
 
-from overdrive.config import RunConfig, load_config, resolve
+from overdrive.config import RunConfig
+from overdrive.resolving import load_config, resolve
 from overdrive.errors import Problem, UserError
 from overdrive.strategies import accelerator_kwargs, deepspeed, fsdp, problems
-from overdrive.interop import deepspeed_config
+from overdrive.strategies import deepspeed_config
 
 TRANSFORMERS_DS = PEER_CONFIGS / "transformers" / "tests" / "deepspeed"
 TOY = ["model.architecture.n_embd=32", "model.architecture.n_head=2", "model.architecture.n_layer=2"]

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from overdrive.config import load_config
+from overdrive.resolving import load_config
 from overdrive.strategies import accelerator_kwargs, cpu
 
 
@@ -49,7 +49,7 @@ def test_an_explicit_backend_wins():
 
 LONE_PROCESS = """
 import json, sys, torch
-from overdrive.config import load_config
+from overdrive.resolving import load_config
 from overdrive import build_accelerator
 from overdrive.strategies import shard_fraction
 cfg = load_config(cli=sys.argv[1:], env={})
@@ -87,7 +87,7 @@ def test_accelerates_own_switches_do_not_override_the_strategy():
     (cpu=True); the config already read it (launch.use_cpu), so it must not act again."""
     import os
 
-    code = ("from overdrive.config import load_config; from overdrive import build_accelerator; "
+    code = ("from overdrive.resolving import load_config; from overdrive import build_accelerator; "
             "import sys; acc = build_accelerator(load_config(cli=sys.argv[1:])); "
             "print(str(acc.distributed_type).split('.')[-1])")
     env = {**os.environ, "ACCELERATE_USE_CPU": "true"}

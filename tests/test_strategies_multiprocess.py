@@ -61,8 +61,8 @@ def test_two_processes_match_one(name, base, tmp_path):
 ])
 def test_transformers_deepspeed_configs_run_on_cpu(name, extra, base, tmp_path):
     """A DeepSpeed JSON written for the Transformers Trainer, as it is, with its "auto"s filled."""
-    from overdrive.config import Resolved
-    from overdrive.interop import deepspeed_config
+    from overdrive.resolving import Resolved
+    from overdrive.strategies import deepspeed_config
 
     path = TRANSFORMERS_DS / name
     done = train(str(path), *extra, "launch.num_processes=2", "training.micro_batch_size=4",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from overdrive.config import load_config
+from overdrive.resolving import load_config
 from overdrive.strategies import registry
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from overdrive.config import load_config
+from overdrive.resolving import load_config
 from overdrive.strategies import registry, shards_parameters
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "overdrive"

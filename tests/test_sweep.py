@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from overdrive.cli import main
-from overdrive.config import resolve
+from overdrive.resolving import resolve
 from overdrive.config.schema import RunConfig
 from overdrive.config.sweep_space import parse_space
 from overdrive.errors import UserError

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from overdrive.cli import main
-from overdrive.config import resolve
+from overdrive.resolving import resolve
 from overdrive.training import metrics
 
 pytestmark = pytest.mark.slow

@@ -228,7 +228,7 @@ def test_default_run_from_the_command_line(tmp_path, cache_dir):
 
 @pytest.mark.slow
 def test_resolved_file_is_trained_as_is(tmp_path, cache_dir):
-    from overdrive.config import resolve
+    from overdrive.resolving import resolve
 
     resolved = resolve(cli=[f"data.cache_dir={cache_dir}", "data.max_bytes=150000", "tokenizer.vocab_size=512",
                             "data.max_length=32", "training.max_steps=2", "training.micro_batch_size=4",

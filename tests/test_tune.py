@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from overdrive.config import resolve
+from overdrive.resolving import resolve
 from overdrive.config.schema import RunConfig
 from overdrive.errors import UserError
 from overdrive.tune import output

@@ -9,7 +9,7 @@ import psutil
 import pytest
 import yaml
 
-from overdrive.config import resolve
+from overdrive.resolving import resolve
 from overdrive.tune import TrialPlan, TuneOptions, make_job, run
 from overdrive.tune.space import Option
 from overdrive.tune.trials import _failure

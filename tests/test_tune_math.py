@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from overdrive.training import loop as trainer
-from overdrive.config import resolve
+from overdrive.resolving import resolve
 from overdrive.tune import TrialPlan, TuneOptions, make_job, run
 from overdrive.tune.space import apply
 

@@ -10,7 +10,7 @@ __all__ = ["__version__", "load_config", "build_accelerator", "RunConfig"]
 def __getattr__(name: str):
     # Lazy: `import overdrive` must stay cheap, the CLI imports it on every start.
     if name == "load_config":
-        from overdrive.config import load_config
+        from overdrive.resolving import load_config
 
         return load_config
     if name == "RunConfig":

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     from overdrive.launch.tools import installed_tools_first
 
     installed_tools_first()  # before anything starts a process
-    from overdrive.errors import run_reporting_errors
+    from overdrive.boundary import run_reporting_errors
     from overdrive.storage import faults
 
     command = " ".join(["overdrive", *argv])

@@ -23,7 +23,8 @@ from typing import Any, Optional
 from overdrive.checkpoint import fingerprint as fp
 from overdrive.checkpoint import reshard, store
 from overdrive.checkpoint.routes import Route
-from overdrive.config import Origin, Resolved
+from overdrive.config import Origin
+from overdrive.resolving import Resolved
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 

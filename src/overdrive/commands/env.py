@@ -18,9 +18,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from overdrive.config.redact import redact, redact_text
+    from overdrive.resolving.layer_changes import layer_changes
     from overdrive.system.report import collect, to_markdown
 
-    report = redact(collect(with_hardware=not args.no_hardware))
+    report = redact(collect(layer_changes(), with_hardware=not args.no_hardware))
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:

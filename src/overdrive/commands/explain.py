@@ -26,7 +26,7 @@ def split_items(items: list[str]) -> tuple[list[str], list[str]]:
 
 
 def resolve_from_args(args: argparse.Namespace):
-    from overdrive.config import resolve
+    from overdrive.resolving import resolve
 
     files, cli = split_items(args.items)
     return resolve(files, cli=cli, accelerate_default=not args.no_accelerate_default)
@@ -131,7 +131,7 @@ def _explain_training_arguments(resolved, as_json: bool) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from overdrive.config import hardware_warnings
+    from overdrive.resolving import hardware_warnings
 
     resolved = resolve_from_args(args)
     warnings = resolved.warnings + hardware_warnings(resolved)

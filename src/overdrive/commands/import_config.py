@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     from overdrive.interop import writing as export
-    from overdrive.config import resolve
+    from overdrive.resolving import resolve
     import sys
 
     from overdrive.config.redact import redact, redact_text

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
               f"{'only ' + ', '.join(args.config) if args.config else 'its defaults'}{' and -s items' if args.set else ''}. "
               f"To configure the run, put them before the script: "
               f"overdrive launch -c run.yaml -s key=value {args.script} [script args]", file=sys.stderr, flush=True)
-    from overdrive.config import resolve
+    from overdrive.resolving import resolve
 
     resolved = resolve(args.config, cli=args.set)
     if args.print_env:

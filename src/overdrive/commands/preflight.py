@@ -46,7 +46,6 @@ def preflight(resolved) -> int:
     from overdrive.errors import Problem, UserError
     from overdrive.storage.faults import writable_target
     from overdrive.launch import workers
-    from overdrive.launch.process import needs_launcher
     from overdrive.observe.preflight import result_path, run_checks
     from overdrive.observe.preflight_report import render
 
@@ -61,16 +60,13 @@ def preflight(resolved) -> int:
                         title="preflight failed")
     path = result_path(cfg.output_dir, launch.machine_rank)
     path.unlink(missing_ok=True)
-    if needs_launcher(cfg):
-        worker = ["-m", "overdrive.cli", "preflight", "--resolved", str(workers.resolved_path(cfg))]
-        code = int(workers.launch_workers(resolved, worker=worker) or 0)
-        if code or not path.exists():
-            print(f"overdrive: preflight: the workers did not complete the checks (exit {code}); "
-                  "their output above says why", file=sys.stderr)
-            return code or 1
-        verdict = json.loads(path.read_text())
-    else:
-        verdict = run_checks(cfg, config_values(cfg))
+    here: list[dict] = []  # the verdict of a run in this process; the workers' is read from `path`
+    code = workers.run_on_ranks(resolved, "preflight", lambda _: here.append(run_checks(cfg, config_values(cfg))))
+    if not here and (code or not path.exists()):
+        print(f"overdrive: preflight: the workers did not complete the checks (exit {code}); "
+              "their output above says why", file=sys.stderr)
+        return code or 1
+    verdict = here[0] if here else json.loads(path.read_text())
     print(render(verdict))
     if verdict["problems"]:
         raise UserError([Problem(p["key"], p["message"], fix=p["fix"]) for p in verdict["problems"]],

@@ -113,9 +113,9 @@ PROFILE_RUN = ["checkpoint.enabled=false", "checkpoint.resume=never", "checkpoin
 
 def profile(files: list[str], cli: list[str], steps: int, warmup: int, subdir: str = "") -> dict:
     """Profile the job `files` + `cli` describe; the report (the --json contract)."""
-    from overdrive.config import resolve
+    from overdrive.resolving import resolve
     from overdrive.launch import workers
-    from overdrive.launch.process import hide_gpus_for_cpu_runs, local_processes, needs_launcher, threads_per_process
+    from overdrive.launch.process import hide_gpus_for_cpu_runs, local_processes, threads_per_process
     from overdrive.observe.profile_report import collect, summarise
 
     base = resolve(files, cli=cli).config
@@ -128,16 +128,12 @@ def profile(files: list[str], cli: list[str], steps: int, warmup: int, subdir: s
     for old in [*profile_dir.glob("phases.rank*.json"), *profile_dir.glob("trace.rank*.json"),
                 *profile_dir.glob("tensorboard/*.json")]:
         old.unlink()  # this measurement's files only, not a previous one's
-    if needs_launcher(cfg):
-        worker = ["-m", "overdrive.cli", "profile", "--resolved", str(workers.resolved_path(cfg)),
-                  "--steps", str(steps), "--warmup", str(warmup), "--profile-dir", str(profile_dir)]
-        code = int(workers.launch_workers(resolved, worker=worker) or 0)
-        if code:
-            from overdrive.errors import UserError
+    code = workers.run_on_ranks(resolved, "profile", lambda here: _train_profiled(here, profile_dir, warmup, steps),
+                                "--steps", str(steps), "--warmup", str(warmup), "--profile-dir", str(profile_dir))
+    if code:
+        from overdrive.errors import UserError
 
-            raise UserError(f"the profiled job failed (exit {code}); its output above says why")
-    else:
-        _train_profiled(resolved, profile_dir, warmup, steps)
+        raise UserError(f"the profiled job failed (exit {code}); its output above says why")
     from overdrive.training.metrics import path_in, read
 
     logged = [r for r in read(path_in(cfg.output_dir)).records if r.get("mfu") is not None]

@@ -9,7 +9,7 @@ import sys
 
 def load_run(args):
     """(Resolved, in_worker) for a command's `items` (files and key=value) or `--resolved`."""
-    from overdrive.config import Resolved, resolve
+    from overdrive.resolving import Resolved, resolve
     from overdrive.errors import UserError
 
     files = [item for item in args.items if "=" not in item]

@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from overdrive import sweep
     from overdrive.commands.explain import resolve_from_args, split_items
-    from overdrive.config import check_for_train
+    from overdrive.resolving import check_for_train
     from overdrive.config.redact import redact_text
     from overdrive.console import is_interactive
     from overdrive.storage.faults import writable_target

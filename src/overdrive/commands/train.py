@@ -71,7 +71,7 @@ def _run(args: argparse.Namespace, resolved, in_worker: bool) -> int:
         # What this machine lacks (bf16, GPUs, ...) stops the run before anything starts;
         # workers skip it: the launcher checked the same resolved config.
         from overdrive import hub
-        from overdrive.config import check_for_train
+        from overdrive.resolving import check_for_train
         from overdrive.storage.faults import writable_target
 
         hub.refuse_unreadable_names(cfg)  # in a second without a network, before torch is imported
@@ -88,12 +88,12 @@ def _run(args: argparse.Namespace, resolved, in_worker: bool) -> int:
         from overdrive.commands.preflight import preflight
 
         preflight(resolved)  # a failure is a UserError: exit 2 before anything trains
-    if not in_worker:
-        from overdrive.launch.process import needs_launcher
+    if in_worker:
+        return _train_here(resolved, force, in_worker=True)
+    return _start(resolved, force)
 
-        if needs_launcher(cfg):  # several processes, or one on the GPUs in launch.gpu_ids
-            return _launch(resolved, force)
 
+def _train_here(resolved, force: bool, in_worker: bool) -> int:
     from overdrive.training.loop import train
 
     result = train(resolved, force=force)
@@ -101,8 +101,8 @@ def _run(args: argparse.Namespace, resolved, in_worker: bool) -> int:
         if result.is_main_process:
             _how_to_resume(result.checkpoint, result.stopped_by, in_worker)
         return 128 + result.stopped_by
-    if result.is_main_process and cfg.logging.level != "quiet":
-        _summary(result, cfg)
+    if result.is_main_process and resolved.config.logging.level != "quiet":
+        _summary(result, resolved.config)
     return 1 if result.stopped_early else 0
 
 
@@ -118,17 +118,18 @@ def _check_fine_tuning(cfg) -> None:
         build_tokenizer(cfg, (), "")  # a pretrained tokenizer (validated): refused by key without a template
 
 
-def _launch(resolved, force: bool) -> int:
-    """Start the workers. The resume is judged here, once, so a refusal is one message before
-    anything starts, and a new world size reaches the workers with its accumulation."""
+def _start(resolved, force: bool) -> int:
+    """Train here, or start the workers (several processes, or one on the GPUs in launch.gpu_ids).
+    The resume is judged here, once, so a refusal is one message before anything starts, and a
+    new world size reaches the workers with its accumulation (handed over in the resolved file)."""
     from overdrive import checkpoint
-    from overdrive.launch import workers as launch
     from overdrive.checkpoint import judge_resume
+    from overdrive.launch import workers
 
-    resolved = judge_resume(resolved, force)  # handed to the workers in the resolved file
-    worker = launch.train_worker(launch.resolved_path(resolved.config)) + (["--force"] if force else [])
-    code = int(launch.launch_workers(resolved, worker=worker) or 0)
-    if code:
+    resolved = judge_resume(resolved, force)
+    code = workers.run_on_ranks(resolved, "train", lambda here: _train_here(here, force, in_worker=False),
+                                *(["--force"] if force else []))
+    if code and workers.needs_launcher(resolved.config):
         found = checkpoint.latest_complete(checkpoint.checkpoints_dir(resolved.config.output_dir), checksums=False)
         _how_to_resume(found.found.path if found.found else None, code - 128 if code > 128 else 0, False)
     return code

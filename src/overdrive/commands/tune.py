@@ -57,7 +57,7 @@ def _only(values: list[str]) -> dict[str, list[str]]:
 
 def run(args: argparse.Namespace) -> int:
     from overdrive.commands.explain import split_items
-    from overdrive.config import resolve
+    from overdrive.resolving import resolve
     from overdrive.tune import TuneOptions, TrialPlan, lookup, make_job
     from overdrive.tune import output
 
@@ -121,7 +121,7 @@ def _sources(items: list[str], tuned_keys: set[str]) -> str:
 
 
 def _measure(job, quiet: bool):
-    from overdrive.config import check_for_train
+    from overdrive.resolving import check_for_train
     from overdrive.tune import run, space_size
 
     check_for_train(job.resolved)

@@ -20,7 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from overdrive.config.provenance import Origin, Setting
+from overdrive.config import mesh
+from overdrive.config.keys import dotted_value
+from overdrive.config.provenance import Origin, Setting, where
 from overdrive.errors import Problem, UserError
 
 GLOBAL = "training.global_batch_size"
@@ -28,24 +30,11 @@ ACCUMULATION = "training.gradient_accumulation_steps"
 MICRO = "training.micro_batch_size"
 
 
-def _get(config: Any, section: str, name: str) -> Any:
-    """A value of a RunConfig, or of its JSON form (a checkpoint's saved config)."""
-    if isinstance(config, Mapping):
-        return config[section][name]
-    return getattr(getattr(config, section), name)
-
-
 def data_parallel_degree(config: Any) -> int:
-    """Processes that each take different samples: world / (tp x cp x sp). The ranks of one
-    tensor, context or sequence parallel group share a batch (strategies/layout.py lays the
-    axes out; a checkpoint's config from before the axes existed has none). This is the one
-    place that says so."""
-    sizes = [(config.get("parallel") or {}).get(key) if isinstance(config, Mapping) else _get(config, "parallel", key)
-             for key in ("tp_size", "cp_size", "sp_size")]
-    model_parallel = 1
-    for size in sizes:
-        model_parallel *= int(size or 1)
-    return max(int(_get(config, "launch", "num_processes")) // model_parallel, 1)
+    """Processes that each take different samples: the layout's dp_replicate x dp_shard, that is
+    world / (tp x cp x sp) (config/mesh.py). The ranks of one tensor, context or sequence
+    parallel group share a batch."""
+    return mesh.layout(config).data_parallel
 
 
 @dataclass(frozen=True)
@@ -87,11 +76,11 @@ def of(micro: int, accumulation: int, data_parallel: int) -> BatchSplit:
 
 def split(config: Any) -> BatchSplit:
     """The split of a settled config (a RunConfig or its JSON form)."""
-    micro = _get(config, "training", "micro_batch_size")
-    accumulation = int(_get(config, "training", "gradient_accumulation_steps"))
+    micro = dotted_value(config, "training.micro_batch_size")
+    accumulation = int(dotted_value(config, "training.gradient_accumulation_steps"))
     dp = data_parallel_degree(config)
     if micro == "auto":
-        given = _get(config, "training", "global_batch_size")
+        given = dotted_value(config, "training.global_batch_size")
         return BatchSplit(None, accumulation, dp, int(given) if given is not None else None)
     return of(micro, accumulation, dp)
 
@@ -123,11 +112,6 @@ def _explicit(chains: Optional[Mapping[str, list[Setting]]], key: str, value: An
         return value != default
     chain = chains.get(key)
     return bool(chain) and chain[-1].origin.layer != "default"
-
-
-def _where(chains: Optional[Mapping[str, list[Setting]]], key: str) -> str:
-    chain = (chains or {}).get(key)
-    return str(chain[-1].origin) if chain else ""
 
 
 def _derived(config: Any) -> Optional[int]:
@@ -183,17 +167,17 @@ def problems(config: Any, chains: Optional[Mapping[str, list[Setting]]] = None) 
         if g % dp == 0:
             return []
         near = sorted({(g // dp) * dp, (g // dp + 1) * dp} - {0})
-        return [Problem(GLOBAL, f"{g} does not divide over {_processes(dp)}", _where(chains, GLOBAL),
+        return [Problem(GLOBAL, f"{g} does not divide over {_processes(dp)}", where(chains, GLOBAL),
                         f"set {GLOBAL} to a multiple of {dp}: " + " or ".join(map(str, near)))]
     micro = t.micro_batch_size
     derived = keeping(g, micro, dp)
     if derived is None:
         return [Problem(GLOBAL, f"{g} is not a multiple of micro-batch {micro} x {_processes(dp)} = {micro * dp}: "
-                        "no whole accumulation gives it", _where(chains, GLOBAL), _dividing(g, micro, dp))]
+                        "no whole accumulation gives it", where(chains, GLOBAL), _dividing(g, micro, dp))]
     given = t.gradient_accumulation_steps
     if given != derived and _explicit(chains, ACCUMULATION, given, 1):
         return [Problem(ACCUMULATION, f"is {given}, but {GLOBAL}={g} / (micro-batch {micro} x {_processes(dp)}) "
-                        f"gives {derived}", _where(chains, ACCUMULATION),
+                        f"gives {derived}", where(chains, ACCUMULATION),
                         f"set only one of {ACCUMULATION} and {GLOBAL} (or {ACCUMULATION}={derived})")]
     return []
 

@@ -248,3 +248,24 @@ def unflatten(values: Mapping[str, Any]) -> dict[str, Any]:
             node = node.setdefault(part, {})
         node[last] = value
     return nested
+
+
+def set_dotted(values: dict[str, Any], key: str, value: Any) -> None:
+    """Set `key` (dotted) in nested values, making the mappings on the way; a value that is not
+    a mapping on the way leaves `values` as it was."""
+    node = values
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            return
+    node[parts[-1]] = value
+
+
+def dotted_value(config: Any, dotted: str) -> Any:
+    """The value at `dotted` of a RunConfig, or of its JSON form (a checkpoint's saved config,
+    read before it is validated again): the one reader of both shapes."""
+    node = config
+    for part in dotted.split("."):
+        node = node[part] if isinstance(node, Mapping) else getattr(node, part)
+    return node

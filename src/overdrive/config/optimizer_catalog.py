@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from overdrive.strategies.registry import _get  # a RunConfig or its JSON dump, read alike
+from overdrive.config.keys import dotted_value as _get  # a RunConfig or its JSON dump, read alike
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ carries them with the problems found on the way.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping, Optional
 
 from overdrive.errors import Problem
 
@@ -46,3 +46,18 @@ class LayerOutput:
         self.settings += other.settings
         self.errors += other.errors
         self.warnings += other.warnings
+
+
+def where(chains: Optional[Mapping[str, list[Setting]]], key: str, unset: str = "") -> str:
+    """The origin of `key`'s winning value, as text: `unset` where no layer set it, "" where the
+    chains are not at hand (a config built in Python, or read back from a resolved file)."""
+    if chains is None:
+        return ""
+    chain = chains.get(key)
+    return str(chain[-1].origin) if chain else unset
+
+
+def set_by_user(chains: Mapping[str, list[Setting]], key: str) -> bool:
+    """Whether a layer above the schema's defaults set `key`."""
+    chain = chains.get(key)
+    return bool(chain) and chain[-1].origin.layer != "default"

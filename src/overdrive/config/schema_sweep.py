@@ -13,6 +13,10 @@ from pydantic import Field
 
 from overdrive.config.sections import Section
 
+# The numeric fields a run writes to metrics.jsonl that a sweep may judge it by (`sweep.metric`).
+KNOWN_FIELDS = ("eval_loss", "eval_perplexity", "eval_accuracy", "loss", "tokens_per_s", "mfu", "peak_memory_mb",
+                "grad_norm", "elapsed_s")
+
 
 class SweepConfig(Section):
     """Hyperparameter search: every trial a real `overdrive train`, the study kept in an Optuna storage."""

@@ -21,9 +21,10 @@ from typing import Any, Mapping, Optional
 from pydantic import TypeAdapter, ValidationError
 
 from overdrive.config import keys
+from overdrive.config.provenance import where
 from overdrive.config.schema import RunConfig
+from overdrive.config.schema_sweep import KNOWN_FIELDS
 from overdrive.errors import Problem
-from overdrive.training.metrics import KNOWN_FIELDS
 
 RANGE_FIELDS = ("low", "high", "log", "step")
 # Keys a trial may not take from the space: the sweep sets where each trial writes, and the
@@ -52,23 +53,10 @@ class SpaceEntry:
         return [self.low + i * step for i in range(count)]
 
 
-def _where(chains: Optional[Mapping], key: str) -> str:
-    chain = (chains or {}).get(key)
-    return str(chain[-1].origin) if chain else ""
-
-
-def _set(data: dict[str, Any], key: str, value: Any) -> None:
-    node = data
-    parts = key.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    node[parts[-1]] = value
-
-
 def value_problem(cfg: RunConfig, key: str, value: Any) -> Optional[str]:
     """Why `key` cannot take `value` in this config (the schema's reason), or None."""
     data = cfg.model_dump(mode="python")
-    _set(data, key, value)
+    keys.set_dotted(data, key, value)
     try:
         RunConfig.model_validate(data)
     except ValidationError as error:
@@ -166,7 +154,7 @@ def _choices(cfg: RunConfig, key: str, values: list, name: str) -> tuple[Optiona
 
 def parse_space(cfg: RunConfig, chains: Optional[Mapping] = None) -> tuple[list[SpaceEntry], list[Problem]]:
     """The entries of `sweep.space`, and every problem with them."""
-    where = _where(chains, "sweep.space")
+    origin = where(chains, "sweep.space")
     entries: list[SpaceEntry] = []
     problems: list[Problem] = []
     seen: dict[str, str] = {}
@@ -175,13 +163,13 @@ def parse_space(cfg: RunConfig, chains: Optional[Mapping] = None) -> tuple[list[
         label = f"sweep.space.{raw}"
         if not keys.is_known(key):
             kind = "is a section; name one of its keys" if key in keys.section_keys() else "unknown key" + keys.suggest(key)
-            problems.append(Problem(label, kind, where, "sweep.space takes dotted config keys, e.g. optim.lr"))
+            problems.append(Problem(label, kind, origin, "sweep.space takes dotted config keys, e.g. optim.lr"))
             continue
         if key.split(".")[0] in NOT_SEARCHABLE:
-            problems.append(Problem(label, "cannot be searched: the sweep sets it for each trial", where))
+            problems.append(Problem(label, "cannot be searched: the sweep sets it for each trial", origin))
             continue
         if key in seen:
-            problems.append(Problem(label, f"names {key} again (also as `{seen[key]}`)", where, "keep one of them"))
+            problems.append(Problem(label, f"names {key} again (also as `{seen[key]}`)", origin, "keep one of them"))
             continue
         seen[key] = str(raw)
         if isinstance(spec, Mapping):
@@ -190,7 +178,7 @@ def parse_space(cfg: RunConfig, chains: Optional[Mapping] = None) -> tuple[list[
             entry, found = _choices(cfg, key, list(spec), key)
         else:
             entry, found = None, [f"is {spec!r}: give a range {{low, high, log, step}} or a list of choices"]
-        problems += [Problem(label, text, where) for text in found]
+        problems += [Problem(label, text, origin) for text in found]
         if entry is not None:
             entries.append(entry)
     return entries, problems
@@ -207,7 +195,7 @@ def grid_size(entries: list[SpaceEntry]) -> Optional[int]:
 
 
 def sweep_rules(cfg: RunConfig, chains: Optional[Mapping] = None) -> tuple[list[Problem], list[Problem]]:
-    """(errors, warnings) of the `sweep` section, for config/validate.py."""
+    """(errors, warnings) of the `sweep` section, for resolving/validate.py."""
     entries, errors = parse_space(cfg, chains)
     warnings: list[Problem] = []
     s = cfg.sweep
@@ -216,13 +204,13 @@ def sweep_rules(cfg: RunConfig, chains: Optional[Mapping] = None) -> tuple[list[
         size = grid_size(entries)
         if unstepped:
             errors.append(Problem(f"sweep.space.{unstepped[0]}", "a float range without a step has no grid points",
-                                  _where(chains, "sweep.space"), "give it a step or a list, or use sweep.sampler=tpe"))
+                                  where(chains, "sweep.space"), "give it a step or a list, or use sweep.sampler=tpe"))
         elif entries and size is not None and s.trials > size:
             errors.append(Problem("sweep.trials", f"{s.trials} trials, but the grid has {size} points",
-                                  _where(chains, "sweep.trials"), f"set sweep.trials={size} or widen the grid"))
+                                  where(chains, "sweep.trials"), f"set sweep.trials={size} or widen the grid"))
     if s.metric not in KNOWN_FIELDS:
         close = difflib.get_close_matches(s.metric, KNOWN_FIELDS, n=1)
         warnings.append(Problem("sweep.metric", f"{s.metric!r} is not a field overdrive writes to metrics.jsonl"
-                                + (f" (did you mean `{close[0]}`?)" if close else ""), _where(chains, "sweep.metric"),
+                                + (f" (did you mean `{close[0]}`?)" if close else ""), where(chains, "sweep.metric"),
                                 "a trial without it fails; known fields: " + ", ".join(KNOWN_FIELDS)))
     return errors, warnings

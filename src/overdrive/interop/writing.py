@@ -47,7 +47,7 @@ def deepspeed_json(cfg: RunConfig, batch_auto: bool = False, hidden_size: Option
     TRAINER_OWNED `"auto"`: the values reach the Trainer's TrainingArguments instead (or, for
     a bare `Accelerator()`, Accelerate's environment), so the two cannot disagree.
     """
-    from overdrive.interop import deepspeed_config
+    from overdrive.strategies import deepspeed_config
 
     if not registry.of(cfg).deepspeed_config:
         raise UserError(Problem("parallel.strategy", f"is {cfg.parallel.strategy}: there is no DeepSpeed config to write",

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from overdrive.config import SECRETS_VARIABLE
+from overdrive.resolving import SECRETS_VARIABLE
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 from overdrive.launch import membership
@@ -110,7 +110,7 @@ def secret_variables(resolved: Any) -> tuple[SecretVariable, ...]:
 def resolve_for_cluster(files: Sequence[str], cli: Sequence[str], accelerate_default: bool = True) -> Any:
     """The config for a job whose cluster supplies the rendezvous address (each machine learns
     it from the cluster): launch.main_process_ip is not asked for unless given."""
-    from overdrive.config import resolve
+    from overdrive.resolving import resolve
 
     given = any(item.split("=", 1)[0] in ("launch.main_process_ip", "main_process_ip") for item in cli)
     supplied = [] if given else [f"launch.main_process_ip={CLUSTER_ADDRESS}"]

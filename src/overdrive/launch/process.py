@@ -92,7 +92,7 @@ def secrets_env(cfg: RunConfig) -> dict[str, str]:
     them masked, and a credential belongs in a process's environment, not in a file."""
     import json
 
-    from overdrive.config import SECRETS_VARIABLE, Resolved
+    from overdrive.resolving import SECRETS_VARIABLE, Resolved
 
     secrets = Resolved(config=cfg, origins={}).secret_values()
     return {SECRETS_VARIABLE: json.dumps(secrets)} if secrets else {}

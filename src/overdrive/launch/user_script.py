@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from overdrive.config.schema import RunConfig
 from overdrive.launch.process import secrets_env, STRIPPED_PREFIXES, process_env
-from overdrive.launch.workers import check, local_port, resolved_path, run_agent, torchrun_args
+from overdrive.launch.workers import agent_command, check, local_port, resolved_path, run_agent, worker_command
 from overdrive.strategies import registry
 
 
@@ -48,7 +48,7 @@ def user_script_env(cfg: RunConfig, files_dir: Path) -> dict[str, str]:
     # script_values.py); for a bare Accelerator(), Accelerate fills it from the variables set
     # below and from the script's DataLoader. Bucket sizes come from the configured model,
     # since the script's model may have no `config` to fill them.
-    from overdrive.interop.deepspeed_config import hidden_size_of
+    from overdrive.strategies.deepspeed_config import hidden_size_of
 
     hidden = hidden_size_of(cfg) if ds_path else None
     export.write(cfg, acc_path, ds_path, batch_auto=True, hidden_size=hidden, trainer_owned_auto=True)
@@ -94,9 +94,7 @@ def launch_script(resolved: Any, script: str, script_args: Sequence[str]) -> int
     env.update(secrets_env(cfg))  # the resolved file below holds them masked
     path = files_dir / resolved_path(cfg).name
     path.write_text(resolved.to_json())
-    command = [sys.executable, "-m", "overdrive.launch.elastic", *torchrun_args(cfg),
-               "-m", "overdrive.cli", "launch", "--worker", str(path), script, *script_args]
-    return run_agent(command, env)
+    return run_agent(agent_command(cfg, worker_command("launch", path, script, *script_args)), env)
 
 
 def run_user_script(resolved_file: str, script: str, script_args: Sequence[str]) -> int:
@@ -109,7 +107,7 @@ def run_user_script(resolved_file: str, script: str, script_args: Sequence[str])
     """
     import runpy
 
-    from overdrive.config import Resolved
+    from overdrive.resolving import Resolved
     from overdrive.errors import UserError
     from overdrive.launch import lifetime, script_values
     from overdrive.strategies import cpu

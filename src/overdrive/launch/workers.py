@@ -1,10 +1,13 @@
-"""Starting the workers: torch.distributed.run (the elastic agent), many machines, user
-scripts. The same run as other launchers' command lines and an sbatch script: launch_lines.py.
+"""The launcher/worker table: which entry each rank runs, the command line that re-enters it,
+and starting the ranks under torch.distributed.run (the elastic agent). The one place that
+builds a worker's command; the same run as other launchers' command lines: lines.py, job.py.
 
-`overdrive train` with `launch.num_processes > 1` calls `launch_workers(resolved)`: the
-resolved config is written to `<output_dir>/resolved.json`, and the elastic agent starts
-`python -m overdrive.cli train --resolved <file>` on every local rank, so every rank runs
-exactly the same values and nothing is re-resolved in a different environment.
+    run_on_ranks(resolved, "train", here=train)   # under the agent when the config needs it, else here
+
+A command that runs on the ranks (train, preflight, profile, a tuner's or sweep's trial) calls
+`run_on_ranks`: the resolved config is written once to `<output_dir>/resolved.json`, and the
+agent starts `python -m overdrive.cli <entry> --resolved <file>` on every local rank, so every
+rank runs exactly the same values and nothing is re-resolved in a different environment.
 
 This module (with config/) is the only place that reads or writes os.environ: it decides
 what each worker's environment holds.
@@ -18,14 +21,14 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from overdrive import strategies
 from overdrive.config.schema import RunConfig
-from overdrive.config.validate import launch_rules  # the same rules `overdrive explain` applies
+from overdrive.resolving.validate import launch_rules  # the same rules `overdrive explain` applies
 from overdrive.errors import Problem, UserError
 from overdrive.launch import lifetime, membership
-from overdrive.launch.process import free_port, local_processes, secrets_env, worker_environment
+from overdrive.launch.process import free_port, local_processes, needs_launcher, secrets_env, worker_environment
 
 
 # --------------------------------------------------------------------------- checks
@@ -83,8 +86,34 @@ def torchrun_args(cfg: RunConfig, rendezvous: Optional[str] = None, regrouping: 
     return args
 
 
+# The commands a rank re-enters with `--resolved` (cli.py's names), and `launch`: a user's script.
+ENTRIES = ("train", "preflight", "profile", "launch")
+
+
+def worker_command(entry: str, resolved_path: str | Path, *args: str) -> list[str]:
+    """The interpreter arguments a rank runs: `entry` of overdrive's CLI on the resolved file."""
+    if entry not in ENTRIES:
+        raise ValueError(f"no worker entry {entry!r}: one of {', '.join(ENTRIES)}")
+    handed = ["--worker" if entry == "launch" else "--resolved", str(resolved_path)]
+    return ["-m", "overdrive.cli", entry, *handed, *args]
+
+
 def train_worker(resolved_path: str | Path) -> list[str]:
-    return ["-m", "overdrive.cli", "train", "--resolved", str(resolved_path)]
+    return worker_command("train", resolved_path)
+
+
+def agent_command(cfg: RunConfig, worker: Sequence[str], regrouping: bool = False) -> list[str]:
+    """overdrive.launch.elastic (torch.distributed.run ending with one line naming a failed rank)
+    starting `worker` on this machine's ranks."""
+    return [sys.executable, "-m", "overdrive.launch.elastic", *torchrun_args(cfg, regrouping=regrouping), *worker]
+
+
+def run_on_ranks(resolved: Any, entry: str, here: Callable[[Any], int], *args: str) -> int:
+    """Run `entry` for `resolved`: on every rank under the agent when the config needs a launcher
+    (several processes, or the GPUs in launch.gpu_ids), else `here(resolved)` in this process."""
+    if needs_launcher(resolved.config):
+        return int(launch_workers(resolved, worker=worker_command(entry, resolved_path(resolved.config), *args)) or 0)
+    return int(here(resolved) or 0)
 
 
 def resolved_path(cfg: RunConfig) -> Path:
@@ -118,9 +147,7 @@ def launch_workers(resolved: Any, worker: Optional[Sequence[str]] = None,
     allowed = membership.regroups_allowed(cfg)
     regrouping = False
     for attempt in range(allowed + 1):
-        # overdrive.launch.elastic is torch.distributed.run ending with one line naming a failed rank.
-        command = [sys.executable, "-m", "overdrive.launch.elastic", *torchrun_args(local_port(once), regrouping=regrouping),
-                   *(worker if worker is not None else train_worker(path))]
+        command = agent_command(local_port(once), worker if worker is not None else train_worker(path), regrouping)
         code, hang = watched(cfg, lambda: run_agent(command, env))
         if hang:
             code = code if code >= 128 else 1

@@ -13,65 +13,8 @@ plan.py (the run's batch and step arithmetic).
 Only shape.py, formulas.py and activations.py are imported here; they are pure arithmetic.
 """
 
-from __future__ import annotations
-
-from dataclasses import dataclass
-
-from overdrive.memory.activations import Activations, estimate_activations
-from overdrive.memory.adapter import model_state_row as adapter_row
-from overdrive.memory.formulas import STRATEGIES, Row, model_state_row, uses_autocast, zero_paper_bytes
-from overdrive.memory.shape import ModelShape, Setup, tp_slice
-
-__all__ = ["Estimate", "ModelShape", "OOM_MARKS", "Row", "STRATEGIES", "Setup", "estimate", "estimate_row",
-           "mentions_out_of_memory", "zero_paper_bytes"]
-
-# How running out of memory reads in an error or a log: CUDA's and torch's messages, the
-# CPU allocator's, glibc's "Cannot allocate memory", and cuBLAS/cuDNN, which report a failed
-# workspace allocation as a status rather than as torch's OutOfMemoryError.
-OOM_MARKS = ("out of memory", "outofmemoryerror", "can't allocate memory", "cannot allocate memory",
-             "defaultcpuallocator", "cublas_status_alloc_failed", "cudnn_status_alloc_failed")
-
-
-def mentions_out_of_memory(text: str) -> bool:
-    lowered = text.lower()
-    return any(mark in lowered for mark in OOM_MARKS)
-
-
-@dataclass
-class Estimate:
-    shape: ModelShape
-    setup: Setup
-    rows: list[Row]
-
-    def row(self, strategy: str) -> Row:
-        return next(r for r in self.rows if r.strategy == strategy)
-
-
-def estimate_row(strategy: str, shape: ModelShape, setup: Setup) -> Row:
-    """Model states, buffers and activations of one strategy (of one tensor-parallel slice)."""
-    sliced = tp_slice(shape, setup.tp)
-    if setup.adapter is None:
-        row = model_state_row(strategy, sliced, setup)
-    else:  # LoRA/QLoRA: gradients and optimizer states for the adapter only (adapter.py)
-        row = adapter_row(strategy, sliced, setup, setup.adapter)
-    act: Activations = estimate_activations(shape, setup, uses_autocast(strategy, setup))
-    row.activations_full_bytes = act.peak
-    row.activations_checkpointed_bytes = act.peak_checkpointed
-    row.activations_saved_bytes = act.saved_checkpointed if setup.checkpointing else act.saved
-    if setup.checkpointing:
-        row.add("activations_bytes", "layer inputs kept by checkpointing", act.layers * act.layer_input)
-        row.add("activations_bytes", "one layer recomputed in backward", act.layer)
-    else:
-        row.add("activations_bytes", f"{act.layers} layers' saved tensors ({act.kernel} attention)",
-                act.layers * act.layer)
-    row.add("activations_bytes", "embedding dropout mask, position ids", act.embeddings)
-    row.add("activations_bytes", "final norm, LM-head input, fp32 log-softmax, labels", act.head)
-    row.add("activations_bytes", "logits held until backward", act.logits)
-    row.add("activations_bytes", "fp32 loss gradients at the start of backward", act.loss_backward)
-    return row
-
-
-def estimate(shape: ModelShape, setup: Setup, strategies: tuple[str, ...] = STRATEGIES) -> Estimate:
-    if setup.devices < 1 or setup.micro_batch < 1 or setup.seq_len < 1:
-        raise ValueError("devices, micro_batch and seq_len must be positive")
-    return Estimate(shape, setup, [estimate_row(name, shape, setup) for name in strategies])
+from overdrive.memory.estimator import (  # noqa: F401  (the package's names)
+    Activations, Estimate, ModelShape, OOM_MARKS, Row, STRATEGIES, Setup, adapter_row, estimate,
+    estimate_activations, estimate_row, mentions_out_of_memory, model_state_row, tp_slice, uses_autocast,
+    zero_paper_bytes,
+)

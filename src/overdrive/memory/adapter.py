@@ -48,18 +48,18 @@ class AdapterShape:
         return self.quantized * (self.bits / 8 + constants)
 
 
-def adapter_shape(model, peft, base_bytes: int = 4) -> AdapterShape:
+def adapter_shape(model, peft, base_bytes: int = 4, task: str = "causal-lm") -> AdapterShape:
     """PEFT applied to `model` (on the meta device): the trainable count, and what qlora quantizes
     (every linear layer but the output head, as Transformers' bitsandbytes integration does)."""
     import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
+
+    from overdrive.hf.lora import lora_config
 
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     linear = [m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not out]
     quantized = sum(linear) if peft.method == "qlora" else 0
-    config = LoraConfig(r=peft.r, target_modules=peft.target_modules if isinstance(peft.target_modules, str)
-                        else list(peft.target_modules), modules_to_save=list(peft.modules_to_save) or None,
-                        use_dora=peft.use_dora, task_type="CAUSAL_LM")
+    config = lora_config(peft, task)
     import warnings
 
     with warnings.catch_warnings():  # PEFT asks a deprecated Transformers property on the way

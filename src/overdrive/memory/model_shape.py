@@ -47,7 +47,7 @@ def _quiet_transformers() -> Iterator[None]:
 
 def load_run_config(path: Optional[str], cli: list[str] = ()):
     """A RunConfig from files and key=value items, through the layered resolver."""
-    from overdrive.config import resolve
+    from overdrive.resolving import resolve
 
     return resolve(files=[path] if path else [], cli=list(cli)).config
 

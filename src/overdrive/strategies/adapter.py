@@ -1,4 +1,4 @@
-"""What each strategy needs of an adapter run (LoRA, QLoRA): asked by config/validate_peft.py,
+"""What each strategy needs of an adapter run (LoRA, QLoRA): asked by resolving/validate_peft.py,
 training/adapter.py and checkpoint/adapter_state.py.
 
 - FSDP puts a block's tensors into one unit: FSDP2 shards each tensor on its own, so frozen and

@@ -1,4 +1,4 @@
-"""`parallel.deepspeed.*` -> the DeepSpeed config dict (interop/deepspeed_config.py) -> DeepSpeedPlugin.
+"""`parallel.deepspeed.*` -> the DeepSpeed config dict (strategies/deepspeed_config.py) -> DeepSpeedPlugin.
 
 The optimizer: overdrive hands DeepSpeed a client optimizer (built by the trainer from
 `optim.*`, the same parameter groups and schedule as under DDP and FSDP) and writes no
@@ -16,7 +16,7 @@ import functools
 from typing import Any
 
 from overdrive.config.schema import RunConfig
-from overdrive.interop.deepspeed_config import ds_config
+from overdrive.strategies.deepspeed_config import ds_config
 from overdrive.strategies import common
 
 

@@ -19,67 +19,19 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from overdrive.errors import Problem
-from overdrive.strategies.registry import _get, of
+from overdrive.config import mesh
+from overdrive.config.mesh import KEYS, MESH_ORDER, Layout  # noqa: F401  (asked for here by the rest)
+from overdrive.config.keys import dotted_value as _get
+from overdrive.strategies.registry import of
 
-# Accelerate's canonical mesh order (ParallelismConfig._get_mesh): outermost first. Ranks
-# next to each other share the innermost axis, so TP stays within a machine.
-MESH_ORDER = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
-KEYS = {"dp_replicate": "parallel.dp_replicate_size", "dp_shard": "parallel.dp_shard_size",
-        "tp": "parallel.tp_size", "cp": "parallel.cp_size", "sp": "parallel.sp_size"}
-
-
-@dataclass(frozen=True)
-class Layout:
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    cp: int = 1
-    sp: int = 1
-
-    @property
-    def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.cp * self.sp
-
-    @property
-    def model_parallel(self) -> int:
-        """Ranks that share one batch (Accelerate's non_data_parallel_size): tp x cp x sp."""
-        return self.tp * self.cp * self.sp
-
-    @property
-    def data_parallel(self) -> int:
-        """Ranks that see different batches: the data-parallel degree of the batch split."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def mesh(self) -> tuple[tuple[str, int], ...]:
-        """The device mesh's axes (name, size) larger than one, in Accelerate's order."""
-        return tuple((name, getattr(self, name)) for name in MESH_ORDER if getattr(self, name) > 1)
-
-    @property
-    def is_nd(self) -> bool:
-        """True when Accelerate needs a ParallelismConfig: anything beyond one data-parallel axis."""
-        return self.model_parallel > 1 or (self.dp_replicate > 1 and self.dp_shard > 1)
-
-    def describe(self) -> str:
-        return " x ".join(f"{name} {size}" for name, size in self.mesh) or "one rank"
+def layout(cfg: Any, world: Optional[int] = None) -> Layout:
+    """The layout a run config asks for on `world` ranks (config/mesh.py's arithmetic): the rest
+    of the world is sharded under a strategy that shards parameters, replicated under ddp."""
+    return mesh.layout(cfg, world, shard_the_rest=of(cfg).name != "ddp")
 
 
 def _world(cfg: Any, world: Optional[int]) -> int:
-    return int(world or _get(cfg, "launch.num_processes"))
-
-
-def layout(cfg: Any, world: Optional[int] = None) -> Layout:
-    """The layout a run config (RunConfig or its JSON dump) asks for on `world` ranks. The rest
-    of the world (world / the axes given) is the data-parallel degree: sharded under fsdp
-    (dp_shard_size left empty), replicated otherwise."""
-    p = lambda key: _get(cfg, f"parallel.{key}")  # noqa: E731
-    world = _world(cfg, world)
-    tp, cp, sp, replicate = int(p("tp_size")), int(p("cp_size")), int(p("sp_size")), int(p("dp_replicate_size"))
-    shard = p("dp_shard_size")
-    rest = max(world // max(tp * cp * sp * replicate, 1), 1)
-    if of(cfg).name == "ddp" and shard is None:
-        return Layout(dp_replicate=replicate * rest, dp_shard=1, tp=tp, cp=cp, sp=sp)
-    return Layout(dp_replicate=replicate, dp_shard=int(shard) if shard is not None else rest, tp=tp, cp=cp, sp=sp)
+    return mesh.world_of(cfg, world)
 
 
 def summary(cfg: Any, world: Optional[int] = None) -> dict[str, Any]:

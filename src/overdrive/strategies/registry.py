@@ -14,13 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
+from overdrive.config.keys import dotted_value as _get
 from overdrive.strategies import settings
-
-
-def _get(tree: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        tree = tree[part] if isinstance(tree, Mapping) else getattr(tree, part)
-    return tree
 
 
 @dataclass(frozen=True)
@@ -55,7 +50,7 @@ class Strategy:
     engine_steps_optimizer: bool
     # A file of its own that `accelerate launch` reads beside the Accelerate YAML.
     native_file: Optional[str]
-    # The run hands DeepSpeed a config dict (interop/deepspeed_config.py), checked before launch.
+    # The run hands DeepSpeed a config dict (strategies/deepspeed_config.py), checked before launch.
     deepspeed_config: bool
     _sharding: Callable[[Any], Sharding]
     _holds_whole_model: Callable[[Any], bool]

@@ -1,6 +1,6 @@
 """Each strategy's own rules for its settings section: what its keys may not combine to.
 
-`registry.of(cfg).setting_problems(cfg, where)` asks them; config/validate.py gathers them
+`registry.of(cfg).setting_problems(cfg, where)` asks them; resolving/validate.py gathers them
 with the other cross-field rules. `where(key)` says where a key's value was set. Pure: no
 torch, no accelerate.
 """

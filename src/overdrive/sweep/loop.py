@@ -153,7 +153,7 @@ def study_trial(trial):
 
 def trial_config(job: Job, trial, directory: Path):
     """The trial's Resolved: the sweep's sources, and its values as a `sweep` layer above them."""
-    from overdrive.config import resolve
+    from overdrive.resolving import resolve
 
     retry_of = study_trial(trial).system_attrs.get("failed_trial")
     header = trial_layer.trial_header(trial.number, studies.study_name(job.config), retry_of)

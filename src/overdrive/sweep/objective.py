@@ -59,7 +59,7 @@ def objective(*files: str, space: Callable[[Any], dict[str, Any]], metric: str =
     """An Optuna objective: `space(trial)` gives {dotted key: value}, applied with
     `load_config(*files, overrides=...)`; each trial trains in `<output_dir>/trial-NNNN`,
     reports the metric for pruning and returns its last value."""
-    from overdrive.config import load_config
+    from overdrive.resolving import load_config
 
     base = output_dir or load_config(*files, cli=cli).output_dir
 

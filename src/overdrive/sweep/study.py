@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from overdrive.config.provenance import where
 from overdrive.config.schema import RunConfig
 from overdrive.config.sweep_space import SpaceEntry
 from overdrive.errors import Problem, UserError
@@ -194,7 +195,7 @@ def open_study(cfg: RunConfig, entries: list[SpaceEntry], storage, chains=None):
             key = f"sweep.{field}"
             raise UserError(Problem(key, f"study {name!r} in {storage_url_shown(cfg)} was started with {field} "
                                     f"{recorded.get(field)!r}; this config has {mine[field]!r}",
-                                    _where(chains, key),
+                                    where(chains, key),
                                     f"keep {key} as the study has it to continue it, or set sweep.study_name to start another"))
     return study
 
@@ -203,11 +204,6 @@ def storage_url_shown(cfg: RunConfig) -> str:
     from overdrive.config.redact import redact_text
 
     return redact_text(storage_url(cfg))
-
-
-def _where(chains, key: str) -> str:
-    chain = (chains or {}).get(key)
-    return str(chain[-1].origin) if chain else ""
 
 
 # ------------------------------------------------------------------ counting and claiming

@@ -17,9 +17,8 @@ import difflib
 from typing import Any, Optional
 
 from overdrive.errors import Problem, UserError
+from overdrive.hf import lora
 from overdrive.strategies import adapter as strategy_adapter
-
-_TASK_TYPES = {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS"}
 
 
 def enabled(cfg) -> bool:
@@ -44,14 +43,7 @@ def quantization(cfg):
 
 def lora_config(cfg, task: Optional[str] = None):
     """PEFT's LoraConfig for this run (also what `overdrive export --peft` writes)."""
-    from peft import LoraConfig
-
-    p = cfg.peft
-    return LoraConfig(
-        r=p.r, lora_alpha=p.alpha, lora_dropout=p.dropout,
-        target_modules=p.target_modules if isinstance(p.target_modules, str) else list(p.target_modules),
-        modules_to_save=list(p.modules_to_save) or None, use_dora=p.use_dora, use_rslora=p.use_rslora,
-        task_type=_TASK_TYPES[task or cfg.model.task], bias="none")
+    return lora.lora_config(cfg.peft, task or cfg.model.task)
 
 
 def _module_names(model) -> tuple[list[str], list[str]]:

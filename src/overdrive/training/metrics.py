@@ -19,9 +19,6 @@ from typing import Any, Mapping, Optional
 from overdrive.storage.faults import writing
 
 FILE_NAME = "metrics.jsonl"
-# The numeric fields a run writes that a sweep may judge it by (`sweep.metric`).
-KNOWN_FIELDS = ("eval_loss", "eval_perplexity", "eval_accuracy", "loss", "tokens_per_s", "mfu", "peak_memory_mb",
-                "grad_norm", "elapsed_s")
 
 
 def path_in(output_dir: str | Path) -> Path:

@@ -24,7 +24,8 @@ from typing import Any, Callable
 
 from overdrive.checkpoint.resume import ResumePlan, judge_resume, resume_plan, with_plan  # noqa: F401 (judge_resume: the launcher's)
 import overdrive.config.batch as batch
-from overdrive.config import Origin, Resolved
+from overdrive.config import Origin
+from overdrive.resolving import Resolved
 from overdrive.config.schema import RunConfig
 
 

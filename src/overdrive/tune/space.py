@@ -222,7 +222,7 @@ def _baseline_strategy(cfg: RunConfig) -> Option:
 
 
 def _refuses_optimizer(cfg: RunConfig, option: Option) -> bool:
-    from overdrive.config.recipe_rules import optimizer_problems
+    from overdrive.resolving.recipe_rules import optimizer_problems
 
     found = optimizer_problems(apply(cfg, dict(option.values)), lambda key: "")
     return any(problem.key == "optim.name" for problem in found)

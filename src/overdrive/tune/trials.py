@@ -160,18 +160,20 @@ class Outcome:
 
 def run_resolved(path: str) -> int:
     """Train a resolved config file exactly as `overdrive train` does (the trial entry point)."""
-    from overdrive.config import Resolved
-    from overdrive.errors import run_reporting_errors
+    from overdrive.resolving import Resolved
+    from overdrive.boundary import run_reporting_errors
 
     resolved = Resolved.from_json(Path(path).read_text())
     return run_reporting_errors(_train, resolved)
 
 
 def _train(resolved) -> int:
-    if resolved.config.launch.num_processes > 1:
-        from overdrive.launch.workers import launch_workers
+    from overdrive.launch.workers import run_on_ranks
 
-        return int(launch_workers(resolved) or 0)
+    return run_on_ranks(resolved, "train", _train_here)
+
+
+def _train_here(resolved) -> int:
     from overdrive.training.loop import train
 
     result = train(resolved)
@@ -183,7 +185,7 @@ def _train(resolved) -> int:
 def prepare_data(path: str) -> int:
     """Build the tokenizer and the token cache once, before any trial is timed."""
     from overdrive import data
-    from overdrive.config import Resolved
+    from overdrive.resolving import Resolved
     from overdrive.training.tokenizer import build_tokenizer
 
     cfg = Resolved.from_json(Path(path).read_text()).config

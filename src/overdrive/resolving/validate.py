@@ -9,28 +9,21 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from overdrive.config import batch, recipe_rules
+from overdrive.config import batch
 from overdrive.config.keys import coerce
-from overdrive.config.layers import Setting
+from overdrive.config.provenance import Setting, set_by_user, where
 from overdrive.config.redact import shown
 from overdrive.config.schema import RunConfig
 from overdrive.config.sweep_space import sweep_rules
 from overdrive.errors import Problem
+from overdrive.resolving import recipe_rules
 from overdrive.strategies import registry
 
 Chains = Mapping[str, list[Setting]]
 
 
 def _where(chains: Chains | None, key: str) -> str:
-    if chains is None:  # a resolved config checked again: its origins are not at hand
-        return ""
-    chain = chains.get(key)
-    return str(chain[-1].origin) if chain else "default"
-
-
-def _set_explicitly(chains: Chains, key: str) -> bool:
-    chain = chains.get(key)
-    return bool(chain) and chain[-1].origin.layer != "default"
+    return where(chains, key, unset="default")
 
 
 def deepspeed_contradictions(chains: Chains) -> list[Problem]:
@@ -56,7 +49,7 @@ def strategy_rules(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[
         if other is strategy or not other.section:
             continue
         name = other.name
-        stray = sorted(k for k in chains if other.owns(k) and _set_explicitly(chains, k)
+        stray = sorted(k for k in chains if other.owns(k) and set_by_user(chains, k)
                        and not k.startswith("parallel.deepspeed.extra"))
         if stray:
             warnings.append(Problem(stray[0], f"has no effect: parallel.strategy is {cfg.parallel.strategy} "
@@ -135,7 +128,7 @@ def deepspeed_dict_problems(cfg: RunConfig) -> list[Problem]:
     if not registry.of(cfg).deepspeed_config or cfg.training.micro_batch_size == "auto":
         # `auto` is resolved to integers before the plugin is built, and the dict checked then.
         return []
-    from overdrive.interop.deepspeed_config import ds_config  # pure dict work: no torch, no deepspeed
+    from overdrive.strategies.deepspeed_config import ds_config  # pure dict work: no torch, no deepspeed
 
     found: list[Problem] = []
     ds_config(cfg, batch.data_parallel_degree(cfg), problems=found, find_hidden_size=False)
@@ -165,10 +158,10 @@ def check(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]
 
 
 def _peft_rules(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]:
-    from overdrive.config.validate_peft import peft_rules
+    from overdrive.resolving.validate_peft import peft_rules
     from overdrive.strategies.cpu import on_cpu
 
-    explicit = {key: _set_explicitly(chains, key) for key in chains if key.startswith(("peft.", "data.", "tokenizer."))}
+    explicit = {key: set_by_user(chains, key) for key in chains if key.startswith(("peft.", "data.", "tokenizer."))}
     return peft_rules(cfg, lambda key: _where(chains, key), explicit, lambda: on_cpu(cfg))  # asks torch: qlora only
 
 

@@ -1,0 +1,83 @@
+"""The N-D layout as arithmetic: how `launch.num_processes` ranks split into data-parallel
+replicas and shards, tensor, context and sequence parallel groups (after torchtitan's
+ParallelDims). The one place the degrees are worked out, the data-parallel degree of the batch
+split included; strategies/layout.py adds the rules and Accelerate's objects.
+
+    lay = layout(cfg)                  # Layout(dp_replicate=2, dp_shard=2, tp=1, cp=1, sp=1)
+    lay.data_parallel                  # dp_replicate x dp_shard = world / (tp x cp x sp)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from overdrive.config.keys import dotted_value
+
+# Accelerate's canonical mesh order (ParallelismConfig._get_mesh): outermost first. Ranks
+# next to each other share the innermost axis, so TP stays within a machine.
+MESH_ORDER = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
+KEYS = {"dp_replicate": "parallel.dp_replicate_size", "dp_shard": "parallel.dp_shard_size",
+        "tp": "parallel.tp_size", "cp": "parallel.cp_size", "sp": "parallel.sp_size"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    cp: int = 1
+    sp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.cp * self.sp
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks that share one batch (Accelerate's non_data_parallel_size): tp x cp x sp."""
+        return self.tp * self.cp * self.sp
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that see different batches: the data-parallel degree of the batch split."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def mesh(self) -> tuple[tuple[str, int], ...]:
+        """The device mesh's axes (name, size) larger than one, in Accelerate's order."""
+        return tuple((name, getattr(self, name)) for name in MESH_ORDER if getattr(self, name) > 1)
+
+    @property
+    def is_nd(self) -> bool:
+        """True when Accelerate needs a ParallelismConfig: anything beyond one data-parallel axis."""
+        return self.model_parallel > 1 or (self.dp_replicate > 1 and self.dp_shard > 1)
+
+    def describe(self) -> str:
+        return " x ".join(f"{name} {size}" for name, size in self.mesh) or "one rank"
+
+
+def world_of(cfg: Any, world: Optional[int] = None) -> int:
+    return int(world or dotted_value(cfg, "launch.num_processes"))
+
+
+def _parallel(cfg: Any, key: str) -> Any:
+    """A `parallel.*` size; a checkpoint's saved config from before an axis existed has none."""
+    if isinstance(cfg, Mapping):
+        return (cfg.get("parallel") or {}).get(key, None if key == "dp_shard_size" else 1)
+    return dotted_value(cfg, f"parallel.{key}")
+
+
+def layout(cfg: Any, world: Optional[int] = None, shard_the_rest: bool = False) -> Layout:
+    """The layout a run config (RunConfig or its JSON dump) asks for on `world` ranks. The rest
+    of the world (world / the axes given) is data parallel: sharded when `shard_the_rest` (the
+    strategy shards parameters and dp_shard_size is left empty), replicated otherwise. The
+    data-parallel degree is the same either way."""
+    world = world_of(cfg, world)
+    tp, cp, sp = (int(_parallel(cfg, key) or 1) for key in ("tp_size", "cp_size", "sp_size"))
+    replicate = int(_parallel(cfg, "dp_replicate_size") or 1)
+    shard = _parallel(cfg, "dp_shard_size")
+    rest = max(world // max(tp * cp * sp * replicate, 1), 1)
+    if not shard_the_rest and shard is None:
+        return Layout(dp_replicate=replicate * rest, dp_shard=1, tp=tp, cp=cp, sp=sp)
+    return Layout(dp_replicate=replicate, dp_shard=int(shard) if shard is not None else rest, tp=tp, cp=cp, sp=sp)

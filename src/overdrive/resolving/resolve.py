@@ -1,0 +1,102 @@
+"""Resolve a run config from its six layers, with the provenance of every value.
+
+    resolved = resolve(["run.yaml"], cli=["lr=3e-4"])   # Resolved: config + origins + chains
+    cfg = load_config("run.yaml", overrides={"precision.mixed_precision": "bf16"})  # RunConfig
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from pydantic import ValidationError
+
+from overdrive.config import batch
+from overdrive.config.schema import RunConfig
+from overdrive.errors import Problem, UserError
+from overdrive.resolving import layers, validate
+from overdrive.resolving.problems import pydantic_problems
+from overdrive.resolving.resolved import Resolved
+
+def accelerate_default_path(environ: Mapping[str, str] | None = None) -> Path:
+    """Where `accelerate config` writes its default: $HF_HOME/accelerate/default_config.yaml."""
+    environ = os.environ if environ is None else environ
+    hf_home = environ.get("HF_HOME") or os.path.join(
+        environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
+    return Path(hf_home) / "accelerate" / "default_config.yaml"
+
+
+def resolve(
+    files: Sequence[str | Path] = (),
+    cli: Sequence[str] = (),
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    accelerate_default: bool | str | Path = True,
+    above: Sequence[str | Path] = (),
+) -> Resolved:
+    """Resolve every layer, validate, and return the config with provenance.
+
+    `above`: files applied over every layer, overrides included (a sweep trial's values:
+    `overdrive sweep` writes them, labelled with their own `layer:`).
+
+    Raises UserError listing every problem found (unknown keys, types, ranges, cross-field
+    and world-size rules). Hardware checks are separate: see `check_for_train`.
+    """
+    environ = os.environ if env is None else env
+    if accelerate_default is True:
+        default_path: Path | None = accelerate_default_path(environ)
+    elif accelerate_default:
+        default_path = Path(accelerate_default)
+    else:
+        default_path = None
+    outputs = [layers.defaults_layer(), layers.accelerate_default_layer(default_path)]
+    outputs += [layers.file_layer(path) for path in files]
+    outputs += [layers.env_layer(environ), layers.cli_layer(cli), layers.overrides_layer(overrides)]
+    outputs += [layers.file_layer(path) for path in above]
+
+    errors = [problem for output in outputs for problem in output.errors]
+    warnings = [problem for output in outputs for problem in output.warnings]
+    chains = layers.merge(outputs)
+    try:
+        config = RunConfig.model_validate(layers.nest(chains))
+    except ValidationError as error:
+        type_errors = pydantic_problems(error, chains)
+        # Still run the cross-field rules, on the config minus the bad values, so one run
+        # reports every problem rather than making the user fix them one by one.
+        bad = {problem.key for problem in type_errors}
+        usable = {key: chain for key, chain in chains.items() if key not in bad}
+        try:
+            partial = RunConfig.model_validate(layers.nest(usable))
+            errors += validate.check(partial, usable)[0]
+        except ValidationError:
+            pass
+        raise UserError(errors + type_errors) from None
+    config, derived = batch.settle(config, chains)  # the batch split, settled once here
+    rule_errors, rule_warnings = validate.check(config, chains)
+    errors += rule_errors
+    if errors:
+        raise UserError(errors)
+    origins = {key: chain[-1].origin for key, chain in chains.items()}
+    if derived is not None:
+        origins[batch.ACCUMULATION] = derived
+    return Resolved(config=config, origins=origins, chains=chains, warnings=warnings + rule_warnings)
+
+
+def load_config(*files: str | Path, overrides: Mapping[str, Any] | None = None, cli: Sequence[str] = (),
+                env: Mapping[str, str] | None = None) -> RunConfig:
+    """The resolved RunConfig for these files, command-line items and overrides."""
+    return resolve(files, cli=cli, overrides=overrides, env=env).config
+
+
+def hardware_warnings(resolved: Resolved, hardware=None) -> list[Problem]:
+    from overdrive.system import hardware as hw
+    return validate.hardware_problems(resolved.config, resolved.chains, hardware or hw.detect(light=True))
+
+
+def check_for_train(resolved: Resolved, hardware=None) -> None:
+    """Before training: what this machine lacks of what the config asks is an error."""
+    from overdrive.system import hardware as hw
+    problems = validate.hardware_problems(resolved.config, resolved.chains, hardware or hw.detect(light=False))
+    if problems:
+        raise UserError(problems, title="this machine cannot run the config as written")

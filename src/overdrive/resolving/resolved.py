@@ -1,0 +1,84 @@
+"""The resolved run: a validated RunConfig with the origin of every value, and its JSON form,
+the hand-off to workers and the record in output_dir (resolved.json)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from pydantic import ValidationError
+
+from overdrive.config.keys import flatten, set_dotted
+from overdrive.config.provenance import Origin, Setting
+from overdrive.config.schema import RunConfig
+from overdrive.errors import Problem, UserError
+from overdrive.resolving.problems import pydantic_problems
+
+@dataclass
+class Resolved:
+    """A validated run config and, per dotted key, where its value came from."""
+
+    config: RunConfig
+    origins: dict[str, Origin]
+    chains: dict[str, list[Setting]] = field(default_factory=dict)
+    warnings: list[Problem] = field(default_factory=list)
+    # The resume judged once, by whoever starts the run (training/settle.py): the checkpoint
+    # it resumes ({"checkpoint": path or None, "force": bool, "notes": [...]}), handed to
+    # the workers in the resolved file so they do not judge it again.
+    resume: dict[str, Any] | None = None
+
+    def to_json(self) -> str:
+        """The hand-off to workers and the record in output_dir: values and their origins,
+        secrets masked (a worker gets them from SECRETS_VARIABLE, see `secret_values`)."""
+        from overdrive.config.redact import redact, redact_text
+
+        data: dict[str, Any] = {
+            "config": redact(self.config.model_dump(mode="json")),
+            "origins": {key: redact_text(str(origin)) for key, origin in sorted(self.origins.items())},
+            "origin_records": {key: [o.layer, redact_text(str(o.source)), o.line] for key, o in sorted(self.origins.items())},
+        }
+        if self.resume is not None:
+            data["resume"] = self.resume
+        return json.dumps(data, indent=2)
+
+    def secret_values(self) -> dict[str, Any]:
+        """{dotted key: value} of what `to_json` masks: handed to workers in their environment."""
+        from overdrive.config.redact import redact
+
+        plain = flatten(self.config.model_dump(mode="json"))
+        masked = flatten(redact(self.config.model_dump(mode="json")))
+        return {key: value for key, value in plain.items() if masked.get(key) != value}
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "resolved config", environ: Mapping[str, str] | None = None) -> "Resolved":
+        """Read what `to_json` wrote; masked secrets come back from SECRETS_VARIABLE."""
+        from overdrive.config.sources import parse_text
+
+        data, _ = parse_text(text, where, json_first=True)
+        if not isinstance(data, dict) or not isinstance(data.get("config"), dict):
+            raise UserError(Problem("", "not a resolved config (no \"config\" mapping)", where,
+                                    "pass the resolved.json written by overdrive for this run"))
+        config = data["config"]
+        environ = os.environ if environ is None else environ
+        try:
+            secrets = json.loads(environ.get(SECRETS_VARIABLE) or "{}")
+        except ValueError:
+            secrets = {}
+        for key, value in (secrets if isinstance(secrets, dict) else {}).items():
+            set_dotted(config, key, value)
+        try:
+            config = RunConfig.model_validate(config)
+        except ValidationError as error:
+            raise UserError(pydantic_problems(error, {}), title=f"{where} is not a valid run config") from None
+        records = data.get("origin_records") or {}
+        try:
+            origins = {key: Origin(*record) for key, record in records.items()}
+        except TypeError:
+            origins = {}
+        return cls(config=config, origins=origins, resume=data.get("resume"))
+
+
+SECRETS_VARIABLE = "OVERDRIVE_SECRET_VALUES"
+
