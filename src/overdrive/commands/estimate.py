@@ -50,20 +50,12 @@ def _positive(name: str, value) -> None:
         raise UserError(Problem(name, f"must be at least 1 (got {value})"))
 
 
-def check_memory_sizes(args: argparse.Namespace) -> None:
-    """--gpu-memory / --host-memory: a finite, positive number of GiB (shared with `plan`)."""
-    import math
-
-    for name in ("--gpu-memory", "--host-memory"):
-        value = getattr(args, name[2:].replace("-", "_"), None)
-        if value is not None and (not math.isfinite(value) or value <= 0):
-            raise UserError(Problem(name, f"must be a positive number of GiB (got {value})", fix=f"e.g. {name} 80"))
-
-
 def build(args: argparse.Namespace):
     """(Estimate, Source) for the parsed arguments; shared with `plan`."""
     for name in ("--devices", "--micro-batch", "--seq-len", "--nodes", "--tp", "--cp", "--sp", "--dp-replicate"):
         _positive(name, getattr(args, name[2:].replace("-", "_"), None))
+    from overdrive.commands.arguments import check_memory_sizes
+
     check_memory_sizes(args)
     if args.overrides and not args.model.endswith((".yaml", ".yml")):
         raise UserError(Problem("", "key=value overrides apply to a run YAML only"))

@@ -10,29 +10,9 @@ from typing import Any
 from overdrive.errors import Problem, UserError
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """The config inputs every command that resolves a config takes."""
-    parser.add_argument("items", nargs="*", metavar="FILE|KEY=VALUE",
-                        help="config files (overdrive, Accelerate or DeepSpeed), then key=value overrides")
-    parser.add_argument("--no-accelerate-default", action="store_true",
-                        help="ignore Accelerate's default_config.yaml")
-
-
-def split_items(items: list[str]) -> tuple[list[str], list[str]]:
-    """Files and key=value items, as typed in any order."""
-    files = [item for item in items if "=" not in item]
-    cli = [item for item in items if "=" in item]
-    return files, cli
-
-
-def resolve_from_args(args: argparse.Namespace):
-    from overdrive.resolving import resolve
-
-    files, cli = split_items(args.items)
-    return resolve(files, cli=cli, accelerate_default=not args.no_accelerate_default)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from overdrive.commands.arguments import add_config_arguments
+
     add_config_arguments(parser)
     parser.add_argument("--key", help="show the whole chain for one dotted key (each layer's value, and which won)")
     parser.add_argument("--json", action="store_true", help='print {"config": ..., "origins": {dotted key: origin}}')
@@ -133,7 +113,9 @@ def _explain_training_arguments(resolved, as_json: bool) -> int:
 def run(args: argparse.Namespace) -> int:
     from overdrive.resolving import hardware_warnings
 
-    resolved = resolve_from_args(args)
+    from overdrive.commands.arguments import resolved_from
+
+    resolved = resolved_from(args, tell=False)  # shown with the rest of the explanation
     warnings = resolved.warnings + hardware_warnings(resolved)
     if args.key:
         return _explain_key(resolved, args.key)

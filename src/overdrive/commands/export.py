@@ -12,7 +12,7 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from overdrive.commands.explain import add_config_arguments
+    from overdrive.commands.arguments import add_config_arguments
 
     add_config_arguments(parser)
     parser.add_argument("--accelerate", metavar="FILE", help="write an Accelerate config (YAML) here")
@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from overdrive.interop import writing as export
-    from overdrive.commands.explain import resolve_from_args
+    from overdrive.commands.arguments import resolved_from
     import sys
     from pathlib import Path
 
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     if args.peft:
         args.peft = str(writable_target(args.peft, "--peft", directory=True))
         peft_file = str(output_file(Path(args.peft) / "adapter_config.json", "--peft", args.force))
-    cfg = resolve_from_args(args).config
+    cfg = resolved_from(args).config
     if args.accelerate or args.deepspeed:
         for path in export.write(cfg, args.accelerate, args.deepspeed, batch_auto=args.batch_auto):
             print(f"wrote {path}", file=sys.stderr)

@@ -22,7 +22,8 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.resolving import resolve
     import sys
 
-    from overdrive.config.redact import redact, redact_text
+    from overdrive.config.redact import redact
+    from overdrive.resolving.inputs import tell_warnings
     from overdrive.storage import faults
 
     if args.output:
@@ -30,8 +31,7 @@ def run(args: argparse.Namespace) -> int:
     # Only the files: neither Accelerate's default config nor this shell's variables.
     resolved = resolve(args.files, env={}, accelerate_default=False)
     # Messages to stderr: `overdrive import x > run.yaml` must leave a valid file.
-    for warning in resolved.warnings:
-        print(f"overdrive: warning: {redact_text(warning.render())}", file=sys.stderr)
+    tell_warnings(resolved.warnings)
     settings = redact(export.imported_settings(resolved))
     header = f"# overdrive run config imported from {', '.join(args.files)}\n"
     text = header + (yaml.safe_dump(settings, sort_keys=False) if settings else "{}\n")

@@ -7,7 +7,7 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from overdrive.commands.explain import add_config_arguments
+    from overdrive.commands.arguments import add_config_arguments
 
     add_config_arguments(parser)
     parser.add_argument("--kind", choices=("trainjob", "pytorchjob", "jobset"), default="trainjob",
@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from overdrive.commands.explain import split_items
+    from overdrive.resolving.inputs import split_items
     from overdrive.launch import job, k8s
 
     described = job.describe(job.resolve_for_cluster(*split_items(args.items), not args.no_accelerate_default), args.job_name, container=True)

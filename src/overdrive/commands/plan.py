@@ -18,26 +18,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
-def _split(args) -> tuple[str | None, list[str]]:
-    # `overdrive plan lr=3e-4` has no file: the first positional is then an override.
-    if args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
-        return None, [args.config, *args.overrides]
-    return args.config, list(args.overrides)
-
-
 def run(args: argparse.Namespace) -> int:
     from overdrive.memory import plan as arith
     from overdrive.memory import report
-    from overdrive.memory.model_shape import load_run_config, run_estimate, run_shape
+    from overdrive.memory.model_shape import run_estimate, run_shape
+    from overdrive.resolving.inputs import resolve_items, split_items
     from overdrive.training import metrics
 
-    from overdrive.commands.estimate import check_memory_sizes
-    from overdrive.commands.run_config import check_model_layout
+    from overdrive.commands.arguments import check_memory_sizes
+    from overdrive.training.preconditions import check_model_layout
     from overdrive.strategies import layout
 
     check_memory_sizes(args)
-    path, cli = _split(args)
-    cfg = load_run_config(path, cli)
+    items = [*([args.config] if args.config else []), *args.overrides]
+    cfg = resolve_items(items).config
+    path = next(iter(split_items(items)[0]), None)
     check_model_layout(cfg)  # heads and the tensor-parallel plan against tp_size / sp_size
     from overdrive import hub
 

@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from overdrive.commands.run_config import load_run as _load
+    from overdrive.commands.arguments import load_run as _load
 
     resolved, in_worker = _load(args)
     if in_worker:

@@ -7,14 +7,14 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from overdrive.commands.explain import add_config_arguments
+    from overdrive.commands.arguments import add_config_arguments
 
     add_config_arguments(parser)
     parser.add_argument("--job-name", default="overdrive", help="name of the task")
 
 
 def run(args: argparse.Namespace) -> int:
-    from overdrive.commands.explain import split_items
+    from overdrive.resolving.inputs import split_items
     from overdrive.launch import job, skypilot
 
     from overdrive.errors import UserError

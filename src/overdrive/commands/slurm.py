@@ -6,7 +6,7 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from overdrive.commands.explain import add_config_arguments
+    from overdrive.commands.arguments import add_config_arguments
 
     add_config_arguments(parser)
     parser.add_argument("-o", "--output", metavar="FILE", help="write the script here (default: stdout)")
@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.launch import workers as launch
 
     from overdrive.launch import lines as launch_lines
-    from overdrive.commands.explain import resolve_from_args
+    from overdrive.commands.arguments import resolved_from
     import re
 
     from overdrive.errors import Problem, UserError
@@ -33,11 +33,11 @@ def run(args: argparse.Namespace) -> int:
                                 fix="use letters, digits, '.', '_' and '-' only (at most 128 characters)"))
     if args.output:
         args.output = str(faults.output_file(args.output, "--output", args.force))
-    resolved = resolve_from_args(args)
+    resolved = resolved_from(args)
     from overdrive.strategies.cpu import target_gpus
 
     launch.check(resolved.config, gpus=target_gpus(resolved.config))  # the cluster's machines, not this one
-    from overdrive.commands.run_config import check_model_layout
+    from overdrive.training.preconditions import check_model_layout
 
     check_model_layout(resolved.config)  # the job is `overdrive train`: what its loop cannot do is refused here
     script = launch_lines.sbatch_script(resolved, args.job_name)

@@ -14,7 +14,7 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from overdrive.commands.explain import add_config_arguments
+    from overdrive.commands.arguments import add_config_arguments
 
     add_config_arguments(parser)
     parser.add_argument("--runner", choices=["fork", "spawn"], default="fork",
@@ -23,16 +23,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from overdrive import sweep
-    from overdrive.commands.explain import resolve_from_args, split_items
+    from overdrive.commands.arguments import resolved_from
+    from overdrive.resolving.inputs import split_items
     from overdrive.resolving import check_for_train
-    from overdrive.config.redact import redact_text
     from overdrive.console import is_interactive
     from overdrive.storage.faults import writable_target
     from overdrive.sweep import outputs, study as studies, table
 
-    resolved = resolve_from_args(args)  # the space is checked here, with the rest of the config
-    for warning in resolved.warnings:
-        print(f"overdrive: warning: {redact_text(warning.render())}", file=sys.stderr)
+    resolved = resolved_from(args)  # the space is checked here, with the rest of the config
     files, cli = split_items(args.items)
     job = sweep.make_job(resolved, files, cli, accelerate_default=not args.no_accelerate_default, runner=args.runner)
     cfg = job.config

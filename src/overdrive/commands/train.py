@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from overdrive.commands.run_config import check_model_layout, load_run
+from overdrive.commands.arguments import load_run
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,7 +81,9 @@ def _run(args: argparse.Namespace, resolved, in_worker: bool) -> int:
 
         lock.hold(cfg.output_dir, cfg.launch.machine_rank)  # one run per output_dir; the workers run under it
         check_for_train(resolved)
-        _check_fine_tuning(cfg)
+        from overdrive.training.preconditions import check_fine_tuning, check_model_layout
+
+        check_fine_tuning(cfg)
         check_model_layout(cfg)
     force = getattr(args, "force", False)
     if not in_worker and getattr(args, "preflight", False):
@@ -104,18 +106,6 @@ def _train_here(resolved, force: bool, in_worker: bool) -> int:
     if result.is_main_process and resolved.config.logging.level != "quiet":
         _summary(result, resolved.config)
     return 1 if result.stopped_early else 0
-
-
-def _check_fine_tuning(cfg) -> None:
-    """Before any process starts: `peft.target_modules` against the model's modules (built on
-    the meta device, no weights), and chat data's tokenizer has a chat template."""
-    from overdrive.training import adapter
-
-    adapter.check(cfg)
-    if cfg.data.format == "chat":
-        from overdrive.training.tokenizer import build_tokenizer
-
-        build_tokenizer(cfg, (), "")  # a pretrained tokenizer (validated): refused by key without a template
 
 
 def _start(resolved, force: bool) -> int:

@@ -56,15 +56,11 @@ def _only(values: list[str]) -> dict[str, list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from overdrive.commands.explain import split_items
-    from overdrive.resolving import resolve
+    from overdrive.resolving.inputs import resolve_items
     from overdrive.tune import TuneOptions, TrialPlan, lookup, make_job
     from overdrive.tune import output
 
-    files, cli = split_items(args.items)
-    resolved = resolve(files, cli=cli, accelerate_default=not args.no_accelerate_default)
-    for warning in resolved.warnings:
-        print(f"overdrive: warning: {warning.render()}", file=sys.stderr)
+    resolved = resolve_items(args.items, accelerate_default=not args.no_accelerate_default)
     plan = TrialPlan.measuring(args.measure, startup_timeout_s=args.trial_timeout, runner=args.runner)
     options = TuneOptions(budget_minutes=args.budget, mode="grid" if args.grid else "staged", only=_only(args.only),
                           plan=plan)

@@ -1,0 +1,44 @@
+"""The arguments several commands take, declared once: the config inputs (FILE and KEY=VALUE
+items, --no-accelerate-default) and sizes in GiB."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from overdrive.errors import Problem, UserError
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """The config inputs every command that resolves a config takes."""
+    parser.add_argument("items", nargs="*", metavar="FILE|KEY=VALUE",
+                        help="config files (overdrive, Accelerate or DeepSpeed), then key=value overrides")
+    parser.add_argument("--no-accelerate-default", action="store_true",
+                        help="ignore Accelerate's default_config.yaml")
+
+
+def resolved_from(args: argparse.Namespace, tell: bool = True):
+    """The Resolved config of the parsed config arguments (warnings told unless `tell` is false)."""
+    from overdrive.resolving.inputs import resolve_items
+
+    return resolve_items(args.items, accelerate_default=not getattr(args, "no_accelerate_default", False), tell=tell)
+
+
+def check_memory_sizes(args: argparse.Namespace) -> None:
+    """--gpu-memory / --host-memory: a finite, positive number of GiB."""
+    for name in ("--gpu-memory", "--host-memory"):
+        value = getattr(args, name[2:].replace("-", "_"), None)
+        if value is not None and (not math.isfinite(value) or value <= 0):
+            raise UserError(Problem(name, f"must be a positive number of GiB (got {value})", fix=f"e.g. {name} 80"))
+
+
+def load_run(args):
+    """(Resolved, in_worker) for a command's `items` (files and key=value) or `--resolved`."""
+    from overdrive.errors import UserError
+    from overdrive.resolving.inputs import read_resolved, resolve_items
+
+    if args.resolved:
+        if args.items:
+            raise UserError(f"--resolved carries the whole config; drop {' '.join(args.items)}")
+        return read_resolved(args.resolved), True
+    return resolve_items(args.items), False

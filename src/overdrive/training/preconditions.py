@@ -1,0 +1,34 @@
+"""What the loop cannot run, refused before any process starts: the model's heads and
+tensor-parallel plan against the layout, the adapter's targets, chat data without a template.
+Read from the model's config alone (no weights)."""
+
+from __future__ import annotations
+
+
+def check_model_layout(cfg) -> None:
+    """The model's heads and tensor-parallel plan against parallel.tp_size / sp_size, read
+    from its config alone (no weights), and what the loop does not do (sequence parallel),
+    before any process starts."""
+    from overdrive.errors import UserError
+    from overdrive.strategies import layout
+
+    lay = layout.layout(cfg)
+    if lay.tp == 1 and lay.sp == 1:
+        return
+    from overdrive.memory.model_shape import hf_config_for_run
+
+    found = layout.loop_problems(cfg) + layout.model_problems(cfg, hf_config_for_run(cfg))
+    if found:
+        raise UserError(found)
+
+
+def check_fine_tuning(cfg) -> None:
+    """`peft.target_modules` against the model's modules (built on the meta device, no weights),
+    and chat data's tokenizer has a chat template."""
+    from overdrive.training import adapter
+
+    adapter.check(cfg)
+    if cfg.data.format == "chat":
+        from overdrive.training.tokenizer import build_tokenizer
+
+        build_tokenizer(cfg, (), "")  # a pretrained tokenizer (validated): refused by key without a template
