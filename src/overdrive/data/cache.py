@@ -26,6 +26,8 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from overdrive.storage.whole_file import replace_whole
+
 PARTS = ("train", "validation")
 
 
@@ -34,12 +36,7 @@ class NotReady(Exception):
 
 
 def _write_json(path: Path, value: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(value, f)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)  # atomic: a reader sees the old record or the new one, never half
+    replace_whole(path, json.dumps(value), durable=True)  # a reader sees the old record or the new one, never half
 
 
 def read_json(path: Path) -> Optional[dict]:

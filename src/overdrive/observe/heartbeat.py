@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from overdrive.storage.whole_file import replace_whole
+
 DIR_NAME = "observe"
 STACK_SIGNAL = signal.SIGUSR1
 INTERVAL_S = 1.0
@@ -140,9 +142,7 @@ class Heartbeat:
         record = {**self.identity, **self.recorder.state(), "written": time.time()}
         if finished:
             record["phase"] = "finished"
-        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, self.path)  # readers see the old beat or the new one, never half
+        replace_whole(self.path, json.dumps(record))  # readers see the old beat or the new one, never half
 
 
 def read_beats(output_dir: str | Path, since: float = 0.0) -> dict[int, Beat]:

@@ -257,16 +257,11 @@ def write_text(path: Union[str, Path], text: str, key: str, what: str = "") -> N
     """A small file (resolved.json, a script, a config) written whole, or a clear message and
     the previous file as it was: written beside its name, then renamed over it (through a
     symbolic link, to the file it points at)."""
+    from overdrive.storage.whole_file import replace_whole
+
     path = Path(path)
-    final = path.resolve() if path.is_symlink() else path
-    temporary = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     with writing(path, key, what=what or path.name):
-        try:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            temporary.write_text(text)
-            os.replace(temporary, final)
-        finally:
-            temporary.unlink(missing_ok=True)
+        replace_whole(path, text)
 
 
 # ---------------------------------------------------------------- where a command writes

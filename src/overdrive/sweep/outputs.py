@@ -17,6 +17,7 @@ import yaml
 
 from overdrive.errors import Problem, UserError
 from overdrive.sweep import table
+from overdrive.storage.whole_file import replace_whole
 
 MARKER = "sweep.json"
 BEST = "best.yaml"
@@ -32,13 +33,9 @@ def is_sweep_dir(path: str | Path) -> bool:
 
 
 def write_marker(job, storage_url_shown: str, name: str) -> Path:
-    path = job.output_dir / MARKER
     data = {"storage": storage_url_shown, "study_name": name, "metric": job.config.sweep.metric,
             "direction": job.config.sweep.direction, "trials": job.config.sweep.trials}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
-    return path
+    return replace_whole(job.output_dir / MARKER, json.dumps(data, indent=1))
 
 
 def best_yaml(job, best) -> str:
@@ -70,11 +67,7 @@ def write_best(job, study) -> Optional[Path]:
     best = table.best_trial(study)
     if best is None:
         return None
-    path = job.output_dir / BEST
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # several sweep processes may finish together
-    tmp.write_text(best_yaml(job, best))
-    tmp.replace(path)
-    return path
+    return replace_whole(job.output_dir / BEST, best_yaml(job, best))  # several sweep processes may finish together
 
 
 def plots(study, target: Path) -> tuple[list[Path], list[str]]:

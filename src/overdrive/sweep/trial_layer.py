@@ -13,19 +13,15 @@ from typing import Any, Sequence
 import yaml
 
 from overdrive.config.keys import unflatten as nest
+from overdrive.storage.whole_file import replace_whole
 
 LABEL = "sweep"
 
 
 def write(directory: Path, values: dict[str, Any], header: Sequence[str]) -> Path:
     """`directory/trial.yaml`: the header as comments, then the values as dotted keys."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "trial.yaml"
     body = yaml.safe_dump({"layer": LABEL, **nest(values)}, sort_keys=False, default_flow_style=False)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(f"# {line}\n" for line in header) + body)
-    tmp.replace(path)
-    return path
+    return replace_whole(directory / "trial.yaml", "".join(f"# {line}\n" for line in header) + body)
 
 
 def trial_header(number: int, study: str, retry_of: int | None) -> list[str]:

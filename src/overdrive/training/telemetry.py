@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import resource
 import sys
 import time
@@ -24,6 +23,7 @@ import torch
 from overdrive.config.keys import flatten
 from overdrive.training.metrics import MetricsLog  # noqa: F401 - the writer, kept where the loop finds it
 from overdrive.system.hardware import cpu_model
+from overdrive.storage.whole_file import replace_whole
 
 # Dense (not sparse) peak FLOPs/s per device from vendor data sheets, by precision: fp32
 # without tensor cores (torch's default matmul precision), 16-bit tensor cores (fp16/bf16),
@@ -119,14 +119,8 @@ def cpu_peak_flops(dtype: torch.dtype, cache_dir: Optional[Path]) -> float:
     if measured > cache.get(key, 0.0):
         cache[key] = measured
         if path:
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")  # ranks measuring at once do not collide
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp.write_text(json.dumps(cache, indent=1))
-                tmp.replace(path)
-            except OSError:  # a read-only or full cache: the measurement is only not kept for next time
-                with contextlib.suppress(OSError):
-                    tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a read-only or full cache: the measurement is only not kept
+                replace_whole(path, json.dumps(cache, indent=1))
     return cache[key]
 
 

@@ -20,6 +20,7 @@ from typing import Any, Optional
 from overdrive.system import report as environment
 from overdrive.config.schema import RunConfig
 from overdrive.system.hardware import cpu_model
+from overdrive.storage.whole_file import replace_whole
 
 FORMAT = 1
 PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "datasets", "tokenizers", "overdrive")
@@ -86,8 +87,4 @@ def chart_path(cfg: RunConfig, key: str) -> Path:
 
 def store(cfg: RunConfig, key: str, result: dict[str, Any]) -> Path:
     path = directory(cfg) / f"{key}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(path)  # atomic: a concurrent reader sees the old entry or the new, never half
-    return path
+    return replace_whole(path, json.dumps(result, indent=1))  # a concurrent reader never sees half an entry

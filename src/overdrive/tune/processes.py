@@ -158,10 +158,9 @@ def serve(modules: list[str]) -> None:
                 return
             path = exits.pop(pid, None)
             if path:
-                tmp = f"{path}.tmp"
-                with open(tmp, "w") as f:
-                    f.write(str(os.waitstatus_to_exitcode(status)))
-                os.replace(tmp, path)  # the tuner never reads half a number
+                from overdrive.storage.whole_file import replace_whole
+
+                replace_whole(path, str(os.waitstatus_to_exitcode(status)))  # the tuner never reads half a number
 
     signal.signal(signal.SIGCHLD, reap)
     for line in sys.stdin:
