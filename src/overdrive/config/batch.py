@@ -3,7 +3,7 @@
     settled, origin = settle(cfg, chains)   # once, when the config is resolved
     split(settled).global_batch             # what every consumer reads
 
-The split is settled once, when a config is resolved (`settle`, called by `config.resolve`
+The split is settled once, when a config is resolved (`settle`, called by `resolving.resolve`
 and again by training/settle.py for a RunConfig built in Python): with
 `training.global_batch_size` set and an integer micro-batch, the accumulation is derived
 from it (global / (micro x data-parallel degree)), as torchtitan and DeepSpeed derive it.

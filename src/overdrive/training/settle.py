@@ -5,7 +5,7 @@
     settled.resolved.to_json()              # -> <output_dir>/resolved.json
 
 In order:
-0. The batch split (config/batch.py), as `config.resolve` settles it, for a RunConfig built in Python.
+0. The batch split (config/batch.py), as `resolving.resolve` settles it, for a RunConfig built in Python.
 1. The resume (checkpoint/resume.py): what to resume, whether this config may, and (on a new
    world size) the accumulation that keeps the checkpoint's global batch. Judged once: by the
    launcher when there is one (`judge_resume`, the plan handed to the workers in the resolved
@@ -56,7 +56,7 @@ def _with_auto(resolved: Resolved, final: RunConfig, device: str) -> Resolved:
 
 
 def _with_split(resolved: Resolved) -> Resolved:
-    """The batch split settled as `config.resolve` settles it (a RunConfig built in Python
+    """The batch split settled as `resolving.resolve` settles it (a RunConfig built in Python
     was not resolved); a resolved config is already settled, and comes back as it is."""
     config, origin = batch.settle(batch.refused(resolved.config))
     if config is resolved.config:
