@@ -87,7 +87,7 @@ def _run(args: argparse.Namespace, resolved, in_worker: bool) -> int:
         check_model_layout(cfg)
     force = getattr(args, "force", False)
     if not in_worker and getattr(args, "preflight", False):
-        from overdrive.commands.preflight import preflight
+        from overdrive.launch.preflight import preflight
 
         preflight(resolved)  # a failure is a UserError: exit 2 before anything trains
     if in_worker:

@@ -110,7 +110,15 @@ def checkpoint_bytes(params: int) -> int:
     return params * 12
 
 
-def run_checks(cfg, config_values: dict[str, Any]) -> dict[str, Any]:
+def config_values(cfg) -> dict[str, str]:
+    """{dotted key: its value as JSON}, secrets masked: what every machine must agree on."""
+    from overdrive.config.keys import flatten
+    from overdrive.config.redact import redact
+
+    return {k: json.dumps(v, sort_keys=True) for k, v in flatten(redact(cfg.model_dump(mode="json"))).items()}
+
+
+def run_checks(cfg) -> dict[str, Any]:
     """In a worker (or the lone process): every check; rank 0 judges; every rank gets the verdict."""
     import torch
     import torch.distributed as dist
@@ -145,7 +153,7 @@ def run_checks(cfg, config_values: dict[str, Any]) -> dict[str, Any]:
         sees = False
     free = shutil.disk_usage(out if out.exists() else out.parent).free
     mine = {"rank": rank, "host": socket.gethostname(), "machine": cfg.launch.machine_rank, "versions": versions(),
-            "config": {k: v for k, v in config_values.items() if k not in PER_MACHINE_KEYS},
+            "config": {k: v for k, v in config_values(cfg).items() if k not in PER_MACHINE_KEYS},
             "sees_output_dir": sees, "free_bytes": free}
     comm = measure_collectives(world, min(BUCKET_BYTES, params * 4), device) if grouped else None
     everyone = [None] * world
