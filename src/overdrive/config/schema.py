@@ -139,14 +139,10 @@ class DataConfig(Section):
     )
     input_column: str = Field("input", description="Chat, alpaca layout: the column added to the instruction.")
     system_column: str = Field("system", description="Chat: a column holding a system prompt for the row (when present).")
-    tools_column: str = Field(
-        "tools", description="Chat: a column holding the tools offered (a list, or its JSON text), passed to the chat "
-        "template as `tools` (when present)."
-    )
-    chat_template: Optional[str] = Field(
-        None, description="Chat: a template for this data only (text or a .jinja file), over `tokenizer.chat_template`; "
-        "a `data.sources` entry may set its own."
-    )
+    tools_column: str = Field("tools", description="Chat: a column holding the tools offered (a list, or its JSON "
+                              "text), passed to the chat template as `tools` (when present).")
+    chat_template: Optional[str] = Field(None, description="Chat: a template for this data only (text or a .jinja "
+                                         "file), over `tokenizer.chat_template`; a `data.sources` entry may set its own.")
     train_on_prompt: bool = Field(
         False, description="Chat: take the loss over every token. Off: over the assistant's tokens only."
     )
@@ -177,7 +173,9 @@ class DataConfig(Section):
     sources: list["DataSourceConfig"] = Field(
         default_factory=list, description="Several data sets mixed by weight: a list of `{name, source, weight}`, "
         "each with any of the keys of `data` that describe a source (format, subset, split, validation_split, "
-        "validation_fraction, text_column, label_column, max_bytes, streaming; unset: the `data.*` value). "
+        "validation_fraction, text_column, label_column, max_bytes, streaming, and for chat layout, messages_column, "
+        "prompt_column, completion_column, input_column, system_column, tools_column, chat_template, train_on_prompt; "
+        "unset: the `data.*` value). "
         "Samples are drawn in proportion to the weights, in an order fixed by `training.seed`. Empty: "
         "`data.source` alone."
     )
@@ -233,9 +231,8 @@ class TrainingConfig(Section):
         "them). Of `max_steps` and `num_epochs` the one set in the later layer wins (a file's epochs, the command "
         "line's max_steps=10: 10 steps); both in one file is refused. Empty: `max_steps`."
     )
-    evals_per_epoch: Optional[int] = Field(
-        None, ge=1, description="With `num_epochs`: evaluate this many times per epoch (over `eval_every_steps`)."
-    )
+    evals_per_epoch: Optional[int] = Field(None, ge=1, description="Evaluate this many times per epoch (over "
+                                           "`eval_every_steps`), counted from the data when the run starts.")
     gradient_clipping: Optional[float] = Field(1.0, gt=0.0, description="Max global gradient norm. Empty: no clipping.")
     seed: int = Field(42, ge=0, lt=2**32, description="Seed for weights, data order and dropout (0 <= seed < 2**32, as numpy accepts).")
     eval_every_steps: Optional[int] = Field(200, ge=1, description="Evaluate every N optimizer steps. Empty: only at the end.")
@@ -355,7 +352,7 @@ class CheckpointConfig(Section):
     )
     every_steps: Optional[int] = Field(None, ge=1, description="Save every N optimizer steps. Empty: only at the end.")
     saves_per_epoch: Optional[int] = Field(
-        None, ge=1, description="With `training.num_epochs`: save this many times per epoch (over `every_steps`)."
+        None, ge=1, description="Save this many times per epoch (over `every_steps`), counted from the data when the run starts."
     )
     keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are pruned after a successful save.")
     resume: Literal["auto", "never"] = Field("auto", description="`auto`: continue from the newest complete checkpoint in output_dir.")
