@@ -178,3 +178,22 @@ def test_import_writes_a_config_explain_accepts(tmp_path, capsys, monkeypatch):
     assert main(["explain", str(out), "--json"]) == 0
     explained = json.loads(capsys.readouterr().out)
     assert explained
+
+
+def test_axolotl_fsdp2_block_without_prefixes(tmp_path):
+    # Axolotl's newer form (docs: multi-gpu FSDP2): fsdp_version at the top, fsdp_config keys unprefixed.
+    text = ("base_model: m\nadapter: qlora\nload_in_4bit: true\nmicro_batch_size: 1\nfsdp_version: 2\nfsdp_config:\n"
+            "  offload_params: true\n  auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+            "  transformer_layer_cls_to_wrap: LlamaDecoderLayer\n  state_dict_type: FULL_STATE_DICT\n"
+            "  reshard_after_forward: true\n")
+    r = resolved(write(tmp_path, "fsdp2.yml", text).name, root=tmp_path)
+    c = r.config
+    assert (c.parallel.strategy, c.parallel.fsdp.version, c.parallel.fsdp.offload_params) == ("fsdp", 2, True)
+    assert r.origins["parallel.fsdp.offload_params"].line == 7
+    assert not [w for w in r.warnings if w.key.startswith("fsdp")]
+
+
+def test_tool_defaults_never_outrank_the_command_line():
+    r = resolved("torchtune-lora.yaml", "training.max_steps=5", "scheduler.min_lr_ratio=0.1")
+    assert (r.config.training.max_steps, r.config.training.num_epochs, r.config.scheduler.min_lr_ratio) == (5, None, 0.1)
+    assert "training.num_epochs" in {w.key for w in r.warnings}  # the epochs the file set are not used, and said so
