@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hf_fixtures import make_chat_data, make_tiny_llama
-from overdrive.config import resolve
+from overdrive.resolving import resolve
 from overdrive.errors import UserError
 
 RUN = ["data.format=chat", "data.max_length=64", "data.validation_fraction=0.0", "peft.method=lora", "peft.r=4",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hf_fixtures import make_tiny_llama
-from overdrive.config import resolve
+from overdrive.resolving import resolve
 from overdrive.data import layouts
 from overdrive.errors import UserError
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from overdrive.config import resolve
+from overdrive.resolving import resolve
 from overdrive.config.sources import load_file
 from overdrive.errors import UserError
 from overdrive.interop import tool_reading
