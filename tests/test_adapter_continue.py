@@ -82,7 +82,8 @@ def test_merge_writes_the_model_peft_computes(fresh, capsys):
         peft_logits = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(root / "base"), str(adapter))(ids).logits
         merged_logits = AutoModelForCausalLM.from_pretrained(merged)(ids).logits
     difference = (peft_logits - merged_logits).abs().max().item()
-    print(f"merged vs PeftModel logits: max difference {difference:.2e}")
+    with capsys.disabled():
+        print(f"merged vs PeftModel logits: max difference {difference:.2e}")
     assert difference < 1e-4
     assert main(["merge", str(adapter), "-o", str(merged)]) == 2  # the base from adapter_config.json; DIR kept
     assert "--force" in capsys.readouterr().err
