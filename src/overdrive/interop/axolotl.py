@@ -24,7 +24,7 @@ def recognises(data) -> bool:
 
 # dataset `type` -> data.layout (None: plain text, `field` or `text` column)
 DATASET_TYPES = {"alpaca": "alpaca", "alpaca_chat": "alpaca", "sharegpt": "sharegpt", "chat_template": "messages",
-                 "completion": None, "input_output": "prompt-completion"}
+                 "completion": None, "pretrain": None, "input_output": "prompt-completion"}
 
 
 def read(data, c, source: str):
@@ -70,8 +70,8 @@ def _model(r: ToolReader) -> None:
         tokens = r.data["special_tokens"]
         extra = sorted(set(tokens) - {"pad_token"}) if isinstance(tokens, dict) else []
         if extra:
-            r.refuse(("special_tokens",), f"sets {', '.join(extra)}: a tokenizer changed this way trains other token ids",
-                     "save the tokenizer with these tokens (save_pretrained) and set tokenizer.name_or_path to it")
+            r.c.warn(("special_tokens",), f"sets {', '.join(extra)} on the tokenizer: not done here, the tokenizer's own "
+                     "are used", "save the tokenizer with these tokens (save_pretrained) and set tokenizer.name_or_path")
         else:
             r.unmapped(("special_tokens",), "the pad token is only used for padding here, never in the loss")
     if r.get("tokens"):
@@ -166,8 +166,11 @@ def _dataset(r: ToolReader, key: str, index: int, entry: Any) -> dict:
            "path": path}
     if isinstance(out["source"], list):
         out["source"] = out["source"][0]
-    if kind_name and kind_name.split(".")[0] in DATASET_TYPES:
-        layout = DATASET_TYPES[kind_name.split(".")[0]]
+    base_kind = kind_name.split(":")[0].split(".")[0] if kind_name else None  # alpaca:chat, chat_template.default
+    if base_kind in DATASET_TYPES and base_kind != kind_name and base_kind != "chat_template":
+        r.c.warn(path + ("type",), f"{kind_name} read as {base_kind}: its prompt style is the chat template's here")
+    if base_kind in DATASET_TYPES:
+        layout = DATASET_TYPES[base_kind]
         messages = entry.get("field_messages") or entry.get("conversation") and "conversations"
         mapping = entry.get("message_property_mappings") or {}
         if layout == "messages" and (mapping.get("role") == "from" or messages == "conversations"):
@@ -216,6 +219,9 @@ def _put_sources(r: ToolReader, key: str, entries: list[dict]) -> None:
     r.c.warn((key,), f"{TOOL} concatenates its datasets; overdrive mixes them by weight (equal here): set "
              "data.sources.N.weight to each one's share of the rows")
     sources = [{k: v for k, v in e.items() if k != "path" and v is not None} for e in entries]
+    names = [s["name"] for s in sources]
+    for i, s in enumerate(sources):  # each source named once: the same data set twice gets its index
+        s["name"] = f"{s['name']}-{i}" if names.count(s["name"]) > 1 else s["name"]
     for s in sources:
         s.pop("format", None) if s.get("format") == "chat" else None
     r.put("data.sources", sources, key)
@@ -250,9 +256,9 @@ def _loop(r: ToolReader) -> None:
         r.put("scheduler.warmup_ratio", float(r.data["warmup_ratio"]), "warmup_ratio")
     r.get("warmup_ratio")
     r.put_key("seed", "training.seed", int)
-    r.put_key("evals_per_epoch", "training.evals_per_epoch", int)
+    r.put_key("evals_per_epoch", "training.evals_per_epoch", lambda v: int(v) or None)  # 0: none
     r.put_key("eval_steps", "training.eval_every_steps", lambda v: int(v) if float(v) >= 1 else None)
-    r.put_key("saves_per_epoch", "checkpoint.saves_per_epoch", int)
+    r.put_key("saves_per_epoch", "checkpoint.saves_per_epoch", lambda v: int(v) or None)
     r.put_key("save_steps", "checkpoint.every_steps", lambda v: int(v) if float(v) >= 1 else None)
     r.put_key("save_total_limit", "checkpoint.keep_last", int)
     r.put_key("logging_steps", "training.log_every_steps", int)

@@ -81,14 +81,15 @@ HF_OPTIMIZERS = {
     "paged_adamw_8bit": ("adamw_8bit", None, "paged optimizer memory is not used"),
     "paged_adamw_32bit": ("adamw", None, "paged optimizer memory is not used"),
     "paged_adamw": ("adamw", None, "paged optimizer memory is not used"),
-    "adamw_torch_4bit": None, "adamw_torch_8bit": ("adamw_8bit", None, "bitsandbytes' 8-bit AdamW instead of torchao's"),
+    "adamw_torch_4bit": ("adamw", None, "torchao's 4-bit state kept in full precision (more memory, no quantization)"),
+    "adamw_torch_8bit": ("adamw", None, "torchao's 8-bit state kept in full precision (more memory, no quantization)"),
     "sgd": ("sgd", None, ""), "adafactor": ("adafactor", None, "torch's Adafactor, not Transformers' (relative step "
                                            "and warmup init are not kept)"),
     "lion_8bit": ("lion", None, "32-bit Lion"), "lion_32bit": ("lion", None, ""),
     "paged_lion_8bit": ("lion", None, "32-bit Lion, no paged memory"), "paged_lion_32bit": ("lion", None, ""),
     "muon": ("muon", None, ""), "schedule_free_adamw": ("schedule_free_adamw", None, ""),
     "schedule_free_radam": None, "adamw_anyprecision": None, "galore_adamw": None, "lomo": None, "adalomo": None,
-    "grokadamw": None, "ao_adamw_8bit": ("adamw_8bit", None, "bitsandbytes' 8-bit AdamW instead of torchao's"),
+    "grokadamw": None, "ao_adamw_8bit": ("adamw", None, "torchao's 8-bit state kept in full precision"),
     "rmsprop": None, "adagrad": None, "apollo_adamw": None, "came_pytorch": None, "optimi_adamw": ("adamw", None, ""),
 }
 # Transformers' lr_scheduler_type names -> scheduler.name (None: refused, overdrive has no such schedule).

@@ -22,7 +22,8 @@ MODULES = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_p
 MLP = ["gate_proj", "up_proj", "down_proj"]  # torchtune's w1, w3, w2
 CROSS_ENTROPY = ("CEWithChunkedOutputLoss", "CrossEntropyLoss", "LinearCrossEntropyLoss")
 OPTIMIZERS = {"AdamW": "adamw", "Adam": "adam", "SGD": "sgd", "Adafactor": "adafactor", "PagedAdamW8bit": "adamw_8bit",
-              "AdamW8bit": "adamw_8bit", "Muon": "muon"}
+              "AdamW8bit": "adamw_8bit", "Muon": "muon", "PagedAdamW": "adamw", "PagedAdamW32bit": "adamw",
+              "AdamW4bit": "adamw"}  # paged memory and torchao's quantized state are not used: said on import
 # dataset builders -> (source, layout) ; None source: from the entry's own `source`
 DATASETS = {"alpaca_dataset": ("tatsu-lab/alpaca", "alpaca"), "alpaca_cleaned_dataset": ("yahma/alpaca-cleaned", "alpaca"),
             "slimorca_dataset": ("Open-Orca/SlimOrca-Dedup", "sharegpt"), "chat_dataset": (None, None),
@@ -182,11 +183,13 @@ def _dataset(r: ToolReader, index, block) -> dict:
 def _loop(r: ToolReader) -> None:
     r.put_key("batch_size", "training.micro_batch_size", int)
     r.put_key("gradient_accumulation_steps", "training.gradient_accumulation_steps", int)
-    r.put_key("epochs", "training.num_epochs", float)
-    if r.given("max_steps_per_epoch"):
+    if r.given("max_steps_per_epoch"):  # each epoch cut short: the run is epochs x that many steps
         epochs = float(r.get("epochs", 1))
         r.put("training.max_steps", int(epochs * int(r.data["max_steps_per_epoch"])), "max_steps_per_epoch")
-        r.c.warn(("max_steps_per_epoch",), "read as training.max_steps = epochs x max_steps_per_epoch")
+        r.c.warn(("max_steps_per_epoch",), "read as training.max_steps = epochs x max_steps_per_epoch (the same "
+                 "when every epoch has at least that many steps)")
+    else:
+        r.put_key("epochs", "training.num_epochs", float)
     r.put_key("seed", "training.seed", int)
     r.put_key("clip_grad_norm", "training.gradient_clipping", lambda v: float(v) if float(v) > 0 else None)
     optimizer = r.get("optimizer") or {}
@@ -197,6 +200,9 @@ def _loop(r: ToolReader) -> None:
                      "set optim.class_path to its import path, or use AdamW")
         else:
             r.put("optim.name", OPTIMIZERS[name], "optimizer", "_component_")
+            if name.startswith("Paged") or name == "AdamW4bit":
+                r.c.warn(("optimizer", "_component_"), f"{name} read as overdrive's `{OPTIMIZERS[name]}` (no paged "
+                         "memory, no torchao quantized state)")
         for key, target in (("lr", "optim.lr"), ("weight_decay", "optim.weight_decay"), ("eps", "optim.eps")):
             if key in optimizer:
                 r.put(target, float(optimizer[key]), "optimizer", key)
