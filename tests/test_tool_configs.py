@@ -197,3 +197,20 @@ def test_tool_defaults_never_outrank_the_command_line():
     r = resolved("torchtune-lora.yaml", "training.max_steps=5", "scheduler.min_lr_ratio=0.1")
     assert (r.config.training.max_steps, r.config.training.num_epochs, r.config.scheduler.min_lr_ratio) == (5, None, 0.1)
     assert "training.num_epochs" in {w.key for w in r.warnings}  # the epochs the file set are not used, and said so
+
+
+def test_llamafactory_v1_form(tmp_path, monkeypatch):
+    # After LLaMA-Factory's examples/v1/train_qlora/quantization.yaml and data/v1_sft_demo.yaml.
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, "v1_sft.yaml", "alpaca_en_demo:\n  path: data/alpaca_en_demo.json\n  source: local\n  converter: alpaca\n")
+    text = ("model: Qwen/Qwen3-0.6B\nmodel_class: llm\npeft_config:\n  name: lora\n  r: 16\n  lora_alpha: 32\n"
+            "  target_modules: all\ndist_config:\n  name: fsdp2\nquant_config:\n  name: bnb\n  quantization_bit: 4\n"
+            "train_dataset: v1_sft.yaml\noutput_dir: outputs/q\nmicro_batch_size: 2\ncutoff_len: 1024\n"
+            "learning_rate: 1.0e-4\nmax_steps: 10\nsample_backend: hf\n")
+    r = resolved(write(tmp_path, "v1.yaml", text).name, root=tmp_path)
+    c = r.config
+    assert (c.model.name_or_path, c.peft.method, c.peft.bits, c.peft.r, c.peft.alpha, c.peft.dropout) == \
+        ("Qwen/Qwen3-0.6B", "qlora", 4, 16, 32.0, 0.05)
+    assert (c.parallel.strategy, c.training.micro_batch_size, c.training.max_steps, c.data.max_length) == ("fsdp", 2, 10, 1024)
+    assert (c.data.layout, c.scheduler.name, c.scheduler.warmup_steps, c.precision.mixed_precision) == \
+        ("alpaca", "constant", 0, "bf16")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from overdrive.interop import llamafactory_v1
 from overdrive.interop import tool_common as common
 from overdrive.interop.tool_common import ToolReader
 
@@ -36,10 +37,12 @@ _REFUSED = {  # key: (what it does, fix)
 
 
 def recognises(data) -> bool:
-    return "model_name_or_path" in data and bool(MARKERS & set(data))
+    return "model_name_or_path" in data and bool(MARKERS & set(data)) or llamafactory_v1.recognises(data)
 
 
 def read(data, c, source: str):
+    if llamafactory_v1.recognises(data):  # the v1 form: `model:` with plugin configs
+        return llamafactory_v1.read(data, c, source)
     r = ToolReader(TOOL, data, c, source)
     common.hf_training_defaults(r)
     r.default("scheduler.name", "linear", "Transformers' TrainingArguments lr_scheduler_type=linear")
