@@ -35,13 +35,13 @@ def settle(config, chains, order: dict[int, int]):
         if getattr(getattr(config, section), name) is None:
             continue
         steps, other = _last_set(chains.get(steps_key)), chains[other_key][-1]
-        if steps is None or order.get(id(other), 0) > order.get(id(steps), -1):
-            continue  # the alternative wins
-        if steps.origin.source == other.origin.source and steps.origin.line and other.origin.line \
-                and steps.origin.layer == other.origin.layer:
+        if steps is not None and steps.origin.source == other.origin.source and steps.origin.line \
+                and other.origin.line and steps.origin.layer == other.origin.layer:
             problems.append(Problem(other_key, f"{steps_key} is set in the same file ({steps.origin}): one of the "
                                     "two decides", str(other.origin), f"remove {other_key} or {steps_key}"))
             continue
+        if steps is None or order.get(id(other), 0) > order.get(id(steps), -1):
+            continue  # the alternative wins
         warnings.append(Problem(other_key, f"not used: {steps_key} is set later ({steps.origin}), and the later one "
                                 "wins", str(other.origin), f"remove one of them to silence this"))
         cleared.setdefault(section, {})[name] = None
