@@ -51,6 +51,7 @@ _RULES: dict[str, tuple[str, str]] = {
     "scheduler.": ("math", "the learning rate of every remaining step"),
     "training.seed": ("math", "the data order and dropout of every remaining step"),
     "training.max_steps": ("math", "the schedule's length: the learning rate of every remaining step"),
+    "training.num_epochs": ("math", "the schedule's length: the learning rate of every remaining step"),
     "training.gradient_clipping": ("math", "every update from here on"),
     "training.": ("harmless", ""),
     "precision.": ("math", "the arithmetic of every remaining step"),
@@ -75,6 +76,9 @@ _RULES: dict[str, tuple[str, str]] = {
 # The batch size keys are judged together, as the global batch (see `compare`).
 _BATCH_KEYS = {"training.micro_batch_size", "training.gradient_accumulation_steps", "training.global_batch_size",
                "launch.num_processes", "launch.num_machines"}
+# Values counted from another key and the data when the run starts (config/length.py): with that key
+# set on both sides, the other key decides, and a config not yet counted is not a change.
+_COUNTED = {"training.max_steps": "training.num_epochs", "scheduler.warmup_steps": "scheduler.warmup_ratio"}
 MOVED_BY = "moved by"  # a layout change that a reader in routes.py carries across
 GLOBAL_BATCH_WHY = "the samples per optimizer step, so every update and the data position"
 
@@ -100,7 +104,8 @@ def sharded(config: Mapping[str, Any]) -> bool:
 def fingerprint(config: Mapping[str, Any]) -> str:
     """sha256 of the values that decide the numbers (math and layout keys, and the global batch)."""
     flat = flatten(config)
-    kept = {k: v for k, v in flat.items() if k not in _BATCH_KEYS and kind_of(k)[0] != "harmless"}
+    kept = {k: v for k, v in flat.items() if k not in _BATCH_KEYS and kind_of(k)[0] != "harmless"
+            and flat.get(_COUNTED.get(k, ""), None) is None}
     kept["global_batch"] = global_batch(config)
     text = json.dumps(kept, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -153,6 +158,8 @@ def compare(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Comparison:
         if key in _BATCH_KEYS:
             result.changes.append(Change(key, a, b, "harmless"))
             continue
+        if key in _COUNTED and old.get(_COUNTED[key]) is not None and new.get(_COUNTED[key]) is not None:
+            continue  # counted from the data by the same rule on both sides
         kind, why = kind_of(key)
         if kind == "layout" and movable:
             kind, why = "harmless", f"{MOVED_BY} {result.route.reader or 'the same strategy, resharded'}"

@@ -26,6 +26,8 @@ def _shown(key: str, value: Any) -> str:
     from overdrive.config.redact import shown
 
     value = shown(key, value)
+    if isinstance(value, list):  # data.sources: the keys each entry sets, not every empty one
+        value = [{k: v for k, v in item.items() if v is not None} if isinstance(item, dict) else item for item in value]
     if isinstance(value, (dict, list, tuple)):
         return json.dumps(value, default=str)
     return "null" if value is None else str(value)

@@ -1,4 +1,5 @@
-"""`overdrive import FILE... -o run.yaml`: Accelerate / DeepSpeed files -> an overdrive config.
+"""`overdrive import FILE... -o run.yaml`: Accelerate, DeepSpeed, Axolotl, LLaMA-Factory and torchtune
+files -> an overdrive config.
 
 The files are read as config layers (as `overdrive train FILE` would read them) and only the
 values that differ from overdrive's defaults are written.
@@ -10,7 +11,7 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("files", nargs="+", metavar="FILE", help="Accelerate YAML/JSON and DeepSpeed JSON files")
+    parser.add_argument("files", nargs="+", metavar="FILE", help="Accelerate YAML/JSON, DeepSpeed JSON, Axolotl, LLaMA-Factory or torchtune YAML")
     parser.add_argument("-o", "--output", metavar="FILE", help="write the overdrive YAML here (default: stdout)")
     parser.add_argument("--force", action="store_true", help="overwrite files that already exist")
 

@@ -61,6 +61,10 @@ def run(args: argparse.Namespace) -> int:
     room = planned(cfg, shape.params)
     speed = metrics.measured_throughput(cfg, micro)
     step_s = math_.tokens_per_step / speed.tokens_per_s if speed else None
+    if cfg.training.num_epochs is not None and math_.steps_per_epoch:  # the steps the run will count
+        from overdrive.config.length import derived
+
+        cfg = derived(cfg, math_.steps_per_epoch * math_.global_batch, math_.global_batch)[0]
     curve = _lr_points(cfg)
     sources = _sources(cfg, sizes, math_)
 
@@ -69,7 +73,9 @@ def run(args: argparse.Namespace) -> int:
             "config": path, "world_size": math_.world, "micro_batch_size": micro,
             "gradient_accumulation_steps": math_.accumulation, "seq_len": math_.seq_len,
             "global_batch": math_.global_batch, "tokens_per_step": math_.tokens_per_step,
-            "max_steps": math_.max_steps, "data_tokens": data.tokens, "data_basis": data.basis,
+            "max_steps": math_.max_steps, "max_steps_from": "training.num_epochs" if cfg.training.num_epochs else
+            "training.max_steps", "warmup_steps": _warmup(cfg, math_.max_steps), "data_tokens": data.tokens,
+            "data_basis": data.basis,
             "data_exact": data.exact, "train_tokens": math_.train_tokens, "steps_per_epoch": math_.steps_per_epoch,
             "epochs": math_.epochs, "parameters": shape.params, "memory": row.to_dict(),
             "capacity_bytes": cap.device_bytes, "capacity_source": cap.source,
@@ -98,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
     lines.append(_tokenize_line(cfg, tokenize) if not sources else "tokenize     each source on its own (below)")
     if math_.steps_per_epoch is not None:
         lines.append(f"steps        {math_.steps_per_epoch:,} per epoch (after the validation hold-out); "
-                     f"max_steps {math_.max_steps:,} = {math_.epochs:.2f} epochs" if math_.epochs is not None else
+                     f"max_steps {math_.max_steps:,} = {math_.epochs:.2f} epochs{_length_origin(cfg)}"
+                     if math_.epochs is not None else
                      "steps        fewer training tokens than one global batch: no full step per epoch")
     else:
         lines.append(f"steps        max_steps {math_.max_steps:,}; per epoch unknown (data size unknown)")
@@ -235,3 +242,20 @@ def _duration(seconds: float) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.1f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+def _length_origin(cfg) -> str:
+    t, s = cfg.training, cfg.scheduler
+    text = f" (derived: training.num_epochs={t.num_epochs:g} x steps per epoch)" if t.num_epochs is not None else ""
+    if s.warmup_ratio is not None:
+        text += f"; warmup {_warmup(cfg, None)} steps (scheduler.warmup_ratio={s.warmup_ratio:g})"
+    return text
+
+
+def _warmup(cfg, max_steps) -> int:
+    from overdrive.config.length import warmup_steps
+
+    s = cfg.scheduler
+    if s.warmup_ratio is None or cfg.training.num_epochs is None:
+        return s.warmup_steps
+    return warmup_steps(s.warmup_ratio, max_steps or cfg.training.max_steps)

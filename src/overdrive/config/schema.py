@@ -131,6 +131,18 @@ class DataConfig(Section):
     completion_column: str = Field(
         "completion", description="Chat, with `data.prompt_column`: the answer (a string, or a list of turns)."
     )
+    layout: Literal["auto", "messages", "prompt-completion", "sharegpt", "alpaca"] = Field(
+        "auto", description="Chat: how a row holds its conversation. `messages`: a list of {role, content} turns "
+        "(OpenAI's, with `tool_calls` and `tool` turns); `prompt-completion`: two columns; `sharegpt`: "
+        "`conversations` of {from, value} turns (human, gpt, system, function_call, observation, tool); `alpaca`: "
+        "instruction, input, output (and optional system, history). `auto`: recognised by the columns."
+    )
+    input_column: str = Field("input", description="Chat, alpaca layout: the column added to the instruction.")
+    system_column: str = Field("system", description="Chat: a column holding a system prompt for the row (when present).")
+    tools_column: str = Field("tools", description="Chat: a column holding the tools offered (a list, or its JSON "
+                              "text), passed to the chat template as `tools` (when present).")
+    chat_template: Optional[str] = Field(None, description="Chat: a template for this data only (text or a .jinja "
+                                         "file), over `tokenizer.chat_template`; a `data.sources` entry may set its own.")
     train_on_prompt: bool = Field(
         False, description="Chat: take the loss over every token. Off: over the assistant's tokens only."
     )
@@ -161,7 +173,9 @@ class DataConfig(Section):
     sources: list["DataSourceConfig"] = Field(
         default_factory=list, description="Several data sets mixed by weight: a list of `{name, source, weight}`, "
         "each with any of the keys of `data` that describe a source (format, subset, split, validation_split, "
-        "validation_fraction, text_column, label_column, max_bytes, streaming; unset: the `data.*` value). "
+        "validation_fraction, text_column, label_column, max_bytes, streaming, and for chat layout, messages_column, "
+        "prompt_column, completion_column, input_column, system_column, tools_column, chat_template, train_on_prompt; "
+        "unset: the `data.*` value). "
         "Samples are drawn in proportion to the weights, in an order fixed by `training.seed`. Empty: "
         "`data.source` alone."
     )
@@ -173,7 +187,9 @@ class DataConfig(Section):
 
 # The keys of `data` that describe one source; a `data.sources` entry may set each of them.
 SOURCE_DESCRIPTION = ("format", "subset", "split", "validation_split", "validation_fraction", "text_column",
-                      "label_column", "max_bytes", "streaming")
+                      "label_column", "max_bytes", "streaming", "layout", "messages_column", "prompt_column",
+                      "completion_column", "input_column", "system_column", "tools_column", "chat_template",
+                      "train_on_prompt")
 
 
 def _source_entry_model() -> type:
@@ -207,7 +223,16 @@ class TrainingConfig(Section):
         "global / (micro x data-parallel processes), refused when that is not a whole number or contradicts a "
         "gradient_accumulation_steps also set. Kept when micro_batch_size is `auto` (required then)."
     )
-    max_steps: int = Field(1200, ge=1, description="Optimizer steps to train.")
+    max_steps: int = Field(1200, ge=1, description="Optimizer steps to train (unless `training.num_epochs` is set "
+                           "in a later layer: the one set last wins).")
+    num_epochs: Optional[float] = Field(
+        None, gt=0, description="Passes over the training data; the steps are derived from the data when the run "
+        "starts (ceil(epochs x samples per epoch / global batch), exact over the token cache; `overdrive plan` shows "
+        "them). Of `max_steps` and `num_epochs` the one set in the later layer wins (a file's epochs, the command "
+        "line's max_steps=10: 10 steps); both in one file is refused. Empty: `max_steps`."
+    )
+    evals_per_epoch: Optional[int] = Field(None, ge=1, description="Evaluate this many times per epoch (over "
+                                           "`eval_every_steps`), counted from the data when the run starts.")
     gradient_clipping: Optional[float] = Field(1.0, gt=0.0, description="Max global gradient norm. Empty: no clipping.")
     seed: int = Field(42, ge=0, lt=2**32, description="Seed for weights, data order and dropout (0 <= seed < 2**32, as numpy accepts).")
     eval_every_steps: Optional[int] = Field(200, ge=1, description="Evaluate every N optimizer steps. Empty: only at the end.")
@@ -326,6 +351,9 @@ class CheckpointConfig(Section):
         "or a non-finite loss. Off: nothing to resume from (resuming existing ones is `resume`)."
     )
     every_steps: Optional[int] = Field(None, ge=1, description="Save every N optimizer steps. Empty: only at the end.")
+    saves_per_epoch: Optional[int] = Field(
+        None, ge=1, description="Save this many times per epoch (over `every_steps`), counted from the data when the run starts."
+    )
     keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are pruned after a successful save.")
     resume: Literal["auto", "never"] = Field("auto", description="`auto`: continue from the newest complete checkpoint in output_dir.")
     save_final_model: bool = Field(True, description="Write the trained model and tokenizer with save_pretrained at the end.")

@@ -38,14 +38,14 @@ class DeepSpeedConfig(Section):
     overlap_comm: Optional[bool] = Field(None, description="Overlap gradient reduction with backward. Empty: DeepSpeed's default.")
     contiguous_gradients: Optional[bool] = Field(None, description="Copy gradients into one buffer as they are produced.")
     reduce_bucket_size: Union[NonNegativeInt, Auto] = Field("auto", description="Elements per reduce bucket; `auto`: hidden^2.")
-    allgather_bucket_size: Optional[int] = Field(None, ge=1, description="Elements per all-gather bucket (ZeRO 1-2).")
+    allgather_bucket_size: Optional[int] = Field(None, ge=0, description="Elements per all-gather bucket (ZeRO 1-2).")
     stage3_prefetch_bucket_size: Union[NonNegativeInt, Auto] = Field("auto", description="ZeRO-3 prefetch elements; `auto`: 0.9 x hidden^2.")
     stage3_param_persistence_threshold: Union[NonNegativeInt, Auto] = Field(
         "auto", description="ZeRO-3: parameters smaller than this stay whole; `auto`: 10 x hidden."
     )
     stage3_max_live_parameters: Optional[int] = Field(None, ge=0, description="ZeRO-3: live parameters before release.")
     stage3_max_reuse_distance: Optional[int] = Field(None, ge=0, description="ZeRO-3: reuse distance before release.")
-    sub_group_size: Optional[int] = Field(None, ge=1, description="ZeRO-3: optimizer step granularity.")
+    sub_group_size: Optional[int] = Field(None, ge=0, description="ZeRO-3: optimizer step granularity (0 is allowed, as DeepSpeed allows it).")
     activation_checkpointing: bool = Field(False, description="DeepSpeed's activation checkpointing (partitioned activations).")
     train_batch_size: Optional[int] = Field(
         None, ge=1, description="Only checked: must equal micro-batch x accumulation x world size."

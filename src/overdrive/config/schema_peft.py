@@ -8,7 +8,7 @@ The values are handed to PEFT's own `LoraConfig` and Transformers' `BitsAndBytes
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Literal, Optional, Union
 
 from pydantic import Field
 
@@ -42,6 +42,10 @@ class PeftConfig(Section):
     storage_dtype: Literal["auto", "uint8", "float32", "bfloat16", "float16"] = Field(
         "auto", description="qlora, 4 bit: the dtype packed 4-bit weights are stored in. `auto`: uint8, or the "
         "compute dtype when FSDP shards them (FSDP flattens a block's tensors together, so they must share one dtype)."
+    )
+    adapter_path: Optional[str] = Field(
+        None, description="Continue training an adapter that exists: a PEFT adapter directory (adapter_config.json "
+        "and its weights). Its r, alpha, targets, dropout and method are checked against `peft.*`, key by key."
     )
     save_merged: bool = Field(
         False, description="Also write the base with the adapter merged in (`merge_and_unload`) to "

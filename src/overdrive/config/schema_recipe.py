@@ -58,6 +58,11 @@ class SchedulerConfig(Section):
         "the last four from Transformers' schedules."
     )
     warmup_steps: int = Field(40, ge=0, description="Optimizer steps of linear warmup from 0 to `optim.lr`.")
+    warmup_ratio: Optional[float] = Field(
+        None, ge=0.0, le=1.0, description="Warmup as a fraction of the run's steps: ceil(ratio x steps), as "
+        "Transformers counts it. Of `warmup_steps` and `warmup_ratio` the one set in the later layer wins. Empty: "
+        "`warmup_steps`."
+    )
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final lr as a fraction of `optim.lr` (cosine, "
                                 "wsd, polynomial, cosine_with_restarts; the floor of inverse_sqrt).")
     decay_fraction: float = Field(0.1, gt=0.0, le=1.0, description="wsd: fraction of the steps after warmup spent "

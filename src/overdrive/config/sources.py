@@ -58,6 +58,10 @@ def _line_map(node: yaml.Node, prefix: Path_ = ()) -> dict[Path_, int]:
                 path = prefix + (str(key_node.value),)
                 lines.setdefault(path, key_node.start_mark.line + 1)
                 stack.append((value_node, path))
+        elif isinstance(node, yaml.SequenceNode):  # list items by index: data.sources.0, datasets.1.path
+            for index, item in enumerate(node.value):
+                lines.setdefault(prefix + (str(index),), item.start_mark.line + 1)
+                stack.append((item, prefix + (str(index),)))
     return lines
 
 

@@ -26,12 +26,12 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
+from overdrive.data import layouts
 from overdrive.data.sources import Batch, Rows, _columns
 from overdrive.errors import Problem, UserError
 
 KINDS = ("ids", "ends", "mask")  # the token cache's files for chat
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
-_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 def is_chat(cfg) -> bool:
@@ -46,26 +46,6 @@ def sample_kind(cfg) -> str:
 # ---------------------------------------------------------------- rows
 
 
-def _turns(value: Any, role: str, row: int, key: str) -> list[dict]:
-    """A prompt or completion cell as turns: a string is one turn of `role`."""
-    if isinstance(value, str):
-        return [{"role": role, "content": value}]
-    return _checked(value, row, key)
-
-
-def _checked(turns: Any, row: int, key: str) -> list[dict]:
-    if not isinstance(turns, list) or not turns:
-        raise UserError(Problem(key, f"row {row}: expected a list of {{role, content}} turns, got "
-                                f"{type(turns).__name__}", fix="fix the row, or point the key at the right column"))
-    out = []
-    for turn in turns:
-        if not isinstance(turn, dict) or "role" not in turn or "content" not in turn:
-            raise UserError(Problem(key, f"row {row}: a turn without `role` and `content`: {str(turn)[:80]}",
-                                    fix="every turn needs a role and a content"))
-        out.append({"role": str(turn["role"]), "content": "" if turn["content"] is None else turn["content"]})
-    return out
-
-
 class ChatRows(Rows):
     """Rows of a `datasets` table or stream, read as conversations (a Batch's `texts` are lists of turns)."""
 
@@ -73,30 +53,22 @@ class ChatRows(Rows):
         d = cfg.data
         super().__init__(rows.dataset, rows.key, None, None, rows.total, None)
         names = _columns(rows.dataset)
-        if d.messages_column in names:
-            self.columns = (d.messages_column,)
-        elif d.prompt_column in names and d.completion_column in names:
-            self.columns = (d.prompt_column, d.completion_column)
-        else:
-            raise UserError(Problem("data.messages_column", f"no column {d.messages_column!r}, and no "
-                                    f"{d.prompt_column!r} + {d.completion_column!r} pair; the data has {names}",
-                                    fix="set data.messages_column (or data.prompt_column and "
-                                    "data.completion_column) to the data's columns"))
-        self.key = f"chat|{'|'.join(self.columns)}|{rows.key}"
+        self.data = d
+        self.layout, self.columns = layouts.recognise(names, d)
+        self.extra = layouts.extra_columns(names, d)
+        self.key = f"chat|{self.layout}|{'|'.join(self.columns + self.extra)}|{rows.key}"
 
-    def conversation(self, row: dict, index: int) -> list[dict]:
-        if len(self.columns) == 1:
-            key = "data.messages_column"
-            turns = _checked(row[self.columns[0]], index, key)
-        else:
-            key = "data.completion_column"
-            turns = (_turns(row[self.columns[0]], "user", index, "data.prompt_column")
-                     + _turns(row[self.columns[1]], "assistant", index, key))
+    def conversation(self, row: dict, index: int):
+        """The row's turns, or {messages, tools} when the row offers tools to the template."""
+        turns = layouts.turns_of(self.layout, self.columns, row, index, self.data)
         if not any(t["role"] == "assistant" for t in turns):
-            raise UserError(Problem(key, f"row {index}: a conversation without an assistant turn (roles: "
+            raise UserError(Problem("data.layout" if self.layout in ("sharegpt", "alpaca") else
+                                    "data.messages_column" if self.layout == "messages" else "data.completion_column",
+                                    f"row {index}: a conversation without an assistant turn (roles: "
                                     f"{[t['role'] for t in turns]})",
                                     fix="every conversation needs an answer to learn: drop or fix the row"))
-        return turns
+        tools = layouts.tools_of(row, index, self.data)
+        return {"messages": turns, "tools": tools} if tools else turns
 
     def batches(self, start: Optional[dict] = None, batch_bytes: int = 1 << 20) -> Iterator[Batch]:
         done = (start or {}).get("rows", 0)
@@ -105,7 +77,7 @@ class ChatRows(Rows):
         for rows in dataset.iter(batch_size=64):
             n = len(rows[self.columns[0]])
             for i in range(n):
-                turns = self.conversation({c: rows[c][i] for c in self.columns}, done + i)
+                turns = self.conversation({c: rows[c][i] for c in self.columns + self.extra}, done + i)
                 batch.texts.append(turns)
                 batch.sizes.append(len(json.dumps(turns).encode()))
                 batch.ends.append(True)
@@ -128,7 +100,9 @@ def with_template(cfg, tokenizer, source: str):
     if given:
         path = Path(given).expanduser()
         tokenizer.chat_template = path.read_text() if "{" not in given and path.is_file() else given
-    if not getattr(tokenizer, "chat_template", None):
+    d = cfg.data
+    own = all(e.chat_template for e in d.sources) if d.sources else bool(d.chat_template)  # each data its own
+    if not getattr(tokenizer, "chat_template", None) and not own:
         raise UserError(Problem("tokenizer.chat_template", f"the tokenizer of {source} has no chat template, and "
                                 "data.format is chat", fix="set tokenizer.chat_template to a Jinja template (or a "
                                 ".jinja file), or use a tokenizer that ships one"))
@@ -138,7 +112,7 @@ def with_template(cfg, tokenizer, source: str):
 def template_key(cfg, tokenizer) -> str:
     """What the token cache entry depends on beyond the tokenizer's vocabulary."""
     d = cfg.data
-    digest = hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(str(for_data(cfg, tokenizer).chat_template).encode()).hexdigest()[:16]
     return f"chat|{digest}|prompt={d.train_on_prompt}|{d.overlong}"
 
 
@@ -160,8 +134,11 @@ class ChatEncoder:
     def __call__(self, conversations: list[list[dict]]) -> list[Optional[tuple[list[int], list[int]]]]:
         return [self.encode(turns) for turns in conversations]
 
-    def encode(self, turns: list[dict]) -> Optional[tuple[list[int], list[int]]]:
-        ids, mask = self.render(turns)
+    def encode(self, turns) -> Optional[tuple[list[int], list[int]]]:
+        tools = None
+        if isinstance(turns, dict):  # a row that offers tools: the template renders them
+            turns, tools = turns["messages"], turns.get("tools")
+        ids, mask = self.render(turns, tools)
         self.counts["conversations"] += 1
         if len(ids) > self.max_length:
             if self.overlong == "drop":
@@ -172,8 +149,10 @@ class ChatEncoder:
         self.counts["loss_tokens"] += sum(mask)
         return ids, mask
 
-    def render(self, turns: list[dict]) -> tuple[list[int], list[int]]:
+    def render(self, turns: list[dict], tools: Optional[list] = None) -> tuple[list[int], list[int]]:
         tok = self.tokenizer
+        if tools:
+            tok = _WithTools(tok, tools)
         if self.train_on_prompt:
             ids = tok.apply_chat_template(turns, tokenize=True, return_dict=True)["input_ids"]
             return list(ids), [1] * len(ids)
@@ -212,9 +191,35 @@ class ChatEncoder:
         return {"chat": {**self.counts, "max_length": self.max_length}}
 
 
+class _WithTools:
+    """The tokenizer, its chat template given the row's tools at every call."""
+
+    def __init__(self, tokenizer, tools: list):
+        self._tokenizer, self._tools = tokenizer, tools
+
+    def apply_chat_template(self, turns, **kwargs):
+        return self._tokenizer.apply_chat_template(turns, tools=self._tools, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return self._tokenizer(*args, **kwargs)
+
+
+def for_data(cfg, tokenizer):
+    """The tokenizer with this data's own template (`data.chat_template`, a source's), else as it is."""
+    given = cfg.data.chat_template
+    if not given:
+        return tokenizer
+    import copy
+
+    path = Path(given).expanduser()
+    own = copy.copy(tokenizer)  # the shared tokenizer keeps its template for the other sources
+    own.chat_template = path.read_text() if "{" not in given and path.is_file() else given
+    return own
+
+
 def encoder_for(cfg, tokenizer) -> ChatEncoder:
     d = cfg.data
-    return ChatEncoder(tokenizer, d.max_length, d.train_on_prompt, d.overlong)
+    return ChatEncoder(for_data(cfg, tokenizer), d.max_length, d.train_on_prompt, d.overlong)
 
 
 def describe_counts(counts: dict) -> str:

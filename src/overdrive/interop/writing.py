@@ -239,16 +239,20 @@ def imported_settings(resolved: Any) -> dict[str, Any]:
     values = resolved.config.model_dump(mode="json")
     out: dict[str, Any] = {}
     for key, chain in sorted(resolved.chains.items()):
-        if not chain or chain[-1].origin.layer == "default":
-            continue
+        if not chain or chain[-1].origin.layer == "default" or getattr(resolved.origins.get(key), "layer", "") == "derived":
+            continue  # derived values (steps from epochs, warmup from its ratio) follow from the keys written
         value, default = _lookup(values, key), _lookup(defaults, key)
-        if value == default or value is _MISSING:
+        # Another tool's value is kept even where it equals overdrive's default: the run says what it was given.
+        if value is _MISSING or value == default and chain[-1].native not in _TOOLS:
             continue
+        if isinstance(value, list):  # data.sources entries: the keys each one sets
+            value = [{k: v for k, v in item.items() if v is not None} if isinstance(item, dict) else item for item in value]
         _insert(out, key, value)
     return out
 
 
 _MISSING = object()
+_TOOLS = ("axolotl", "llamafactory", "torchtune")  # interop/tool_reading.py's readers
 
 
 def _lookup(tree: Any, key: str) -> Any:

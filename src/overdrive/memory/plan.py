@@ -80,11 +80,16 @@ def arithmetic(cfg, data: DataSize, micro_batch: int) -> Arithmetic:
     world, global_batch = split.data_parallel, split.global_batch
     tokens_per_step = global_batch * cfg.data.max_length
     train_tokens = steps = epochs = None
+    max_steps = t.max_steps
     if data.tokens is not None:
         held_out = cfg.data.validation_fraction if cfg.data.validation_split is None else 0.0
         train_tokens = int(data.tokens * (1 - held_out))
         samples = train_tokens // cfg.data.max_length  # packed blocks of max_length tokens
         steps = samples // global_batch
-        epochs = t.max_steps / steps if steps else None
+        if t.num_epochs is not None and steps:
+            from overdrive.config.length import steps_for
+
+            max_steps = steps_for(t.num_epochs, steps)  # as the run will count them (config/length.py)
+        epochs = max_steps / steps if steps else None
     return Arithmetic(world, micro_batch, t.gradient_accumulation_steps, cfg.data.max_length, global_batch,
-                      tokens_per_step, t.max_steps, train_tokens, steps, epochs)
+                      tokens_per_step, max_steps, train_tokens, steps, epochs)

@@ -26,6 +26,7 @@ from overdrive.config.schema import OPEN_MAPPINGS, RunConfig
 from overdrive.config.sources import load_file, parse_value
 from overdrive.errors import Problem, UserError
 from overdrive.interop import reading as native
+from overdrive.interop import tool_reading
 
 LAYERS = ("default", "accelerate-default", "file", "env", "cli", "override")
 META_KEYS = ("extends", "layer")
@@ -128,12 +129,12 @@ def file_layer(path: str | Path, layer: str = "file", _stack: tuple[Path, ...] =
             out.errors.append(Problem("extends", f"cycle: {cycle}", loaded.where("extends"), "remove one of the extends"))
             continue
         out.extend(file_layer(base_path, layer, _stack + (resolved_path,)))
-    kind = native.detect_kind(loaded.data)
+    kind = tool_reading.detect_kind(loaded.data)
     if kind == "overdrive":
         own_layer = label or layer
         out.extend(flatten_schema_mapping(loaded.data, _origin_in_file(own_layer, loaded)))
     else:
-        out.extend(native.map_file(loaded, kind, layer))
+        out.extend(tool_reading.map_file(loaded, kind, layer))
     return out
 
 

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 
 from pydantic import ValidationError
 
-from overdrive.config import batch
+from overdrive.config import batch, length
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 from overdrive.resolving import layers, validate
@@ -73,11 +73,15 @@ def resolve(
             pass
         raise UserError(errors + type_errors) from None
     config, derived = batch.settle(config, chains)  # the batch split, settled once here
+    order = {id(setting): i for i, setting in enumerate(s for output in outputs for s in output.settings)}
+    config, length_origins, length_errors, length_warnings = length.settle(config, chains, order)  # steps or epochs
     rule_errors, rule_warnings = validate.check(config, chains)
-    errors += rule_errors
+    errors += length_errors + rule_errors
+    warnings += length_warnings
     if errors:
         raise UserError(errors)
     origins = {key: chain[-1].origin for key, chain in chains.items()}
+    origins.update(length_origins)
     if derived is not None:
         origins[batch.ACCUMULATION] = derived
     return Resolved(config=config, origins=origins, chains=chains, warnings=warnings + rule_warnings)

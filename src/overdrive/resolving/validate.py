@@ -161,8 +161,15 @@ def _peft_rules(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Pro
     from overdrive.resolving.validate_peft import peft_rules
     from overdrive.strategies.cpu import on_cpu
 
+    from overdrive.resolving.validate_adapter import adapter_rules
+
     explicit = {key: set_by_user(chains, key) for key in chains if key.startswith(("peft.", "data.", "tokenizer."))}
-    return peft_rules(cfg, lambda key: _where(chains, key), explicit, lambda: on_cpu(cfg))  # asks torch: qlora only
+    errors, warnings = peft_rules(cfg, lambda key: _where(chains, key), explicit, lambda: on_cpu(cfg))  # torch: qlora only
+    # A tool's own default carried by an import (no line of its file) is not the user's choice.
+    chosen = {key: yes and not (chains[key][-1].native and chains[key][-1].origin.line is None)
+              for key, yes in explicit.items()}
+    more_errors, more_warnings = adapter_rules(cfg, lambda key: _where(chains, key), lambda key: chosen.get(key, False))
+    return errors + more_errors, warnings + more_warnings
 
 
 def listed_gpu_ids(text: str) -> list[int] | None:

@@ -14,6 +14,7 @@ adapter inside it, frozen and trainable tensors in one unit; ZeRO-3 partitions b
 from __future__ import annotations
 
 import difflib
+from pathlib import Path
 from typing import Any, Optional
 
 from overdrive.errors import Problem, UserError
@@ -102,6 +103,10 @@ def apply(cfg, model, gradient_checkpointing: bool = False):
         # Norms and other unquantized weights in fp32 for stability, inputs made to carry grads.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
                                                 gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.peft.adapter_path:  # an adapter that exists, trained on (its config checked by config/validate_adapter.py)
+        from peft import PeftModel
+
+        return PeftModel.from_pretrained(model, str(Path(cfg.peft.adapter_path).expanduser()), is_trainable=True)
     return get_peft_model(model, lora_config(cfg))
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,6 +26,7 @@ import torch
 
 from overdrive import checkpoint
 import overdrive.config.batch as batch
+from overdrive.config.provenance import Origin
 from overdrive.config.redact import redact
 from overdrive.config.schema import RunConfig
 from overdrive.storage import faults
@@ -123,6 +124,12 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
         out.mkdir(parents=True, exist_ok=True)
         faults.write_text(out / "resolved.json", settled.resolved.to_json(), "output_dir")
     parts = build_parts(cfg, accelerator)
+    if parts.derived:  # steps counted from the data (training.num_epochs): the config that runs, recorded
+        cfg = parts.config
+        origins = {**settled.resolved.origins, **{key: Origin("derived", why) for key, why in parts.derived.items()}}
+        settled = replace(settled, resolved=replace(settled.resolved, config=cfg, origins=origins))
+        if main:
+            faults.write_text(out / "resolved.json", settled.resolved.to_json(), "output_dir")
     if trackers:  # the trackers' hyperparameters are files too: secrets masked
         accelerator.init_trackers(cfg.logging.project_name, config=telemetry.flat_config(redact(cfg.model_dump(mode="json"))))
 

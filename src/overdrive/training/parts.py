@@ -36,6 +36,8 @@ class Parts:
     seq_len: int
     recipe: Optional[Recipe] = None  # what the loop asks of the optimizer and the data mixture
     notes: list[str] = field(default_factory=list)  # said once the run starts (trainable parameters, packing)
+    config: Optional[RunConfig] = None  # the config as it runs: steps counted from the data (training.num_epochs)
+    derived: dict = field(default_factory=dict)  # key -> how the data derived it
 
 
 def _micro_batch(cfg: RunConfig) -> int:
@@ -65,6 +67,7 @@ def build_parts(cfg: RunConfig, accelerator) -> Parts:
     # for those files (not in a barrier), then every process memory-maps the same token ids.
     tokenizer, tokens = data_mod.prepare(cfg, build_tokenizer, build=accelerator.is_local_main_process,
                                          show=accelerator.is_main_process and cfg.logging.level != "quiet")
+    cfg, derived = _counted_from_data(cfg, tokens.train, split.global_batch)
     special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
     if cfg.model.task == "sequence-classification":
         # The classifier reads the last non-pad token. A causal LM gets no pad id: packed
@@ -100,7 +103,20 @@ def build_parts(cfg: RunConfig, accelerator) -> Parts:
     model = _maybe_compile(model, cfg, accelerator)
     peak = telemetry.DevicePeak(accelerator.device, cfg.precision.mixed_precision, cache_dir)
     return Parts(accelerator, model, optimizer, scheduler, train_loader, eval_loader, tokenizer, fpt, peak,
-                 d.max_length, Recipe(cfg, optimizer, train_loader, d.max_length), notes)
+                 d.max_length, Recipe(cfg, optimizer, train_loader, d.max_length), notes, cfg, derived)
+
+
+def _counted_from_data(cfg: RunConfig, train, global_batch: int):
+    """Steps, warmup, evaluation and saving counted in epochs of the token cache's samples (a
+    mixture's: the sum over its sources), by config/length.py."""
+    from overdrive.config import length
+
+    samples = sum(train.sizes) if hasattr(train, "sizes") else len(train)
+    try:
+        return length.derived(cfg, samples, global_batch)
+    except ValueError as error:
+        raise UserError(Problem("training.num_epochs", str(error), fix="give more data, or lower "
+                                "training.micro_batch_size / gradient_accumulation_steps")) from None
 
 
 def _maybe_compile(model, cfg: RunConfig, accelerator):
