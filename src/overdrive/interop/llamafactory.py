@@ -259,10 +259,10 @@ def _loop(r: ToolReader) -> None:
         r.put("scheduler.warmup_ratio", float(r.data["warmup_ratio"]), "warmup_ratio")
     r.put_key("seed", "training.seed", int)
     r.put_key("logging_steps", "training.log_every_steps", lambda v: max(1, int(v)))
-    strategy = str(r.get("eval_strategy", r.get("evaluation_strategy", "no"))).lower()
-    if strategy == "epoch":
+    evaluate_every = str(r.get("eval_strategy", r.get("evaluation_strategy", "no"))).lower()
+    if evaluate_every == "epoch":
         r.put("training.evals_per_epoch", 1, "eval_strategy")
-    elif strategy == "steps":
+    elif evaluate_every == "steps":
         r.put_key("eval_steps", "training.eval_every_steps", lambda v: max(1, int(float(v))))
     save = str(r.get("save_strategy", "steps")).lower()
     if save == "epoch":
