@@ -113,3 +113,30 @@ def test_the_loop_shards_the_sequence_buffers_around_forward_and_backward_when_c
     # Without context parallel the loop neither enters it nor changes the batch.
     acc, _ = _one_step(cfg_of("data.max_length=8", "training.micro_batch_size=2"))
     assert acc.entered == [] and "shift_labels" not in acc.forward_kwargs and "attention_mask" in acc.forward_kwargs
+
+
+# ------------------------------------------------------------------ refused by key before a job starts
+
+
+CP_GPU_JOB = ("parallel.strategy=fsdp", "parallel.cp_size=2", "launch.num_processes=8", "data.max_length=64")
+
+
+@pytest.mark.parametrize("items, key", [
+    ((*CP_GPU_JOB, "data.format=chat", "data.packing=true", "model.name_or_path=some/model"), "data.packing"),
+    ((*CP_GPU_JOB, "model.task=sequence-classification"), "model.task"),
+    (("precision.mixed_precision=fp8", "peft.method=qlora", "model.name_or_path=some/model"), "precision.mixed_precision"),
+    (("precision.mixed_precision=fp8", "precision.fp8.backend=MSAMP", "parallel.strategy=fsdp"), "precision.fp8.backend"),
+    (("parallel.strategy=fsdp", "parallel.tp_size=2", "launch.num_processes=4", "peft.method=lora",
+      "model.name_or_path=some/model"), "parallel.tp_size"),
+])
+def test_gpu_combinations_that_would_run_wrongly_are_refused_by_key(items, key):
+    with pytest.raises(UserError) as error:
+        cfg_of(*items)
+    assert key in keys_of(error.value), str(error.value)
+    # The same job without the combination is accepted (packing off, MS-AMP under DeepSpeed, ...).
+
+
+def test_context_parallel_without_packing_and_ms_amp_under_deepspeed_are_accepted():
+    cfg_of(*CP_GPU_JOB, "data.format=chat", "data.packing=false", "model.name_or_path=some/model")
+    cfg_of("precision.mixed_precision=fp8", "precision.fp8.backend=MSAMP", "parallel.strategy=deepspeed")
+    cfg_of("parallel.strategy=fsdp", "parallel.tp_size=2", "launch.num_processes=4")
