@@ -140,3 +140,27 @@ def test_context_parallel_without_packing_and_ms_amp_under_deepspeed_are_accepte
     cfg_of(*CP_GPU_JOB, "data.format=chat", "data.packing=false", "model.name_or_path=some/model")
     cfg_of("precision.mixed_precision=fp8", "precision.fp8.backend=MSAMP", "parallel.strategy=deepspeed")
     cfg_of("parallel.strategy=fsdp", "parallel.tp_size=2", "launch.num_processes=4")
+
+
+# ------------------------------------------------------------------ preflight on a machine with GPUs
+
+
+@pytest.mark.parametrize("backend", [None, "cuda:nccl,cpu:gloo"])
+def test_preflight_takes_its_local_rank_s_gpu_before_nccl_starts_and_measures_nccl(backend, monkeypatch):
+    import torch.distributed as dist
+
+    from overdrive.observe import preflight
+    from overdrive.strategies import cpu
+
+    calls = []
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", torch.device(device))))
+    monkeypatch.setattr(cpu, "process_group_backend", lambda cfg: backend)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend: calls.append(("init", backend)))
+    monkeypatch.setattr(dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 8)
+    rank, world, device = preflight.join_process_group(cfg_of("launch.num_processes=8"))
+    assert calls == [("set_device", torch.device("cuda", 3)), ("init", backend or "nccl")]
+    assert (rank, world, device) == (3, 8, torch.device("cuda", 3))  # NCCL measured, not gloo on the CPU
