@@ -164,3 +164,35 @@ def test_preflight_takes_its_local_rank_s_gpu_before_nccl_starts_and_measures_nc
     rank, world, device = preflight.join_process_group(cfg_of("launch.num_processes=8"))
     assert calls == [("set_device", torch.device("cuda", 3)), ("init", backend or "nccl")]
     assert (rank, world, device) == (3, 8, torch.device("cuda", 3))  # NCCL measured, not gloo on the CPU
+
+
+# ------------------------------------------------------------------ fp16 mixed precision on fp16 weights
+
+
+def _unscale(model) -> None:
+    """One fp16 step as Accelerate makes it off-CPU: autocast, GradScaler, unscale before clipping."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    scaler = torch.amp.GradScaler("cpu")
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(torch.randn(2, 4)).float().sum()
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+
+
+def test_fp16_mixed_precision_trains_fp16_weights_in_fp32():
+    from overdrive.training import master_weights
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)).half()
+    with pytest.raises(ValueError, match="unscale FP16 gradients"):
+        _unscale(model)  # what the first clipped step met
+    model.zero_grad(set_to_none=True)
+    model[0].weight.requires_grad_(False)  # a frozen base weight stays as loaded
+    count = master_weights.upcast_trainable(cfg_of("precision.mixed_precision=fp16"), model)
+    assert count == 3 and model[0].weight.dtype == torch.float16 and model[1].weight.dtype == torch.float32
+    _unscale(model)
+    assert master_weights.note(count) and "fp32" in master_weights.note(count)[0]
+    # bf16 needs no scaler; DeepSpeed's fp16 engine keeps its own fp32 masters.
+    other = torch.nn.Linear(4, 4).half()
+    assert master_weights.upcast_trainable(cfg_of("precision.mixed_precision=bf16"), other) == 0
+    assert master_weights.upcast_trainable(cfg_of("precision.mixed_precision=fp16", "parallel.strategy=deepspeed"),
+                                           other) == 0
