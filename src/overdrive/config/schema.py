@@ -321,6 +321,11 @@ class LaunchConfig(Section):
         None, description="Container image the job runs in (`overdrive k8s`, `overdrive skypilot`), with overdrive "
         "and torch installed."
     )
+    kubeflow_trainer_version: Literal["2.0", "2.1", "2.2", "2.3"] = Field(
+        "2.3", description="Kubeflow Trainer release the cluster runs (`overdrive k8s --kind trainjob`): the volumes "
+        "reach the runtime's pods through `runtimePatches` (2.2, 2.3), `podTemplateOverrides` (2.1) or "
+        "`podSpecOverrides` (2.0); each release's TrainJob CRD rejects the others' field."
+    )
     accelerator: Optional[str] = Field(
         None, description="GPU type to ask a cloud for (`overdrive skypilot`: e.g. A100, H100, L4)."
     )
