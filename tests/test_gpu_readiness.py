@@ -53,7 +53,7 @@ class _RecordingAccelerator:
 
     def backward(self, loss):
         self.backward_inside = self.inside
-        loss.backward()
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def clip_grad_norm_(self, params, value):
         return torch.nn.utils.clip_grad_norm_(list(params), value)
@@ -65,7 +65,7 @@ def _one_step(cfg):
     from overdrive.config import batch
     from overdrive.training.loop import Loop, LoopState
     from overdrive.training.loss_tokens import LossTokens
-    from overdrive.training import nonfinite, telemetry
+    from overdrive.training import loss_scale, nonfinite, telemetry
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -91,6 +91,7 @@ def _one_step(cfg):
     loop.progress = SimpleNamespace(step=lambda step: None)
     loop.loss_tokens, loop.throughput = LossTokens(acc.device, 0), telemetry.Throughput()
     loop.guard = nonfinite.NonfiniteGuard("skip", optimizer, acc.device)
+    loop.scale_watch = loss_scale.ScaleWatch(None)
     loop.state.loss_sum = torch.zeros(())
     loop.grad_norm = None
     loop.optimizer_step()
@@ -196,3 +197,63 @@ def test_fp16_mixed_precision_trains_fp16_weights_in_fp32():
     assert master_weights.upcast_trainable(cfg_of("precision.mixed_precision=bf16"), other) == 0
     assert master_weights.upcast_trainable(cfg_of("precision.mixed_precision=fp16", "parallel.strategy=deepspeed"),
                                            other) == 0
+
+
+# ------------------------------------------------------------------ fp16 overflow with a fused optimizer
+
+
+class _Overflowing(torch.nn.Module):
+    """A loss that overflows fp16 once scaled, for the first `bad` calls."""
+
+    def __init__(self, bad: int):
+        super().__init__()
+        self.linear, self.bad = torch.nn.Linear(4, 4), bad
+
+    def forward(self, input_ids, labels=None, attention_mask=None):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = self.linear(input_ids.float()).float().pow(2).mean()
+        if self.bad:
+            self.bad -= 1
+            loss = loss * 1e38
+        return SimpleNamespace(loss=loss)
+
+
+def test_a_fused_adamw_step_skipped_by_the_fp16_scaler_holds_the_schedule_and_is_counted():
+    """Accelerate says "not skipped" for a fused optimizer (the kernel skips on found_inf
+    itself); the loop reads the scaler's scale, as Transformers' Trainer does."""
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    from overdrive.config import batch
+    from overdrive.training import loss_scale, nonfinite, telemetry
+    from overdrive.training.loop import Loop, LoopState
+    from overdrive.training.loss_tokens import LossTokens
+
+    Accelerator(cpu=True)  # the state AcceleratedOptimizer reads
+    cfg = cfg_of("precision.mixed_precision=fp16", "training.micro_batch_size=2", "training.gradient_clipping=null")
+    model = _Overflowing(bad=1)
+    scaler = torch.amp.GradScaler("cpu")
+    optimizer = AcceleratedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1, fused=True),
+                                     device_placement=False, scaler=scaler)
+    acc = _RecordingAccelerator()
+    acc.scaler = scaler
+    type(acc).optimizer_step_was_skipped = property(lambda self: optimizer.step_was_skipped)
+    loop = object.__new__(Loop)
+    loop.cfg, loop.state, loop.split = cfg, LoopState(), batch.split(cfg)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda s: s + 1.0)
+    loop.parts = SimpleNamespace(accelerator=acc, model=model, optimizer=optimizer, scheduler=schedule)
+    ids = torch.ones(2, 4)
+    loop.data = iter([{"input_ids": ids, "labels": ids.long()}] * 2)
+    loop.observe = SimpleNamespace(enter=lambda phase: None, step_done=lambda step: None)
+    loop.progress = SimpleNamespace(step=lambda step: None)
+    loop.loss_tokens, loop.throughput = LossTokens(acc.device, 0), telemetry.Throughput()
+    loop.guard = nonfinite.NonfiniteGuard("skip", optimizer, acc.device, scaler=scaler)
+    loop.scale_watch = loss_scale.ScaleWatch(scaler)
+    loop.state.loss_sum = torch.zeros(())
+    loop.grad_norm = None
+    weights = model.linear.weight.detach().clone()
+    loop.optimizer_step()  # overflows: the kernel leaves the weights, the scaler halves its scale
+    assert torch.equal(model.linear.weight, weights) and not optimizer.step_was_skipped  # what Accelerate says
+    assert schedule.last_epoch == 0 and loop.guard.read().scaler_skips == 1
+    loop.optimizer_step()  # a finite step: applied, and the schedule moves
+    assert not torch.equal(model.linear.weight, weights) and schedule.last_epoch == 1
