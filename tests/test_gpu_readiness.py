@@ -257,3 +257,20 @@ def test_a_fused_adamw_step_skipped_by_the_fp16_scaler_holds_the_schedule_and_is
     assert schedule.last_epoch == 0 and loop.guard.read().scaler_skips == 1
     loop.optimizer_step()  # a finite step: applied, and the schedule moves
     assert not torch.equal(model.linear.weight, weights) and schedule.last_epoch == 1
+
+
+# ------------------------------------------------------------------ MFU against the peak of the dtype used
+
+
+def test_mfu_is_read_against_the_peak_of_the_precision_the_matmuls_run_in():
+    from overdrive.training.dtypes import matmul_precision
+    from overdrive.training.telemetry import gpu_peak_flops
+
+    bf16_weights = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    assert matmul_precision("no", bf16_weights) == "bf16"
+    assert matmul_precision("no", torch.nn.Linear(8, 8).half()) == "fp16"
+    assert matmul_precision("no", torch.nn.Linear(8, 8)) == "no"
+    assert matmul_precision("bf16", torch.nn.Linear(8, 8)) == "bf16"  # autocast decides
+    h100 = "NVIDIA H100 80GB HBM3"
+    # The fp32 peak would make a bf16-weights run's MFU 15x too high.
+    assert gpu_peak_flops(h100, matmul_precision("no", bf16_weights)) / gpu_peak_flops(h100, "no") > 14

@@ -18,6 +18,7 @@ from overdrive.training import adapter, master_weights
 from overdrive.training import model as model_mod
 from overdrive.training import telemetry
 from overdrive.training import optimizers
+from overdrive.training.dtypes import matmul_precision
 from overdrive.training.recipe import Recipe
 from overdrive.training.tokenizer import build_tokenizer
 
@@ -102,7 +103,8 @@ def build_parts(cfg: RunConfig, accelerator) -> Parts:
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
     model = _maybe_compile(model, cfg, accelerator)
-    peak = telemetry.DevicePeak(accelerator.device, cfg.precision.mixed_precision, cache_dir)
+    # MFU against the peak of the precision the matmuls run in (bf16 weights without autocast: bf16).
+    peak = telemetry.DevicePeak(accelerator.device, matmul_precision(cfg.precision.mixed_precision, model), cache_dir)
     return Parts(accelerator, model, optimizer, scheduler, train_loader, eval_loader, tokenizer, fpt, peak,
                  d.max_length, Recipe(cfg, optimizer, train_loader, d.max_length), notes, cfg, derived)
 
