@@ -274,3 +274,39 @@ def test_mfu_is_read_against_the_peak_of_the_precision_the_matmuls_run_in():
     h100 = "NVIDIA H100 80GB HBM3"
     # The fp32 peak would make a bf16-weights run's MFU 15x too high.
     assert gpu_peak_flops(h100, matmul_precision("no", bf16_weights)) / gpu_peak_flops(h100, "no") > 14
+
+
+# ------------------------------------------------------------------ NCCL's timeout speaks before the watchdog
+
+
+def test_a_job_over_nccl_records_collectives_and_the_watchdog_waits_past_nccl_s_timeout(monkeypatch):
+    from overdrive.launch import workers
+    from overdrive.launch.process import process_env
+    from overdrive.observe import nccl_room, watchdog
+
+    gpu_job = cfg_of("launch.num_processes=16", "launch.num_machines=2", "launch.main_process_ip=node0",
+                     "launch.gpus_per_machine=8", "output_dir=/data/run")
+    env = process_env(gpu_job, elsewhere=True)  # what an sbatch script or a pod gets
+    assert int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0 and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"].startswith("/data/run/nccl_trace/")
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in process_env(cfg_of("launch.use_cpu=true"), elsewhere=True)
+    # NCCL times out at launch.timeout_minutes (60): the watchdog (600 s) waits past it.
+    assert nccl_room.watchdog_timeout_s(gpu_job, gpus=8) == 3600 + nccl_room.GRACE_S
+    assert nccl_room.watchdog_timeout_s(gpu_job, gpus=0) == 600  # gloo: the watchdog as configured
+    # The launcher hands the watchdog the raised timeout on a GPU machine.
+    seen = []
+
+    class Recording:
+        def __init__(self, output_dir, timeout_s, processes, say):
+            seen.append(timeout_s)
+            self.hang = None
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(watchdog, "Watchdog", Recording)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert workers.watched(gpu_job, lambda: 0) == (0, False) and seen == [3660.0]
