@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from overdrive.config import load_config
+from overdrive.resolving import load_config
 from overdrive.errors import UserError
 
 
