@@ -310,3 +310,49 @@ def test_a_job_over_nccl_records_collectives_and_the_watchdog_waits_past_nccl_s_
     monkeypatch.setattr(watchdog, "Watchdog", Recording)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert workers.watched(gpu_job, lambda: 0) == (0, False) and seen == [3660.0]
+
+
+# ------------------------------------------------------------------ step phases on the device's clock
+
+
+class _DeviceTimeline:
+    """CUDA events on a device timeline this test moves by hand."""
+
+    def __init__(self):
+        self.now_ms = 0.0
+
+    def event(self):
+        timeline, at = self, self.now_ms
+
+        class Event:
+            time_ms = at
+
+            def elapsed_time(self, end):
+                return end.time_ms - self.time_ms
+
+            def synchronize(self):
+                pass
+
+        return Event()
+
+
+def test_on_cuda_the_phases_are_timed_by_the_device_not_by_when_work_was_queued():
+    from overdrive.observe.device_steps import DeviceStepRecorder, recorder_for
+    from overdrive.observe.steps import StepRecorder
+
+    host = iter(x * 0.001 for x in range(100))  # the host queues everything within milliseconds
+    timeline = _DeviceTimeline()
+    recorder = DeviceStepRecorder(clock=lambda: next(host), event=timeline.event)
+    for phase, device_ms in (("data", 0.0), ("forward", 5.0), ("backward", 300.0), ("optimizer", 600.0),
+                             ("sync", 50.0)):
+        timeline.now_ms += device_ms  # the device reaches this phase change this much later
+        recorder.enter(phase)
+    timeline.now_ms += 5.0
+    recorder.step_done(1)
+    per_step = recorder.read().per_step()
+    assert per_step["forward_s"] == pytest.approx(0.300) and per_step["backward_s"] == pytest.approx(0.600)
+    assert per_step["optimizer_s"] == pytest.approx(0.050) and per_step["sync_s"] == pytest.approx(0.005)
+    step = sum(per_step[f"{p}_s"] for p in ("data", "forward", "backward", "optimizer", "sync"))
+    assert step == pytest.approx(0.960)  # the device's step (0 to 960 ms), phases adding up to it
+    assert isinstance(recorder_for(torch.device("cuda", 0)), DeviceStepRecorder)
+    assert type(recorder_for(torch.device("cpu"))) is StepRecorder
