@@ -356,3 +356,29 @@ def test_on_cuda_the_phases_are_timed_by_the_device_not_by_when_work_was_queued(
     assert step == pytest.approx(0.960)  # the device's step (0 to 960 ms), phases adding up to it
     assert isinstance(recorder_for(torch.device("cuda", 0)), DeviceStepRecorder)
     assert type(recorder_for(torch.device("cpu"))) is StepRecorder
+
+
+# ------------------------------------------------------------------ the profiler reads the device on CUDA
+
+
+def _event(name, start, end, thread=1, device_type=None):
+    from types import SimpleNamespace as NS
+
+    return NS(name=name, thread=thread, time_range=NS(start=start, end=end), device_type=device_type)
+
+
+def test_the_profiler_counts_nccl_kernels_overlapped_by_compute_as_hidden_and_staging_copies_as_no_communication():
+    from overdrive.observe.profiling import collective_seconds_by_phase
+
+    cuda = "DeviceType.CUDA"
+    events = [_event("phase:forward", 0, 100), _event("phase:backward", 100, 200), _event("phase:optimizer", 200, 210),
+              # the host queued everything early; the device runs behind it
+              _event("ampere_sgemm", 50, 250, device_type=cuda),
+              _event("ncclDevKernel_ReduceScatter_Sum_f32", 150, 250, device_type=cuda),  # overlapped: hidden
+              _event("ncclDevKernel_AllGather_RING", 260, 300, device_type=cuda),  # alone: exposed, launched in optimizer
+              _event("nccl:all_reduce", 120, 125)]  # the host-side record of a collective: not the device's time
+    seconds = collective_seconds_by_phase(events)
+    assert seconds == {"forward": 0.0, "backward": 0.0, "optimizer": pytest.approx(40e-6)}
+    # On CPU processes: FSDP2's host staging copy is not communication; a send is.
+    host = [_event("phase:forward", 0, 100), _event("FSDP::all_gather_copy_in", 0, 30), _event("gloo:send", 40, 60, 7)]
+    assert collective_seconds_by_phase(host)["forward"] == pytest.approx(20e-6)
