@@ -79,7 +79,8 @@ def problems(cfg: Any, where: Callable[[str], str]) -> list[Problem]:
     if strategy is registry.FSDP and p.storage_dtype == "uint8":
         found.append(Problem("peft.storage_dtype", "FSDP shards a block's tensors together, in one dtype: 4-bit "
                              "weights stored as uint8 cannot share a unit with float weights",
-                             where("peft.storage_dtype"), f"set peft.storage_dtype=auto (the model's {cfg.model.dtype})"))
+                             where("peft.storage_dtype"), "set peft.storage_dtype=auto (FSDP's compute dtype: "
+                             f"{cast_dtype(cfg) or cfg.model.dtype})"))
     cast = cast_dtype(cfg)
     if cast and p.bits == 4 and p.storage_dtype in _FLOAT_DTYPES and p.storage_dtype != cast:
         found.append(Problem("peft.storage_dtype", f"{strategy.name} casts every float parameter to {cast} under "
