@@ -297,8 +297,8 @@ def test_a_job_over_nccl_records_collectives_and_the_watchdog_waits_past_nccl_s_
     seen = []
 
     class Recording:
-        def __init__(self, output_dir, timeout_s, processes, say):
-            seen.append(timeout_s)
+        def __init__(self, output_dir, timeout_s, processes, say, over_nccl=False):
+            seen.append((timeout_s, over_nccl))
             self.hang = None
 
         def __enter__(self):
@@ -309,7 +309,7 @@ def test_a_job_over_nccl_records_collectives_and_the_watchdog_waits_past_nccl_s_
 
     monkeypatch.setattr(watchdog, "Watchdog", Recording)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert workers.watched(gpu_job, lambda: 0) == (0, False) and seen == [3660.0]
+    assert workers.watched(gpu_job, lambda: 0) == (0, False) and seen == [(3660.0, True)]
 
 
 # ------------------------------------------------------------------ step phases on the device's clock
@@ -382,3 +382,25 @@ def test_the_profiler_counts_nccl_kernels_overlapped_by_compute_as_hidden_and_st
     # On CPU processes: FSDP2's host staging copy is not communication; a send is.
     host = [_event("phase:forward", 0, 100), _event("FSDP::all_gather_copy_in", 0, 30), _event("gloo:send", 40, 60, 7)]
     assert collective_seconds_by_phase(host)["forward"] == pytest.approx(20e-6)
+
+
+# ------------------------------------------------------------------ the watchdog over NCCL
+
+
+def test_over_nccl_the_watchdog_does_not_single_out_a_rank_by_its_host_phase():
+    import time as clock
+
+    from overdrive.observe.heartbeat import Beat
+    from overdrive.observe.watchdog import RankView, judge, render
+
+    def view(rank, phase):
+        beat = Beat(rank=rank, local_rank=rank, host="a", pid=100 + rank, step=10, phase=phase, phase_since=0.0,
+                    progress=1, written=clock.time(), grads_ready_s_ago=None)
+        return RankView(beat, silent_s=0.5, still_s=30)
+
+    # Rank 1's host is in `optimizer`, queued behind an all-reduce its GPU waits in; rank 0's in `sync`.
+    views = [view(0, "sync"), view(1, "optimizer")]
+    assert [v.beat.rank for v in judge(views, 2, 20).stuck] == [1]  # on gloo the host phase tells
+    hang = judge(views, 2, 20, over_nccl=True)
+    assert [v.beat.rank for v in hang.stuck] == [0, 1] and hang.waiting == []
+    assert "nccl_trace" in render(hang, {})
