@@ -404,3 +404,12 @@ def test_over_nccl_the_watchdog_does_not_single_out_a_rank_by_its_host_phase():
     hang = judge(views, 2, 20, over_nccl=True)
     assert [v.beat.rank for v in hang.stuck] == [0, 1] and hang.waiting == []
     assert "nccl_trace" in render(hang, {})
+
+
+def test_tensor_parallel_from_pretrained_weights_warns_of_a_whole_copy_per_rank():
+    from overdrive.resolving import resolve
+
+    items = ["parallel.strategy=fsdp", "parallel.tp_size=2", "launch.num_processes=4"]
+    warned = resolve([], cli=[*items, "model.name_or_path=some/model"], env={}).warnings
+    assert [w.key for w in warned if "whole checkpoint" in w.message] == ["parallel.tp_size"]
+    assert not [w for w in resolve([], cli=items, env={}).warnings if "whole checkpoint" in w.message]

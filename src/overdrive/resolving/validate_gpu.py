@@ -23,6 +23,17 @@ def check(cfg: Any, where: Callable[[str], str]) -> list[Problem]:
     return _context_parallel(cfg, where) + _precision(cfg, where) + _tensor_parallel(cfg, where)
 
 
+def warnings(cfg: Any, where: Callable[[str], str]) -> list[Problem]:
+    """What runs, at a cost worth saying before it starts."""
+    tp = layout.layout(cfg).tp
+    if tp <= 1 or not cfg.model.name_or_path or cfg.model.from_scratch:
+        return []
+    return [Problem("parallel.tp_size", f"with pretrained weights every one of the {tp} ranks of a tensor-parallel "
+                    "group loads the whole checkpoint into host memory, then keeps its slice: host memory for "
+                    f"{tp} copies of the model per machine", where("model.name_or_path"),
+                    "make sure the machines' RAM holds them, or shard with FSDP (parallel.tp_size=1)")]
+
+
 def _context_parallel(cfg: Any, where: Callable[[str], str]) -> list[Problem]:
     cp, found = layout.layout(cfg).cp, []
     if cp <= 1:
