@@ -50,8 +50,9 @@ LETTERS = list("abcdefghijklmnopqrstuvwxyz")
 CHAT_WORDS = ["<system>", "<user>", "<assistant>", *LETTERS, "ok", "the", "answer", "is", "yes"]
 
 
-def make_tiny_llama(directory: Path, chat_template: str | None = CHAT_TEMPLATE, seed: int = 0) -> Path:
-    """A 2-layer Llama (hidden size 32) from LlamaConfig and a word-level tokenizer with a chat
+def make_tiny_llama(directory: Path, chat_template: str | None = CHAT_TEMPLATE, seed: int = 0,
+                    hidden_size: int = 32) -> Path:
+    """A 2-layer Llama (hidden size 32 unless said) from LlamaConfig and a word-level tokenizer with a chat
     template (or none), saved with save_pretrained."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -65,7 +66,7 @@ def make_tiny_llama(directory: Path, chat_template: str | None = CHAT_TEMPLATE, 
     if chat_template:
         tokenizer.chat_template = chat_template
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=len(vocab),
                                          max_position_embeddings=128, pad_token_id=0, eos_token_id=2,
                                          bos_token_id=2, tie_word_embeddings=False))

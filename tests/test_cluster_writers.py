@@ -175,3 +175,49 @@ def test_a_shrink_that_cannot_keep_the_global_batch_lists_the_machine_counts_tha
     assert code == 2
     # global batch 8 x 1 x 32 = 256 over 8 processes per machine: 3 machines (24) cannot.
     assert "3 cannot keep the global batch of 256" in err and "machine counts that keep it: 1, 2, 4" in err
+
+
+EARLIER_TRAINERS = {"2.0": "trainer.kubeflow.org_trainjobs-v2.0.1.yaml", "2.1": "trainer.kubeflow.org_trainjobs-v2.1.0.yaml"}
+
+
+@pytest.mark.parametrize("version", sorted(EARLIER_TRAINERS))
+def test_a_trainjob_for_an_earlier_trainer_release_passes_that_release_s_crd(version, schemas, capsys):
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    crd = yaml.load((FIXTURES / "crds" / EARLIER_TRAINERS[version]).read_text(), Loader=loader)
+    earlier = {"TrainJob": {f"{crd['spec']['group']}/{v['name']}": v["schema"]["openAPIV3Schema"]
+                            for v in crd["spec"]["versions"]}}
+    code, out, err = written(capsys, "k8s", *JOB, f"launch.kubeflow_trainer_version={version}")
+    assert code == 0, err
+    job = documents(out)["TrainJob"]
+    validate(earlier, job)
+    assert "runtimePatches" not in job["spec"]
+    text = json.dumps(job)
+    assert '"medium": "Memory"' in text and '"mountPath": "/dev/shm"' in text  # the volumes still reach the pods
+    # The default (2.3) TrainJob is what that release's CRD rejects.
+    with pytest.raises(jsonschema.ValidationError, match="runtimePatches"):
+        validate(earlier, documents(written(capsys, "k8s", *JOB)[1])["TrainJob"])
+
+
+@pytest.mark.parametrize("kind", ["trainjob", "pytorchjob", "jobset"])
+def test_every_pod_gets_a_memory_backed_dev_shm(kind, capsys):
+    code, out, err = written(capsys, "k8s", *JOB, "--kind", kind)
+    assert code == 0, err
+    job = next(doc for doc in yaml.safe_load_all(out) if doc["kind"] != "ConfigMap")
+    pods = []
+
+    def find(node):
+        if isinstance(node, dict):
+            if "volumes" in node and "containers" in node:
+                pods.append(node)
+            for value in node.values():
+                find(value)
+        elif isinstance(node, list):
+            for value in node:
+                find(value)
+
+    find(job)
+    assert pods
+    for pod in pods:
+        shm = [v["name"] for v in pod["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory"]
+        assert len(shm) == 1
+        assert {"name": shm[0], "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]

@@ -208,3 +208,30 @@ def test_what_each_strategy_refuses_or_sets_for_an_adapter(llama):
     with pytest.raises(UserError) as error:
         cfg("peft.method=lora", "parallel.strategy=fsdp", "parallel.fsdp.version=1", "parallel.fsdp.use_orig_params=false")
     assert keys_of(error.value) == ["parallel.fsdp.use_orig_params"]
+
+
+def test_packed_4bit_weights_are_stored_in_the_dtype_the_strategy_casts_to(llama):
+    """FSDP2 (bf16/fp16 MixedPrecisionPolicy) and DeepSpeed's bf16/fp16 engine cast every float
+    parameter: 4-bit bytes packed into another float dtype would be value-cast into garbage."""
+    from overdrive.strategies import adapter as strategy_adapter
+
+    def cfg(*items):
+        return resolve([], cli=[f"model.name_or_path={llama}", "peft.method=qlora", *items]).config
+
+    fsdp = ("parallel.strategy=fsdp",)
+    assert strategy_adapter.quant_storage_dtype(cfg(*fsdp, "precision.mixed_precision=bf16")) == "bfloat16"
+    assert strategy_adapter.quant_storage_dtype(cfg(*fsdp, "precision.mixed_precision=fp16")) == "float16"
+    assert strategy_adapter.quant_storage_dtype(cfg(*fsdp, "precision.mixed_precision=no")) == "float32"
+    # uint8 (DeepSpeed's auto) is no float: the engine leaves it alone.
+    zero2 = ("parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=2", "precision.mixed_precision=bf16")
+    assert strategy_adapter.quant_storage_dtype(cfg(*zero2)) == "uint8"
+    assert strategy_adapter.quant_storage_dtype(cfg(*zero2, "peft.storage_dtype=bfloat16")) == "bfloat16"
+    for items in ((*zero2, "peft.storage_dtype=float32"), (*fsdp, "precision.mixed_precision=bf16",
+                                                           "peft.storage_dtype=float16")):
+        with pytest.raises(UserError) as error:
+            cfg(*items)
+        assert keys_of(error.value) == ["peft.storage_dtype"], items
+        assert "value-cast" in str(error.value)
+    # Without mixed precision nothing casts: an explicit float32 stays allowed.
+    assert strategy_adapter.quant_storage_dtype(cfg(*zero2[:2], "precision.mixed_precision=no",
+                                                    "peft.storage_dtype=float32")) == "float32"

@@ -304,7 +304,9 @@ class LaunchConfig(Section):
         600.0, gt=0, description="Seconds without progress on any rank after which the job is declared hung: the "
         "stuck rank(s), the step and phase each was last seen in, and every rank's Python stack are printed, then the "
         "job ends (or restarts from the last checkpoint, `max_restarts`). Empty: no watchdog. Raise it when one rank "
-        "alone does long work (a huge checkpoint) while the others wait."
+        "alone does long work (a huge checkpoint) while the others wait. Over NCCL it waits at least until NCCL's own "
+        "timeout (`launch.timeout_minutes`) and a minute more, so NCCL's report and its flight recorder's dump "
+        "(`<output_dir>/nccl_trace/`) come first."
     )
     stop_timeout: float = Field(
         30.0, gt=0, description="Seconds a worker whose launcher is gone (killed, its terminal closed) has to finish "
@@ -320,6 +322,11 @@ class LaunchConfig(Section):
     image: Optional[str] = Field(
         None, description="Container image the job runs in (`overdrive k8s`, `overdrive skypilot`), with overdrive "
         "and torch installed."
+    )
+    kubeflow_trainer_version: Literal["2.0", "2.1", "2.2", "2.3"] = Field(
+        "2.3", description="Kubeflow Trainer release the cluster runs (`overdrive k8s --kind trainjob`): the volumes "
+        "reach the runtime's pods through `runtimePatches` (2.2, 2.3), `podTemplateOverrides` (2.1) or "
+        "`podSpecOverrides` (2.0); each release's TrainJob CRD rejects the others' field."
     )
     accelerator: Optional[str] = Field(
         None, description="GPU type to ask a cloud for (`overdrive skypilot`: e.g. A100, H100, L4)."

@@ -40,8 +40,10 @@ class PeftConfig(Section):
     quant_type: Literal["nf4", "fp4"] = Field("nf4", description="qlora, 4 bit: the data type (NormalFloat4 or FP4).")
     double_quant: bool = Field(True, description="qlora, 4 bit: quantize the quantization constants too.")
     storage_dtype: Literal["auto", "uint8", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="qlora, 4 bit: the dtype packed 4-bit weights are stored in. `auto`: uint8, or the "
-        "compute dtype when FSDP shards them (FSDP flattens a block's tensors together, so they must share one dtype)."
+        "auto", description="qlora, 4 bit: the dtype packed 4-bit weights are stored in. `auto`: uint8, or under FSDP "
+        "the dtype FSDP computes in (bf16/fp16 mixed precision, else the model's float dtype): FSDP casts every float "
+        "parameter to it on each all-gather, which must leave the packed bytes alone. DeepSpeed under bf16/fp16 casts "
+        "float parameters too: a float storage dtype there must be that one."
     )
     adapter_path: Optional[str] = Field(
         None, description="Continue training an adapter that exists: a PEFT adapter directory (adapter_config.json "

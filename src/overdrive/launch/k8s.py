@@ -58,13 +58,17 @@ def problems(job: Job) -> list[Problem]:
 
 
 def _volumes(job: Job) -> list[dict[str, Any]]:
+    # A container's /dev/shm is 64 MiB unless a volume says otherwise: NCCL's shared-memory
+    # transport between the GPUs of one machine and DataLoader workers need far more.
     return [{"name": "config", "configMap": {"name": f"{job.name}-config"}},
-            {"name": "output", "persistentVolumeClaim": {"claimName": f"{job.name}-output"}}]
+            {"name": "output", "persistentVolumeClaim": {"claimName": f"{job.name}-output"}},
+            {"name": "shm", "emptyDir": {"medium": "Memory"}}]
 
 
 def _mounts(job: Job) -> list[dict[str, Any]]:
     return [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-            {"name": "output", "mountPath": _output_mount(job)}]
+            {"name": "output", "mountPath": _output_mount(job)},
+            {"name": "shm", "mountPath": "/dev/shm"}]
 
 
 def _resources(job: Job) -> dict[str, Any]:
@@ -103,12 +107,23 @@ def trainjob(job: Job) -> dict[str, Any]:
     if job.gpus_per_machine:
         trainer["resourcesPerNode"] = _resources(job)
     pod = {"volumes": _volumes(job), "containers": [{"name": CONTAINER, "volumeMounts": _mounts(job)}]}
-    patch = {"manager": "overdrive", "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [
-        {"name": CONTAINER, "template": {"spec": {"template": {"spec": pod}}}}]}}}}
+    spec = {"runtimeRef": {"name": "torch-distributed", "apiGroup": "trainer.kubeflow.org",
+                           "kind": "ClusterTrainingRuntime"}, "trainer": trainer}
+    spec.update(_pod_patch(job.config.launch.kubeflow_trainer_version, pod))
     return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "metadata": {"name": job.name},
-            "spec": {"runtimeRef": {"name": "torch-distributed", "apiGroup": "trainer.kubeflow.org",
-                                    "kind": "ClusterTrainingRuntime"},
-                     "trainer": trainer, "runtimePatches": [patch]}}
+            "spec": spec}
+
+
+def _pod_patch(version: str, pod: dict[str, Any]) -> dict[str, Any]:
+    """How the volumes reach the runtime's `node` pods, by Trainer release (each CRD knows one):
+    2.0 `podSpecOverrides`, 2.1 `podTemplateOverrides`, 2.2 on `runtimePatches`."""
+    target = [{"name": CONTAINER}]
+    if version == "2.0":
+        return {"podSpecOverrides": [{"targetJobs": target, **pod}]}
+    if version == "2.1":
+        return {"podTemplateOverrides": [{"targetJobs": target, "spec": pod}]}
+    return {"runtimePatches": [{"manager": "overdrive", "trainingRuntimeSpec": {"template": {"spec": {
+        "replicatedJobs": [{"name": CONTAINER, "template": {"spec": {"template": {"spec": pod}}}}]}}}}]}
 
 
 def pytorchjob(job: Job) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import socket
 from typing import Any, Mapping, Optional
 
 from overdrive.config.schema import RunConfig
+from overdrive.observe import nccl_room
 from overdrive.strategies import cpu, registry
 
 # Variables Accelerate reads to configure itself. The config's env layer has already folded
@@ -63,7 +64,9 @@ def process_env(cfg: RunConfig, elsewhere: bool = False) -> dict[str, str]:
     env: dict[str, str] = {}
     if cfg.launch.threads_per_process or not elsewhere:
         env.update(OMP_NUM_THREADS=str(threads_per_process(cfg)), MKL_NUM_THREADS=str(threads_per_process(cfg)))
-    env.update(cpu.worker_env(cfg, cpu.target_gpus(cfg) if elsewhere else None))
+    gpus = cpu.target_gpus(cfg) if elsewhere else None
+    env.update(cpu.worker_env(cfg, gpus))
+    env.update(nccl_room.flight_recorder_env(cfg, gpus))  # NCCL's timeout report says which rank stopped where
     if cfg.launch.debug:
         # Accelerate takes its debug switch from this variable only.
         env.update(ACCELERATE_DEBUG_MODE="true", TORCH_DISTRIBUTED_DEBUG="DETAIL")

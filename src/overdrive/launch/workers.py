@@ -167,10 +167,13 @@ def launch_workers(resolved: Any, worker: Optional[Sequence[str]] = None,
 
 def watched(cfg: RunConfig, run: Any) -> tuple[int, bool]:
     """Run the agent with the hang watchdog beside it (`launch.hang_timeout_s`): (exit code, hung?)."""
+    from overdrive.observe.nccl_room import over_nccl, watchdog_timeout_s
     from overdrive.observe.watchdog import Watchdog
 
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
-    with Watchdog(cfg.output_dir, cfg.launch.hang_timeout_s, cfg.launch.num_processes, say) as watchdog:
+    # Over NCCL: after NCCL's own timeout report and flight-recorder dump (observe/nccl_room.py).
+    with Watchdog(cfg.output_dir, watchdog_timeout_s(cfg), cfg.launch.num_processes, say,
+                  over_nccl=over_nccl(cfg)) as watchdog:
         code = run()
     return code, watchdog.hang is not None
 

@@ -12,6 +12,7 @@ prints (preflight_report.py).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import statistics
@@ -118,22 +119,34 @@ def config_values(cfg) -> dict[str, str]:
     return {k: json.dumps(v, sort_keys=True) for k, v in flatten(redact(cfg.model_dump(mode="json"))).items()}
 
 
-def run_checks(cfg) -> dict[str, Any]:
-    """In a worker (or the lone process): every check; rank 0 judges; every rank gets the verdict."""
+def join_process_group(cfg) -> tuple[int, int, Any]:
+    """(rank, world, the device the collectives are measured on). On CUDA each local rank takes
+    its own GPU before NCCL starts (without it every rank uses cuda:0 and NCCL stops at the first
+    collective: "Duplicate GPU detected"); a mixed backend (`cuda:nccl,cpu:gloo`, FSDP's offload)
+    is measured on the GPU, where NCCL carries the training's collectives."""
     import torch
     import torch.distributed as dist
 
     from overdrive.strategies.cpu import process_group_backend
 
+    backend = process_group_backend(cfg) or ("nccl" if torch.cuda.is_available() else "gloo")
+    on_cuda = "nccl" in backend and torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_cuda else torch.device("cpu")
+    if on_cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def run_checks(cfg) -> dict[str, Any]:
+    """In a worker (or the lone process): every check; rank 0 judges; every rank gets the verdict."""
+    import torch
+    import torch.distributed as dist
+
     started = time.perf_counter()
     grouped = dist.is_available() and cfg.launch.num_processes > 1
-    if grouped and not dist.is_initialized():
-        backend = process_group_backend(cfg) or ("nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(backend=backend)
-    rank = dist.get_rank() if grouped else 0
-    world = dist.get_world_size() if grouped else 1
-    device = torch.device("cuda", torch.cuda.current_device()) if grouped and dist.get_backend() == "nccl" \
-        else torch.device("cpu")
+    rank, world, device = join_process_group(cfg) if grouped else (0, 1, torch.device("cpu"))
     rendezvous_s = time.perf_counter() - started
     params = model_params(cfg)
     out = Path(cfg.output_dir).expanduser()

@@ -30,8 +30,11 @@ from typing import Any, Optional
 
 from overdrive.observe.run import RunObserver
 
-COLLECTIVE = re.compile(r"(gloo|nccl|c10d)[:_]|all_?reduce|all_?gather|reduce_?scatter|broadcast|barrier",
-                        re.IGNORECASE)
+COLLECTIVE = re.compile(r"(gloo|nccl|c10d)[:_]|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|broadcast|"
+                        r"barrier|\bsend\b|\brecv\b|sendrecv", re.IGNORECASE)
+# Host-side staging around a collective (FSDP2's `all_gather_copy_in`, `..._copy_out`): copies, not communication.
+STAGING = re.compile(r"copy_in|copy_out", re.IGNORECASE)
+NCCL_KERNEL = re.compile(r"nccl", re.IGNORECASE)
 PHASE_PREFIX = "phase:"
 TOP_OPS = 10
 
@@ -84,25 +87,51 @@ def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[t
     return out
 
 
+def _on_device(event: Any) -> bool:
+    return "CUDA" in str(getattr(event, "device_type", "")).upper()
+
+
+def _is_collective(name: str) -> bool:
+    return bool(COLLECTIVE.search(name)) and not STAGING.search(name)
+
+
 def collective_seconds_by_phase(events: list[Any]) -> dict[str, float]:
     """Seconds of communication not hidden behind compute within each phase span.
 
-    Collectives run on the backend's own threads (gloo's `gloo:all_reduce`) as well as the
-    main thread; they are exposed when the main thread is not computing meanwhile (no
-    `aten::` operator of its own running). Pure: any objects with `name`, `thread` and
-    `time_range` (microseconds) will do."""
+    On CPU processes collectives run on the backend's own threads (gloo's `gloo:all_reduce`)
+    as well as the main thread; they are exposed when the main thread is not computing
+    meanwhile (no `aten::` operator of its own running). With CUDA kernels in the trace the
+    device is what counts: NCCL's kernels are exposed where no other kernel runs beside them
+    (the host only queued both), and each exposed stretch belongs to the last phase that began
+    before it (the device runs behind the host that launched it). Pure: any objects with
+    `name`, `thread`, `time_range` (microseconds) and, for kernels, `device_type` will do."""
     phases: dict[str, list[tuple[float, float]]] = {}
     main_thread = None
     for e in events:
         if e.name.startswith(PHASE_PREFIX):
             phases.setdefault(e.name[len(PHASE_PREFIX):], []).append((e.time_range.start, e.time_range.end))
             main_thread = e.thread
+    kernels = [e for e in events if _on_device(e)]
+    if kernels:
+        comm = _union([(e.time_range.start, e.time_range.end) for e in kernels if NCCL_KERNEL.search(e.name)])
+        busy = _union([(e.time_range.start, e.time_range.end) for e in kernels if not NCCL_KERNEL.search(e.name)])
+        return _by_launching_phase(_minus(comm, busy), phases)
     comm = _union([(e.time_range.start, e.time_range.end) for e in events
-                   if not e.name.startswith(PHASE_PREFIX) and COLLECTIVE.search(e.name)])
+                   if not e.name.startswith(PHASE_PREFIX) and _is_collective(e.name)])
     computing = _union([(e.time_range.start, e.time_range.end) for e in events
-                        if e.thread == main_thread and e.name.startswith("aten::") and not COLLECTIVE.search(e.name)])
+                        if e.thread == main_thread and e.name.startswith("aten::") and not _is_collective(e.name)])
     exposed = _minus(comm, computing)
     return {phase: _overlap(_union(spans), exposed) / 1e6 for phase, spans in phases.items()}
+
+
+def _by_launching_phase(exposed: list[tuple[float, float]], phases: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
+    starts = sorted((start, phase) for phase, spans in phases.items() for start, _ in spans)
+    seconds = dict.fromkeys(phases, 0.0)
+    for start, end in exposed:
+        earlier = [phase for begun, phase in starts if begun <= start]
+        if earlier:
+            seconds[earlier[-1]] += (end - start) / 1e6
+    return seconds
 
 
 def top_ops(profiler: Any, steps: int, cuda: bool) -> list[dict[str, Any]]:

@@ -87,4 +87,6 @@ def for_run(output_dir, accelerator, timers: bool = True) -> RunObserver:
     (the bench's baseline, measuring what they cost)."""
     if not timers:
         return RunObserver(output_dir, accelerator, NullRecorder(), heartbeat=False)
-    return RunObserver(output_dir, accelerator)
+    from overdrive.observe.device_steps import recorder_for
+
+    return RunObserver(output_dir, accelerator, recorder_for(accelerator.device))

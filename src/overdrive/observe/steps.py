@@ -12,8 +12,9 @@ gradient reduction waiting for the other ranks: DDP's all-reduce, ZeRO's reduce,
 by a hook on each parameter's gradient accumulation), plus the wrapper's synchronisation
 before the model's own forward begins (told apart by a forward pre-hook on the inner model).
 
-Host clocks only: on a GPU they measure when work was queued, not when it ran, unless
-something synchronises; the profiler (`overdrive profile`) measures the device.
+Host clocks: on a GPU they measure when work was queued, not when it ran, so a run on CUDA
+times its phases with CUDA events instead (device_steps.py); the profiler (`overdrive profile`)
+measures the kernels themselves.
 """
 
 from __future__ import annotations

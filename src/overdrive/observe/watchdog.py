@@ -64,10 +64,15 @@ class Hang:
     stuck: list[RankView]
     waiting: list[RankView]
     missing: list[int] = field(default_factory=list)  # ranks never heard from in this attempt
+    over_nccl: bool = False  # host phases say where a rank waits for its GPU, not which collective it is in
 
 
-def judge(views: list[RankView], world_size: int, timeout_s: float) -> Optional[Hang]:
-    """A hang, or None. Pure: the views carry everything (tests build them by hand)."""
+def judge(views: list[RankView], world_size: int, timeout_s: float, over_nccl: bool = False) -> Optional[Hang]:
+    """A hang, or None. Pure: the views carry everything (tests build them by hand).
+
+    Over NCCL collectives are queued on the GPU and the host runs ahead: a rank whose host is
+    in `optimizer` may be waiting for an all-reduce its GPU is in, so answering ranks are not
+    told apart by their host phase there (NCCL's timeout report and flight recorder do it)."""
     if not views or all(v.beat.phase == "finished" for v in views):
         return None
     live = [v for v in views if v.beat.phase != "finished"]
@@ -75,10 +80,10 @@ def judge(views: list[RankView], world_size: int, timeout_s: float) -> Optional[
         return None  # someone made progress within the timeout
     missing = sorted(set(range(world_size)) - {v.beat.rank for v in views})
     # The stuck ranks: those that cannot answer; else those not waiting in a collective; else all.
-    stuck = [v for v in live if not v.answering] or [v for v in live if not v.waiting] or live
+    stuck = [v for v in live if not v.answering] or ([] if over_nccl else [v for v in live if not v.waiting]) or live
     waiting = [v for v in live if v not in stuck]
     return Hang(timeout_s, sorted(stuck, key=lambda v: v.beat.rank), sorted(waiting, key=lambda v: v.beat.rank),
-                missing)
+                missing, over_nccl)
 
 
 def process_state(pid: int) -> str:
@@ -145,6 +150,10 @@ def render(hang: Hang, stacks: dict[int, str]) -> str:
         else:
             why = f"no progress for {v.still_s:.0f} s while the others wait"
         lines.append(f"  stuck: rank {b.rank} (host {b.host}, pid {b.pid}): {why}; last seen at {v.where()}")
+    if hang.over_nccl:
+        lines.append("  over NCCL a rank's phase is where its host waits for the GPU, not the collective its GPU is in: "
+                     "NCCL's timeout report above and the flight recorder's dumps (<output_dir>/nccl_trace/) name the "
+                     "collective and the ranks that did not join it")
     for rank in hang.missing:
         lines.append(f"  stuck: rank {rank}: never heard from in this attempt (another machine without a shared "
                      "output_dir, or it never reached the first step)")
@@ -181,8 +190,9 @@ class Watchdog:
     """A thread beside the elastic agent, for one attempt of the job on this machine."""
 
     def __init__(self, output_dir: str | Path, timeout_s: Optional[float], world_size: int,
-                 say: Callable[[str], None], poll_s: float = POLL_S):
+                 say: Callable[[str], None], poll_s: float = POLL_S, over_nccl: bool = False):
         self.output_dir, self.timeout_s, self.world_size, self.say = output_dir, timeout_s, world_size, say
+        self.over_nccl = over_nccl
         self.poll_s = poll_s
         self.since = time.time()
         self.hang: Optional[Hang] = None
@@ -220,7 +230,7 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
-            hang = judge(self.views(), self.world_size, self.timeout_s)
+            hang = judge(self.views(), self.world_size, self.timeout_s, self.over_nccl)
             if hang is None:
                 continue
             self.hang = hang

@@ -16,7 +16,7 @@ from overdrive.config.redact import shown
 from overdrive.config.schema import RunConfig
 from overdrive.config.sweep_space import sweep_rules
 from overdrive.errors import Problem
-from overdrive.resolving import recipe_rules
+from overdrive.resolving import recipe_rules, validate_gpu
 from overdrive.strategies import registry
 
 Chains = Mapping[str, list[Setting]]
@@ -152,7 +152,8 @@ def check(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]
     sweep_errors, sweep_warnings = sweep_rules(cfg, chains)
     errors += strategy_errors + launch_rules(cfg, chains) + sweep_errors
     errors += recipe_rules.check(cfg, lambda key: _where(chains, key))
-    warnings += training_rules(cfg, chains) + sweep_warnings
+    errors += validate_gpu.check(cfg, lambda key: _where(chains, key))
+    warnings += training_rules(cfg, chains) + sweep_warnings + validate_gpu.warnings(cfg, lambda key: _where(chains, key))
     peft_errors, peft_warnings = _peft_rules(cfg, chains)
     return errors + peft_errors, warnings + peft_warnings
 

@@ -31,7 +31,7 @@ from overdrive.config.redact import redact
 from overdrive.config.schema import RunConfig
 from overdrive.storage import faults
 from overdrive.strategies import registry
-from overdrive.training import nonfinite, telemetry
+from overdrive.training import context_parallel, loss_scale, nonfinite, telemetry
 from overdrive.training.evaluation import evaluate
 from overdrive.training.loss_tokens import LossTokens
 from overdrive.training.parts import Parts, build_parts, save_final
@@ -220,6 +220,7 @@ class Loop:
                                               deepspeed=strategy.engine_steps_optimizer,
                                               dynamic_loss_scale=strategy.skips_overflowing_steps(cfg))
         self.guard.restore(state.nonfinite_in_a_row)
+        self.scale_watch = loss_scale.ScaleWatch(acc.scaler)  # fp16: skips a fused optimizer hides from Accelerate
         self.outcome = Outcome(checkpoint=checkpoint)
         self.grad_norm = None
         self.lr = 0.0
@@ -237,14 +238,20 @@ class Loop:
         clipping = self.cfg.training.gradient_clipping
         world = self.split.data_parallel
         self.lr = self.parts.scheduler.get_last_lr()[0]  # the lr this optimizer step uses
+        self.scale_watch.before_step()
         for _ in range(self.split.accumulation):
             self.observe.enter("data")
             micro_batch = next(self.data)
+            # Counted before context parallel shards the sequences in place.
+            self.loss_tokens.add(micro_batch)
+            tokens = micro_batch["input_ids"].numel() * world  # shapes are host-side: no sync
             with acc.accumulate(model):
-                self.observe.enter("forward")
-                loss = model(**micro_batch).loss
-                self.observe.enter("backward")
-                acc.backward(loss)  # Accelerate divides by the accumulation steps: the mean of means
+                inputs, sequences = context_parallel.sharding(acc, self.cfg, micro_batch)
+                with sequences:  # cp_size > 1: this rank's slice of every sequence, forward and backward
+                    self.observe.enter("forward")
+                    loss = model(**inputs).loss
+                    self.observe.enter("backward")
+                    acc.backward(loss)  # Accelerate divides by the accumulation steps: the mean of means
                 self.observe.enter("optimizer")
                 if acc.sync_gradients and (clipping is not None or guard.needs_norm):
                     # Clipping to infinity measures the norm (over all ranks) and changes nothing.
@@ -255,13 +262,11 @@ class Loop:
                 optimizer.zero_grad(set_to_none=True)
             state.loss_sum += loss.detach().float()
             state.micro_steps += 1
-            self.loss_tokens.add(micro_batch)
-            tokens = micro_batch["input_ids"].numel() * world  # shapes are host-side: no sync
             self.throughput.add(tokens)
             state.tokens_seen += tokens
         if not acc.sync_gradients:
             raise RuntimeError("accumulation out of step with the data: optimizer did not step")
-        if not acc.optimizer_step_was_skipped:  # fp16 overflow skips a step; the schedule waits too
+        if not self.scale_watch.skipped(acc):  # fp16 overflow skips a step; the schedule waits too
             self.parts.scheduler.step()
         else:
             guard.scaler_skipped()  # reported as such at the next log, not as a bad loss

@@ -14,10 +14,11 @@ from overdrive import strategies
 import overdrive.config.batch as batch
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
-from overdrive.training import adapter
+from overdrive.training import adapter, master_weights
 from overdrive.training import model as model_mod
 from overdrive.training import telemetry
 from overdrive.training import optimizers
+from overdrive.training.dtypes import matmul_precision
 from overdrive.training.recipe import Recipe
 from overdrive.training.tokenizer import build_tokenizer
 
@@ -77,11 +78,12 @@ def build_parts(cfg: RunConfig, accelerator) -> Parts:
     model = model_mod.build_model(cfg, vocab_size=len(tokenizer), label_names=tokens.label_names,
                                   special_tokens=special, device=adapter.load_device(cfg, accelerator.device))
     _check_positions(model.config, d.max_length)
+    upcast = master_weights.upcast_trainable(cfg, model)
     model = strategies.split_model(model, accelerator, cfg)  # tensor parallel, when the layout has it
     layers, width = model_mod.shape_of(model.config)
     fpt = telemetry.flops_per_token(model_mod.flop_params(model), layers, width, d.max_length,
                                     frozen_params=model_mod.flop_params(model, frozen=True))
-    notes = adapter.notes(cfg, model)
+    notes = adapter.notes(cfg, model) + master_weights.note(upcast)
 
     collate = data_mod.collate_for(data_mod.sample_kind(cfg), tokenizer.pad_token_id)
     train_loader = data_mod.train_loader(tokens.train, split.micro, split.accumulation,
@@ -101,7 +103,8 @@ def build_parts(cfg: RunConfig, accelerator) -> Parts:
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
     model = _maybe_compile(model, cfg, accelerator)
-    peak = telemetry.DevicePeak(accelerator.device, cfg.precision.mixed_precision, cache_dir)
+    # MFU against the peak of the precision the matmuls run in (bf16 weights without autocast: bf16).
+    peak = telemetry.DevicePeak(accelerator.device, matmul_precision(cfg.precision.mixed_precision, model), cache_dir)
     return Parts(accelerator, model, optimizer, scheduler, train_loader, eval_loader, tokenizer, fpt, peak,
                  d.max_length, Recipe(cfg, optimizer, train_loader, d.max_length), notes, cfg, derived)
 
