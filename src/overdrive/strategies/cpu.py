@@ -28,6 +28,12 @@ N-D layouts (strategies/layout.py)
     attention kernel (aten._scaled_dot_product_flash_attention_for_cpu, torch 2.13).
     Sequence parallel is DeepSpeed's Ulysses over its CUDA attention kernels: a GPU path.
 
+QLoRA (bitsandbytes 0.50)
+    On a CPU with AVX512-BF16, a 4-bit layer repacks itself for that CPU at its first forward
+    outside training (evaluation), and the repacking fails for a layer narrower than one
+    quantization block (in_features < blocksize: "shape '[32, 0]' is invalid"). Such layers
+    keep bitsandbytes' generic CPU path (`keep_narrow_4bit_layers_generic`).
+
 "No GPU" means `launch.use_cpu` is set or the machine the job runs on has none. Where the
 job runs elsewhere (a script written on a login node), the caller says how many GPUs that
 machine has (`target_gpus`, from the config alone); otherwise torch is asked here.
@@ -264,3 +270,16 @@ def apply_to_user_accelerators(cfg: RunConfig) -> Iterator[None]:
     finally:
         for owner, name, before in saved:
             setattr(owner, name, before)
+
+
+def keep_narrow_4bit_layers_generic(model: Any) -> int:
+    """Turn off bitsandbytes' AVX512-BF16 repacking for 4-bit layers narrower than one block
+    (see QLoRA above); the count of layers changed."""
+    changed = 0
+    for module in model.modules():
+        quant_state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if getattr(module, "support_avx512bf16_for_cpu", False) and quant_state is not None \
+                and module.in_features < quant_state.blocksize:
+            module.support_avx512bf16_for_cpu = False
+            changed += 1
+    return changed

@@ -100,6 +100,9 @@ def apply(cfg, model, gradient_checkpointing: bool = False):
     from peft import get_peft_model, prepare_model_for_kbit_training
 
     if cfg.peft.method == "qlora":
+        from overdrive.strategies.cpu import keep_narrow_4bit_layers_generic
+
+        keep_narrow_4bit_layers_generic(model)  # a CPU workaround; a no-op on other devices
         # Norms and other unquantized weights in fp32 for stability, inputs made to carry grads.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
                                                 gradient_checkpointing_kwargs={"use_reentrant": False})
