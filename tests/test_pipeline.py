@@ -169,3 +169,14 @@ def test_export_writes_the_megatron_block_back_as_accelerate_reads_it(tmp_path):
     assert args.use_megatron_lm and (args.megatron_lm_tp_degree, args.megatron_lm_pp_degree) == (2, 2)
     back = resolve([tmp_path / "acc.yaml"], cli=PP + ["model.architecture.model_type=llama"], env={}).config.parallel
     assert (back.tp_size, back.pp_size, back.pp_microbatches) == (2, 2, 4)
+
+
+def test_every_megatron_key_accelerate_launches_with_is_read_or_refused_by_name():
+    """Accelerate's own launcher arguments (`--megatron_lm_*`) are the names a YAML may carry."""
+    from accelerate.commands.launch import launch_command_parser
+
+    from overdrive.interop import megatron_reading as m
+
+    names = {a.dest for a in launch_command_parser()._actions if a.dest.startswith("megatron_lm_")}
+    known = set(m.MEGATRON_KEYS) | set(m.MEGATRON_REFUSED) | set(m.MEGATRON_AS_IS)
+    assert names and names <= known, names - known

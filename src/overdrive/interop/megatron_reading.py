@@ -19,6 +19,7 @@ MEGATRON_KEYS = {
     "megatron_lm_num_micro_batches": "parallel.pp_microbatches",
     "megatron_lm_gradient_clipping": "training.gradient_clipping",
     "megatron_lm_recompute_activations": "model.gradient_checkpointing",
+    "megatron_lm_context_parallel_size": "parallel.cp_size",
 }
 
 # Keys Accelerate has that ask for what overdrive does not do: why, and the fix.
@@ -45,7 +46,32 @@ MEGATRON_REFUSED = {
     "megatron_lm_eod_mask_loss": ("the loss here covers every token of packed text, end-of-document ones included",
                                   "set it to false"),
     "other_megatron_args": ("Megatron-LM's own arguments are not read", "remove them"),
+    "megatron_lm_recompute_num_layers": ("recomputation here is of every decoder layer (model.gradient_checkpointing)",
+                                         "remove it"),
+    "megatron_lm_expert_model_parallel_size": ("expert parallel is not run here", "remove it (or set it to 1)"),
+    "megatron_lm_expert_tensor_parallel_size": ("expert parallel is not run here", "remove it (or set it to 1)"),
+    "megatron_lm_attention_backend": ("the attention kernel is the model's (model.attn_implementation)",
+                                      "remove it; set model.attn_implementation"),
+    "megatron_lm_attention_dropout": ("dropout is the model's own config", "remove it; set it in model.architecture"),
+    "megatron_lm_hidden_dropout": ("dropout is the model's own config", "remove it; set it in model.architecture"),
+    "megatron_lm_attention_softmax_in_fp32": ("the softmax precision is the model's attention kernel's",
+                                              "remove it"),
+    "megatron_lm_use_rotary_position_embeddings": ("position embeddings are the model's own (Llama-like models "
+                                                   "rotate, GPT-2 learns them)", "remove it"),
 }
+# Keys that ask for what the pipeline does anyway: read, nothing to set.
+MEGATRON_AS_IS = {
+    "megatron_lm_calculate_per_token_loss": "the pipeline's step loss is the token mean over the step's samples",
+}
+
+def _asks_for(key: str, value: Any) -> bool:
+    """Whether a value switches something on: true, a size above 1, another number but 0, a name."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, (int, float)):
+        return value > 1 if key.endswith("_size") else value != 0
+    return str(value).strip().lower() not in ("", "false", "no", "0", "none", "null")
+
 
 def _truthy(value: Any) -> bool:
     return str(value).strip().lower() in ("true", "yes", "1", "on") if isinstance(value, str) else bool(value)
@@ -68,13 +94,15 @@ def map_megatron(data: Mapping[str, Any], c: Any, distributed_type: str) -> None
     for key, value in block.items():
         where = path + (key,)
         if key in MEGATRON_REFUSED:
-            if value is not None and (not isinstance(value, (bool, str)) or _truthy(value)) and value != 0:
+            if _asks_for(key, value):
                 why, fix = MEGATRON_REFUSED[key]
                 c.error(where, f"{value!r}: {why}", fix)
             continue
+        if key in MEGATRON_AS_IS:
+            continue
         target = MEGATRON_KEYS.get(key)
         if target is None:
-            close = difflib.get_close_matches(str(key), [*MEGATRON_KEYS, *MEGATRON_REFUSED], n=1)
+            close = difflib.get_close_matches(str(key), [*MEGATRON_KEYS, *MEGATRON_REFUSED, *MEGATRON_AS_IS], n=1)
             c.error(where, "not a megatron_lm_config key" + (f" (did you mean `{close[0]}`?)" if close else ""))
         elif value is None:
             continue
