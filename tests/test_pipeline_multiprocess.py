@@ -44,8 +44,9 @@ def _run(base, name, processes, overrides):
 
 
 def test_a_pipeline_run_killed_after_its_step_8_checkpoint_continues_on_one_process(one_process):
-    """PP 2 (1F1B) checkpoints every 8 steps through DCP; killed once step 9 is logged, the run
-    goes on as one process from step 8 and logs the uninterrupted one-process losses."""
+    """PP 2 (1F1B) checkpoints every 8 steps through DCP; its launcher killed once step 9 is
+    logged (the workers, losing it, stop after a step and checkpoint that one too), the run goes on
+    as one process from its newest checkpoint and logs the uninterrupted one-process losses."""
     expected, base = one_process
     out = base / "killed"
     common = [*LLAMA, "checkpoint.enabled=true", "checkpoint.every_steps=8", "training.gradient_accumulation_steps=4"]
