@@ -61,6 +61,7 @@ _RULES: dict[str, tuple[str, str]] = {
     "parallel.fsdp.state_dict_type": ("layout", "a sharded and a full state dict are different files"),
     # The N-D layout's sizes: routes.py says whether the files move (DCP) or not.
     "parallel.tp_size": ("layout", "tensor-parallel shards are files of their own"),
+    "parallel.pp_size": ("layout", "pipeline stages hold the model in parts"),
     "parallel.cp_size": ("layout", "the mesh the checkpoint was sharded over"),
     "parallel.sp_size": ("layout", "the mesh the checkpoint was sharded over"),
     "parallel.dp_replicate_size": ("layout", "the mesh the checkpoint was sharded over"),

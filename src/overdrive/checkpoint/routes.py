@@ -15,6 +15,8 @@ gives a `Route`:
   directory (checkpoint/tensor_parallel.py), which loads into any tp_size and world size of a
   run without FSDP or DeepSpeed. Under FSDP2 the layout (HSDP, FSDP x TP) is DCP's own
   business: FSDP2's sharded state dict loads into another mesh of the same strategy.
+- pipeline: pipeline stages write one DCP directory under the whole model's parameter names
+  (checkpoint/pipeline_state.py), which loads into stages of any layout, or into a DDP run.
 - across: another strategy. The saved weights and Adam moments are read as whole tensors
   keyed by parameter name (from DDP's files, FSDP2's DCP, or ZeRO's universal checkpoint) and
   placed with `torch.distributed.checkpoint.state_dict.set_state_dict`, which shards them
@@ -62,6 +64,8 @@ def label(config: Mapping[str, Any]) -> str:
 def _layout(config: Mapping[str, Any]) -> tuple:
     """What decides the files' format (offload does not: ZeRO saves the same files with or without it)."""
     p = config["parallel"]
+    if nd.layout(config).pp > 1:
+        return (p["strategy"], "pipeline")  # one DCP directory under the whole model's names
     if p["strategy"] == "deepspeed":
         return ("deepspeed", int(p["deepspeed"]["zero_stage"]))
     if p["strategy"] == "fsdp":
@@ -109,6 +113,12 @@ def route(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Route:
     w_old, w_new = int(saved["launch"]["num_processes"]), int(current["launch"]["num_processes"])
     a, b = _layout(saved), _layout(current)
     base = dict(source=label(saved), target=label(current), source_world=w_old, target_world=w_new)
+    if "pipeline" in a + b and (a != b or w_old != w_new or nd.layout(saved).mesh != nd.layout(current).mesh):
+        if a[1:] == ("pipeline",) and (b[0] == "ddp" or b[1:] == ("pipeline",)):
+            return Route("dcp", **base, reader="torch.distributed.checkpoint resharding")
+        return Route("refused", **base, refusal=f"a {base['source']} checkpoint cannot continue under {base['target']}: "
+                     "pipeline stages' checkpoints load into pipeline stages of any layout (DDP or FSDP2 beside them) or "
+                     "into DDP (with or without tensor parallel); other files do not load into stages")
     if "tensor parallel" in a + b and a != b:
         if a[1:] == ("tensor parallel",) and b[0] == "ddp":
             return Route("dcp", **base, reader="torch.distributed.checkpoint resharding")

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 
 from overdrive.checkpoint import adapter_state
 from overdrive.checkpoint import fingerprint as fp
-from overdrive.checkpoint import reshard, store, tensor_parallel
+from overdrive.checkpoint import pipeline_state, reshard, store
 from overdrive.checkpoint.room import CheckpointRoom
 from overdrive.checkpoint.resume import (START_OVER, TRAINER_STATE, ResumePlan, judge, plan_resume,  # noqa: F401
                                          read_state, with_plan)
@@ -83,6 +83,7 @@ class Checkpointer:
         self.main = accelerator.is_main_process
         self.lineage = (plan.saved or {}).get("lineage") or uuid.uuid4().hex
         self.last_saved = -1
+        self.stages: tuple = (None,)  # (pipeline, stages, optimizer) under pipeline parallel: pipeline_state.py
         # The schedule is stepped by the loop, not prepared: registering it puts it in save_state.
         accelerator.register_for_checkpointing(scheduler)
         # An adapter run saves what is trained, not the frozen base (adapter_state.py).
@@ -141,7 +142,7 @@ class Checkpointer:
                 with reshard.universal_loading(self.acc._models[0]):  # the DeepSpeed engine
                     self.acc.load_state(str(universal))
             else:
-                tensor_parallel.load_state(self.acc, path, **self.load_kwargs)
+                pipeline_state.load_state(self.acc, path, *self.stages, **self.load_kwargs)
         except UserError:
             raise
         except Exception as error:  # shapes, missing shards: the message says what
@@ -204,7 +205,7 @@ class Checkpointer:
         parts = self.room.save_parts(acc, tmp, step)
         parts.part(lambda: self.main and self.room.check_then_begin(step, self.say))
         with _quiet_tied_weights():
-            parts.part(lambda: tensor_parallel.save_state(acc, tmp, **self.save_kwargs))
+            parts.part(lambda: pipeline_state.save_state(acc, tmp, *self.stages, **self.save_kwargs))
         # every rank's files are written (the part agreed) before the manifest lists them
         parts.part(lambda: self.main and self._write_trainer_state(tmp, state, losses))
         final = self.root / store.name_for(step)

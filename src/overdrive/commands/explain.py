@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         print_table(["key", "value", "origin"], [row[1:] for row in rows], title="effective configuration")
     else:
         print("every value is the schema default (the embedded job); --all lists them")
-    if layout.layout(resolved.config).is_nd:
+    if layout.layout(resolved.config).has_axes:
         print(f"layout: {layout.summary(resolved.config)['text']}")
     resume = _resume(resolved.config)
     if resume:

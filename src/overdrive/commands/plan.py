@@ -67,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
         cfg = derived(cfg, math_.steps_per_epoch * math_.global_batch, math_.global_batch)[0]
     curve = _lr_points(cfg)
     sources = _sources(cfg, sizes, math_)
+    from overdrive.memory import pipeline as stage_memory
+
+    stages = stage_memory.stages(cfg, shape, target) if cfg.parallel.pp_size > 1 else None
 
     if args.json:
         print(json.dumps({
@@ -85,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
             "tokenize": tokenize.to_dict() if tokenize else None,
             "optimizer": _optimizer(cfg), "lr_points": [{"step": step + 1, "lr": lr} for step, lr in curve],
             "sources": sources,
-            "layout": layout.summary(cfg),
+            "layout": layout.summary(cfg), "pipeline": stages,
             "checkpoint_bytes": room.per_checkpoint, "checkpoint_bytes_measured": room.measured,
             "disk_free_bytes": room.free, "disk_warning": room.warning(),
         }, indent=2))
@@ -95,10 +98,10 @@ def run(args: argparse.Namespace) -> int:
     lines = [
         f"model        {shape.name}: {shape.params:,} parameters, {shape.layers} layers x {shape.hidden} wide",
         f"batch        micro {micro} x accumulation {math_.accumulation} x "
-        f"{'data-parallel' if layout.layout(cfg).is_nd else 'world'} {math_.world} "
+        f"{'data-parallel' if layout.layout(cfg).has_axes else 'world'} {math_.world} "
         f"= global batch {math_.global_batch} sequences{micro_note}",
         f"tokens/step  {math_.global_batch} x {math_.seq_len} = {math_.tokens_per_step:,} tokens per optimizer step",
-        *([f"layout       {layout.summary(cfg)['text']}"] if layout.layout(cfg).is_nd else []),
+        *([f"layout       {layout.summary(cfg)['text']}"] if layout.layout(cfg).has_axes else []),
         f"data         {_fmt(data.tokens)} tokens — {data.basis}",
     ]
     lines.append(_tokenize_line(cfg, tokenize) if not sources else "tokenize     each source on its own (below)")
@@ -123,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         f"buffers {gib(row.buffers_bytes)})" + (f" + {gib(row.host_bytes)} GiB host RAM" if row.host_bytes else ""))
     lines.append(f"             {'fits' if row.fits else 'does NOT fit'} in {cap.source} with 10% headroom"
                  f"{'' if row.fits else ' — see `overdrive estimate` for the strategies that do'}")
+    lines.extend(_stage_lines(stages, gib) if stages else [])
     if cfg.checkpoint.enabled:
         lines.append(f"disk         {room.summary()}")
         if room.warning():
@@ -136,6 +140,18 @@ def run(args: argparse.Namespace) -> int:
                      "`overdrive tune` to predict step time")
     print("\n".join(lines))
     return 0
+
+
+def _stage_lines(stages: dict, gib) -> list[str]:
+    lines = [f"pipeline     {stages['pp_size']} ranks x {stages['stages_per_rank']} stage(s), {stages['schedule']}, "
+             f"{stages['microbatches']} microbatches of {stages['samples_per_microbatch']} samples: bubble "
+             f"{stages['bubble_fraction']:.1%} of each step"]
+    for r in stages["ranks"]:
+        lines.append(f"             pp rank {r['pp_rank']} (stages {', '.join(map(str, r['stages']))}): "
+                     f"{gib(r['total_bytes'])} GiB per device ({r['parameters']:,} parameters: weights, grads, optim "
+                     f"{gib(r['model_state_bytes'])}; activations of {r['microbatches_in_flight']} microbatches in "
+                     f"flight {gib(r['activations_bytes'])})")
+    return lines
 
 
 def _lr_points(cfg) -> list[tuple[int, float]]:

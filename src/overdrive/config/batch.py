@@ -32,8 +32,8 @@ MICRO = "training.micro_batch_size"
 
 def data_parallel_degree(config: Any) -> int:
     """Processes that each take different samples: the layout's dp_replicate x dp_shard, that is
-    world / (tp x cp x sp) (config/mesh.py). The ranks of one tensor, context or sequence
-    parallel group share a batch."""
+    world / (pp x tp x cp x sp) (config/mesh.py). The ranks of one pipeline, tensor, context or
+    sequence parallel group share a batch."""
     return mesh.layout(config).data_parallel
 
 

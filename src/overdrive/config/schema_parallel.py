@@ -107,7 +107,7 @@ class ParallelConfig(Section):
         "replica, all-reduce across replicas; set it to the number of machines).")
     dp_shard_size: Optional[int] = Field(
         None, ge=1, description="Ranks the fsdp strategy shards the model over. Empty: the rest of the world, "
-        "num_processes / (dp_replicate_size x tp_size x cp_size x sp_size).")
+        "num_processes / (dp_replicate_size x pp_size x tp_size x cp_size x sp_size).")
     tp_size: int = Field(
         1, ge=1, description="Tensor parallel degree (Transformers' tensor-parallel plan of the model; heads and KV "
         "heads must divide by it). Its ranks see the same batch.")
@@ -126,3 +126,22 @@ class ParallelConfig(Section):
         "Empty: data.max_length.")
     sp_attn_implementation: Literal["sdpa", "flash_attention_2", "flash_attention_3"] = Field(
         "sdpa", description="Sequence parallel: the attention kernel DeepSpeed's Ulysses wraps.")
+    pp_size: int = Field(
+        1, ge=1, description="Pipeline parallel degree: the model's decoder layers split into stages, one group of "
+        "ranks per stage (torch.distributed.pipelining; the embedding goes with the first stage, the final norm "
+        "and head with the last). Its ranks see the same batch.")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
+                         "zbv_zero_bubble", "dual_pipe_v"] = Field(
+        "1f1b", description="Pipeline schedule (torch's): gpipe (all forwards, then all backwards), 1f1b (one "
+        "forward, one backward: fewer microbatches in flight), interleaved_1f1b and looped_bfs (several stages per "
+        "rank: a smaller bubble), interleaved_zero_bubble, zbv_zero_bubble and dual_pipe_v (backward split into "
+        "input and weight gradients).")
+    pp_microbatches: Optional[int] = Field(
+        None, ge=1, description="Pipeline microbatches per optimizer step: the step's samples on one data-parallel "
+        "replica (micro_batch_size x gradient_accumulation_steps) are split into this many. Empty: "
+        "gradient_accumulation_steps when it is at least pp_size (each micro-batch is one pipeline microbatch), "
+        "else one sample per microbatch.")
+    pp_stages_per_rank: Optional[int] = Field(
+        None, ge=1, description="Pipeline stages each rank holds. Empty: 1 for gpipe and 1f1b, 2 for the "
+        "multi-stage schedules (interleaved_1f1b, looped_bfs, interleaved_zero_bubble; zbv_zero_bubble and "
+        "dual_pipe_v need exactly 2).")

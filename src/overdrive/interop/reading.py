@@ -5,8 +5,8 @@ key, the nested deepspeed_config / fsdp_config / dynamo_config / fp8_config sect
 legacy forms (`fp16: true`, top-level `dynamo_backend`, YAML 1.1's bare `NO` read as false).
 DeepSpeed JSON covers `"auto"` values, the legacy `bfloat16` section and
 `stage3_gather_fp16_weights_on_model_save`; entries with no schema key are kept verbatim in
-`parallel.deepspeed.extra`. What Accelerate would silently drop is reported as a warning;
-what overdrive does not run (SageMaker, TPU, MPI hostfiles, Megatron) is refused, naming the key.
+`parallel.deepspeed.extra`. What Accelerate would silently drop is reported as a warning; what overdrive
+does not run (SageMaker, TPU, MPI hostfiles) is refused by key; Megatron-LM's: interop/megatron_reading.py.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from overdrive.interop.tables import (
     ZERO_KEYS,
 )
 from overdrive.interop.deepspeed_reading import map_deepspeed
+from overdrive.interop.megatron_reading import map_megatron
 from overdrive.interop.parallelism_reading import map_parallelism, map_parallelism_env
 from overdrive.interop.deepspeed_schema import check as check_deepspeed
 from overdrive.config.keys import coerce
@@ -149,12 +150,12 @@ def map_accelerate(data: Mapping[str, Any], c: _Collector, base_dir: Path, layer
     strategy = DISTRIBUTED_TYPES.get(dist)
     if strategy is None:
         c.error(("distributed_type",), f"{dist} is not run by overdrive",
-                "use NO, MULTI_GPU, MULTI_CPU, DEEPSPEED or FSDP (TPU/XLA and Megatron-LM are not supported)")
+                "use NO, MULTI_GPU, MULTI_CPU, DEEPSPEED, FSDP or MEGATRON_LM (TPU/XLA are not supported)")
     elif "distributed_type" in data:
         c.set("parallel.strategy", strategy, "distributed_type")
         if dist == "MULTI_CPU":
             c.set("launch.use_cpu", True, "distributed_type")
-        elif dist not in ("NO", "MULTI_GPU", "DEEPSPEED", "FSDP", "MULTI_CPU"):
+        elif dist not in ("NO", "MULTI_GPU", "DEEPSPEED", "FSDP", "MULTI_CPU", "MEGATRON_LM"):
             c.warn(("distributed_type",), f"{dist} runs as plain data parallel on whatever devices torch finds")
 
     _map_top_level(data, c)
@@ -217,8 +218,7 @@ def _map_refusals(data: Mapping[str, Any], c: _Collector, dist: str) -> None:
     if mpirun.get("mpirun_hostfile"):
         c.error(("mpirun_config", "mpirun_hostfile"), "MPI hostfiles are not used: overdrive starts CPU workers with torch.distributed.run",
                 "remove mpirun_config and set launch.num_machines / launch.main_process_ip; run `overdrive train` on each machine")
-    if data.get("megatron_lm_config"):
-        c.error(("megatron_lm_config",), "Megatron-LM is not run by overdrive", "remove the section")
+    map_megatron(data, c, dist)
     block = data.get("parallelism_config")
     if block:
         map_parallelism(block, c)

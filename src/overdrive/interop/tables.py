@@ -59,6 +59,7 @@ DISTRIBUTED_TYPES = {
     "NO": "ddp", "MULTI_GPU": "ddp", "MULTI_CPU": "ddp", "MULTI_XPU": "ddp", "MULTI_NPU": "ddp",
     "MULTI_MLU": "ddp", "MULTI_SDAA": "ddp", "MULTI_MUSA": "ddp", "MULTI_HPU": "ddp",
     "MULTI_NEURON": "ddp", "DEEPSPEED": "deepspeed", "FSDP": "fsdp",
+    "MEGATRON_LM": "ddp",  # its tensor and pipeline degrees: interop/megatron_reading.py
 }
 
 # deepspeed_config keys in an Accelerate YAML (and ACCELERATE_DEEPSPEED_* variables).

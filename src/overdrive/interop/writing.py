@@ -119,6 +119,10 @@ def accelerate_config(cfg: RunConfig, deepspeed_file: Optional[str] = None) -> d
     parallelism = parallelism_section(cfg)
     if parallelism:
         out["parallelism_config"] = parallelism
+    if cfg.parallel.pp_size > 1:  # Accelerate's form of pipeline stages is Megatron-LM's block
+        from overdrive.interop.megatron_reading import megatron_section
+
+        out.update(distributed_type="MEGATRON_LM", megatron_lm_config=megatron_section(cfg))
     if cfg.compile.backend:
         c = cfg.compile
         out["dynamo_config"] = {"dynamo_backend": c.backend.upper(), "dynamo_mode": c.mode or "default",
@@ -185,9 +189,9 @@ def accelerate_flags(cfg: RunConfig, deepspeed_file: Optional[str] = None) -> li
     config = accelerate_config(cfg, deepspeed_file)
     dist = config["distributed_type"]
     flags = {"DEEPSPEED": ["--use_deepspeed"], "FSDP": ["--use_fsdp"], "MULTI_GPU": ["--multi_gpu"],
-             "MULTI_CPU": ["--cpu"]}.get(dist, ["--cpu"] if cfg.launch.use_cpu else [])
+             "MULTI_CPU": ["--cpu"], "MEGATRON_LM": ["--use_megatron_lm"]}.get(dist, ["--cpu"] if cfg.launch.use_cpu else [])
     items = {k: v for k, v in config.items() if not isinstance(v, dict)}
-    for section in ("deepspeed_config", "fsdp_config", "dynamo_config"):
+    for section in ("deepspeed_config", "fsdp_config", "dynamo_config", "megatron_lm_config"):
         items.update(config.get(section, {}))
     if config.get("parallelism_config") and dist == "FSDP":
         # `accelerate launch` takes --use_parallelism_config with --use_fsdp only (its

@@ -22,6 +22,7 @@ from overdrive.errors import Problem
 from overdrive.config import mesh
 from overdrive.config.mesh import KEYS, MESH_ORDER, Layout  # noqa: F401  (asked for here by the rest)
 from overdrive.config.keys import dotted_value as _get
+from overdrive.strategies import pipeline
 from overdrive.strategies.registry import of
 
 def layout(cfg: Any, world: Optional[int] = None) -> Layout:
@@ -40,8 +41,9 @@ def summary(cfg: Any, world: Optional[int] = None) -> dict[str, Any]:
 
     world = _world(cfg, world)
     lay, degree = layout(cfg, world), data_parallel_degree(cfg)
-    text = (f"mesh {lay.describe()} (Accelerate's device mesh, outermost first); data-parallel degree "
-            f"{world} / (tp {lay.tp} x cp {lay.cp} x sp {lay.sp}) = {degree}")
+    whose, pp = ("the pipeline's", f"pp {lay.pp} x ") if lay.pp > 1 else ("Accelerate's", "")
+    text = (f"mesh {lay.describe()} ({whose} device mesh, outermost first); data-parallel degree "
+            f"{world} / ({pp}tp {lay.tp} x cp {lay.cp} x sp {lay.sp}) = {degree}")
     return {"mesh": [list(axis) for axis in lay.mesh], "data_parallel": degree,
             "model_parallel": lay.model_parallel, "text": text}
 
@@ -55,13 +57,14 @@ def problems(cfg: Any, world: Optional[int] = None) -> list[Problem]:
     p = lambda key: _get(cfg, f"parallel.{key}")  # noqa: E731
     given = int(p("dp_replicate_size")) * lay.model_parallel  # the axes set; the rest of the world is data parallel
     if p("dp_shard_size") is not None and lay.world != world:
+        pp = f" x pp {lay.pp}" if lay.pp > 1 else ""
         found.append(Problem("parallel.dp_shard_size", f"dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x tp "
-                             f"{lay.tp} x cp {lay.cp} x sp {lay.sp} = {lay.world}, but there are {world} processes",
+                             f"{lay.tp} x cp {lay.cp} x sp {lay.sp}{pp} = {lay.world}, but there are {world} processes",
                              fix="make the sizes multiply to launch.num_processes, or leave parallel.dp_shard_size "
                                  "empty to give it the rest"))
     elif world % given:
-        key = next((KEYS[n] for n in ("tp", "cp", "sp", "dp_replicate") if getattr(lay, n) > 1), "parallel.tp_size")
-        found.append(Problem(key, f"dp_replicate x tp x cp x sp = {given} does not divide {world} processes",
+        key = next((KEYS[n] for n in ("pp", "tp", "cp", "sp", "dp_replicate") if getattr(lay, n) > 1), "parallel.tp_size")
+        found.append(Problem(key, f"dp_replicate x pp x tp x cp x sp = {given} does not divide {world} processes",
                              fix=f"make launch.num_processes a multiple of {given}"))
     if strategy == "ddp" and p("dp_shard_size") not in (None, 1):
         found.append(Problem("parallel.dp_shard_size", "shards the model, which needs parallel.strategy=fsdp (it is ddp)",
@@ -69,7 +72,7 @@ def problems(cfg: Any, world: Optional[int] = None) -> list[Problem]:
     if strategy != "fsdp" and lay.cp > 1:
         found.append(Problem("parallel.cp_size", f"context parallel needs parallel.strategy=fsdp (FSDP2), as "
                              f"Accelerate rules; it is {strategy}", fix="set parallel.strategy=fsdp"))
-    if strategy == "ddp" and lay.tp > 1 and lay.dp_replicate > 1:
+    if strategy == "ddp" and lay.tp > 1 and lay.dp_replicate > 1 and lay.pp == 1:
         found.append(Problem("parallel.tp_size", f"tensor parallel beside {lay.dp_replicate} plain data-parallel replicas "
                              "(DDP x TP) is not composed by Accelerate", fix="set parallel.strategy=fsdp (FSDP2 x TP), or "
                              f"launch.num_processes={lay.tp} for tensor parallel alone"))
@@ -103,7 +106,9 @@ def problems(cfg: Any, world: Optional[int] = None) -> list[Problem]:
     if lay.sp > 1 and fixed is not None and int(fixed) % lay.sp:
         found.append(Problem("parallel.sp_seq_length", f"{fixed} does not divide by parallel.sp_size {lay.sp}",
                              fix=f"make it a multiple of {lay.sp}"))
-    return found
+    micro = _get(cfg, "training.micro_batch_size")
+    samples = None if micro == "auto" else int(micro) * int(_get(cfg, "training.gradient_accumulation_steps"))
+    return found + pipeline.problems(cfg, world, samples)
 
 
 def loop_problems(cfg: Any) -> list[Problem]:
@@ -123,7 +128,8 @@ def loop_problems(cfg: Any) -> list[Problem]:
 def model_problems(cfg: Any, hf_config: Any) -> list[Problem]:
     """What the model's shape says about the layout: heads and KV heads divisible by tp (and
     heads by sp: Ulysses splits attention by head), and a tensor-parallel plan for tp > 1.
-    `hf_config` is the Transformers config the run builds (no weights)."""
+    `hf_config` is the Transformers config the run builds (no weights). The decoder layers
+    against the pipeline stages: strategies/pipeline.py."""
     lay, found = layout(cfg), []
     heads = getattr(hf_config, "num_attention_heads", None) or getattr(hf_config, "n_head", None)
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
@@ -140,7 +146,7 @@ def model_problems(cfg: Any, hf_config: Any) -> list[Problem]:
     if lay.sp > 1 and heads and heads % lay.sp:
         found.append(Problem("parallel.sp_size", f"the model's {heads} attention heads do not divide by {lay.sp}",
                              fix=f"choose an sp_size that divides {heads}"))
-    return found
+    return found + pipeline.model_problems(cfg, hf_config)
 
 
 def parallelism_kwargs(cfg: Any, world: Optional[int] = None) -> Optional[dict[str, Any]]:

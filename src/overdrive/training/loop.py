@@ -32,6 +32,7 @@ from overdrive.config.schema import RunConfig
 from overdrive.storage import faults
 from overdrive.strategies import registry
 from overdrive.training import context_parallel, loss_scale, nonfinite, telemetry
+from overdrive.training import pipeline as pipeline_training
 from overdrive.training.evaluation import evaluate
 from overdrive.training.loss_tokens import LossTokens
 from overdrive.training.parts import Parts, build_parts, save_final
@@ -123,7 +124,7 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
     if main:
         out.mkdir(parents=True, exist_ok=True)
         faults.write_text(out / "resolved.json", settled.resolved.to_json(), "output_dir")
-    parts = build_parts(cfg, accelerator)
+    parts = (pipeline_training.build_parts if pipeline_training.enabled(cfg) else build_parts)(cfg, accelerator)
     if parts.derived:  # steps counted from the data (training.num_epochs): the config that runs, recorded
         cfg = parts.config
         origins = {**settled.resolved.origins, **{key: Origin("derived", why) for key, why in parts.derived.items()}}
@@ -141,6 +142,8 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
     metrics = telemetry.MetricsLog(out / "metrics.jsonl", enabled=main)
     ckpt = checkpoint.Checkpointer(cfg, accelerator, parts.scheduler, settled.plan, out / "metrics.jsonl",
                                    say=progress.print)
+    if parts.pipeline is not None:  # the stages are this rank's, not Accelerate's: checkpoint/pipeline_state.py
+        ckpt.stages = (parts.pipeline, parts.model, parts.optimizer)
     state = LoopState()
     restored = ckpt.restore(state)
     from overdrive import observe
@@ -155,7 +158,7 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
         progress.close()
     result = TrainResult(out, state.step, state.first_loss, state.final_loss, is_main_process=main, **vars(outcome))
     if not result.stopped_by:  # a stopped run is not finished: its checkpoint is the result
-        save_final(cfg, parts, out)
+        (pipeline_training.save_final if parts.pipeline else save_final)(cfg, parts, out)
     accelerator.end_training()
     return result
 
@@ -233,6 +236,8 @@ class Loop:
 
     def optimizer_step(self) -> None:
         """One optimizer step: `accumulation` micro-batches, then the schedule."""
+        if self.parts.pipeline is not None:
+            return pipeline_training.optimizer_step(self)  # the stages' schedule over the microbatches
         acc, model, optimizer, guard, state = (self.parts.accelerator, self.parts.model, self.parts.optimizer,
                                                self.guard, self.state)
         clipping = self.cfg.training.gradient_clipping

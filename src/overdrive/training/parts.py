@@ -39,6 +39,7 @@ class Parts:
     notes: list[str] = field(default_factory=list)  # said once the run starts (trainable parameters, packing)
     config: Optional[RunConfig] = None  # the config as it runs: steps counted from the data (training.num_epochs)
     derived: dict = field(default_factory=dict)  # key -> how the data derived it
+    pipeline: Any = None  # training/pipeline.py's Pipeline under parallel.pp_size > 1 (model: this rank's stages)
 
 
 def _micro_batch(cfg: RunConfig) -> int:

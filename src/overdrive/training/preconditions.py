@@ -13,7 +13,7 @@ def check_model_layout(cfg) -> None:
     from overdrive.strategies import layout
 
     lay = layout.layout(cfg)
-    if lay.tp == 1 and lay.sp == 1:
+    if lay.tp == 1 and lay.sp == 1 and lay.pp == 1:
         return
     from overdrive.memory.model_shape import hf_config_for_run
 

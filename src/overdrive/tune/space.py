@@ -261,7 +261,7 @@ def build_space(cfg: RunConfig, facts: Facts, only: Optional[dict[str, list[str]
     base["strategy"] = _baseline_strategy(cfg)
     from overdrive.strategies import layout
 
-    if layout.layout(cfg).is_nd:
+    if layout.layout(cfg).has_axes:
         # Each axis needs its strategy (strategies/layout.py): the layout is the user's choice, kept.
         notes.append(f"strategy: kept, the layout ({layout.layout(cfg).describe()}) decides it")
         names = []
