@@ -27,6 +27,7 @@ from overdrive import data as data_mod
 import overdrive.config.batch as batch
 from overdrive.config.schema import RunConfig
 from overdrive.strategies import pipeline as rules
+from overdrive.strategies import shards_parameters
 from overdrive.training import model as model_mod
 from overdrive.training import optimizers, telemetry
 from overdrive.training.loss_tokens import IGNORE
@@ -74,7 +75,7 @@ class Pipeline:
         self.stage_ids = rules.stages_of_rank(self.pp_rank, pp, rules.stages_per_rank(cfg), kind.v_shape)
         layers, _ = model_mod.shape_of(model.config)
         self.modules = cut(model, rules.layer_split(layers, count), self.stage_ids)
-        self.sharded = cfg.parallel.strategy == "fsdp"
+        self.sharded = shards_parameters(cfg)  # FSDP2 beside the stages (DeepSpeed is refused with them)
         if self.sharded:
             for module in self.modules:
                 _fully_shard(module, self.mesh["dp"], cfg.parallel.fsdp.reshard_after_forward)
