@@ -31,7 +31,7 @@ from overdrive.config.redact import redact
 from overdrive.config.schema import RunConfig
 from overdrive.storage import faults
 from overdrive.strategies import registry
-from overdrive.training import nonfinite, telemetry
+from overdrive.training import nonfinite, step_loss, telemetry
 from overdrive.training.evaluation import evaluate
 from overdrive.training.loss_tokens import LossTokens
 from overdrive.training.parts import Parts, build_parts, save_final
@@ -47,7 +47,8 @@ class LoopState:
     batch_in_epoch: int = 0  # micro-batches consumed in the current epoch (data position)
     tokens_seen: int = 0  # across all processes
     nonfinite_in_a_row: int = 0
-    # This rank's loss summed on the device since the last log point (no sync per step),
+    # This rank's share of each step's loss (its summed token losses / the global batch's loss
+    # tokens, step_loss.py), summed on the device since the last log point (no sync per step),
     # and the micro-batches in that sum: a resume carries on the interval being summed.
     loss_sum: Any = 0.0
     micro_steps: int = 0
@@ -211,6 +212,7 @@ class Loop:
         self.progress, self.metrics = progress, metrics
         acc, t = parts.accelerator, cfg.training
         self.split = batch.split(cfg)
+        self.model_parallel = max(acc.num_processes // self.split.data_parallel, 1)  # ranks sharing one batch
         self.data = batches(parts.train_loader, state, acc.skip_first_batches)
         self.throughput = telemetry.Throughput()
         state.loss_sum = torch.full((), float(state.loss_sum), device=acc.device)
@@ -237,14 +239,18 @@ class Loop:
         clipping = self.cfg.training.gradient_clipping
         world = self.split.data_parallel
         self.lr = self.parts.scheduler.get_last_lr()[0]  # the lr this optimizer step uses
-        for _ in range(self.split.accumulation):
-            self.observe.enter("data")
-            micro_batch = next(self.data)
+        self.observe.enter("data")
+        # The step's micro-batches drawn ahead: the loss is normalised by the global batch's
+        # loss tokens, counted (over every rank) before the first forward (step_loss.py).
+        micro_batches = [next(self.data) for _ in range(self.split.accumulation)]
+        count = step_loss.global_count(acc, micro_batches, self.model_parallel)
+        scale = step_loss.backward_scale(self.split.accumulation, world)
+        for micro_batch in micro_batches:
             with acc.accumulate(model):
                 self.observe.enter("forward")
-                loss = model(**micro_batch).loss
+                loss = step_loss.summed_loss(model, micro_batch) / count  # this micro-batch's share of the mean
                 self.observe.enter("backward")
-                acc.backward(loss)  # Accelerate divides by the accumulation steps: the mean of means
+                acc.backward(loss * scale)  # undone by the accumulation and data-parallel averaging
                 self.observe.enter("optimizer")
                 if acc.sync_gradients and (clipping is not None or guard.needs_norm):
                     # Clipping to infinity measures the norm (over all ranks) and changes nothing.
@@ -279,7 +285,9 @@ class Loop:
         """The one sync point of the loop: read the loss accumulated since the last log."""
         acc, state = self.parts.accelerator, self.state
         self.observe.enter("sync")
-        loss_value = acc.reduce(state.loss_sum / state.micro_steps, "mean").item()
+        # Each rank holds its share of each step's mean; the ranks of a tensor-parallel group the same share.
+        steps = max(state.micro_steps // self.split.accumulation, 1)
+        loss_value = acc.reduce(state.loss_sum.clone(), "sum").item() / self.model_parallel / steps
         state.loss_sum.zero_()
         state.micro_steps = 0
         counts = self.guard.read()  # steps skipped since the last log
