@@ -216,17 +216,28 @@ def test_plan_resume_refuses_math_changes_without_force(tmp_path):
     assert session.plan_resume(never).checkpoint is None
 
 
-def test_a_finished_run_with_another_config_is_a_new_run_not_a_refusal(tmp_path):
+def test_a_finished_run_with_another_config_is_refused_not_replaced(tmp_path):
+    """A finished run is a record: another config in its output_dir would replace its metrics
+    and checkpoints. Refused without --force, naming each changed key; explain says the same."""
+    from overdrive.checkpoint.resume import describe_resume
+
     out = str(tmp_path / "run")
     write_checkpoint_with_config(tmp_path, RunConfig.model_validate({"output_dir": out, "training": {"max_steps": 10}}))
-    other = RunConfig.model_validate({"output_dir": out, "training": {"max_steps": 10}, "parallel": {"strategy": "fsdp"}})
-    plan = session.plan_resume(other)
-    assert plan.checkpoint is None and "finished run" in plan.notes[-1] and "parallel.strategy" in plan.notes[-1]
+    other = RunConfig.model_validate({"output_dir": out, "training": {"max_steps": 10}, "parallel": {"strategy": "fsdp"},
+                                      "optim": {"lr": 1e-3}})
+    with pytest.raises(UserError) as error:
+        session.plan_resume(other)
+    text = error.value.render()
+    assert "parallel.strategy" in text and "optim.lr" in text and "--force" in text and "new output_dir" in text
+    said = describe_resume(other)
+    assert said["train"] == "refused" and "optim.lr" in said["text"] and "--force" in said["text"]
     longer = RunConfig.model_validate({"output_dir": out, "training": {"max_steps": 20}})
-    assert session.plan_resume(longer).checkpoint is None
+    with pytest.raises(UserError, match="training.max_steps"):
+        session.plan_resume(longer)
     assert session.plan_resume(longer, force=True).checkpoint is not None  # --force continues it
     same = RunConfig.model_validate({"output_dir": out, "training": {"max_steps": 10}, "logging": {"level": "quiet"}})
     assert session.plan_resume(same).checkpoint is not None
+    assert describe_resume(same)["train"] == "resumes"
 
 
 def test_plan_resume_adjusts_accumulation_for_a_new_world_size(tmp_path):
