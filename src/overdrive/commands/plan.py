@@ -67,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
         cfg = derived(cfg, math_.steps_per_epoch * math_.global_batch, math_.global_batch)[0]
     curve = _lr_points(cfg)
     sources = _sources(cfg, sizes, math_)
+    from overdrive.checkpoint.resume import describe_resume
+
+    resume = describe_resume(cfg)  # what train does with output_dir's checkpoint, as train decides it
 
     if args.json:
         print(json.dumps({
@@ -87,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             "sources": sources,
             "layout": layout.summary(cfg),
             "checkpoint_bytes": room.per_checkpoint, "checkpoint_bytes_measured": room.measured,
-            "disk_free_bytes": room.free, "disk_warning": room.warning(),
+            "disk_free_bytes": room.free, "disk_warning": room.warning(), "resume": resume,
         }, indent=2))
         return 0
 
@@ -134,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         lines.append(f"time         no measurement yet ({cfg.output_dir}/metrics.jsonl): train a few steps or run "
                      "`overdrive tune` to predict step time")
+    if resume:
+        lines.append(f"resume       {resume['text']}")
     print("\n".join(lines))
     return 0
 
