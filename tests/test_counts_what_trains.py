@@ -30,3 +30,32 @@ def test_plan_of_a_lora_run_counts_the_adapters_optimizer_state(tmp_path):
     assert trainable < plan["parameters"] // 2
     assert plan["memory"]["optimizer_bytes"] == 8 * trainable  # AdamW's two fp32 moments, adapter only
     assert plan["memory"]["grads_bytes"] == 4 * trainable
+
+
+def test_profile_throughput_counts_each_data_parallel_replicas_tokens_once(tmp_path, monkeypatch):
+    """Two processes in one tensor-parallel group share one batch: tokens/s is one replica's."""
+    from overdrive.config import resolve
+    from overdrive.observe import profile_report
+
+    cfg = resolve(cli=["launch.num_processes=2", "parallel.strategy=fsdp", "parallel.tp_size=2",
+                       "training.micro_batch_size=4", "training.gradient_accumulation_steps=2",
+                       "data.max_length=128"]).config
+    monkeypatch.setattr(profile_report, "device_facts", lambda *a: (None, False, False))
+    monkeypatch.setattr(profile_report, "judge", lambda *a: ("compute", []))
+    ranks = [{"rank": r, "host": "h", "step_s": 2.0, "peak_memory_bytes": 0,
+              "phases": {p: 0.0 for p in profile_report.PHASES}} for r in range(2)]
+    report = profile_report.summarise(cfg, ranks, tmp_path)
+    assert report["tokens_per_s"] == 4 * 2 * 1 * 128 / 2.0
+
+
+def test_report_counts_a_tensor_parallel_groups_batch_once(tmp_path):
+    import json as _json
+
+    from overdrive.reports.summary import load_run, summarize
+
+    cfg = {"launch": {"num_processes": 4}, "parallel": {"tp_size": 2, "cp_size": 1, "sp_size": 1},
+           "training": {"micro_batch_size": 2, "gradient_accumulation_steps": 3}, "data": {"max_length": 64}}
+    (tmp_path / "resolved.json").write_text(_json.dumps({"config": cfg}))
+    (tmp_path / "metrics.jsonl").write_text(_json.dumps({"step": 1, "loss": 2.0, "num_processes": 4}) + "\n")
+    summary = summarize(load_run(tmp_path))
+    assert summary["data_parallel"] == 2 and summary["global_batch"] == 2 * 3 * 2
