@@ -127,6 +127,17 @@ def _maybe_compile(model, cfg: RunConfig, accelerator):
     return torch.compile(model, backend=c.backend, mode=c.mode, fullgraph=c.fullgraph, dynamic=c.dynamic)
 
 
+def full_tensors(state_dict: Any) -> Any:
+    """Tensor-parallel DTensors gathered whole on every rank, in one order (a collective): left
+    to the main process alone, as save_pretrained would, the other ranks never join it and the
+    final save hangs."""
+    if not state_dict:
+        return state_dict
+    from torch.distributed.tensor import DTensor
+
+    return {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in state_dict.items()}
+
+
 def save_final(cfg: RunConfig, parts: Parts, out: Path) -> None:
     """The trained model and tokenizer as a `save_pretrained` directory: out/model (an adapter
     run's: PEFT's adapter directory, training/adapter.py)."""
@@ -136,7 +147,7 @@ def save_final(cfg: RunConfig, parts: Parts, out: Path) -> None:
         return
     parts.recipe.eval_mode()  # a schedule-free optimizer's weights: its averaged point
     # Every rank takes part: under ZeRO-3 or FSDP the full weights are gathered from shards.
-    state_dict = acc.get_state_dict(parts.model)
+    state_dict = full_tensors(acc.get_state_dict(parts.model))
     if adapter.enabled(cfg):  # PEFT's adapter directory (and the merged model when asked)
         adapter.save_final(cfg, acc, parts.model, parts.tokenizer, state_dict, out)
         acc.wait_for_everyone()
