@@ -336,6 +336,19 @@ def test_the_failure_summary_names_the_rank_that_died_first():
     assert "rank 3" in crashed and "exited with code 1" in crashed
 
 
+def test_a_rank_that_left_while_the_others_were_in_a_collective_is_named():
+    """Rank 1 ended its run (exit 0) while rank 0 still waited at a barrier, which broke: the
+    failure record holds rank 0 alone; the rank that left first is named with why."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from overdrive.launch.elastic import describe
+
+    error = ChildFailedError("overdrive.cli", {4: ProcessFailure(0, 100, 1, "<N/A>")})  # machine 2 of 2 x 4
+    text = describe(error, local_world=4)
+    assert "rank 4" in text.splitlines()[0]
+    assert "left before it: rank 5, rank 6, rank 7 (exit 0: ended its run" in text
+
+
 # ---------------------------------------------------------------- the data order
 
 def test_each_epoch_order_depends_only_on_the_seed_and_the_epoch():
