@@ -59,3 +59,23 @@ def test_report_counts_a_tensor_parallel_groups_batch_once(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(_json.dumps({"step": 1, "loss": 2.0, "num_processes": 4}) + "\n")
     summary = summarize(load_run(tmp_path))
     assert summary["data_parallel"] == 2 and summary["global_batch"] == 2 * 3 * 2
+
+
+def test_the_auto_micro_batch_probe_trains_the_lora_adapter_not_every_weight(tmp_path, monkeypatch):
+    import torch
+
+    from hf_fixtures import make_tiny_llama
+    from overdrive.config import resolve
+    from overdrive.training import adapter, autobatch
+
+    base = make_tiny_llama(tmp_path / "base")
+    cfg = resolve([], cli=[f"model.name_or_path={base}", "peft.method=lora", "peft.r=4", "data.max_length=16",
+                           "launch.use_cpu=true"]).config
+    probed = []
+    real_apply = adapter.apply
+    monkeypatch.setattr(adapter, "apply", lambda *a, **k: probed.append(real_apply(*a, **k)) or probed[-1])
+    assert autobatch.make_probe(cfg, torch.device("cpu"))(2) is None
+    assert len(probed) == 1
+    trainable, total = adapter.trainable_counts(probed[0])
+    assert 0 < trainable < total // 2
+    assert all(p.grad is None for n, p in probed[0].named_parameters() if not p.requires_grad)
