@@ -56,7 +56,7 @@ def test_a_template_that_raises_is_reported_as_the_templates_with_the_conversati
     error = refusal(llama, tmp_path, [GOOD, [{"role": "system", "content": "a"}, *GOOD]],
                     f"tokenizer.chat_template={raising}")
     assert [p.key for p in error.problems] == ["tokenizer.chat_template"]
-    assert "no system turns" in error.render() and "conversation 1" in error.render()
+    assert "no system turns" in error.render() and "row 1" in error.render()
 
 
 def test_a_template_that_never_renders_the_answer_leaves_no_token_in_the_loss_and_is_refused(llama, tmp_path):
