@@ -34,7 +34,7 @@ def test_plan_of_a_lora_run_counts_the_adapters_optimizer_state(tmp_path):
 
 def test_profile_throughput_counts_each_data_parallel_replicas_tokens_once(tmp_path, monkeypatch):
     """Two processes in one tensor-parallel group share one batch: tokens/s is one replica's."""
-    from overdrive.config import resolve
+    from overdrive.resolving import resolve
     from overdrive.observe import profile_report
 
     cfg = resolve(cli=["launch.num_processes=2", "parallel.strategy=fsdp", "parallel.tp_size=2",
@@ -65,7 +65,7 @@ def test_the_auto_micro_batch_probe_trains_the_lora_adapter_not_every_weight(tmp
     import torch
 
     from hf_fixtures import make_tiny_llama
-    from overdrive.config import resolve
+    from overdrive.resolving import resolve
     from overdrive.training import adapter, autobatch
 
     base = make_tiny_llama(tmp_path / "base")

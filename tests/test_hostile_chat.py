@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hf_fixtures import make_tiny_llama
-from overdrive.config import resolve
+from overdrive.resolving import resolve
 from overdrive.errors import UserError
 
 GOOD = [{"role": "user", "content": "a b"}, {"role": "assistant", "content": "yes"}]
