@@ -89,3 +89,14 @@ def test_the_same_config_gives_the_same_split_in_train_tune_plan_and_a_resumed_r
     two = resolved(tmp_path, "training.global_batch_size=32", "training.micro_batch_size=4", "launch.num_processes=2")
     moved = settle.resume_plan(two)
     assert batch.split(moved.config) == batch.BatchSplit(4, 4, 2, 32) and moved.checkpoint is not None
+
+
+def test_explain_key_shows_the_accumulation_the_run_uses_and_where_it_came_from():
+    from conftest import run_cli
+
+    done = run_cli("explain", "training.global_batch_size=64", "training.micro_batch_size=8",
+                   "--key", "training.gradient_accumulation_steps")
+    assert done.returncode == 0, done.stderr
+    first, *rows = done.stdout.strip().splitlines()
+    assert first == "training.gradient_accumulation_steps = 8"
+    assert "derived" in rows[-1] and "training.global_batch_size=64" in rows[-1] and "[wins]" in rows[-1]

@@ -216,17 +216,28 @@ def test_plan_resume_refuses_math_changes_without_force(tmp_path):
     assert session.plan_resume(never).checkpoint is None
 
 
-def test_a_finished_run_with_another_config_is_a_new_run_not_a_refusal(tmp_path):
+def test_a_finished_run_with_another_config_is_refused_not_replaced(tmp_path):
+    """A finished run is a record: another config in its output_dir would replace its metrics
+    and checkpoints. Refused without --force, naming each changed key; explain says the same."""
+    from overdrive.checkpoint.resume import describe_resume
+
     out = str(tmp_path / "run")
     write_checkpoint_with_config(tmp_path, RunConfig.model_validate({"output_dir": out, "training": {"max_steps": 10}}))
-    other = RunConfig.model_validate({"output_dir": out, "training": {"max_steps": 10}, "parallel": {"strategy": "fsdp"}})
-    plan = session.plan_resume(other)
-    assert plan.checkpoint is None and "finished run" in plan.notes[-1] and "parallel.strategy" in plan.notes[-1]
+    other = RunConfig.model_validate({"output_dir": out, "training": {"max_steps": 10}, "parallel": {"strategy": "fsdp"},
+                                      "optim": {"lr": 1e-3}})
+    with pytest.raises(UserError) as error:
+        session.plan_resume(other)
+    text = error.value.render()
+    assert "parallel.strategy" in text and "optim.lr" in text and "--force" in text and "new output_dir" in text
+    said = describe_resume(other)
+    assert said["train"] == "refused" and "optim.lr" in said["text"] and "--force" in said["text"]
     longer = RunConfig.model_validate({"output_dir": out, "training": {"max_steps": 20}})
-    assert session.plan_resume(longer).checkpoint is None
+    with pytest.raises(UserError, match="training.max_steps"):
+        session.plan_resume(longer)
     assert session.plan_resume(longer, force=True).checkpoint is not None  # --force continues it
     same = RunConfig.model_validate({"output_dir": out, "training": {"max_steps": 10}, "logging": {"level": "quiet"}})
     assert session.plan_resume(same).checkpoint is not None
+    assert describe_resume(same)["train"] == "resumes"
 
 
 def test_plan_resume_adjusts_accumulation_for_a_new_world_size(tmp_path):
@@ -323,6 +334,19 @@ def test_the_failure_summary_names_the_rank_that_died_first():
     assert "also ended: rank 0 (SIGTERM)" in text
     crashed = describe(ChildFailedError("overdrive.cli", {3: ProcessFailure(1, 7, 1, "<N/A>")}))
     assert "rank 3" in crashed and "exited with code 1" in crashed
+
+
+def test_a_rank_that_left_while_the_others_were_in_a_collective_is_named():
+    """Rank 1 ended its run (exit 0) while rank 0 still waited at a barrier, which broke: the
+    failure record holds rank 0 alone; the rank that left first is named with why."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from overdrive.launch.elastic import describe
+
+    error = ChildFailedError("overdrive.cli", {4: ProcessFailure(0, 100, 1, "<N/A>")})  # machine 2 of 2 x 4
+    text = describe(error, local_world=4)
+    assert "rank 4" in text.splitlines()[0]
+    assert "left before it: rank 5, rank 6, rank 7 (exit 0: ended its run" in text
 
 
 # ---------------------------------------------------------------- the data order

@@ -146,6 +146,12 @@ def test_a_skypilot_task_passes_its_schema_and_maps_the_node_rank_and_addresses(
     (["skypilot", *JOB, "launch.accelerator=A100:8"], "launch.accelerator"),
     (["k8s", *JOB, "output_dir=/etc"], "output_dir"),  # the volume would hide the config's own mount
     (["k8s", *JOB, "output_dir=../.."], "output_dir"),  # the container's root  # the count is gpus_per_machine
+    (["skypilot", *JOB, "launch.accelerator=H100", "output_dir=/"], "output_dir"),  # the bucket over the node's root
+    (["skypilot", *JOB, "launch.accelerator=H100", "--job-name", "Bad name"], "--job-name"),
+    # what train refuses on the cluster's machines, each writer refuses (slurm did, k8s and skypilot did not)
+    (["k8s", *JOB, "parallel.tp_size=8", "model.architecture.n_head=12"], "parallel.tp_size"),
+    (["skypilot", *JOB, "launch.accelerator=H100", "parallel.tp_size=8", "model.architecture.n_head=12"],
+     "parallel.tp_size"),
     (["explain", "launch.num_machines=2", "launch.num_processes=2", "launch.main_process_ip=10.0.0.1",
       "launch.min_machines=3"], "launch.min_machines"),
 ])

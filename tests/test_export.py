@@ -148,3 +148,10 @@ def test_import_writes_only_non_defaults_of_a_peer_file(tmp_path):
     assert written["precision"]["mixed_precision"] == "bf16"
     assert written["launch"]["num_processes"] == 2
     assert "reshard_after_forward" not in written["parallel"].get("fsdp", {})  # FULL_SHARD: the default
+
+
+def test_export_peft_refused_by_key_makes_no_directory(tmp_path):
+    target = tmp_path / "adapter" / "config"
+    done = run_cli("export", "peft.method=none", "--peft", str(target))
+    assert done.returncode == 2 and "peft.method" in done.stderr, done.stderr
+    assert not (tmp_path / "adapter").exists()

@@ -82,6 +82,20 @@ def test_a_busy_port_on_one_machine_is_swapped_for_a_free_one():
         assert workers.local_port(multi).launch.main_process_port == port
 
 
+def test_a_port_still_bound_by_a_stopped_job_is_busy_though_nothing_accepts_there():
+    """A socket bound and not listening (what a stopped job can leave) refuses connections, yet
+    the rendezvous store cannot bind it: the check binds, as torchrun's standalone mode does."""
+    import socket
+
+    with socket.socket() as left:
+        left.bind(("0.0.0.0", 0))
+        port = left.getsockname()[1]
+        assert workers.port_in_use(port)
+        assert workers.local_port(cfg_of("launch.num_processes=2", f"launch.main_process_port={port}")
+                                  ).launch.main_process_port != port
+    assert not workers.port_in_use(port)
+
+
 # --------------------------------------------------------------------------- worker environment
 
 

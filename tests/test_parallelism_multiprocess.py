@@ -20,7 +20,7 @@ LLAMA = [
     "model.architecture.intermediate_size=64", "model.architecture.num_hidden_layers=2",
     "model.architecture.num_attention_heads=4", "model.architecture.num_key_value_heads=2",
     "model.architecture.max_position_embeddings=64", "training.max_steps=3", "checkpoint.enabled=false",
-    "training.eval_every_steps=null",
+    "training.eval_every_steps=null", "checkpoint.save_final_model=true",  # the run ends with its final save
 ]
 GLOBAL_BATCH = 8
 LAYOUTS = {  # name: (processes, overrides)
@@ -47,5 +47,14 @@ def test_tp_hsdp_and_fsdp_x_tp_match_one_process(tmp_path):
         assert len(got) == len(expected), name
         worst = max(abs(a - b) / abs(b) for a, b in zip(got, expected))
         assert worst <= 1e-3, f"{name}: {got} vs one process {expected}"
+        _assert_whole_model(tmp_path / name / "model", tmp_path / "one" / "model")
         resolved = json.loads((tmp_path / name / "resolved.json").read_text())["config"]["parallel"]
         assert resolved["tp_size"] == (2 if "tp" in name else 1)
+
+
+def _assert_whole_model(saved, reference) -> None:
+    """The final save completed on every rank: the model directory holds every tensor whole."""
+    from safetensors.torch import load_file
+
+    got, expected = load_file(saved / "model.safetensors"), load_file(reference / "model.safetensors")
+    assert {k: tuple(v.shape) for k, v in got.items()} == {k: tuple(v.shape) for k, v in expected.items()}

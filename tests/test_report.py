@@ -61,7 +61,7 @@ def test_report_writes_plots_and_summary(tmp_path):
         png = report / f"{name}.png"
         assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     summary = (report / "summary.md").read_text()
-    assert "| micro-batch x accum x world | 16 x 1 x 2 = 32 sequences (8,192 tokens) per step |" in summary
+    assert "| micro-batch x accum x data-parallel | 16 x 1 x 2 = 32 sequences (8,192 tokens) per step |" in summary
     assert "| strategy | ddp |" in summary and "| learning rate | 0.001 (cosine) |" in summary
     assert "final eval loss" in summary and "peak memory" in summary and "wall time" in summary
     assert "`parallel.strategy` = `ddp` from cli" in summary and "optim.lr` =" not in summary

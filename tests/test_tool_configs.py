@@ -160,7 +160,7 @@ def test_torchtune_qlora_distributed():
 
 
 def test_torchtune_refuses_a_loss_it_cannot_compute(tmp_path):
-    text = "checkpointer:\n  checkpoint_dir: m\nmodel:\n  _component_: torchtune.models.llama3_1.lora_llama3_1_8b\nloss:\n  _component_: torchtune.rlhf.loss.DPOLoss\n"
+    text = "checkpointer:\n  checkpoint_dir: m\nmodel:\n  _component_: torchtune.models.llama3_1.lora_llama3_1_8b\n  lora_attn_modules: [q_proj]\nloss:\n  _component_: torchtune.rlhf.loss.DPOLoss\n"
     assert refused(write(tmp_path, "dpo.yaml", text)) == ["loss._component_"]
 
 

@@ -97,22 +97,42 @@ def judge(saved: dict[str, Any], cfg: RunConfig, name: str, force: bool,
     return comparison
 
 
-def plan_resume(cfg: RunConfig, force: bool = False) -> ResumePlan:
-    """The newest complete-looking checkpoint in output_dir, and whether this config may resume it.
+@dataclass
+class Found:
+    """The newest checkpoint in output_dir against this config: what `train` will do with it.
+    `decide` builds it; train (`plan_resume`), explain and plan (`describe_resume`) read it, so
+    they say the same."""
 
-    Cheap: reads manifests and file sizes, not their contents (the main process checks the
-    sha256 sums before loading, see `Checkpointer.restore`). Raises UserError when the
-    config changed the math (without `force`) or cannot load the checkpoint at all, unless
-    that checkpoint ends a finished run: then there is nothing to resume, and a different
-    config starts a new run in the same output_dir.
-    """
-    plan = ResumePlan(cfg, force=force)
+    path: Path
+    step: int
+    saved: dict[str, Any]
+    comparison: fp.Comparison
+    finished: bool  # its step is its run's max_steps: nothing left to resume
+    different: list[str]  # keys whose change a finished run cannot take without --force
+
+    def refusal(self, force: bool) -> Optional[UserError]:
+        """A finished run is a record: another config in its output_dir would replace its
+        metrics, checkpoints and resolved config. Refused without --force, naming the keys."""
+        if not (self.finished and self.different) or force:
+            return None
+        changes = {c.key: c for c in self.comparison.changes}
+        problems = [Problem(key, f"{changes[key].old!r} -> {changes[key].new!r}" if key in changes else "changed")
+                    for key in self.different]
+        problems.append(Problem("output_dir", f"{self.path.parent.parent} holds a run finished at step {self.step} "
+                                "with another config: training here would replace its record",
+                                fix="train in a new output_dir (output_dir=...); or the same command with --force "
+                                    "to continue the finished run with the new values"))
+        return UserError(problems, title=f"{self.path.name} ends a finished run with another config")
+
+
+def decide(cfg: RunConfig) -> Optional[Found]:
+    """The newest complete-looking checkpoint in output_dir compared with `cfg` (None: none,
+    or checkpoint.resume=never). Cheap: manifests and sizes, not contents."""
     if cfg.checkpoint.resume == "never":
-        return plan
+        return None
     search = store.latest_complete(store.checkpoints_dir(cfg.output_dir), checksums=False, put_aside=True)
-    plan.notes += search.messages()
     if search.found is None:
-        return plan
+        return None
     path = search.found.path
     try:
         saved = read_state(path)
@@ -120,16 +140,35 @@ def plan_resume(cfg: RunConfig, force: bool = False) -> ResumePlan:
         raise UserError(Problem("checkpoint.resume", f"{path}/{TRAINER_STATE} is unreadable: {error}",
                                 fix=START_OVER)) from None
     comparison = fp.compare(saved["config"], cfg.model_dump(mode="json"))
-    finished = search.found.step >= saved["config"]["training"]["max_steps"]
     different = [c.key for c in comparison.of("math") + comparison.of("layout")]
     different += [c.key for c in comparison.of("harmless") if c.why.startswith(fp.MOVED_BY)]  # another strategy
     if comparison.world_note or comparison.refusal:
         different.append("launch.num_processes")
-    if finished and different and not force:
-        plan.notes.append(f"{path.name} ends a finished run with a different config ({', '.join(different)}): "
-                          "starting a new run here (its checkpoints replace the old ones; --force would continue "
-                          "the old one instead)")
+    finished = search.found.step >= saved["config"]["training"]["max_steps"]
+    return Found(path, search.found.step, saved, comparison, finished, different)
+
+
+def plan_resume(cfg: RunConfig, force: bool = False) -> ResumePlan:
+    """The newest complete-looking checkpoint in output_dir, and whether this config may resume it.
+
+    Cheap: reads manifests and file sizes, not their contents (the main process checks the
+    sha256 sums before loading, see `Checkpointer.restore`). Raises UserError when the
+    config changed the math (without `force`) or cannot load the checkpoint at all, and when
+    that checkpoint ends a finished run and the config differs (without `force`): nothing a
+    user has is replaced without --force.
+    """
+    plan = ResumePlan(cfg, force=force)
+    if cfg.checkpoint.resume == "never":
         return plan
+    plan.notes += store.latest_complete(store.checkpoints_dir(cfg.output_dir), checksums=False,
+                                        put_aside=True).messages()
+    found = decide(cfg)
+    if found is None:
+        return plan
+    refused = found.refusal(force)
+    if refused is not None:
+        raise refused
+    path, saved, comparison = found.path, found.saved, found.comparison
     judge(saved, cfg, path.name, force, comparison)
     plan.checkpoint, plan.saved = path, saved
     harmless = [c.render() for c in comparison.of("harmless")]
@@ -150,33 +189,37 @@ def plan_resume(cfg: RunConfig, force: bool = False) -> ResumePlan:
 
 
 def describe_resume(cfg: RunConfig) -> Optional[dict[str, Any]]:
-    """What `overdrive train` with this config would resume, and how the checkpoint gets in
-    (resharded from another world size or strategy, and at what cost). None without a checkpoint."""
-    if cfg.checkpoint.resume == "never":
+    """What `overdrive train` with this config would do with the checkpoint in output_dir
+    (`decide`, as train decides): resume it, and how it gets in (resharded from another world
+    size or strategy, and at what cost), or refuse. None without a checkpoint."""
+    try:
+        found = decide(cfg)
+    except UserError:
         return None
-    found = store.latest_complete(store.checkpoints_dir(cfg.output_dir), checksums=False).found
     if found is None:
         return None
-    try:
-        saved = read_state(found.path)
-    except (OSError, ValueError):
-        return None
-    comparison = fp.compare(saved["config"], cfg.model_dump(mode="json"))
+    comparison = found.comparison
     route = comparison.route
     text = f"{found.path.name}: " + (route.summary() if route.how != "as saved" else "loaded as saved")
-    if comparison.refusal:
+    refused = found.refusal(force=False)
+    if refused is not None:
+        text = (f"{found.path.name}: ends a finished run with another config ({', '.join(found.different)}): "
+                "train refuses it without --force (a new output_dir keeps the finished run)")
+    elif comparison.refusal:
         text = f"{found.path.name}: refused: {comparison.refusal}"
     elif comparison.world_note:
         text += f"; {comparison.world_note}"
     math = [c.key for c in comparison.of("math")]
-    if math:
+    if math and refused is None:
         text += f"; the math changed since ({', '.join(math)}): train refuses it without --force"
     cost = reshard.conversion_record(found.path) if route.universal else None
-    if route.universal and not comparison.refusal:
+    if route.universal and not comparison.refusal and refused is None:
         text += (f"; universal form converted once in {cost['seconds']:.1f} s ({cost['bytes'] / 1e6:.1f} MB beside "
                  f"{cost['source_bytes'] / 1e6:.1f} MB)" if cost else "; converted to the universal form on resume")
     return {"checkpoint": str(found.path), "step": found.step, "how": route.how, "resharding": route.summary(),
-            "refusal": comparison.refusal, "conversion": cost, "text": text}
+            "refusal": comparison.refusal, "conversion": cost, "text": text,
+            "train": "refused" if refused is not None or comparison.refusal or math else "resumes",
+            "changed": found.different}
 
 
 def with_plan(resolved: Resolved, plan: ResumePlan) -> Resolved:

@@ -1,4 +1,7 @@
-"""`overdrive docs`: write (or check) the generated config reference."""
+"""`overdrive docs`: write (or check) the generated config reference.
+
+A file already at the target is replaced only when it is an earlier generated reference (its
+header says so) or with --force: nothing a user wrote is overwritten without asking."""
 
 from __future__ import annotations
 
@@ -7,22 +10,41 @@ from pathlib import Path
 
 from overdrive.errors import Problem, UserError
 
+MARKER = "by `overdrive docs`; do not edit by hand."
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", default="docs/config.md", help="where to write the reference")
     parser.add_argument("--check", action="store_true", help="exit 2 if the file differs from the schema")
+    parser.add_argument("--force", action="store_true", help="replace the file even if it is not a generated reference")
+
+
+def _generated(path: Path) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return any(MARKER in f.readline() for _ in range(5))
+    except OSError:
+        return False
 
 
 def run(args: argparse.Namespace) -> int:
     from overdrive.config.reference import render
+    from overdrive.storage import faults
 
-    text, path = render(), Path(args.output)
+    text, path = render(), Path(args.output).expanduser()
+    current = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else None
     if args.check:
-        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+        if current is None:
+            raise UserError(Problem("", f"{path} is missing", fix="run `overdrive docs -o PATH` and commit the result"))
+        if current != text:
             raise UserError(Problem("", f"{path} is stale", fix="run `overdrive docs` and commit the result"))
         print(f"{path} is up to date")
         return 0
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
+    if current == text:
+        print(f"{path} is up to date")
+        return 0
+    faults.keep_existing_files([path], args.force or (current is not None and _generated(path)))
+    faults.writable_target(path, "-o/--output")
+    faults.write_text(path, text, "-o/--output")
     print(f"wrote {path}")
     return 0

@@ -65,7 +65,8 @@ def build(args: argparse.Namespace):
         hub.refuse_if_unreadable("MODEL", args.model)  # before torch and Transformers are imported
     from overdrive.memory import STRATEGIES, estimate
     from overdrive.memory.model_shape import model_shape, resolve_source
-    from overdrive.memory.shape import Setup, setup_for_run
+    from overdrive.memory.model_shape import run_setup
+    from overdrive.memory.shape import Setup
 
     source = resolve_source(args.model, args.overrides)
     shape = model_shape(source)
@@ -73,19 +74,19 @@ def build(args: argparse.Namespace):
     changes = dict(devices=args.devices, precision=args.precision, micro_batch=args.micro_batch,
                    seq_len=args.seq_len, checkpointing=args.checkpointing, tp=args.tp, cp=args.cp, sp=args.sp,
                    dp_replicate=args.dp_replicate)
+    overridden = getattr(args, "peft", None) is not None or getattr(args, "lora_r", None) is not None
     if source.run is not None:
-        setup = setup_for_run(source.run, target, **changes)
+        setup = run_setup(source.run, target, **changes)  # with the adapter the run trains
     else:
         positions = getattr(source.config, "max_position_embeddings", None) or getattr(source.config, "n_positions", None)
         defaults = dict(devices=1, precision="bf16", micro_batch=1, seq_len=min(2048, positions or 2048),
                         checkpointing=False, target=target)
         defaults.update({k: v for k, v in changes.items() if v is not None})
         setup = Setup(**defaults)
-    adapter = _adapter(args, source, setup)
-    if adapter is not None:
+    if overridden or source.run is None:  # --peft / --lora-r say what trains
         from dataclasses import replace
 
-        setup = replace(setup, adapter=adapter)
+        setup = replace(setup, adapter=_adapter(args, source, setup))
     axes = setup.dp_replicate * setup.tp * setup.cp * setup.sp
     if setup.devices % axes:
         raise UserError(Problem("--devices", f"{setup.devices} devices do not divide into dp_replicate x tp x cp x sp = {axes}",

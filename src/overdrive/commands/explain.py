@@ -67,19 +67,25 @@ def _explain_key(resolved, key: str) -> int:
     from overdrive.config.keys import expand_alias, is_known, suggest
 
     key = expand_alias(key)
-    chain = resolved.chains.get(key)
-    if not chain:
+    chain = list(resolved.chains.get(key) or [])
+    # A value settled after the layers merged (the accumulation a global batch derives, a
+    # resume's): the value the run uses, its origin last, winning.
+    value, origin = _flat_values(resolved.config).get(key), resolved.origins.get(key)
+    settled = origin is not None and origin.layer in ("derived", "resume") and \
+        not (chain and chain[-1].origin == origin)
+    if not chain and not settled:
         if not is_known(key):
             raise UserError(Problem(key, "unknown key" + suggest(key)))
-        print(f"{key} = {_shown(key, _flat_values(resolved.config).get(key))}  (default)")
+        print(f"{key} = {_shown(key, value)}  (default)")
         return 0
     from overdrive.config.redact import redact_text
 
-    print(f"{key} = {_shown(key, chain[-1].value)}")
-    for index, setting in enumerate(chain):
-        mark = "wins" if index == len(chain) - 1 else "overridden"
-        print(f"  {index + 1}. {setting.origin.layer:<18} {_shown(key, setting.value):<20} "
-              f"{redact_text(str(setting.origin.source))}{':' + str(setting.origin.line) if setting.origin.line else ''}  [{mark}]")
+    rows = [(s.origin, s.value) for s in chain] + ([(origin, value)] if settled else [])
+    print(f"{key} = {_shown(key, rows[-1][1])}")
+    for index, (where, shown) in enumerate(rows):
+        mark = "wins" if index == len(rows) - 1 else "overridden"
+        print(f"  {index + 1}. {where.layer:<18} {_shown(key, shown):<20} "
+              f"{redact_text(str(where.source))}{':' + str(where.line) if where.line else ''}  [{mark}]")
     return 0
 
 

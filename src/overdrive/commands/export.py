@@ -38,6 +38,16 @@ def run(args: argparse.Namespace) -> int:
     if args.accelerate and args.deepspeed and Path(args.accelerate).resolve() == Path(args.deepspeed).resolve():
         raise UserError(Problem("--deepspeed", f"is the same file as --accelerate ({args.deepspeed}): one would "
                                 "overwrite the other", fix="give the two files different names"))
+    # The config first: a refusal by key leaves no directory made for a file never written.
+    cfg = resolved_from(args).config
+    peft = None
+    if args.peft:
+        from overdrive.hf import peft_config
+
+        peft = peft_config(cfg)
+        if peft is None:
+            raise UserError(Problem("peft.method", "is none: there is no adapter to describe",
+                                    fix="set peft.method=lora (or qlora)"))
     if args.accelerate:
         args.accelerate = str(output_file(args.accelerate, "--accelerate", args.force))
     if args.deepspeed:
@@ -46,17 +56,10 @@ def run(args: argparse.Namespace) -> int:
     if args.peft:
         args.peft = str(writable_target(args.peft, "--peft", directory=True))
         peft_file = str(output_file(Path(args.peft) / "adapter_config.json", "--peft", args.force))
-    cfg = resolved_from(args).config
     if args.accelerate or args.deepspeed:
         for path in export.write(cfg, args.accelerate, args.deepspeed, batch_auto=args.batch_auto):
             print(f"wrote {path}", file=sys.stderr)
-    if args.peft:
-        from overdrive.hf import peft_config
-
-        config = peft_config(cfg)
-        if config is None:
-            raise UserError(Problem("peft.method", "is none: there is no adapter to describe",
-                                    fix="set peft.method=lora (or qlora)"))
-        config.save_pretrained(args.peft)
+    if peft is not None:
+        peft.save_pretrained(args.peft)
         print(f"wrote {peft_file}", file=sys.stderr)
     return 0

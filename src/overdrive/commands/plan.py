@@ -70,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.memory import pipeline as stage_memory
 
     stages = stage_memory.stages(cfg, shape, target) if cfg.parallel.pp_size > 1 else None
+    from overdrive.checkpoint.resume import describe_resume
+
+    resume = describe_resume(cfg)  # what train does with output_dir's checkpoint, as train decides it
 
     if args.json:
         print(json.dumps({
@@ -90,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
             "sources": sources,
             "layout": layout.summary(cfg), "pipeline": stages,
             "checkpoint_bytes": room.per_checkpoint, "checkpoint_bytes_measured": room.measured,
-            "disk_free_bytes": room.free, "disk_warning": room.warning(),
+            "disk_free_bytes": room.free, "disk_warning": room.warning(), "resume": resume,
         }, indent=2))
         return 0
 
@@ -138,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         lines.append(f"time         no measurement yet ({cfg.output_dir}/metrics.jsonl): train a few steps or run "
                      "`overdrive tune` to predict step time")
+    if resume:
+        lines.append(f"resume       {resume['text']}")
     print("\n".join(lines))
     return 0
 

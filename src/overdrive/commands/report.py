@@ -10,6 +10,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR",
                         help="a run's output_dir (holds metrics.jsonl), or a sweep's (holds sweep.json)")
     parser.add_argument("-o", "--out", help="directory for the plots and summary.md (default: RUN_DIR/report)")
+    parser.add_argument("--force", action="store_true", help="write into an -o directory that already holds files")
     parser.add_argument("--print", dest="print_summary", action="store_true", help="also print summary.md")
     verbosity = parser.add_mutually_exclusive_group()
     verbosity.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
@@ -23,6 +24,8 @@ def run(args: argparse.Namespace) -> int:
 
     console = get_console(quiet=args.quiet)
     from overdrive.sweep.outputs import is_sweep_dir
+
+    _keep_out_dir(args.out, args.force)
 
     if is_sweep_dir(args.run_dir):
         return _sweep(args, console)
@@ -38,6 +41,26 @@ def run(args: argparse.Namespace) -> int:
     _rank_panel(args.run_dir, console, print_table)
     console.print(f"Wrote {path}" + (f" and {len(images)} plot(s)" if images else " (nothing to plot)"))
     return _list_files(args, console, path, images)
+
+
+def _keep_out_dir(out, force: bool) -> None:
+    """A directory given with -o is the user's: a report writes several files there (summary.md,
+    report.png, a plot per panel), so one that already holds files is refused without --force.
+    RUN_DIR/report, the default, is the report's own and is rewritten."""
+    from pathlib import Path
+
+    from overdrive.errors import Problem, UserError
+
+    if out is None or force:
+        return
+    target = Path(out).expanduser()
+    try:
+        held = sorted(p.name for p in target.iterdir())[:5] if target.is_dir() else []
+    except OSError:
+        held = []  # writable_target explains a directory that cannot be read
+    if held:
+        raise UserError(Problem("-o/--out", f"{target} already holds files ({', '.join(held)}), which the report "
+                                "could overwrite", fix="give a new or empty directory, or pass --force"))
 
 
 def _list_files(args: argparse.Namespace, console, path, images) -> int:

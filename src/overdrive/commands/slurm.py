@@ -17,8 +17,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from overdrive.launch import workers as launch
-
     from overdrive.launch import lines as launch_lines
     from overdrive.commands.arguments import resolved_from
     import re
@@ -34,12 +32,11 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         args.output = str(faults.output_file(args.output, "--output", args.force))
     resolved = resolved_from(args)
-    from overdrive.strategies.cpu import target_gpus
+    from overdrive.launch.job_checks import cluster_problems
 
-    launch.check(resolved.config, gpus=target_gpus(resolved.config))  # the cluster's machines, not this one
-    from overdrive.training.preconditions import check_model_layout
-
-    check_model_layout(resolved.config)  # the job is `overdrive train`: what its loop cannot do is refused here
+    found = cluster_problems(resolved.config)  # the job is `overdrive train` on the cluster's machines
+    if found:
+        raise UserError(found, title="cannot launch")
     script = launch_lines.sbatch_script(resolved, args.job_name)
     if args.output:
         faults.write_text(args.output, script, "--output")

@@ -17,17 +17,35 @@ _OWN_ARGUMENTS = {"params", "lr", "weight_decay", "betas", "eps", "momentum", "n
 
 
 def import_class(path: str, key: str = "optim.class_path"):
-    """The class named by a dotted import path, or a UserError naming `key`."""
+    """The class named by a dotted import path, or a UserError naming `key`: a relative path,
+    a module that fails to import (whatever it raises), a name that is no class."""
     module_name, _, name = path.rpartition(".")
+    if path.startswith(".") or not module_name or not name:
+        raise UserError(Problem(key, f"{path!r} is not an absolute module.Class path",
+                                fix="give a module.Class path, e.g. torch.optim.RAdam"))
     try:
-        found = getattr(importlib.import_module(module_name), name) if module_name else None
+        found = getattr(importlib.import_module(module_name), name)
     except ImportError as error:
         raise UserError(Problem(key, f"cannot import {module_name!r}: {error}",
                                 fix="give a module.Class path of an installed package")) from None
     except AttributeError:
         found = None
+    except Exception as error:  # the module's own code failed while importing
+        raise UserError(Problem(key, f"importing {module_name!r} failed: {type(error).__name__}: {str(error)[:200]}",
+                                fix="fix the module, or give another module.Class path")) from None
     if not isinstance(found, type):
         raise UserError(Problem(key, f"{path!r} is not a class", fix="give a module.Class path, e.g. torch.optim.RAdam"))
+    return found
+
+
+def _optimizer_class(path: str, key: str = "optim.class_path"):
+    """`import_class`, refusing a class that is no torch optimizer (a module, a model layer)."""
+    import torch
+
+    found = import_class(path, key)
+    if not issubclass(found, torch.optim.Optimizer):
+        raise UserError(Problem(key, f"{path!r} is not an optimizer (not a torch.optim.Optimizer subclass)",
+                                fix="give an optimizer class, e.g. torch.optim.RAdam"))
     return found
 
 
@@ -35,7 +53,7 @@ def optimizer_class(cfg: RunConfig):
     """The class `optim.name` or `optim.class_path` builds (for Muon: torch's Muon)."""
     o = cfg.optim
     if o.class_path:
-        return import_class(o.class_path)
+        return _optimizer_class(o.class_path)
     kind = optimizer_catalog.of(cfg)
     if kind.name == "deepspeed":
         return None  # built by DeepSpeed from the JSON block

@@ -42,15 +42,28 @@ class SpaceEntry:
     step: Any = None
     choices: tuple = ()
 
-    def grid_points(self) -> Optional[list[Any]]:
-        """Every value a grid visits, or None for a range without a step."""
+    def grid_count(self) -> Optional[int]:
+        """How many values a grid visits, counted without listing them (None: a float range
+        without a step)."""
         if self.kind == "choice":
-            return list(self.choices)
+            return len(self.choices)
         if self.step is None and self.kind == "float":
             return None
+        return int(math.floor((self.high - self.low) / (self.step or 1) + 1e-9)) + 1
+
+    def grid_points(self) -> Optional[list[Any]]:
+        """Every value a grid visits, or None for a range without a step. Built only for a grid
+        `sweep_rules` let through (at most MAX_GRID_POINTS)."""
+        count = self.grid_count()
+        if count is None or self.kind == "choice":
+            return None if count is None else list(self.choices)
         step = self.step or 1
-        count = int(math.floor((self.high - self.low) / step + 1e-9)) + 1
         return [self.low + i * step for i in range(count)]
+
+
+# A grid is a list of every point (Optuna's GridSampler holds them all): beyond this a grid
+# cannot be visited in any sweep, and listing it would only exhaust the memory.
+MAX_GRID_POINTS = 1_000_000
 
 
 def value_problem(cfg: RunConfig, key: str, value: Any) -> Optional[str]:
@@ -185,12 +198,13 @@ def parse_space(cfg: RunConfig, chains: Optional[Mapping] = None) -> tuple[list[
 
 
 def grid_size(entries: list[SpaceEntry]) -> Optional[int]:
+    """Points of the whole grid, counted (a product of counts), never listed."""
     size = 1
     for entry in entries:
-        points = entry.grid_points()
-        if points is None:
+        count = entry.grid_count()
+        if count is None:
             return None
-        size *= len(points)
+        size *= count
     return size
 
 
@@ -200,11 +214,15 @@ def sweep_rules(cfg: RunConfig, chains: Optional[Mapping] = None) -> tuple[list[
     warnings: list[Problem] = []
     s = cfg.sweep
     if s.sampler == "grid" and not errors:
-        unstepped = [e.key for e in entries if e.grid_points() is None]
+        unstepped = [e.key for e in entries if e.grid_count() is None]
         size = grid_size(entries)
         if unstepped:
             errors.append(Problem(f"sweep.space.{unstepped[0]}", "a float range without a step has no grid points",
                                   where(chains, "sweep.space"), "give it a step or a list, or use sweep.sampler=tpe"))
+        elif size is not None and size > MAX_GRID_POINTS:
+            errors.append(Problem("sweep.space", f"the grid has {size:,} points, more than a sweep can visit "
+                                  f"(at most {MAX_GRID_POINTS:,})", where(chains, "sweep.space"),
+                                  "give the ranges larger steps or fewer values, or use sweep.sampler=tpe"))
         elif entries and size is not None and s.trials > size:
             errors.append(Problem("sweep.trials", f"{s.trials} trials, but the grid has {size} points",
                                   where(chains, "sweep.trials"), f"set sweep.trials={size} or widen the grid"))

@@ -95,17 +95,33 @@ class ChatRows(Rows):
 
 def with_template(cfg, tokenizer, source: str):
     """The tokenizer with its chat template: `tokenizer.chat_template` (text or a file) wins,
-    else the tokenizer's own; refused by key when there is none."""
+    else the tokenizer's own; refused by key when there is none, when a value that is no Jinja
+    names no file, and when the template does not compile."""
     given = cfg.tokenizer.chat_template
     if given:
         path = Path(given).expanduser()
-        tokenizer.chat_template = path.read_text() if "{" not in given and path.is_file() else given
+        if "{" in given:
+            tokenizer.chat_template = given
+        elif path.is_file():
+            tokenizer.chat_template = path.read_text()
+        else:
+            raise UserError(Problem("tokenizer.chat_template", f"{given!r} is no Jinja template (no {{{{ or {{%) "
+                                    "and no file", fix="give the template itself, or the path of a file holding it"))
     d = cfg.data
     own = all(e.chat_template for e in d.sources) if d.sources else bool(d.chat_template)  # each data its own
     if not getattr(tokenizer, "chat_template", None) and not own:
         raise UserError(Problem("tokenizer.chat_template", f"the tokenizer of {source} has no chat template, and "
                                 "data.format is chat", fix="set tokenizer.chat_template to a Jinja template (or a "
                                 ".jinja file), or use a tokenizer that ships one"))
+    import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # Transformers' own environment
+
+    try:
+        if isinstance(tokenizer.chat_template, str):
+            _compile_jinja_template(tokenizer.chat_template)
+    except jinja2.TemplateSyntaxError as error:
+        raise UserError(Problem("tokenizer.chat_template", f"the chat template does not compile: {error.message} "
+                                f"(line {error.lineno})", fix="fix the template's Jinja syntax")) from None
     return tokenizer
 
 
@@ -138,7 +154,15 @@ class ChatEncoder:
         tools = None
         if isinstance(turns, dict):  # a row that offers tools: the template renders them
             turns, tools = turns["messages"], turns.get("tools")
-        ids, mask = self.render(turns, tools)
+        try:
+            ids, mask = self.render(turns, tools)
+        except UserError:
+            raise
+        except Exception as error:  # the template's own error (raise_exception on a role it does not take, ...)
+            raise UserError(Problem("tokenizer.chat_template", f"the chat template fails on row "
+                                    f"{self.counts['conversations']} (roles {[t.get('role') for t in turns]}): "
+                                    f"{type(error).__name__}: {str(error)[:200]}",
+                                    fix="fix or drop that conversation, or use a template that takes it")) from None
         self.counts["conversations"] += 1
         if len(ids) > self.max_length:
             if self.overlong == "drop":

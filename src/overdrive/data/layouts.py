@@ -29,6 +29,9 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
                   "function_call": "assistant", "observation": "tool", "tool": "tool", "function": "tool",
                   "ipython": "tool"}
 _PASSED = ("tool_calls", "tool_call_id", "name")  # turn keys the chat templates read beside role and content
+# The roles a turn may have: a template renders an unknown one as whatever it makes of it (and the
+# prefix rule could train it as an answer), so a row with another is refused by key.
+ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 def recognise(names: list[str], d) -> tuple[str, tuple[str, ...]]:
@@ -125,11 +128,29 @@ def checked(turns: Any, row: int, key: str) -> list[dict]:
         if not isinstance(turn, dict) or "role" not in turn or ("content" not in turn and not calls):
             raise UserError(Problem(key, f"row {row}: a turn without `role` and `content`: {str(turn)[:80]}",
                                     fix="every turn needs a role and a content (or an assistant's tool_calls)"))
-        content = turn.get("content")
-        kept = {"role": str(turn["role"]), "content": "" if content is None else content}
+        role = turn["role"]
+        if not isinstance(role, str) or role not in ROLES:
+            raise UserError(Problem(key, f"row {row}: a turn with role {str(role)[:40]!r}",
+                                    fix=f"use one of {', '.join(ROLES)}"))
+        kept = {"role": role, "content": _content(turn.get("content"), row, key)}
         kept.update({k: turn[k] for k in _PASSED if turn.get(k) is not None})
         out.append(kept)
     return out
+
+
+def _content(value: Any, row: int, key: str) -> Any:
+    """Text, or a list of text parts ({"type": "text", "text": ...}, as chat APIs write them): mapping
+    content would be rendered, and trained, as its printed dict."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(part, dict) and part.get("type") == "text"
+                                       and isinstance(part.get("text"), str) for part in value):
+        return value
+    raise UserError(Problem(key, f"row {row}: a turn's content is a {type(value).__name__}, not text: "
+                            f"{str(value)[:80]}", fix="give each turn's content as a string (or a list of "
+                            "{\"type\": \"text\", \"text\": ...} parts)"))
 
 
 def _as_turns(value: Any, role: str, row: int, key: str) -> list[dict]:

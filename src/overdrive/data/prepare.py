@@ -138,6 +138,12 @@ def tokenize(cfg: RunConfig, splits: Splits, tokenizer, build: bool = True, show
         raise UserError(Problem("data.source", f"{cfg.data.source!r} gave no training samples"
                                 f"{' of ' + str(length) + ' tokens' if task == 'causal-lm' else ''}",
                                 fix="give more text, raise data.max_bytes, or lower data.max_length"))
+    if "chat" in meta and not meta["chat"].get("loss_tokens", 1):
+        raise UserError(Problem("tokenizer.chat_template", f"no token of the {meta['chat']['conversations']:,} "
+                                "conversations is in the loss: the template renders no assistant text that can be "
+                                "found, so there is nothing to train on",
+                                fix="use a template that renders each assistant turn's content, or set "
+                                "data.train_on_prompt=true"))
     return tokens.TokenizedSplits(parts["train"], validation, length, label_names)
 
 

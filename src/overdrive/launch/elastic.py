@@ -42,9 +42,22 @@ def _error_text(failure: Any) -> tuple[str, str]:
     return str(data.get("message") or ""), str((data.get("extraInfo") or {}).get("py_callstack") or "")
 
 
-def describe(error: Any) -> str:
+def left_early(error: Any, local_world: Optional[int]) -> list[int]:
+    """Ranks of this machine that the failure record does not hold: they had already exited
+    with code 0 when the failure came (the agent stops only the ranks still running). A rank
+    that ends its run while its peers are still in a collective breaks that collective: it is
+    the cause the peers' "Connection closed by peer" points at."""
+    if not local_world:
+        return []
+    any_failure = next(iter(error.failures.values()))
+    offset = next(iter(error.failures)) - any_failure.local_rank  # this machine's first global rank
+    return [offset + local for local in range(local_world) if offset + local not in error.failures]
+
+
+def describe(error: Any, local_world: Optional[int] = None) -> str:
     """A ChildFailedError as a sentence: which rank, how it ended, its error's last lines
-    (from the error file the worker wrote), and what happened to the rest."""
+    (from the error file the worker wrote), and what happened to the rest; with `local_world`
+    (the processes started on this machine), the ranks that had left before, named."""
     rank = first_failure(error.failures)
     failure = error.failures[rank]
     message, callstack = _error_text(failure)
@@ -68,6 +81,11 @@ def describe(error: Any) -> str:
     others = sorted(r for r in error.failures if r != rank)
     if others:
         lines.append("  also ended: " + ", ".join(_other(error.failures[r], r, message) for r in others))
+    gone = left_early(error, local_world)
+    if gone:
+        lines.append("  left before it: " + ", ".join(f"rank {r}" for r in gone) + " (exit 0: ended its run while "
+                     "this rank was still working; a rank waiting for it in a collective then fails with "
+                     "'Connection closed by peer')")
     return "\n".join(lines)
 
 
@@ -76,6 +94,13 @@ def _other(failure: Any, rank: int, message: str) -> str:
         return f"rank {rank} ({failure.signal_name()})"
     same = message and _error_text(failure)[0] == message
     return f"rank {rank} (exit {failure.exitcode}{', the same error' if same else ''})"
+
+
+def _local_world(args: Any) -> Optional[int]:
+    try:
+        return int(args.nproc_per_node)
+    except (TypeError, ValueError):  # "auto", "gpu": counted by the agent, not known here
+        return None
 
 
 def exit_code(error: Any) -> int:
@@ -91,10 +116,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        run(parse_args(list(sys.argv[1:] if argv is None else argv)))
+        run(args)
     except ChildFailedError as error:
-        print(describe(error), file=sys.stderr, flush=True)
+        print(describe(error, _local_world(args)), file=sys.stderr, flush=True)
         return exit_code(error)
     except SignalException as stop:
         # The agent has already passed the signal on to the workers and waited for them.

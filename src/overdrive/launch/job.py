@@ -23,8 +23,9 @@ from overdrive.resolving import SECRETS_VARIABLE
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 from overdrive.launch import membership
+from overdrive.launch.job_checks import cluster_problems
 from overdrive.launch.process import local_processes, process_env
-from overdrive.launch.workers import problems, train_worker
+from overdrive.launch.workers import train_worker
 from overdrive.strategies.cpu import target_gpus
 
 # Credentials a tracker reads from its environment, by the name in logging.trackers.
@@ -121,7 +122,7 @@ def describe(resolved: Any, name: str = "overdrive", container: bool = False) ->
     """The job for `resolved` on machines of its own, checked: bad input is refused by key.
     `container`: it runs in a container (an image is needed, and the name names pods)."""
     cfg: RunConfig = resolved.config
-    found = [p for p in problems(cfg, gpus=target_gpus(cfg)) if p.key not in CLUSTER_SUPPLIED]
+    found = cluster_problems(cfg, CLUSTER_SUPPLIED)  # what train on the cluster's machines checks
     if container and not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,40}[a-z0-9])?", name):
         found.append(Problem("--job-name", f"{name!r} is not a plain job name",
                              fix="use lower-case letters, digits and '-', starting and ending with a letter or digit "

@@ -37,11 +37,33 @@ def _shell_word(arg: str) -> str:
     return f'"{arg}"' if "$" in arg else shell_join([arg])
 
 
+# Directories a bucket mounted over would hide what the node runs on.
+SYSTEM_DIRS = ("/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib64", "/opt", "/proc", "/root", "/run",
+               "/sbin", "/sys", "/tmp", "/usr", "/var")
+# The task's name also names its bucket (`NAME-output`): a bucket name is 3-63 lower-case
+# letters, digits and '-' (S3, GCS, Azure), starting and ending with a letter or digit.
+NAME = r"[a-z0-9]([-a-z0-9]{0,54}[a-z0-9])?"
+
+
 def problems(job: Job) -> list[Problem]:
+    import re
+
+    found = []
+    if not re.fullmatch(NAME, job.name):
+        found.append(Problem("--job-name", f"{job.name!r} is not a plain task name (it also names the bucket "
+                             f"{job.name}-output)", fix="use lower-case letters, digits and '-', starting and ending "
+                             "with a letter or digit (at most 56 characters)"))
+    mount = _output_mount(job)
+    if str(PurePosixPath(mount)) in SYSTEM_DIRS:
+        found.append(Problem("output_dir", f"{job.config.output_dir} mounts the output bucket at {mount}, over the "
+                             "node's own " + ("root" if mount == "/" else "system directory"),
+                             fix="use a directory of its own, e.g. output_dir=/data/run or a relative path "
+                                 f"(under {HOME})"))
     if job.gpus_per_machine and not job.config.launch.accelerator:
-        return [Problem("launch.accelerator", f"is needed to ask a cloud for {job.gpus_per_machine} GPU(s) per machine",
-                        fix="name the GPU type, e.g. launch.accelerator=A100 (or launch.use_cpu=true for CPU machines)")]
-    return []
+        found.append(Problem("launch.accelerator", f"is needed to ask a cloud for {job.gpus_per_machine} GPU(s) per "
+                             "machine", fix="name the GPU type, e.g. launch.accelerator=A100 (or launch.use_cpu=true "
+                             "for CPU machines)"))
+    return found
 
 
 def task(job: Job) -> dict[str, Any]:

@@ -50,8 +50,15 @@ def check(cfg: RunConfig, gpus: Optional[int] = None) -> None:
 
 
 def port_in_use(port: int) -> bool:
+    """Whether the rendezvous could not take `port`: checked by binding it on every address, as
+    the store torchrun starts will (its standalone mode picks a port the same way). Connecting
+    would miss a port still bound by a stopped job that accepts nothing."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return True
+    return False
 
 
 def local_port(cfg: RunConfig) -> RunConfig:

@@ -254,10 +254,44 @@ def run_shape(cfg) -> ModelShape:
                               attn_implementation=cfg.model.attn_implementation))
 
 
+def adapter_of_run(cfg):
+    """What an adapter run (peft.method lora/qlora) trains, counted by PEFT itself on the model
+    on the meta device (memory/adapter.py); None for full training. Cached per model and peft
+    section: the tuner and the auto micro-batch estimate one run at many sizes."""
+    if cfg.peft.method == "none":
+        return None
+    import json
+
+    key = json.dumps([cfg.model.model_dump(mode="json"), cfg.peft.model_dump(mode="json"),
+                      cfg.tokenizer.model_dump(mode="json")], sort_keys=True, default=str)
+    if key not in _ADAPTERS:
+        from overdrive.memory.adapter import adapter_shape
+
+        model = build_meta_model(hf_config_for_run(cfg), cfg.model.task, cfg.model.attn_implementation)
+        _ADAPTERS[key] = adapter_shape(model, cfg.peft, base_bytes=4 if cfg.model.dtype in ("float32", "auto") else 2)
+    return _ADAPTERS[key]
+
+
+_ADAPTERS: dict[str, Any] = {}
+
+
+def run_setup(cfg, target: str = "cuda", **changes):
+    """The estimator's input built from a run: its Setup (memory/shape.setup_for_run) with the
+    adapter it trains attached. The one place this is done: plan, estimate, the tuner and the
+    auto micro-batch all size what trains."""
+    from dataclasses import replace
+
+    from overdrive.memory.shape import setup_for_run
+
+    setup = setup_for_run(cfg, target, **changes)
+    adapter = changes.get("adapter", adapter_of_run(cfg))
+    return replace(setup, adapter=adapter) if adapter is not None else setup
+
+
 def run_estimate(cfg, target: str = "cuda", shape: Optional[ModelShape] = None, **changes):
     """The estimate of a run config's own strategy: the one place the estimator's input is
     built from a run (the plan, the tuner, the auto micro-batch). `changes` go to the Setup."""
     from overdrive.memory import estimate
-    from overdrive.memory.shape import setup_for_run, strategy_of_run
+    from overdrive.memory.shape import strategy_of_run
 
-    return estimate(shape or run_shape(cfg), setup_for_run(cfg, target, **changes), (strategy_of_run(cfg),))
+    return estimate(shape or run_shape(cfg), run_setup(cfg, target, **changes), (strategy_of_run(cfg),))

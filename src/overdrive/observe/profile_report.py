@@ -48,8 +48,10 @@ def summarise(cfg, ranks: list[dict[str, Any]], profile_dir: Path, cores_per_pro
               processes_here: int = 1, mfu: Optional[float] = None) -> dict[str, Any]:
     capacity, cuda, fast_bf16 = device_facts(cfg, processes_here)
     bottleneck, advice = judge(cfg, ranks, capacity, cores_per_process, cuda, fast_bf16)
-    t = cfg.training
-    tokens_per_step = t.micro_batch_size * t.gradient_accumulation_steps * cfg.launch.num_processes * cfg.data.max_length
+    from overdrive.config import batch
+
+    # Each data-parallel replica's tokens once: the ranks of a tensor/context-parallel group share theirs.
+    tokens_per_step = batch.split(cfg).global_batch * cfg.data.max_length
     slowest = max(r["step_s"] for r in ranks)
     return {
         "ranks": [{"rank": r["rank"], "host": r["host"], "step_s": r["step_s"],

@@ -143,6 +143,18 @@ def steady_rate(records: list[dict[str, Any]], key: str) -> Optional[float]:
     return sum(weights) / sum(w / r for (r, _), w in zip(points, weights))
 
 
+def _data_parallel(cfg: Any, world: Any) -> Any:
+    """The data-parallel degree of the run's config (config/batch.py's one answer), else the world."""
+    from overdrive.config.batch import data_parallel_degree
+
+    if not isinstance(world, int) or not isinstance(cfg, dict) or "launch" not in cfg:
+        return world
+    try:
+        return data_parallel_degree({**cfg, "launch": {**cfg["launch"], "num_processes": world}})
+    except (KeyError, TypeError, ValueError):
+        return world
+
+
 def summarize(run: Run) -> dict[str, Any]:
     """The run's numbers and config highlights, as plain values (None when not recorded)."""
     cfg, train, evals = run.config, run.train, run.evals
@@ -157,6 +169,7 @@ def summarize(run: Run) -> dict[str, Any]:
         micro = _last(train, "micro_batch_size") or micro
     accum = _get(cfg, "training.gradient_accumulation_steps") or _last(train, "gradient_accumulation_steps")
     world = _last(train, "world_size") or _last(train, "num_processes") or _get(cfg, "launch.num_processes")
+    data_parallel = _data_parallel(cfg, world)
     min_index = min(range(len(losses)), key=losses.__getitem__) if losses else None
     return {
         "run": str(run.path),
@@ -166,7 +179,9 @@ def summarize(run: Run) -> dict[str, Any]:
         "micro_batch_size": micro,
         "gradient_accumulation_steps": accum,
         "world_size": world,
-        "global_batch": micro * accum * world if all(isinstance(v, int) for v in (micro, accum, world)) else None,
+        "data_parallel": data_parallel,  # world / (tp x cp x sp): the ranks that take different samples
+        "global_batch": (micro * accum * data_parallel
+                         if all(isinstance(v, int) for v in (micro, accum, data_parallel)) else None),
         "seq_len": _last(train, "seq_len") or _get(cfg, "data.max_length"),
         "lr": _get(cfg, "optim.lr"),
         "scheduler": _get(cfg, "scheduler.name"),
@@ -260,14 +275,14 @@ def summary_markdown(run: Run, summary: dict[str, Any], images: list[Path]) -> s
     s = summary
     batch = "-"
     if s["global_batch"]:
-        batch = (f"{s['micro_batch_size']} x {s['gradient_accumulation_steps']} x {s['world_size']}"
+        batch = (f"{s['micro_batch_size']} x {s['gradient_accumulation_steps']} x {s['data_parallel']}"
                  f" = {s['global_batch']}")
         if isinstance(s["seq_len"], int):
             batch += f" sequences ({s['global_batch'] * s['seq_len']:,} tokens) per step"
     lr = fmt(s["lr"]) + (f" ({s['scheduler']})" if s["scheduler"] else "")
     out = [f"# Run report: {run.name}", "", f"`{run.path}`", "", "## Config", "", "| | |", "| --- | --- |"]
     for label, value in (("model", s["model"]), ("strategy", s["strategy"]), ("precision", s["precision"]),
-                         ("micro-batch x accum x world", batch), ("sequence length", s["seq_len"]),
+                         ("micro-batch x accum x data-parallel", batch), ("sequence length", s["seq_len"]),
                          ("learning rate", lr), ("max steps", s["max_steps"])):
         out.append(f"| {label} | {fmt(value)} |")
     explicit = {k: v for k, v in run.origins.items() if not v.startswith("default")}

@@ -152,7 +152,9 @@ def check(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]
     sweep_errors, sweep_warnings = sweep_rules(cfg, chains)
     errors += strategy_errors + launch_rules(cfg, chains) + sweep_errors
     errors += recipe_rules.check(cfg, lambda key: _where(chains, key))
-    errors += validate_gpu.check(cfg, lambda key: _where(chains, key))
+    from overdrive.resolving.validate_inputs import input_rules
+
+    errors += validate_gpu.check(cfg, lambda key: _where(chains, key)) + input_rules(cfg, lambda key: _where(chains, key))
     warnings += training_rules(cfg, chains) + sweep_warnings + validate_gpu.warnings(cfg, lambda key: _where(chains, key))
     peft_errors, peft_warnings = _peft_rules(cfg, chains)
     return errors + peft_errors, warnings + peft_warnings

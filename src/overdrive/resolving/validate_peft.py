@@ -55,6 +55,10 @@ def peft_rules(cfg, where, set_explicitly: Mapping[str, bool], on_cpu: Callable[
                                   "set model.name_or_path to a save_pretrained directory (or hub name), without "
                                   "model.from_scratch; or peft.method=none"))
         errors += strategy_adapter.problems(cfg, where)  # what the strategy cannot do with this adapter
+        if isinstance(p.target_modules, list) and not [m for m in p.target_modules if str(m).strip()]:
+            errors.append(Problem("peft.target_modules", "is empty: the adapter would wrap no layer",
+                                  where("peft.target_modules"), "name the layers (e.g. [q_proj, v_proj]), or "
+                                  "all-linear"))
         if p.method == "qlora":
             why = bitsandbytes_problem(on_cpu())
             if why:

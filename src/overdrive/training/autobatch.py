@@ -174,7 +174,7 @@ def make_probe(cfg: RunConfig, device, device_bytes: Optional[int] = None, shape
     """Forward and backward of the (unsharded) model at a given micro-batch on `device`; on a
     GPU, judged by `probe_terms` against `device_bytes` (default: the device's total).
     The model is the one that trains (training/model.py: its dtype, attention implementation
-    and gradient checkpointing), with fresh weights."""
+    and gradient checkpointing, the LoRA adapter), with fresh weights."""
     import torch
 
     from overdrive.memory.model_shape import hf_config_for_run, run_shape
@@ -193,6 +193,13 @@ def make_probe(cfg: RunConfig, device, device_bytes: Optional[int] = None, shape
     if on_gpu and device_bytes is None:
         device_bytes = torch.cuda.get_device_properties(device).total_memory
     net = model_mod.with_gradient_checkpointing(cfg, net)
+    from overdrive.training import adapter
+
+    if adapter.enabled(cfg) and cfg.peft.method == "lora":
+        # What trains: the base frozen, PEFT's adapter added (as build_model does), so the probe
+        # measures the adapter's gradients, not every weight's. (A qlora base is measured
+        # unquantized: fresh weights are not loaded through bitsandbytes.)
+        net = adapter.apply(cfg, net, gradient_checkpointing=cfg.model.gradient_checkpointing)
     net.train()
     dtype = model_mod.autocast_dtype(cfg.precision.mixed_precision)
     vocab_size, seq_len = config.vocab_size, cfg.data.max_length

@@ -1,4 +1,5 @@
-"""The validation pass: mean loss (and accuracy for classification) over a fixed subset."""
+"""The validation pass: mean loss (and accuracy for classification) over a fixed subset; the
+loss is the mean over every loss token of the subset, as a training step's is (step_loss.py)."""
 
 from __future__ import annotations
 
@@ -7,24 +8,29 @@ from typing import Any
 
 import torch
 
+from overdrive.training import step_loss
+
 
 def evaluate(parts: Any, task: str) -> dict[str, float]:
     """Mean loss (and accuracy for classification) over the validation subset."""
     acc, model = parts.accelerator, parts.model
-    loss_sum = torch.zeros((), device=acc.device)
-    n_batches, correct, seen = 0, torch.zeros((), device=acc.device), 0
+    loss_sum, tokens = torch.zeros((), device=acc.device), torch.zeros((), device=acc.device)
+    correct, seen = torch.zeros((), device=acc.device), 0
     model.eval()
     with torch.no_grad():
         for batch in parts.eval_loader:
-            out = model(**batch)
-            loss_sum += out.loss.detach().float()
-            n_batches += 1
-            if task == "sequence-classification":
+            tokens += step_loss.loss_token_count(batch)
+            if task != "sequence-classification":
+                loss_sum += step_loss.summed_loss(model, batch).detach().float()
+            else:
+                out = model(**batch)
+                loss_sum += out.loss.detach().float() * batch["labels"].shape[0]
                 preds, labels = acc.gather_for_metrics((out.logits.argmax(dim=-1), batch["labels"]))
                 correct += (preds == labels).sum()
                 seen += labels.numel()
     model.train()
-    mean_loss = acc.reduce(loss_sum / max(n_batches, 1), "mean").item()  # sync point
+    # sync point: every rank's sums (a tensor-parallel group's ranks alike, so the ratio holds)
+    mean_loss = (acc.reduce(loss_sum, "sum") / acc.reduce(tokens, "sum").clamp(min=1)).item()
     result = {"eval_loss": mean_loss}
     if task == "causal-lm":
         result["eval_perplexity"] = math.exp(min(mean_loss, 50.0))

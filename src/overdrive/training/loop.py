@@ -31,7 +31,7 @@ from overdrive.config.redact import redact
 from overdrive.config.schema import RunConfig
 from overdrive.storage import faults
 from overdrive.strategies import registry
-from overdrive.training import context_parallel, loss_scale, nonfinite, telemetry
+from overdrive.training import context_parallel, loss_scale, nonfinite, step_loss, telemetry
 from overdrive.training import pipeline as pipeline_training
 from overdrive.training.evaluation import evaluate
 from overdrive.training.loss_tokens import LossTokens
@@ -48,7 +48,8 @@ class LoopState:
     batch_in_epoch: int = 0  # micro-batches consumed in the current epoch (data position)
     tokens_seen: int = 0  # across all processes
     nonfinite_in_a_row: int = 0
-    # This rank's loss summed on the device since the last log point (no sync per step),
+    # This rank's share of each step's loss (its summed token losses / the global batch's loss
+    # tokens, step_loss.py), summed on the device since the last log point (no sync per step),
     # and the micro-batches in that sum: a resume carries on the interval being summed.
     loss_sum: Any = 0.0
     micro_steps: int = 0
@@ -214,6 +215,8 @@ class Loop:
         self.progress, self.metrics = progress, metrics
         acc, t = parts.accelerator, cfg.training
         self.split = batch.split(cfg)
+        self.model_parallel = max(acc.num_processes // self.split.data_parallel, 1)  # ranks sharing one batch
+        self.cp = context_parallel.cp_size(cfg)  # ranks that each take a slice of every sequence
         self.data = batches(parts.train_loader, state, acc.skip_first_batches)
         self.throughput = telemetry.Throughput()
         state.loss_sum = torch.full((), float(state.loss_sum), device=acc.device)
@@ -244,19 +247,25 @@ class Loop:
         world = self.split.data_parallel
         self.lr = self.parts.scheduler.get_last_lr()[0]  # the lr this optimizer step uses
         self.scale_watch.before_step()
-        for _ in range(self.split.accumulation):
-            self.observe.enter("data")
-            micro_batch = next(self.data)
-            # Counted before context parallel shards the sequences in place.
+        self.observe.enter("data")
+        # The step's micro-batches drawn ahead: the loss is normalised by the global batch's
+        # loss tokens, counted (over every rank, before context parallel shards the sequences)
+        # ahead of the first forward (step_loss.py).
+        micro_batches = [next(self.data) for _ in range(self.split.accumulation)]
+        count = step_loss.global_count(acc, micro_batches, self.model_parallel)
+        # Under context parallel each rank's slice adds its own tokens' losses, and the gradient
+        # reduction averages over data-parallel x cp ranks: the slices' sum is scaled back too.
+        scale = step_loss.backward_scale(self.split.accumulation, world * self.cp)
+        for micro_batch in micro_batches:
             self.loss_tokens.add(micro_batch)
             tokens = micro_batch["input_ids"].numel() * world  # shapes are host-side: no sync
             with acc.accumulate(model):
                 inputs, sequences = context_parallel.sharding(acc, self.cfg, micro_batch)
                 with sequences:  # cp_size > 1: this rank's slice of every sequence, forward and backward
                     self.observe.enter("forward")
-                    loss = model(**inputs).loss
+                    loss = step_loss.summed_loss(model, inputs) / count  # this micro-batch's share of the mean
                     self.observe.enter("backward")
-                    acc.backward(loss)  # Accelerate divides by the accumulation steps: the mean of means
+                    acc.backward(loss * scale)  # undone by the accumulation and data-parallel averaging
                 self.observe.enter("optimizer")
                 if acc.sync_gradients and (clipping is not None or guard.needs_norm):
                     # Clipping to infinity measures the norm (over all ranks) and changes nothing.
@@ -289,7 +298,11 @@ class Loop:
         """The one sync point of the loop: read the loss accumulated since the last log."""
         acc, state = self.parts.accelerator, self.state
         self.observe.enter("sync")
-        loss_value = acc.reduce(state.loss_sum / state.micro_steps, "mean").item()
+        # Each rank holds its share of each step's mean; the ranks of a tensor-parallel group the same
+        # share, those of a context-parallel group a share each of their slices.
+        steps = max(state.micro_steps // self.split.accumulation, 1)
+        sharing = max(self.model_parallel // self.cp, 1)
+        loss_value = acc.reduce(state.loss_sum.clone(), "sum").item() / sharing / steps
         state.loss_sum.zero_()
         state.micro_steps = 0
         counts = self.guard.read()  # steps skipped since the last log

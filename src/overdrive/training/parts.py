@@ -3,6 +3,7 @@ the Accelerator (`build_parts`), and the trained model saved at the end (`save_f
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -131,6 +132,34 @@ def _maybe_compile(model, cfg: RunConfig, accelerator):
     return torch.compile(model, backend=c.backend, mode=c.mode, fullgraph=c.fullgraph, dynamic=c.dynamic)
 
 
+def full_tensors(state_dict: Any) -> Any:
+    """Tensor-parallel DTensors gathered whole on every rank, in one order (a collective): left
+    to the main process alone, as save_pretrained would, the other ranks never join it and the
+    final save hangs."""
+    if not state_dict:
+        return state_dict
+    from torch.distributed.tensor import DTensor
+
+    return {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in state_dict.items()}
+
+
+@contextmanager
+def _gathered(model: Any):
+    """The model's tensor-parallel record set aside while the main process saves the state dict
+    `full_tensors` gathered: with it, save_pretrained gathers and waits at a barrier itself,
+    collectives the other ranks (not saving) never join."""
+    config = getattr(model, "config", None)
+    held = getattr(config, "distributed_config", None)
+    if held is None:
+        yield
+        return
+    config.distributed_config = None
+    try:
+        yield
+    finally:
+        config.distributed_config = held
+
+
 def save_final(cfg: RunConfig, parts: Parts, out: Path) -> None:
     """The trained model and tokenizer as a `save_pretrained` directory: out/model (an adapter
     run's: PEFT's adapter directory, training/adapter.py)."""
@@ -140,7 +169,7 @@ def save_final(cfg: RunConfig, parts: Parts, out: Path) -> None:
         return
     parts.recipe.eval_mode()  # a schedule-free optimizer's weights: its averaged point
     # Every rank takes part: under ZeRO-3 or FSDP the full weights are gathered from shards.
-    state_dict = acc.get_state_dict(parts.model)
+    state_dict = full_tensors(acc.get_state_dict(parts.model))
     if adapter.enabled(cfg):  # PEFT's adapter directory (and the merged model when asked)
         adapter.save_final(cfg, acc, parts.model, parts.tokenizer, state_dict, out)
         acc.wait_for_everyone()
@@ -153,8 +182,9 @@ def save_final(cfg: RunConfig, parts: Parts, out: Path) -> None:
         bar_was_on = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # a one-shard "Writing model shards" bar is only noise
         try:
-            with atomic.directory(out / "model", "output_dir", "the final model") as target:
-                acc.unwrap_model(parts.model).save_pretrained(target, state_dict=state_dict, save_function=acc.save)
+            model = acc.unwrap_model(parts.model)
+            with atomic.directory(out / "model", "output_dir", "the final model") as target, _gathered(model):
+                model.save_pretrained(target, state_dict=state_dict, save_function=acc.save)
                 parts.tokenizer.save_pretrained(target)
         finally:
             if bar_was_on:

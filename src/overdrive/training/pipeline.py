@@ -45,14 +45,17 @@ class StepTokenMean:
     """The schedule's loss of one microbatch: its summed next-token loss over the tokens of the
     whole step (set before each step), so the microbatches' losses add up to the step's mean."""
 
-    def __init__(self):
+    def __init__(self, replicas: int = 1):
         self.tokens: Any = 1
+        # The replicas' gradients are averaged after backward (DDP's mean, FSDP2's reduce-scatter):
+        # scaled back here, so the step's gradient is the sum of their shares of the global mean.
+        self.replicas = replicas
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE)[..., 1:]  # as Transformers shifts
         summed = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1),
                                                    ignore_index=IGNORE, reduction="sum")
-        return summed / self.tokens
+        return summed / self.tokens * self.replicas
 
 
 class Pipeline:
@@ -86,7 +89,7 @@ class Pipeline:
         # The pipeline rank whose last stage computes the loss (rank 0 in a V, the last rank otherwise).
         self.loss_rank = next(r for r in range(pp) if count - 1 in rules.stages_of_rank(
             r, pp, rules.stages_per_rank(cfg), kind.v_shape))
-        self.loss = StepTokenMean()
+        self.loss = StepTokenMean(self.dp)
         cls = get_schedule_class(kind.torch_name)
         self.schedule = cls(stages if kind.multi else stages[0], n_microbatches=rules.microbatches(cfg),
                             loss_fn=self.loss, scale_grads=False)
@@ -129,13 +132,17 @@ class Pipeline:
         return [p for m in self.modules for p in m.parameters()]
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward and backward over the microbatches; the step's loss on every pipeline rank."""
-        self.loss.tokens = (labels[..., 1:] != IGNORE).sum().clamp(min=1)
+        """Forward and backward over the microbatches; this replica's share of the step's loss (the
+        global batch's token mean) on every pipeline rank."""
+        tokens = (labels[..., 1:] != IGNORE).sum()
+        if self.dp > 1:  # the global batch's loss tokens: every replica's (training/step_loss.py)
+            dist.all_reduce(tokens, group=self.dp_group)
+        self.loss.tokens = tokens.clamp(min=1)
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first else ()
         self.schedule.step(*args, target=labels if self.has_last else None, losses=losses)
         self.average_gradients()
-        value = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=labels.device)
+        value = torch.stack(losses).sum().detach() / self.dp if losses else torch.zeros((), device=labels.device)
         dist.broadcast(value, group=self.pp_group, group_src=self.loss_rank)
         return value
 
@@ -276,8 +283,9 @@ def optimizer_step(loop) -> None:
     if loop.guard.allows_step():
         loop.parts.optimizer.step()
     loop.parts.optimizer.zero_grad(set_to_none=True)
-    # As the loop sums its micro-batches' losses: the step's mean, once per micro-batch.
-    state.loss_sum += loss.float() * loop.split.accumulation
+    # As the loop sums its micro-batches' shares: this replica's share of the step's mean, summed
+    # over the ranks at the log point (each rank of a pipeline holds the same share).
+    state.loss_sum += loss.float()
     state.micro_steps += loop.split.accumulation
     if pipe.pp_rank == 0:  # the loss tokens once per replica, not once per stage
         for micro_batch in micro_batches:

@@ -8,16 +8,11 @@ from __future__ import annotations
 def check_model_layout(cfg) -> None:
     """The model's heads and tensor-parallel plan against parallel.tp_size / sp_size, read
     from its config alone (no weights), and what the loop does not do (sequence parallel),
-    before any process starts."""
+    before any process starts (launch/job_checks.py, which the cluster writers share)."""
     from overdrive.errors import UserError
-    from overdrive.strategies import layout
+    from overdrive.launch.job_checks import layout_problems
 
-    lay = layout.layout(cfg)
-    if lay.tp == 1 and lay.sp == 1 and lay.pp == 1:
-        return
-    from overdrive.memory.model_shape import hf_config_for_run
-
-    found = layout.loop_problems(cfg) + layout.model_problems(cfg, hf_config_for_run(cfg))
+    found = layout_problems(cfg)
     if found:
         raise UserError(found)
 

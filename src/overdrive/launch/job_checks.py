@@ -1,0 +1,32 @@
+"""What a job is checked for before it is written or started: the one function `train`'s own
+checks reach a cluster script through (slurm, k8s, skypilot), so none writes a job that train
+on the cluster's machines would refuse."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from overdrive.errors import Problem
+
+
+def layout_problems(cfg: Any) -> list[Problem]:
+    """The model's heads, tensor-parallel plan and layers against parallel.tp_size / sp_size / pp_size, read from
+    its config alone (no weights), and what the loop does not do (sequence parallel)."""
+    from overdrive.strategies import layout
+
+    lay = layout.layout(cfg)
+    if lay.tp == 1 and lay.sp == 1 and lay.pp == 1:
+        return []
+    from overdrive.memory.model_shape import hf_config_for_run
+
+    return layout.loop_problems(cfg) + layout.model_problems(cfg, hf_config_for_run(cfg))
+
+
+def cluster_problems(cfg: Any, supplied: Sequence[str] = ()) -> list[Problem]:
+    """Every check `train` makes before it starts, judged for the cluster's machines (their GPUs,
+    not this one's); `supplied`: keys the cluster fills in itself (the rendezvous address)."""
+    from overdrive.launch.workers import problems
+    from overdrive.strategies.cpu import target_gpus
+
+    found = [p for p in problems(cfg, gpus=target_gpus(cfg)) if p.key not in supplied]
+    return found + layout_problems(cfg)
