@@ -25,6 +25,7 @@ class _RecordingAccelerator:
 
     def __init__(self):
         self.device = torch.device("cpu")
+        self.num_processes = 1
         self.sync_gradients = True
         self.optimizer_step_was_skipped = False
         self.scaler = None
@@ -56,7 +57,7 @@ def _one_step(cfg):
     from overdrive.config import batch
     from overdrive.training.loop import Loop, LoopState
     from overdrive.training.loss_tokens import LossTokens
-    from overdrive.training import loss_scale, nonfinite, telemetry
+    from overdrive.training import context_parallel, loss_scale, nonfinite, telemetry
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -75,8 +76,9 @@ def _one_step(cfg):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loop = object.__new__(Loop)
     loop.cfg, loop.state, loop.split = cfg, LoopState(), batch.split(cfg)
-    loop.parts = SimpleNamespace(accelerator=acc, model=model, optimizer=optimizer,
+    loop.parts = SimpleNamespace(accelerator=acc, model=model, optimizer=optimizer, pipeline=None,
                                  scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
+    loop.model_parallel, loop.cp = 1, context_parallel.cp_size(cfg)  # one recording process
     loop.data = iter([micro_batch] * loop.split.accumulation)
     loop.observe = SimpleNamespace(enter=lambda phase: None, step_done=lambda step: None)
     loop.progress = SimpleNamespace(step=lambda step: None)
@@ -96,10 +98,13 @@ def test_the_loop_shards_the_sequence_buffers_around_forward_and_backward_when_c
     assert len(acc.entered) == 1 and acc.forward_inside and acc.backward_inside
     buffers, dims, no_restore = acc.entered[0]
     given = acc.forward_kwargs
-    assert [b is given[k] for b, k in zip(buffers, ("input_ids", "shift_labels", "labels", "position_ids"))] == [True] * 4
+    # The model takes the sharded input_ids and position_ids; the loss (summed by the loop, over
+    # the global batch's tokens) reads the sharded shift_labels.
+    assert buffers[0] is given["input_ids"] and buffers[3] is given["position_ids"]
     assert dims == [1, 1, 1, 1] and {id(b) for b in no_restore} == {id(b) for b in buffers}
     # shift_labels made before sharding: position t predicts token t+1, the last predicts nothing.
-    assert torch.equal(given["shift_labels"][:, :-1], ids[:, 1:]) and (given["shift_labels"][:, -1] == -100).all()
+    shift_labels = buffers[1]
+    assert torch.equal(shift_labels[:, :-1], ids[:, 1:]) and (shift_labels[:, -1] == -100).all()
     assert torch.equal(given["position_ids"], torch.arange(8).expand(2, 8))
     assert "attention_mask" not in given  # Accelerate's CP hooks drop it: nothing may rely on it
     # Without context parallel the loop neither enters it nor changes the batch.
@@ -181,9 +186,11 @@ def test_a_fused_adamw_step_skipped_by_the_fp16_scaler_holds_the_schedule_and_is
     loop = object.__new__(Loop)
     loop.cfg, loop.state, loop.split = cfg, LoopState(), batch.split(cfg)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda s: s + 1.0)
-    loop.parts = SimpleNamespace(accelerator=acc, model=model, optimizer=optimizer, scheduler=schedule)
+    loop.parts = SimpleNamespace(accelerator=acc, model=model, optimizer=optimizer, scheduler=schedule, pipeline=None)
+    loop.model_parallel, loop.cp = 1, 1
     ids = torch.ones(2, 4)
-    loop.data = iter([{"input_ids": ids, "labels": ids.long()}] * 2)
+    # A label per row: the loop takes the model's own loss (its mean x the rows).
+    loop.data = iter([{"input_ids": ids, "labels": torch.zeros(2, dtype=torch.long)}] * 2)
     loop.observe = SimpleNamespace(enter=lambda phase: None, step_done=lambda step: None)
     loop.progress = SimpleNamespace(step=lambda step: None)
     loop.loss_tokens, loop.throughput = LossTokens(acc.device, 0), telemetry.Throughput()
