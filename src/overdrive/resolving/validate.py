@@ -154,7 +154,14 @@ def check(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]
     errors += recipe_rules.check(cfg, lambda key: _where(chains, key))
     warnings += training_rules(cfg, chains) + sweep_warnings
     peft_errors, peft_warnings = _peft_rules(cfg, chains)
-    return errors + peft_errors, warnings + peft_warnings
+    preference_errors, preference_warnings = _preference_rules(cfg, chains)
+    return errors + peft_errors + preference_errors, warnings + peft_warnings + preference_warnings
+
+
+def _preference_rules(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]:
+    from overdrive.config.validate_preference import preference_rules
+
+    return preference_rules(cfg, lambda key: _where(chains, key), lambda key: _set_explicitly(chains, key))
 
 
 def _peft_rules(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]:

@@ -11,6 +11,8 @@ import torch
 def evaluate(parts: Any, task: str) -> dict[str, float]:
     """Mean loss (and accuracy for classification) over the validation subset."""
     acc, model = parts.accelerator, parts.model
+    if getattr(parts, "objective", None) is not None:  # preference pairs: the method's loss and TRL's metrics
+        return parts.objective.evaluate(model, parts.eval_loader)
     loss_sum = torch.zeros((), device=acc.device)
     n_batches, correct, seen = 0, torch.zeros((), device=acc.device), 0
     model.eval()

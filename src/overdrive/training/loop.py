@@ -55,6 +55,7 @@ class LoopState:
     first_loss: Optional[float] = None  # the first and latest logged losses
     final_loss: Optional[float] = None
     source_positions: Optional[dict] = None  # a data mixture: where each source is (data/mixing.py)
+    preference_pending: Optional[list] = None  # preference metrics summed since the last log point, all ranks
 
     def state_dict(self) -> dict[str, Any]:
         """Every field but the loss sum, which lives on the device (the checkpoint gathers it)."""
@@ -224,6 +225,8 @@ class Loop:
         self.grad_norm = None
         self.lr = 0.0
         self.after_first: Optional[tuple[float, int]] = None  # (time, tokens) at the first log: steady state
+        if parts.objective is not None:
+            parts.objective.restore(state.preference_pending)
         note = parts.recipe.check_resumed(state)
         if note:
             progress.print(note)
@@ -242,7 +245,7 @@ class Loop:
             micro_batch = next(self.data)
             with acc.accumulate(model):
                 self.observe.enter("forward")
-                loss = model(**micro_batch).loss
+                loss = self.parts.objective(model, micro_batch) if self.parts.objective else model(**micro_batch).loss
                 self.observe.enter("backward")
                 acc.backward(loss)  # Accelerate divides by the accumulation steps: the mean of means
                 self.observe.enter("optimizer")
@@ -285,7 +288,8 @@ class Loop:
         counts = self.guard.read()  # steps skipped since the last log
         state.nonfinite_in_a_row = counts.in_a_row
         record = {**self._record(loss_value), **counts.record(), "elapsed_s": self.throughput.elapsed(),
-                  "loss_tokens": self.loss_tokens.read(acc), **self.observe.fields()}
+                  "loss_tokens": self.loss_tokens.read(acc), **self.observe.fields(),
+                  **(self.parts.objective.read() if self.parts.objective else {})}
         if counts.note(state.step):
             self.progress.print(counts.note(state.step))
         self.metrics.write(record)
@@ -336,6 +340,8 @@ class Loop:
         self.state.nonfinite_in_a_row = self.guard.run_length()
         self.state.source_positions = self.parts.recipe.positions(self.state)
         self.state.loss_tokens = self.loss_tokens.total(self.parts.accelerator)
+        if self.parts.objective is not None:
+            self.state.preference_pending = self.parts.objective.pending()
         self.parts.recipe.eval_mode()  # a schedule-free optimizer saves its averaged point
         self.outcome.checkpoint = self.ckpt.save(self.state)
         self.parts.recipe.train_mode()

@@ -18,6 +18,7 @@ from overdrive.training import adapter
 from overdrive.training import model as model_mod
 from overdrive.training import telemetry
 from overdrive.training import optimizers
+from overdrive.training import preference, reference
 from overdrive.training.recipe import Recipe
 from overdrive.training.tokenizer import build_tokenizer
 
@@ -38,6 +39,7 @@ class Parts:
     notes: list[str] = field(default_factory=list)  # said once the run starts (trainable parameters, packing)
     config: Optional[RunConfig] = None  # the config as it runs: steps counted from the data (training.num_epochs)
     derived: dict = field(default_factory=dict)  # key -> how the data derived it
+    objective: Any = None  # preference training's loss step (training/preference.py); None: the model's loss
 
 
 def _micro_batch(cfg: RunConfig) -> int:
@@ -94,6 +96,7 @@ def build_parts(cfg: RunConfig, accelerator) -> Parts:
         n = min(len(tokens.validation), t.eval_batches * micro * split.data_parallel)
         eval_loader = data_mod.eval_loader(torch.utils.data.Subset(tokens.validation, range(n)), micro,
                                            d.num_workers, d.pin_memory, collate)
+    reference_model = reference.frozen_copy(cfg, model)  # the starting weights, before anything wraps them
     optimizer = optimizers.build_optimizer(model, cfg, accelerator.device.type)
     scheduler = optimizers.build_schedule(optimizer, cfg)  # None when DeepSpeed builds the optimizer
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
@@ -102,8 +105,14 @@ def build_parts(cfg: RunConfig, accelerator) -> Parts:
         eval_loader = accelerator.prepare(eval_loader)
     model = _maybe_compile(model, cfg, accelerator)
     peak = telemetry.DevicePeak(accelerator.device, cfg.precision.mixed_precision, cache_dir)
+    objective = None
+    if preference.enabled(cfg):
+        validation = tokens.validation if eval_loader is not None else None
+        train_ref, eval_ref = reference.for_run(cfg, accelerator, model, reference_model, tokens.train, collate,
+                                                split.micro, Path(cfg.output_dir).expanduser(), validation)
+        objective = preference.PreferenceObjective(cfg, accelerator, train_ref, eval_ref)
     return Parts(accelerator, model, optimizer, scheduler, train_loader, eval_loader, tokenizer, fpt, peak,
-                 d.max_length, Recipe(cfg, optimizer, train_loader, d.max_length), notes, cfg, derived)
+                 d.max_length, Recipe(cfg, optimizer, train_loader, d.max_length), notes, cfg, derived, objective)
 
 
 def _counted_from_data(cfg: RunConfig, train, global_batch: int):
