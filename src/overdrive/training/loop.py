@@ -136,7 +136,8 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
 
     progress = telemetry.ProgressDisplay(cfg.training.max_steps, enabled=main and cfg.logging.level != "quiet",
                                          bar=cfg.logging.progress)
-    progress.print(f"training: {cfg.model.task}, {cfg.training.max_steps} steps, output in {out}")
+    objective = cfg.model.task if parts.objective is None else f"{cfg.preference.method} on preference pairs"
+    progress.print(f"training: {objective}, {cfg.training.max_steps} steps, output in {out}")
     for note in parts.notes:
         progress.print(note)
     metrics = telemetry.MetricsLog(out / "metrics.jsonl", enabled=main)
