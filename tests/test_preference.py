@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_fixtures import make_preference_data, make_tiny_llama
-from overdrive.config import resolve
+from overdrive.resolving import resolve
 from overdrive.errors import UserError
 from overdrive.training import preference_loss as losses
 

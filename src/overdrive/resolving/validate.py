@@ -159,9 +159,9 @@ def check(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]
 
 
 def _preference_rules(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]:
-    from overdrive.config.validate_preference import preference_rules
+    from overdrive.resolving.validate_preference import preference_rules
 
-    return preference_rules(cfg, lambda key: _where(chains, key), lambda key: _set_explicitly(chains, key))
+    return preference_rules(cfg, lambda key: _where(chains, key), lambda key: set_by_user(chains, key))
 
 
 def _peft_rules(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]:
