@@ -86,6 +86,15 @@ def test_orpo_equals_trls_orpo_trainer():
     torch.testing.assert_close(got.rejected_rewards, want_rejected)
 
 
+def test_reward_model_loss_equals_trls_reward_trainer():
+    """trl/trainer/reward_trainer.py `compute_loss`: Bradley-Terry, plus the centering term."""
+    want = -F.logsigmoid(CHOSEN - REJECTED).mean() + 0.01 * torch.mean((CHOSEN + REJECTED) ** 2)
+    got = losses.bradley_terry(CHOSEN, REJECTED, 0.01)
+    torch.testing.assert_close(got.losses.mean(), want)
+    torch.testing.assert_close(losses.bradley_terry(CHOSEN, REJECTED).losses.mean(),
+                               -F.logsigmoid(CHOSEN - REJECTED).mean())
+
+
 def test_sequence_log_probs_are_the_answer_tokens_cross_entropy():
     logits = torch.randn(2, 7, 11)
     ids = torch.randint(0, 11, (2, 7))
@@ -199,6 +208,10 @@ def test_rules_of_the_preference_keys(llama, tmp_path):
     assert error.value.problems[0].key == "preference.precompute_reference"
     _cfg(llama, path, "peft.method=none", "parallel.strategy=fsdp", "launch.num_processes=2",
          "preference.precompute_reference=true")
+    with pytest.raises(UserError) as error:  # a reward model is a scalar head
+        _cfg(llama, path, "preference.method=reward")
+    assert error.value.problems[0].key == "model.task"
+    _cfg(llama, path, "preference.method=reward", "model.task=sequence-classification")
 
 
 def test_plan_counts_the_reference_copy_of_full_parameter_dpo(llama, tmp_path):

@@ -129,6 +129,16 @@ def test_orpo_and_simpo_train(work, method):
     assert all(name in logged[-1] for name in TRL_NAMES)
 
 
+def test_a_reward_model_learns_to_rank_the_pairs(work):
+    done = run(command(work, "reward", "preference.method=reward", "model.task=sequence-classification",
+                       "training.max_steps=20", "training.log_every_steps=5", "checkpoint.enabled=false",
+                       "checkpoint.save_final_model=false"), cwd=work, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    logged = [r for r in records(work / "reward") if "loss" in r]
+    assert logged[-1]["loss"] < 0.5 * logged[0]["loss"] and logged[-1]["accuracy"] >= 0.9, logged[-1]
+    assert all(name in logged[-1] for name in ("rewards/margins", "accuracy", "margin", "mean_reward"))
+
+
 def test_a_negative_beta_and_a_missing_chosen_column_exit_2_by_key(work):
     done = run(command(work, "bad", "preference.beta=-0.1"), cwd=work, timeout=300)
     assert done.returncode == 2 and "preference.beta" in done.stderr and "Traceback" not in done.stderr

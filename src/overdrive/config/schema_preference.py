@@ -3,12 +3,13 @@
 The names are TRL's, so a TRL user finds the knob they know: `beta` (DPOConfig, CPOConfig;
 ORPOConfig's `beta` is the paper's lambda), `label_smoothing`, `simpo_gamma`
 (CPOConfig with `loss_type="simpo"`), `precompute_ref_log_probs` (here
-`precompute_reference`). The losses are TRL's (training/preference_loss.py).
+`precompute_reference`), `center_rewards_coefficient` (RewardConfig). The losses are TRL's
+(training/preference_loss.py).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 from pydantic import Field
 
@@ -19,13 +20,14 @@ WITH_REFERENCE = ("dpo", "ipo")
 
 
 class PreferenceConfig(Section):
-    """Preference training: DPO, IPO, ORPO, SimPO on chosen/rejected pairs."""
+    """Preference training: DPO, IPO, ORPO, SimPO and reward models on chosen/rejected pairs."""
 
-    method: Literal["none", "dpo", "ipo", "orpo", "simpo"] = Field(
+    method: Literal["none", "dpo", "ipo", "orpo", "simpo", "reward"] = Field(
         "none", description="`none`: the model task's own loss. `dpo`: TRL's DPO (sigmoid) loss against a reference "
         "model; `ipo`: its IPO loss (length-normalised log-ratios); `orpo`: odds-ratio loss plus the chosen answer's "
-        "NLL, no reference; `simpo`: SimPO (length-normalised log-probs with a margin), no reference. All need "
-        "`data.format: preference` (docs/preference.md)."
+        "NLL, no reference; `simpo`: SimPO (length-normalised log-probs with a margin), no reference; `reward`: a "
+        "reward model, a scalar head (`model.task: sequence-classification`) trained with TRL's RewardTrainer loss "
+        "(Bradley-Terry). All need `data.format: preference` (docs/preference.md)."
     )
     beta: float = Field(
         0.1, gt=0, description="DPO/IPO: the strength of the tie to the reference (IPO's tau is 1/beta). ORPO: the "
@@ -37,6 +39,10 @@ class PreferenceConfig(Section):
     )
     simpo_gamma: float = Field(
         0.5, ge=0.0, description="SimPO: the target reward margin gamma (TRL's `simpo_gamma`)."
+    )
+    center_rewards_coefficient: Optional[float] = Field(
+        None, ge=0.0, description="Reward: the weight of a penalty on the mean of (chosen + rejected reward)^2, which "
+        "keeps the rewards centred on 0 (TRL's `center_rewards_coefficient`). Empty: none."
     )
     precompute_reference: bool = Field(
         False, description="DPO/IPO: compute the reference model's log-probs of every pair once before the first "

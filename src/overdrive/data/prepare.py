@@ -130,7 +130,7 @@ def tokenize(cfg: RunConfig, splits: Splits, tokenizer, build: bool = True, show
     task, length = cfg.model.task, cfg.data.max_length
     names = splits.train.label_names if task != "causal-lm" else None
     entry, meta = _one(cfg, splits.train, tokenizer, splits.holdout, names, build, show)
-    reading = dict(task=chat.sample_kind(cfg) if task == "causal-lm" else task, max_length=length, packing=cfg.data.packing,
+    reading = dict(task=chat.sample_kind(cfg), max_length=length, packing=cfg.data.packing,
                    pad_id=tokenizer.pad_token_id or 0)
     parts = tokens.open_entry(entry, **reading)
     label_names = meta.get("label_names") or []

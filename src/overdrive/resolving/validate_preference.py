@@ -9,7 +9,8 @@ from overdrive.config.schema_preference import WITH_REFERENCE
 from overdrive.errors import Problem
 
 _KNOBS = {"preference.label_smoothing": ("dpo", "simpo"), "preference.simpo_gamma": ("simpo",),
-          "preference.precompute_reference": WITH_REFERENCE}
+          "preference.precompute_reference": WITH_REFERENCE,
+          "preference.beta": ("dpo", "ipo", "orpo", "simpo"), "preference.center_rewards_coefficient": ("reward",)}
 
 
 def preference_rules(cfg: RunConfig, where: Callable[[str], str],
@@ -21,7 +22,7 @@ def preference_rules(cfg: RunConfig, where: Callable[[str], str],
         if pairs:
             errors.append(Problem("preference.method", "data.format is preference, but no preference method is set",
                                   where("data.format"), "set preference.method (dpo, ipo, orpo or simpo)"))
-        stray = [k for k in ("preference.beta", *_KNOBS) if set_explicitly(k)]
+        stray = [k for k in _KNOBS if set_explicitly(k)]
         if stray:
             warnings.append(Problem(stray[0], "applies to preference training only (preference.method is none)",
                                     where(stray[0]), "set preference.method, or remove the key"))
@@ -30,6 +31,11 @@ def preference_rules(cfg: RunConfig, where: Callable[[str], str],
         errors.append(Problem("data.format", f"preference.method={p.method} trains on chosen/rejected pairs, but "
                               f"data.format is {cfg.data.format}", where("preference.method"),
                               "set data.format=preference, with prompt/chosen/rejected columns"))
+    task = "sequence-classification" if p.method == "reward" else "causal-lm"
+    if cfg.model.task != task:
+        errors.append(Problem("model.task", f"preference.method={p.method} trains a "
+                              f"{'scalar head' if p.method == 'reward' else 'causal LM'}", where("model.task"),
+                              f"set model.task={task}"))
     if not (cfg.model.name_or_path and not cfg.model.from_scratch):
         errors.append(Problem("model.name_or_path", f"{p.method} aligns a pretrained model, but the model starts "
                               "from random weights", where("preference.method"),

@@ -76,7 +76,8 @@ def build_parts(cfg: RunConfig, accelerator) -> Parts:
         # blocks have no padding, and with pad == eos Transformers would warn on every batch.
         special["pad_token_id"] = tokenizer.pad_token_id
     set_seed(t.seed)  # same initial weights on every rank and every run
-    model = model_mod.build_model(cfg, vocab_size=len(tokenizer), label_names=tokens.label_names,
+    label_names = ["reward"] if preference.trains_reward_model(cfg) else tokens.label_names  # one scalar
+    model = model_mod.build_model(cfg, vocab_size=len(tokenizer), label_names=label_names,
                                   special_tokens=special, device=adapter.load_device(cfg, accelerator.device))
     _check_positions(model.config, d.max_length)
     model = strategies.split_model(model, accelerator, cfg)  # tensor parallel, when the layout has it

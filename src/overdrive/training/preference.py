@@ -27,8 +27,15 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
 MODEL_INPUTS = ("input_ids", "attention_mask")
 
 
+REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+
+
 def enabled(cfg) -> bool:
     return cfg.preference.method != "none"
+
+
+def trains_reward_model(cfg) -> bool:
+    return cfg.preference.method == "reward"
 
 
 def needs_reference(cfg) -> bool:
@@ -51,6 +58,7 @@ class PreferenceObjective:
                  eval_reference: Optional[Callable[[Any, dict], torch.Tensor]] = None):
         p = cfg.preference
         self.method, self.beta, self.smoothing, self.gamma = p.method, p.beta, p.label_smoothing, p.simpo_gamma
+        self.centering = p.center_rewards_coefficient
         self.accelerator, self.reference, self.eval_reference = accelerator, reference, eval_reference
         self.sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=accelerator.device)
 
@@ -78,6 +86,12 @@ class PreferenceObjective:
         return {"eval_loss": loss, **{f"eval_{k}": v for k, v in metrics.items()}}
 
     def __call__(self, model, batch: dict) -> torch.Tensor:
+        if self.method == "reward":  # a scalar per sequence: chosen rows, then rejected ones
+            scores = model(**{k: batch[k] for k in MODEL_INPUTS}, use_cache=False).logits.squeeze(-1).float()
+            n = len(scores) // 2
+            pairs = losses.bradley_terry(scores[:n], scores[n:], self.centering)
+            self._add(pairs)
+            return pairs.losses.mean()
         ref = self.reference(model, batch) if self.reference is not None else None
         logps, lengths, per_token = sequence_scores(model, batch)
         n = len(logps) // 2
@@ -113,6 +127,10 @@ class PreferenceObjective:
         total = self.accelerator.reduce(self.sums.clone(), "sum").tolist()
         self.sums.zero_()
         count = max(total[-1], 1.0)
+        if self.method == "reward":  # the rewards are the scores; also RewardTrainer's own names
+            means = {name: value / count for name, value in zip(REWARD_METRICS, total)}
+            return {**means, "accuracy": means["rewards/accuracies"], "margin": means["rewards/margins"],
+                    "mean_reward": (means["rewards/chosen"] + means["rewards/rejected"]) / 2}
         return {name: value / count for name, value in zip(METRICS, total)}
 
 

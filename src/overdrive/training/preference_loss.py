@@ -14,7 +14,11 @@ model's log-probs; it returns per-pair losses and the rewards TRL logs. Sources 
     orpo    ORPOTrainer.odds_ratio_loss: average log-probs, log odds
             (a - r) - (log(1 - e^a) - log(1 - e^r)); loss = NLL(chosen) - b logsigmoid(log odds)
 
-Rewards: b x log-ratio for dpo/ipo; b x average log-prob for simpo/orpo (TRL's logging).
+    reward  RewardTrainer.compute_loss: -logsigmoid(r_chosen - r_rejected) (Bradley-Terry), plus
+            center_rewards_coefficient x mean((r_chosen + r_rejected)^2) when set
+
+Rewards: b x log-ratio for dpo/ipo; b x average log-prob for simpo/orpo (TRL's logging); the
+scalar head's scores for a reward model.
 """
 
 from __future__ import annotations
@@ -91,3 +95,13 @@ def orpo(chosen, rejected, chosen_length, rejected_length, chosen_nll, beta: flo
     log_odds = (chosen_avg - rejected_avg) - (log1mexp(chosen_avg) - log1mexp(rejected_avg))
     losses = chosen_nll - beta * F.logsigmoid(log_odds)
     return PairScores(losses, beta * chosen_avg.detach(), beta * rejected_avg.detach(), chosen_avg, rejected_avg)
+
+
+def bradley_terry(chosen_scores, rejected_scores, center_rewards_coefficient=None) -> PairScores:
+    """A reward model's loss on its scalar scores; with centering, each pair's share of
+    `coefficient x mean((chosen + rejected)^2)`, so the mean over pairs is TRL's loss."""
+    losses = -F.logsigmoid(chosen_scores - rejected_scores)
+    if center_rewards_coefficient is not None:
+        losses = losses + center_rewards_coefficient * (chosen_scores + rejected_scores) ** 2
+    return PairScores(losses, chosen_scores.detach(), rejected_scores.detach(), chosen_scores.detach(),
+                      rejected_scores.detach())
