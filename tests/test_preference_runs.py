@@ -106,14 +106,21 @@ def test_a_killed_dpo_run_resumes_exactly(work, reference):
     assert mine == {r["step"]: r["rewards/margins"] for r in records(reference) if "loss" in r}
 
 
-def test_full_parameter_dpo_with_a_frozen_copy_equals_precomputed_reference(work):
+def test_full_parameter_dpo_with_a_frozen_copy_equals_precomputed_reference_also_sharded(work):
+    """The precomputed reference under FSDP2 on 2 processes: each rank scores its share of the
+    pairs in lock step with the sharded policy, and the losses are the one-process frozen copy's."""
     got = {}
-    for name, extra in (("copy", ()), ("precomputed", ("preference.precompute_reference=true",))):
+    sharded = (str(REPO / "configs/fsdp.yaml"), "launch.num_processes=2", "training.micro_batch_size=4",
+               "preference.precompute_reference=true", f"launch.main_process_port={free_port()}")
+    for name, extra in (("copy", ()), ("precomputed", ("preference.precompute_reference=true",)),
+                        ("fsdp2-precomputed", sharded)):
         done = run(command(work, name, "peft.method=none", "training.max_steps=3", "checkpoint.enabled=false",
                            "checkpoint.save_final_model=false", *extra), cwd=work, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         got[name] = [(r["loss"], r["rewards/margins"]) for r in records(work / name) if "loss" in r]
     assert got["copy"] == got["precomputed"]
+    for (loss, margin), (sharded_loss, sharded_margin) in zip(got["copy"], got["fsdp2-precomputed"]):
+        assert abs(sharded_loss - loss) <= 1e-3 * loss and abs(sharded_margin - margin) <= 1e-3 * max(margin, 1e-3)
     assert (work / "precomputed" / "reference_logps.pt").is_file()
     assert got["copy"][0][0] == pytest.approx(math.log(2), abs=1e-4) and got["copy"][-1][0] < got["copy"][0][0]
 
