@@ -24,7 +24,8 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from overdrive.data.chat import KINDS, _checked
+from overdrive.data.chat import KINDS
+from overdrive.data.layouts import checked as _checked
 from overdrive.data.sources import Batch, Rows, _columns
 from overdrive.errors import Problem, UserError
 
