@@ -208,6 +208,9 @@ def test_rules_of_the_preference_keys(llama, tmp_path):
     assert error.value.problems[0].key == "preference.precompute_reference"
     _cfg(llama, path, "peft.method=none", "parallel.strategy=fsdp", "launch.num_processes=2",
          "preference.precompute_reference=true")
+    with pytest.raises(UserError) as error:  # a continued adapter disabled is the bare base, not the start
+        _cfg(llama, path, f"peft.adapter_path={tmp_path / 'sft-adapter'}")
+    assert "preference.precompute_reference" in [p.key for p in error.value.problems]
     with pytest.raises(UserError) as error:  # a reward model is a scalar head
         _cfg(llama, path, "preference.method=reward")
     assert error.value.problems[0].key == "model.task"

@@ -59,7 +59,15 @@ def reference_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem
     from overdrive.strategies import registry
 
     p = cfg.preference
-    if p.method not in WITH_REFERENCE or p.precompute_reference or cfg.peft.method != "none":
+    if p.method not in WITH_REFERENCE or p.precompute_reference:
+        return []
+    if cfg.peft.adapter_path:  # the adapter disabled would be the bare base, not the model the run starts from
+        return [Problem("preference.precompute_reference", f"{p.method} continuing the adapter in peft.adapter_path "
+                        "needs the model it starts from as its reference; with the adapter disabled it would be the "
+                        "base without that adapter", where("peft.adapter_path"),
+                        "set preference.precompute_reference=true (the reference computed once, with the adapter "
+                        "loaded), or merge the adapter into its base (`overdrive merge`) and train a new one on it")]
+    if cfg.peft.method != "none":
         return []
     strategy = registry.of(cfg)
     if strategy.holds_whole_model(cfg):
