@@ -1,7 +1,9 @@
 """TRL's own DPOTrainer on the same pairs and settings as an overdrive LoRA DPO run (its log
 history written as jsonl): the reference curve the runs are compared with."""
 
-import json, sys
+import json
+import sys
+
 from datasets import load_dataset
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
