@@ -85,3 +85,22 @@ def make_chat_data(path: Path, rows: int = 64, seed: int = 0, answer: str = "the
             f.write(json.dumps({"messages": [{"role": "user", "content": prompt},
                                              {"role": "assistant", "content": answer}]}) + "\n")
     return path
+
+
+def make_preference_data(path: Path, rows: int = 64, seed: int = 0, prompt_letters: int = 6,
+                         layout: str = "conversational") -> Path:
+    """Pairs whose chosen answer is right (the prompt's first letter) and whose rejected one is
+    constant: TRL's conversational layout (prompt, chosen, rejected as turns), or its standard one (text)."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(rows):
+            letters = [rng.choice(LETTERS) for _ in range(prompt_letters)]
+            prompt, chosen, rejected = " ".join(letters), f"the answer is {letters[0]}", "the answer is yes"
+            if layout == "conversational":
+                row = {"prompt": [{"role": "user", "content": prompt}],
+                       "chosen": [{"role": "assistant", "content": chosen}],
+                       "rejected": [{"role": "assistant", "content": rejected}]}
+            else:
+                row = {"prompt": prompt + " ", "chosen": chosen, "rejected": rejected}
+            f.write(json.dumps(row) + "\n")
+    return path

@@ -16,6 +16,7 @@ from pydantic import Field
 
 from overdrive.config.schema_parallel import ParallelConfig
 from overdrive.config.schema_peft import PeftConfig
+from overdrive.config.schema_preference import PreferenceConfig
 from overdrive.config.schema_recipe import OptimConfig, SchedulerConfig
 from overdrive.config.schema_sweep import SweepConfig
 from overdrive.config.sections import Auto, PositiveInt, Section, admits_bool
@@ -107,10 +108,12 @@ class DataConfig(Section):
         description="`stdlib` (the Python standard library's own .py files), a local file or "
         "directory (text, jsonl, json, csv, parquet), or a hub data set name.",
     )
-    format: Literal["auto", "text", "json", "csv", "parquet", "chat"] = Field(
+    format: Literal["auto", "text", "json", "csv", "parquet", "chat", "preference"] = Field(
         "auto", description="File format; `auto` goes by the file extension. `chat`: rows of conversations "
         "(`data.messages_column`, or prompt/completion columns) in any row format (jsonl, json, csv, parquet, a "
-        "saved or hub data set), rendered with the tokenizer's chat template (docs/finetuning.md)."
+        "saved or hub data set), rendered with the tokenizer's chat template (docs/finetuning.md). `preference`: "
+        "rows of a prompt and a chosen and a rejected answer (text, or lists of turns), for `preference.method` "
+        "(docs/preference.md)."
     )
     subset: Optional[str] = Field(None, description="Hub data set configuration name.")
     split: str = Field("train", description="Split to train on.")
@@ -143,6 +146,12 @@ class DataConfig(Section):
                               "text), passed to the chat template as `tools` (when present).")
     chat_template: Optional[str] = Field(None, description="Chat: a template for this data only (text or a .jinja "
                                          "file), over `tokenizer.chat_template`; a `data.sources` entry may set its own.")
+    chosen_column: str = Field(
+        "chosen", description="Preference data: the preferred answer (a string, or a list of turns)."
+    )
+    rejected_column: str = Field(
+        "rejected", description="Preference data: the other answer (a string, or a list of turns)."
+    )
     train_on_prompt: bool = Field(
         False, description="Chat: take the loss over every token. Off: over the assistant's tokens only."
     )
@@ -389,6 +398,8 @@ class RunConfig(Section):
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig, description="Mixed precision.")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Parallelism strategy.")
     peft: PeftConfig = Field(default_factory=PeftConfig, description="Adapter fine-tuning (LoRA, QLoRA).")
+    preference: PreferenceConfig = Field(default_factory=PreferenceConfig,
+                                         description="Preference training (DPO, IPO, ORPO, SimPO).")
     compile: CompileConfig = Field(default_factory=CompileConfig, description="torch.compile.")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="Processes and machines.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")

@@ -62,6 +62,8 @@ def _length(encoded) -> int:
     """Tokens of one encoded piece: ids, or (ids, loss mask) for chat, or None (a dropped conversation)."""
     if encoded is None:
         return 0
+    if isinstance(encoded, tuple) and isinstance(encoded[0], tuple):  # a preference pair: both sides
+        return sum(len(side[0]) for side in encoded)
     return len(encoded[0]) if isinstance(encoded, tuple) else len(encoded)
 
 
@@ -85,7 +87,9 @@ def measure(splits: Splits, tokenizer, task: str, max_length: int, sample: tuple
         return TokenizeEstimate(nbytes, n_tokens, seconds, None, None, None, None)
     est_tokens = int(total * n_tokens / max(nbytes, 1))
     per_token = np.dtype(tokens.id_dtype(tokenizer)).itemsize
-    if task == "chat":
+    if task == "preference":
+        index = (corpus.total or 0) * 16 + est_tokens  # two sequence ends per pair, a one-byte mask per token
+    elif task == "chat":
         index = (corpus.total or 0) * 8 + est_tokens  # conversation ends (int64), a one-byte loss mask per token
     elif task != "causal-lm" and advance:
         rows = corpus.total or 0

@@ -16,6 +16,10 @@ def collate_for(kind: str, pad_id: Optional[int]):
     """The batch maker for a sample kind (`data.chat.sample_kind`): padding for classification
     and chat rows, none for packed text blocks (all one length)."""
     pad = pad_id if pad_id is not None else 0
+    if kind == "preference":
+        from overdrive.data.preference_samples import PairCollator
+
+        return PairCollator(pad)
     if kind == "chat":
         from overdrive.data.chat_samples import ChatCollator
 

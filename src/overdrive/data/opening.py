@@ -12,12 +12,16 @@ from overdrive.errors import Problem, UserError
 def open_source(cfg: RunConfig, split: str, key: str):
     """The corpus of one split of `data.source` (conversations with `data.format: chat`)."""
     corpus = read_source(cfg, split, key)
-    if cfg.data.format != "chat":
+    if cfg.data.format not in ("chat", "preference"):
         return corpus
     if not isinstance(corpus, Rows):
         raise UserError(Problem("data.format", f"chat needs rows of conversations; {cfg.data.source!r} is plain text",
                                 fix="give a jsonl, json, csv or parquet file (or a data set) with a messages "
                                 "column or prompt/completion columns"))
+    if cfg.data.format == "preference":
+        from overdrive.data.preference import PreferenceRows
+
+        return PreferenceRows(corpus, cfg)
     return ChatRows(corpus, cfg)
 
 

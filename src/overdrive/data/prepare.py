@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from overdrive.config.schema import RunConfig
-from overdrive.data import cache, chat, pieces, tokens
+from overdrive.data import cache, chat, pieces, preference, tokens
 from overdrive.errors import Problem, UserError
 from overdrive.storage import faults
 from overdrive.data.progress import TokenizeProgress
@@ -53,10 +53,14 @@ def _describe(cfg: RunConfig, corpus) -> str:
 
 def cache_kind(cfg: RunConfig, tokenizer) -> str:
     """The token cache's task key: the model task, or chat with its template and mask settings."""
+    if preference.is_preference(cfg):
+        return preference.template_key(cfg, tokenizer)
     return chat.template_key(cfg, tokenizer) if chat.is_chat(cfg) else cfg.model.task
 
 
 def encoder_for(cfg: RunConfig, tokenizer):
+    if preference.is_preference(cfg):
+        return preference.PreferenceEncoder(tokenizer, cfg.data.max_length)
     if chat.is_chat(cfg):
         return chat.encoder_for(cfg, tokenizer)
     return tokens.Encoder(tokenizer, cfg.model.task, cfg.data.max_length)
@@ -116,6 +120,8 @@ def _summary(progress: TokenizeProgress, meta: dict, entry: Path) -> None:
                            f"cache {cache.entry_bytes(entry) / 1e6:,.1f} MB in {entry}")
     if "chat" in meta:
         progress.console.print("chat: " + chat.describe_counts(meta["chat"]))
+    if "preference" in meta:
+        progress.console.print("preference: " + preference.describe_counts(meta["preference"]))
 
 
 def tokenize(cfg: RunConfig, splits: Splits, tokenizer, build: bool = True, show: bool = False
@@ -124,7 +130,7 @@ def tokenize(cfg: RunConfig, splits: Splits, tokenizer, build: bool = True, show
     task, length = cfg.model.task, cfg.data.max_length
     names = splits.train.label_names if task != "causal-lm" else None
     entry, meta = _one(cfg, splits.train, tokenizer, splits.holdout, names, build, show)
-    reading = dict(task="chat" if chat.is_chat(cfg) else task, max_length=length, packing=cfg.data.packing,
+    reading = dict(task=chat.sample_kind(cfg), max_length=length, packing=cfg.data.packing,
                    pad_id=tokenizer.pad_token_id or 0)
     parts = tokens.open_entry(entry, **reading)
     label_names = meta.get("label_names") or []

@@ -188,7 +188,7 @@ def fill(entry: Path, corpus, encoder: Encoder, holdout: float, seed: int, max_b
 def _append(writer: cache.EntryWriter, part: str, rows: list[int], batch, ids: list[list[int]], encoder: Encoder,
             table: LabelTable) -> None:
     flat: list[int] = []
-    if encoder.task == "chat":  # ids, loss mask and ends: chat.py
+    if encoder.task in ("chat", "preference"):  # ids, loss mask and ends: chat.py, preference.py
         encoder.append(writer, part, rows, ids)
         return
     if encoder.task == "causal-lm":
@@ -234,6 +234,12 @@ def open_entry(entry: Path, task: str, max_length: int, packing: bool = False,
         if task == "causal-lm":
             blocks = PackedBlocks(ids, max_length)
             result[part] = blocks if len(blocks) else None
+        elif task == "preference":  # pairs: two conversations each (preference_samples.py)
+            from overdrive.data.preference_samples import open_pairs
+
+            n = counts[f"{part}.ends"]
+            result[part] = open_pairs(ids, cache.open_array(entry, f"{part}.ends", np.int64, n),
+                                      cache.open_array(entry, f"{part}.mask", np.uint8, counts[f"{part}.mask"]))
         elif task == "chat":
             n = counts[f"{part}.ends"]
             result[part] = open_chat(ids, cache.open_array(entry, f"{part}.ends", np.int64, n),

@@ -40,6 +40,8 @@ def estimate_row(strategy: str, shape: ModelShape, setup: Setup) -> Row:
         row = model_state_row(strategy, sliced, setup)
     else:  # LoRA/QLoRA: gradients and optimizer states for the adapter only (adapter.py)
         row = adapter_row(strategy, sliced, setup, setup.adapter)
+    if setup.reference_copy and setup.adapter is None:  # the weights as they are loaded, unsharded, no gradients
+        row.add("params_bytes", "reference model: a frozen copy of the weights (preference.method)", 4 * sliced.params)
     act: Activations = estimate_activations(shape, setup, uses_autocast(strategy, setup))
     row.activations_full_bytes = act.peak
     row.activations_checkpointed_bytes = act.peak_checkpointed

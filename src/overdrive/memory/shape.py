@@ -102,6 +102,9 @@ class Setup:
     extra_notes: tuple[str, ...] = field(default_factory=tuple)
     adapter: Optional[Any] = None
     """An adapter run (memory/adapter.AdapterShape): frozen base, trained adapter."""
+    reference_copy: bool = False
+    """Preference training (DPO, IPO) of every parameter: a frozen copy of the starting weights
+    is the reference model, whole on every rank (training/reference.py)."""
 
     @property
     def mixed(self) -> bool:
@@ -195,10 +198,18 @@ def setup_for_run(cfg, target: Target = "cuda", **changes) -> Setup:
         reshard_after_forward=cfg.parallel.fsdp.reshard_after_forward,
         optimizer=optimizer_catalog.of(cfg).name,
         momentum=cfg.optim.momentum,
+        reference_copy=_reference_copy(cfg),
         **_layout_of(cfg, changes.get("devices")),
     )
     values.update({k: v for k, v in changes.items() if v is not None})
     return Setup(**values)
+
+
+def _reference_copy(cfg) -> bool:
+    from overdrive.config.schema_preference import WITH_REFERENCE
+
+    p = cfg.preference
+    return p.method in WITH_REFERENCE and cfg.peft.method == "none" and not p.precompute_reference
 
 
 def _layout_of(cfg, devices: Optional[int]) -> dict:

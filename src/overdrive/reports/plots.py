@@ -99,6 +99,9 @@ PANELS: list[tuple[str, Callable[[Any, Run], bool]]] = [
     ("throughput", _simple("tokens_per_s", "Throughput", "tokens/s", "C3", mean=True)),
     ("mfu", _simple("mfu", "Model FLOPs utilisation", "%", "C4", scale=_percent, mean=True)),
     ("memory", _simple("memory", "Peak memory", "bytes", "C5", scale=_memory)),
+    # Preference training (TRL's names): drawn only for runs that log them.
+    ("preference_accuracy", _simple("rewards/accuracies", "Preference accuracy", "rewards/accuracies", "C6")),
+    ("preference_margin", _simple("rewards/margins", "Reward margin", "rewards/margins", "C7", from_zero=False)),
 ]
 
 

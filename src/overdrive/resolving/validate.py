@@ -157,7 +157,14 @@ def check(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]
     errors += validate_gpu.check(cfg, lambda key: _where(chains, key)) + input_rules(cfg, lambda key: _where(chains, key))
     warnings += training_rules(cfg, chains) + sweep_warnings + validate_gpu.warnings(cfg, lambda key: _where(chains, key))
     peft_errors, peft_warnings = _peft_rules(cfg, chains)
-    return errors + peft_errors, warnings + peft_warnings
+    preference_errors, preference_warnings = _preference_rules(cfg, chains)
+    return errors + peft_errors + preference_errors, warnings + peft_warnings + preference_warnings
+
+
+def _preference_rules(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]:
+    from overdrive.resolving.validate_preference import preference_rules
+
+    return preference_rules(cfg, lambda key: _where(chains, key), lambda key: set_by_user(chains, key))
 
 
 def _peft_rules(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]:

@@ -64,9 +64,9 @@ def peft_rules(cfg, where, set_explicitly: Mapping[str, bool], on_cpu: Callable[
             if why:
                 errors.append(Problem("peft.method", f"qlora {why}", where("peft.method"),
                                       "pip install 'bitsandbytes>=0.46', or use peft.method=lora"))
-    if cfg.data.format == "chat":
-        if cfg.model.task != "causal-lm":
-            errors.append(Problem("data.format", "chat data trains a causal LM", where("data.format"),
+    if cfg.data.format in ("chat", "preference"):
+        if cfg.model.task != "causal-lm" and cfg.data.format == "chat":
+            errors.append(Problem("data.format", f"{cfg.data.format} data trains a causal LM", where("data.format"),
                                   "set model.task=causal-lm, or another data.format"))
         if not (cfg.tokenizer.name_or_path or cfg.model.name_or_path):
             errors.append(Problem("tokenizer.name_or_path", "chat data is rendered by a pretrained tokenizer's chat "

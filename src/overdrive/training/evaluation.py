@@ -14,6 +14,8 @@ from overdrive.training import step_loss
 def evaluate(parts: Any, task: str) -> dict[str, float]:
     """Mean loss (and accuracy for classification) over the validation subset."""
     acc, model = parts.accelerator, parts.model
+    if getattr(parts, "objective", None) is not None:  # preference pairs: the method's loss and TRL's metrics
+        return parts.objective.evaluate(model, parts.eval_loader)
     loss_sum, tokens = torch.zeros((), device=acc.device), torch.zeros((), device=acc.device)
     correct, seen = torch.zeros((), device=acc.device), 0
     model.eval()

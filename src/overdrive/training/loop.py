@@ -57,6 +57,7 @@ class LoopState:
     first_loss: Optional[float] = None  # the first and latest logged losses
     final_loss: Optional[float] = None
     source_positions: Optional[dict] = None  # a data mixture: where each source is (data/mixing.py)
+    preference_pending: Optional[list] = None  # preference metrics summed since the last log point, all ranks
 
     def state_dict(self) -> dict[str, Any]:
         """Every field but the loss sum, which lives on the device (the checkpoint gathers it)."""
@@ -137,7 +138,8 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
 
     progress = telemetry.ProgressDisplay(cfg.training.max_steps, enabled=main and cfg.logging.level != "quiet",
                                          bar=cfg.logging.progress)
-    progress.print(f"training: {cfg.model.task}, {cfg.training.max_steps} steps, output in {out}")
+    objective = cfg.model.task if parts.objective is None else f"{cfg.preference.method} on preference pairs"
+    progress.print(f"training: {objective}, {cfg.training.max_steps} steps, output in {out}")
     for note in parts.notes:
         progress.print(note)
     metrics = telemetry.MetricsLog(out / "metrics.jsonl", enabled=main)
@@ -231,6 +233,8 @@ class Loop:
         self.grad_norm = None
         self.lr = 0.0
         self.after_first: Optional[tuple[float, int]] = None  # (time, tokens) at the first log: steady state
+        if parts.objective is not None:
+            parts.objective.restore(state.preference_pending)
         note = parts.recipe.check_resumed(state)
         if note:
             progress.print(note)
@@ -252,7 +256,9 @@ class Loop:
         # loss tokens, counted (over every rank, before context parallel shards the sequences)
         # ahead of the first forward (step_loss.py).
         micro_batches = [next(self.data) for _ in range(self.split.accumulation)]
-        count = step_loss.global_count(acc, micro_batches, self.model_parallel)
+        objective = self.parts.objective  # preference training counts pairs, not tokens
+        count = step_loss.global_count(acc, micro_batches, self.model_parallel,
+                                       objective.units if objective is not None else step_loss.loss_token_count)
         # Under context parallel each rank's slice adds its own tokens' losses, and the gradient
         # reduction averages over data-parallel x cp ranks: the slices' sum is scaled back too.
         scale = step_loss.backward_scale(self.split.accumulation, world * self.cp)
@@ -263,7 +269,10 @@ class Loop:
                 inputs, sequences = context_parallel.sharding(acc, self.cfg, micro_batch)
                 with sequences:  # cp_size > 1: this rank's slice of every sequence, forward and backward
                     self.observe.enter("forward")
-                    loss = step_loss.summed_loss(model, inputs) / count  # this micro-batch's share of the mean
+                    if objective is not None:  # preference pairs: the method's mean over this micro-batch's pairs
+                        loss = objective(model, inputs) * objective.units(micro_batch) / count
+                    else:
+                        loss = step_loss.summed_loss(model, inputs) / count  # this micro-batch's share of the mean
                     self.observe.enter("backward")
                     acc.backward(loss * scale)  # undone by the accumulation and data-parallel averaging
                 self.observe.enter("optimizer")
@@ -308,7 +317,8 @@ class Loop:
         counts = self.guard.read()  # steps skipped since the last log
         state.nonfinite_in_a_row = counts.in_a_row
         record = {**self._record(loss_value), **counts.record(), "elapsed_s": self.throughput.elapsed(),
-                  "loss_tokens": self.loss_tokens.read(acc), **self.observe.fields()}
+                  "loss_tokens": self.loss_tokens.read(acc), **self.observe.fields(),
+                  **(self.parts.objective.read() if self.parts.objective else {})}
         if counts.note(state.step):
             self.progress.print(counts.note(state.step))
         self.metrics.write(record)
@@ -359,6 +369,8 @@ class Loop:
         self.state.nonfinite_in_a_row = self.guard.run_length()
         self.state.source_positions = self.parts.recipe.positions(self.state)
         self.state.loss_tokens = self.loss_tokens.total(self.parts.accelerator)
+        if self.parts.objective is not None:
+            self.state.preference_pending = self.parts.objective.pending()
         self.parts.recipe.eval_mode()  # a schedule-free optimizer saves its averaged point
         self.outcome.checkpoint = self.ckpt.save(self.state)
         self.parts.recipe.train_mode()

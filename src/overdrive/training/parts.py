@@ -20,6 +20,7 @@ from overdrive.training import model as model_mod
 from overdrive.training import telemetry
 from overdrive.training import optimizers
 from overdrive.training.dtypes import matmul_precision
+from overdrive.training import preference, reference
 from overdrive.training.recipe import Recipe
 from overdrive.training.tokenizer import build_tokenizer
 
@@ -41,6 +42,7 @@ class Parts:
     config: Optional[RunConfig] = None  # the config as it runs: steps counted from the data (training.num_epochs)
     derived: dict = field(default_factory=dict)  # key -> how the data derived it
     pipeline: Any = None  # training/pipeline.py's Pipeline under parallel.pp_size > 1 (model: this rank's stages)
+    objective: Any = None  # preference training's loss step (training/preference.py); None: the model's loss
 
 
 def _micro_batch(cfg: RunConfig) -> int:
@@ -77,7 +79,8 @@ def build_parts(cfg: RunConfig, accelerator) -> Parts:
         # blocks have no padding, and with pad == eos Transformers would warn on every batch.
         special["pad_token_id"] = tokenizer.pad_token_id
     set_seed(t.seed)  # same initial weights on every rank and every run
-    model = model_mod.build_model(cfg, vocab_size=len(tokenizer), label_names=tokens.label_names,
+    label_names = ["reward"] if preference.trains_reward_model(cfg) else tokens.label_names  # one scalar
+    model = model_mod.build_model(cfg, vocab_size=len(tokenizer), label_names=label_names,
                                   special_tokens=special, device=adapter.load_device(cfg, accelerator.device))
     _check_positions(model.config, d.max_length)
     upcast = master_weights.upcast_trainable(cfg, model)
@@ -98,6 +101,7 @@ def build_parts(cfg: RunConfig, accelerator) -> Parts:
         n = min(len(tokens.validation), t.eval_batches * micro * split.data_parallel)
         eval_loader = data_mod.eval_loader(torch.utils.data.Subset(tokens.validation, range(n)), micro,
                                            d.num_workers, d.pin_memory, collate)
+    reference_model = reference.frozen_copy(cfg, model)  # the starting weights, before anything wraps them
     optimizer = optimizers.build_optimizer(model, cfg, accelerator.device.type)
     scheduler = optimizers.build_schedule(optimizer, cfg)  # None when DeepSpeed builds the optimizer
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
@@ -107,8 +111,14 @@ def build_parts(cfg: RunConfig, accelerator) -> Parts:
     model = _maybe_compile(model, cfg, accelerator)
     # MFU against the peak of the precision the matmuls run in (bf16 weights without autocast: bf16).
     peak = telemetry.DevicePeak(accelerator.device, matmul_precision(cfg.precision.mixed_precision, model), cache_dir)
+    objective = None
+    if preference.enabled(cfg):
+        validation = tokens.validation if eval_loader is not None else None
+        train_ref, eval_ref = reference.for_run(cfg, accelerator, model, reference_model, tokens.train, collate,
+                                                split.micro, Path(cfg.output_dir).expanduser(), validation)
+        objective = preference.PreferenceObjective(cfg, accelerator, train_ref, eval_ref)
     return Parts(accelerator, model, optimizer, scheduler, train_loader, eval_loader, tokenizer, fpt, peak,
-                 d.max_length, Recipe(cfg, optimizer, train_loader, d.max_length), notes, cfg, derived)
+                 d.max_length, Recipe(cfg, optimizer, train_loader, d.max_length), notes, cfg, derived, objective)
 
 
 def _counted_from_data(cfg: RunConfig, train, global_batch: int):

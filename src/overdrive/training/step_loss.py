@@ -20,7 +20,7 @@ For sequence classification a row is the unit: the model's loss is its mean over
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -54,12 +54,14 @@ def summed_loss(model: Any, batch: Any) -> torch.Tensor:
                                              ignore_index=IGNORE, reduction="sum")
 
 
-def global_count(accelerator: Any, micro_batches: list, model_parallel: int) -> torch.Tensor:
-    """Loss tokens in the whole global batch: this rank's micro-batches, summed over every rank
-    (one all-reduce, no host sync). The ranks of a tensor/context-parallel group share their
-    batch, so each sample is counted `model_parallel` times: divided out."""
-    local = sum((loss_token_count(b) for b in micro_batches), torch.zeros((), dtype=torch.long,
-                                                                         device=accelerator.device))
+def global_count(accelerator: Any, micro_batches: list, model_parallel: int,
+                 units: Callable[[Any], torch.Tensor] = loss_token_count) -> torch.Tensor:
+    """Loss tokens (or what `units` counts: a preference run's pairs) in the whole global batch:
+    this rank's micro-batches, summed over every rank (one all-reduce, no host sync). The ranks of
+    a tensor/context-parallel group share their batch, so each sample is counted `model_parallel`
+    times: divided out."""
+    local = sum((units(b).to(accelerator.device) for b in micro_batches),
+                torch.zeros((), dtype=torch.long, device=accelerator.device))
     total = accelerator.reduce(local.to(accelerator.device), "sum") if accelerator.num_processes > 1 else local
     return (total // model_parallel).clamp(min=1).float()  # a step with no loss token: loss 0, no 0/0
 

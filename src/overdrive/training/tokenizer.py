@@ -107,6 +107,10 @@ def build_tokenizer(cfg: RunConfig, texts: Iterable[str], content_hash: str, onl
         revision = cfg.model.revision if not cfg.tokenizer.name_or_path else None
         key = "tokenizer.name_or_path" if cfg.tokenizer.name_or_path else "model.name_or_path"
         tokenizer = load_pretrained(name, revision=revision, trust_remote_code=cfg.model.trust_remote_code, key=key)
+        if cfg.data.format == "preference" and cfg.tokenizer.chat_template:  # turns need it (data/preference.py)
+            from overdrive.data.chat import with_template
+
+            tokenizer = with_template(cfg, tokenizer, name)
         if cfg.data.format == "chat":  # its chat template, or tokenizer.chat_template's, or refused
             from overdrive.data.chat import with_template
 

@@ -1,0 +1,201 @@
+"""Preference data: rows of a prompt and a chosen and a rejected answer, for `preference.method`.
+
+The layouts are TRL's: each of `prompt`, `chosen`, `rejected` is text (the standard layout)
+or a list of {role, content} turns (the conversational one); without a prompt column the
+prompt is the turns the two answers share (TRL's `extract_prompt`). Columns are renamed by
+`data.prompt_column`, `data.chosen_column`, `data.rejected_column`.
+
+A pair is rendered as TRL's DPOTrainer renders it: conversational rows through the chat
+template (the prompt with the generation prompt, prompt + answer without), text rows by the
+tokenizer with EOS added to each answer; the answer starts where the tokenized prompt and
+prompt + answer first differ. Each side is one sequence, prompt then answer, with a loss
+mask over the answer, truncated at `data.max_length` (keeping the start); a pair whose
+prompt alone fills `data.max_length` has no answer left and is dropped. Both are counted.
+
+In the token cache a pair is two consecutive conversations of the chat layout (chat.py):
+row 2i is the chosen sequence, row 2i+1 the rejected one, so a held-out pair stays whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Iterator, Optional
+
+import numpy as np
+
+from overdrive.data.chat import KINDS
+from overdrive.data.layouts import checked as _checked
+from overdrive.data.sources import Batch, Rows, _columns
+from overdrive.errors import Problem, UserError
+
+_KEYS = {"prompt": "data.prompt_column", "chosen": "data.chosen_column", "rejected": "data.rejected_column"}
+
+
+def is_preference(cfg) -> bool:
+    return cfg.data.format == "preference"
+
+
+def _shared_prefix(chosen: list, rejected: list) -> int:
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    return n
+
+
+class PreferenceRows(Rows):
+    """Rows of a `datasets` table or stream, read as pairs (a Batch's `texts` are dicts of
+    prompt, chosen and rejected, each a string or a list of turns)."""
+
+    def __init__(self, rows: Rows, cfg):
+        d = cfg.data
+        super().__init__(rows.dataset, rows.key, None, None, rows.total, None)
+        names = _columns(rows.dataset)
+        for key, column in (("data.chosen_column", d.chosen_column), ("data.rejected_column", d.rejected_column)):
+            if column not in names:
+                raise UserError(Problem(key, f"no column {column!r} in {cfg.data.source}; the data has {names}",
+                                        fix=f"set {key} to the column holding that answer"))
+        prompt = d.prompt_column if d.prompt_column in names else None
+        self.names = {"prompt": prompt, "chosen": d.chosen_column, "rejected": d.rejected_column}
+        self.columns = tuple(c for c in self.names.values() if c)
+        self.key = f"preference|{'|'.join(self.columns)}|{rows.key}"
+
+    def pair(self, row: dict, index: int) -> dict[str, Any]:
+        """One row as {prompt, chosen, rejected}: all text, or all turns; refused by key otherwise."""
+        cells = {part: row[column] for part, column in self.names.items() if column}
+        for part, value in cells.items():
+            if value is None or (isinstance(value, (str, list)) and not value and part != "prompt"):
+                raise UserError(Problem(_KEYS[part], f"row {index} (line {index + 1} of a jsonl file): an empty "
+                                        f"{part!r} cell", fix="drop or fix the row"))
+            if not isinstance(value, (str, list)):
+                raise UserError(Problem(_KEYS[part], f"row {index} (line {index + 1} of a jsonl file): {part} is a "
+                                        f"{type(value).__name__}; expected text or a list of {{role, content}} turns",
+                                        fix="fix the row, or point the key at the right column"))
+        conversational = isinstance(cells["chosen"], list)
+        for part, value in cells.items():
+            if isinstance(value, list) != conversational:
+                raise UserError(Problem(_KEYS[part], f"row {index} (line {index + 1} of a jsonl file): {part} is "
+                                        f"{'text' if isinstance(value, str) else 'turns'} while chosen is "
+                                        f"{'turns' if conversational else 'text'}",
+                                        fix="give every column of a row in one layout: all text, or all turns"))
+            if conversational:
+                cells[part] = _checked(value, index, _KEYS[part]) if value else []
+        if "prompt" not in cells:
+            if not conversational:
+                raise UserError(Problem("data.prompt_column", f"no column {self.names['prompt']!r}, and text answers "
+                                        "carry no prompt of their own", fix="set data.prompt_column to the prompt"))
+            n = _shared_prefix(cells["chosen"], cells["rejected"])
+            cells = {"prompt": cells["chosen"][:n], "chosen": cells["chosen"][n:], "rejected": cells["rejected"][n:]}
+        return cells
+
+    def batches(self, start: Optional[dict] = None, batch_bytes: int = 1 << 20) -> Iterator[Batch]:
+        done = (start or {}).get("rows", 0)
+        dataset = self.dataset.skip(done) if done else self.dataset
+        batch = Batch([], [], [])
+        for rows in dataset.iter(batch_size=64):
+            n = len(rows[self.columns[0]])
+            for i in range(n):
+                pair = self.pair({c: rows[c][i] for c in self.columns}, done + i)
+                batch.texts.append(pair)
+                batch.sizes.append(len(json.dumps(pair).encode()))
+                batch.ends.append(True)
+            done += n
+            batch.position, batch.advance = {"rows": done}, batch.advance + n
+            if sum(batch.sizes) >= batch_bytes or len(batch.texts) >= 1024:
+                yield batch
+                batch = Batch([], [], [])
+        if batch.texts:
+            yield batch
+
+
+def template_key(cfg, tokenizer) -> str:
+    """What the token cache entry depends on beyond the tokenizer's vocabulary."""
+    digest = hashlib.sha256(str(getattr(tokenizer, "chat_template", None)).encode()).hexdigest()[:16]
+    return f"preference|{digest}"
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+Side = tuple[list[int], list[int]]  # (ids, answer mask)
+
+
+class PreferenceEncoder:
+    """Pairs -> ((chosen ids, mask), (rejected ids, mask)), or None for a pair dropped."""
+
+    task = "preference"
+    kinds = KINDS
+
+    def __init__(self, tokenizer, max_length: int):
+        self.tokenizer, self.max_length = tokenizer, max_length
+        self.counts = {"pairs": 0, "truncated": 0, "dropped": 0, "loss_tokens": 0}
+
+    def __call__(self, pairs: list[dict]) -> list[Optional[tuple[Side, Side]]]:
+        return [self.encode(pair) for pair in pairs]
+
+    def _ids(self, value, **kwargs) -> list[int]:
+        tok = self.tokenizer
+        if isinstance(value, list):
+            if not getattr(tok, "chat_template", None):
+                raise UserError(Problem("tokenizer.chat_template", "the preference rows are turns, and the tokenizer "
+                                        "has no chat template", fix="set tokenizer.chat_template to a Jinja template "
+                                        "(or a .jinja file), or use a tokenizer that ships one"))
+            return list(tok.apply_chat_template(value, tokenize=True, return_dict=True, **kwargs)["input_ids"])
+        return list(tok(text=value)["input_ids"])
+
+    def render(self, pair: dict) -> tuple[list[int], list[int], list[int]]:
+        """(prompt ids, chosen ids, rejected ids) as TRL's DPOTrainer tokenizes them."""
+        prompt, chosen, rejected = pair["prompt"], pair["chosen"], pair["rejected"]
+        if isinstance(chosen, list):
+            prompt_ids = self._ids(prompt, add_generation_prompt=True)
+            with_chosen, with_rejected = self._ids(prompt + chosen), self._ids(prompt + rejected)
+        else:
+            eos = self.tokenizer.eos_token or ""
+            chosen = chosen if chosen.endswith(eos) else chosen + eos
+            rejected = rejected if rejected.endswith(eos) else rejected + eos
+            prompt_ids = self._ids(prompt)
+            with_chosen, with_rejected = self._ids(prompt + chosen), self._ids(prompt + rejected)
+        n = min(common_prefix_length(prompt_ids, with_chosen), common_prefix_length(prompt_ids, with_rejected))
+        return prompt_ids[:n], with_chosen[n:], with_rejected[n:]
+
+    def encode(self, pair: dict) -> Optional[tuple[Side, Side]]:
+        prompt, chosen, rejected = self.render(pair)
+        self.counts["pairs"] += 1
+        if len(prompt) >= self.max_length:  # nothing of either answer would be left
+            self.counts["dropped"] += 1
+            return None
+        sides = []
+        for answer in (chosen, rejected):
+            ids, mask = prompt + answer, [0] * len(prompt) + [1] * len(answer)
+            sides.append((ids[:self.max_length], mask[:self.max_length]))
+        if any(len(prompt) + len(a) > self.max_length for a in (chosen, rejected)):
+            self.counts["truncated"] += 1
+        self.counts["loss_tokens"] += sum(sum(m) for _, m in sides)
+        return sides[0], sides[1]
+
+    def append(self, writer, part: str, rows: list[int], encoded: list) -> None:
+        """Write the chosen rows' pairs as two conversations each (a dropped pair writes nothing)."""
+        kept = [side for i in rows if encoded[i] is not None for side in encoded[i]]
+        if not kept:
+            return
+        base = writer.count(part)
+        ends = np.cumsum([len(ids) for ids, _ in kept]) + base
+        writer.append(part, np.concatenate([np.asarray(ids) for ids, _ in kept]), ends=ends.astype(np.int64),
+                      mask=np.concatenate([np.asarray(m, dtype=np.uint8) for _, m in kept]))
+
+    def summary(self) -> dict:
+        return {"preference": {**self.counts, "max_length": self.max_length}}
+
+
+def describe_counts(counts: dict) -> str:
+    text = f"{counts['pairs']:,} pairs, {counts['loss_tokens']:,} answer tokens"
+    if counts["truncated"]:
+        text += f"; {counts['truncated']:,} longer than {counts['max_length']} tokens truncated (data.max_length)"
+    if counts["dropped"]:
+        text += (f"; {counts['dropped']:,} dropped: the prompt alone fills {counts['max_length']} tokens "
+                 "(data.max_length)")
+    return text

@@ -1,0 +1,78 @@
+"""Rules of preference training (`preference.*` with `data.format: preference`)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from overdrive.config.schema import RunConfig
+from overdrive.config.schema_preference import WITH_REFERENCE
+from overdrive.errors import Problem
+
+_KNOBS = {"preference.label_smoothing": ("dpo", "simpo"), "preference.simpo_gamma": ("simpo",),
+          "preference.precompute_reference": WITH_REFERENCE,
+          "preference.beta": ("dpo", "ipo", "orpo", "simpo"), "preference.center_rewards_coefficient": ("reward",)}
+
+
+def preference_rules(cfg: RunConfig, where: Callable[[str], str],
+                     set_explicitly: Callable[[str], bool]) -> tuple[list[Problem], list[Problem]]:
+    """(errors, warnings): the method and the data agree; each knob belongs to the method."""
+    p, errors, warnings = cfg.preference, [], []
+    pairs = cfg.data.format == "preference"
+    if p.method == "none":
+        if pairs:
+            errors.append(Problem("preference.method", "data.format is preference, but no preference method is set",
+                                  where("data.format"), "set preference.method (dpo, ipo, orpo or simpo)"))
+        stray = [k for k in _KNOBS if set_explicitly(k)]
+        if stray:
+            warnings.append(Problem(stray[0], "applies to preference training only (preference.method is none)",
+                                    where(stray[0]), "set preference.method, or remove the key"))
+        return errors, warnings
+    if not pairs:
+        errors.append(Problem("data.format", f"preference.method={p.method} trains on chosen/rejected pairs, but "
+                              f"data.format is {cfg.data.format}", where("preference.method"),
+                              "set data.format=preference, with prompt/chosen/rejected columns"))
+    task = "sequence-classification" if p.method == "reward" else "causal-lm"
+    if cfg.model.task != task:
+        errors.append(Problem("model.task", f"preference.method={p.method} trains a "
+                              f"{'scalar head' if p.method == 'reward' else 'causal LM'}", where("model.task"),
+                              f"set model.task={task}"))
+    if not (cfg.model.name_or_path and not cfg.model.from_scratch):
+        errors.append(Problem("model.name_or_path", f"{p.method} aligns a pretrained model, but the model starts "
+                              "from random weights", where("preference.method"),
+                              "set model.name_or_path to a save_pretrained directory or hub name"))
+    if cfg.data.packing:
+        errors.append(Problem("data.packing", "preference pairs are not packed: each answer is scored on its own",
+                              where("data.packing"), "set data.packing=false"))
+    if cfg.data.sources:
+        errors.append(Problem("data.sources", "preference training reads one source", where("data.sources"),
+                              "set data.source to the pairs"))
+    for key, methods in _KNOBS.items():
+        if set_explicitly(key) and p.method not in methods:
+            warnings.append(Problem(key, f"has no effect with preference.method={p.method} (used by "
+                                    f"{', '.join(methods)})", where(key), "remove the key"))
+    return errors + reference_rules(cfg, where), warnings
+
+
+def reference_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
+    """A full-parameter reference model is a frozen copy on every rank; where the strategy shards
+    the policy, the run computes the reference once instead (or trains an adapter)."""
+    from overdrive.strategies import registry
+
+    p = cfg.preference
+    if p.method not in WITH_REFERENCE or p.precompute_reference:
+        return []
+    if cfg.peft.adapter_path:  # the adapter disabled would be the bare base, not the model the run starts from
+        return [Problem("preference.precompute_reference", f"{p.method} continuing the adapter in peft.adapter_path "
+                        "needs the model it starts from as its reference; with the adapter disabled it would be the "
+                        "base without that adapter", where("peft.adapter_path"),
+                        "set preference.precompute_reference=true (the reference computed once, with the adapter "
+                        "loaded), or merge the adapter into its base (`overdrive merge`) and train a new one on it")]
+    if cfg.peft.method != "none":
+        return []
+    strategy = registry.of(cfg)
+    if strategy.holds_whole_model(cfg):
+        return []
+    return [Problem("preference.precompute_reference", f"{p.method} with every parameter trained needs a reference "
+                    f"model; under {strategy.label(cfg)} the policy is sharded and a whole frozen copy would not be",
+                    where("preference.method"), "set preference.precompute_reference=true (the reference log-probs "
+                    "computed once before training), or peft.method=lora (the base model is the reference)")]

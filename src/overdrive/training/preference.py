@@ -1,0 +1,173 @@
+"""Preference training's step of computing the loss (`preference.method`): the chosen and
+rejected sequences of a batch in one forward (data/preference_samples.py), the reference
+model's log-probs where the method compares with one, the loss (preference_loss.py), and
+TRL's metrics summed on the device until the loop's log point reads them.
+
+The reference model, without a second copy where it can be:
+- LoRA: the policy itself with its adapter disabled (PEFT's `disable_adapter()`);
+- `preference.precompute_reference`: the log-probs of every pair computed once, with the
+  starting weights, before the first step, and kept in output_dir (a resumed run reads them);
+- full-parameter training otherwise: a frozen copy, prepared as the policy is (sharded the same
+  way under FSDP2 and ZeRO-3): training/reference.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Optional
+
+import torch
+
+from overdrive.config.schema_preference import WITH_REFERENCE
+from overdrive.training import preference_loss as losses
+
+# metrics.jsonl's names (TRL's), in the order of the summed tensor; the last slot counts pairs.
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+MODEL_INPUTS = ("input_ids", "attention_mask")
+
+
+REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+
+
+def enabled(cfg) -> bool:
+    return cfg.preference.method != "none"
+
+
+def trains_reward_model(cfg) -> bool:
+    return cfg.preference.method == "reward"
+
+
+def needs_reference(cfg) -> bool:
+    return cfg.preference.method in WITH_REFERENCE
+
+
+def sequence_scores(model, batch: dict, context=contextlib.nullcontext) -> tuple[torch.Tensor, ...]:
+    """(answer log-prob sums, answer lengths, per-token log-probs) of every row of the batch."""
+    with context():
+        out = model(**{k: batch[k] for k in MODEL_INPUTS}, use_cache=False)
+    per_token = losses.token_logps(out.logits, batch["input_ids"])
+    logps, lengths = losses.answer_logps(per_token, batch["labels"])
+    return logps, lengths, per_token
+
+
+class PreferenceObjective:
+    """`objective(model, batch) -> loss`, as the loop's step calls it; `read` gives the metrics."""
+
+    def __init__(self, cfg, accelerator, reference: Optional[Callable[[Any, dict], torch.Tensor]] = None,
+                 eval_reference: Optional[Callable[[Any, dict], torch.Tensor]] = None):
+        p = cfg.preference
+        self.method, self.beta, self.smoothing, self.gamma = p.method, p.beta, p.label_smoothing, p.simpo_gamma
+        self.centering = p.center_rewards_coefficient
+        self.accelerator, self.reference, self.eval_reference = accelerator, reference, eval_reference
+        self.sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=accelerator.device)
+
+    def restore(self, pending: Optional[list]) -> None:
+        """A resumed run's interval since its last log point (summed over ranks: kept on one)."""
+        if pending is not None and self.accelerator.is_main_process:
+            self.sums += torch.tensor(pending, dtype=torch.float64, device=self.accelerator.device)
+
+    def evaluate(self, model, loader) -> dict[str, float]:
+        """The mean loss and TRL's metrics over the validation pairs (as `eval_*`)."""
+        kept, self.sums = self.sums, torch.zeros_like(self.sums)
+        train_reference, self.reference = self.reference, self.eval_reference
+        loss_sum, batches = torch.zeros((), device=self.accelerator.device), 0
+        model.eval()
+        try:
+            with torch.no_grad():
+                for batch in loader:
+                    loss_sum += self(model, batch).float()
+                    batches += 1
+            metrics = self.read()
+        finally:
+            model.train()
+            self.sums, self.reference = kept, train_reference
+        loss = self.accelerator.reduce(loss_sum / max(batches, 1), "mean").item()
+        return {"eval_loss": loss, **{f"eval_{k}": v for k, v in metrics.items()}}
+
+    @staticmethod
+    def units(batch: dict) -> torch.Tensor:
+        """The pairs of a micro-batch (chosen rows, then rejected ones): what a step's loss is the mean over."""
+        return torch.tensor(batch["input_ids"].shape[0] // 2, dtype=torch.long)
+
+    def __call__(self, model, batch: dict) -> torch.Tensor:
+        if self.method == "reward":  # a scalar per sequence: chosen rows, then rejected ones
+            scores = model(**{k: batch[k] for k in MODEL_INPUTS}, use_cache=False).logits.squeeze(-1).float()
+            n = len(scores) // 2
+            pairs = losses.bradley_terry(scores[:n], scores[n:], self.centering)
+            self._add(pairs)
+            return pairs.losses.mean()
+        ref = self.reference(model, batch) if self.reference is not None else None
+        logps, lengths, per_token = sequence_scores(model, batch)
+        n = len(logps) // 2
+        chosen, rejected = logps[:n], logps[n:]
+        chosen_length, rejected_length = lengths[:n], lengths[n:]
+        if self.method == "dpo":
+            scores = losses.dpo(chosen, rejected, ref[:n], ref[n:], self.beta, self.smoothing)
+        elif self.method == "ipo":
+            scores = losses.ipo(chosen, rejected, ref[:n], ref[n:], chosen_length, rejected_length, self.beta)
+        elif self.method == "simpo":
+            scores = losses.simpo(chosen, rejected, chosen_length, rejected_length, self.beta, self.gamma,
+                                  self.smoothing)
+        else:  # orpo: the NLL over the chosen sequences, prompt included (TRL's ORPOTrainer)
+            real = batch["attention_mask"][:n, 1:].to(per_token.dtype)
+            nll = -(per_token[:n] * real).sum() / real.sum().clamp(min=1.0)
+            scores = losses.orpo(chosen, rejected, chosen_length, rejected_length, nll, self.beta)
+        self._add(scores)
+        return scores.losses.mean()
+
+    def _add(self, s: "losses.PairScores") -> None:
+        with torch.no_grad():
+            margins = s.chosen_rewards - s.rejected_rewards
+            values = [s.chosen_rewards.sum(), s.rejected_rewards.sum(), (margins > 0).sum(), margins.sum(),
+                      s.chosen_logps.detach().sum(), s.rejected_logps.detach().sum()]
+            self.sums += torch.stack([v.double() for v in values] + [self.sums.new_tensor(len(margins))])
+
+    def pending(self) -> list[float]:
+        """The sums since the last read, over every rank, without resetting (what a checkpoint keeps)."""
+        return self.accelerator.reduce(self.sums.clone(), "sum").tolist()
+
+    def read(self) -> dict[str, float]:
+        """TRL's metrics over the pairs since the last read, on every rank (a sync: the log point)."""
+        total = self.accelerator.reduce(self.sums.clone(), "sum").tolist()
+        self.sums.zero_()
+        count = max(total[-1], 1.0)
+        if self.method == "reward":  # the rewards are the scores; also RewardTrainer's own names
+            means = {name: value / count for name, value in zip(REWARD_METRICS, total)}
+            return {**means, "accuracy": means["rewards/accuracies"], "margin": means["rewards/margins"],
+                    "mean_reward": (means["rewards/chosen"] + means["rewards/rejected"]) / 2}
+        return {name: value / count for name, value in zip(METRICS, total)}
+
+
+def lora_reference(accelerator) -> Callable[[Any, dict], torch.Tensor]:
+    """The reference under LoRA: the same model with its adapter disabled, no gradients."""
+
+    def reference(model, batch: dict) -> torch.Tensor:
+        peft_model = accelerator.unwrap_model(model)
+        with torch.no_grad():
+            logps, _, _ = sequence_scores(model, batch, peft_model.disable_adapter)
+        return logps
+
+    return reference
+
+
+def frozen_reference(reference_model, accelerator) -> Callable[[Any, dict], torch.Tensor]:
+    """The reference as a frozen model of its own (a copy of the starting weights), under the
+    policy's autocast."""
+
+    def reference(model, batch: dict) -> torch.Tensor:
+        with torch.no_grad(), accelerator.autocast():
+            logps, _, _ = sequence_scores(reference_model, batch)
+        return logps
+
+    return reference
+
+
+def cached_reference(table: torch.Tensor) -> Callable[[Any, dict], torch.Tensor]:
+    """The reference from log-probs computed before training: `table[pair] = (chosen, rejected)`."""
+
+    def reference(model, batch: dict) -> torch.Tensor:
+        rows = table.to(batch["input_ids"].device)[batch["pair_index"].long()]
+        return torch.cat([rows[:, 0], rows[:, 1]]).float()
+
+    return reference
