@@ -76,7 +76,7 @@ def _one_step(cfg):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loop = object.__new__(Loop)
     loop.cfg, loop.state, loop.split = cfg, LoopState(), batch.split(cfg)
-    loop.parts = SimpleNamespace(accelerator=acc, model=model, optimizer=optimizer, pipeline=None,
+    loop.parts = SimpleNamespace(accelerator=acc, model=model, optimizer=optimizer, pipeline=None, objective=None,
                                  scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
     loop.model_parallel, loop.cp = 1, context_parallel.cp_size(cfg)  # one recording process
     loop.data = iter([micro_batch] * loop.split.accumulation)
@@ -186,7 +186,8 @@ def test_a_fused_adamw_step_skipped_by_the_fp16_scaler_holds_the_schedule_and_is
     loop = object.__new__(Loop)
     loop.cfg, loop.state, loop.split = cfg, LoopState(), batch.split(cfg)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda s: s + 1.0)
-    loop.parts = SimpleNamespace(accelerator=acc, model=model, optimizer=optimizer, scheduler=schedule, pipeline=None)
+    loop.parts = SimpleNamespace(accelerator=acc, model=model, optimizer=optimizer, scheduler=schedule, pipeline=None,
+                                 objective=None)
     loop.model_parallel, loop.cp = 1, 1
     ids = torch.ones(2, 4)
     # A label per row: the loop takes the model's own loss (its mean x the rows).

@@ -59,7 +59,7 @@ def _precision(cfg: Any, where: Callable[[str], str]) -> list[Problem]:
                              "engines convert torch Linear layers, and bitsandbytes' 4-bit layers are not; the run "
                              "would neither use fp8 nor say so", where("precision.mixed_precision"),
                              "set precision.mixed_precision=bf16 with peft.method=qlora (or peft.method=lora with fp8)"))
-    if prec.fp8.backend == "MSAMP" and registry.of(cfg) is registry.FSDP:
+    if prec.fp8.backend not in registry.of(cfg).fp8_backends:
         found.append(Problem("precision.fp8.backend", "MS-AMP does not run under FSDP (Accelerate refuses it when "
                              "the model is prepared)", where("precision.fp8.backend"),
                              "set precision.fp8.backend=TE or AO with FSDP, or use MS-AMP with ddp or deepspeed"))

@@ -61,6 +61,9 @@ class Strategy:
     # What the optimizer's step is given: "whole" tensors, "flat partitions" (ZeRO: one flattened
     # fp32 buffer per rank, tensors cut anywhere) or "shards" (FSDP2: DTensor pieces of each tensor).
     _optimizer_sees: Callable[[Any], str] = lambda cfg: "whole"
+    # The fp8 backends Accelerate runs under this strategy (it refuses MS-AMP with FSDP when the
+    # model is prepared).
+    fp8_backends: tuple[str, ...] = ("TE", "AO", "MSAMP")
 
     def optimizer_sees(self, cfg: Any) -> str:
         """What the optimizer steps on: "whole" tensors, ZeRO's "flat partitions", FSDP2's "shards"."""
@@ -177,7 +180,7 @@ FSDP = Strategy(
     _sharding=_fsdp_sharding, _holds_whole_model=lambda cfg: False, _setting_problems=settings.fsdp,
     _checkpoint_per_rank=lambda cfg: _get(cfg, "parallel.fsdp.state_dict_type") == "sharded_state_dict",
     _estimator_row=lambda cfg: "fsdp2_offload" if _get(cfg, "parallel.fsdp.offload_params") else "fsdp2",
-    _label=_fsdp_label, _optimizer_sees=lambda cfg: "shards")
+    _label=_fsdp_label, _optimizer_sees=lambda cfg: "shards", fp8_backends=("TE", "AO"))
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (DDP, DEEPSPEED, FSDP)}
 NAMES = tuple(STRATEGIES)
