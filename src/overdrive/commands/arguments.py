@@ -9,10 +9,16 @@ import math
 from overdrive.errors import Problem, UserError
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """The config inputs every command that resolves a config takes."""
-    parser.add_argument("items", nargs="*", metavar="FILE|KEY=VALUE",
-                        help="config files (overdrive, Accelerate or DeepSpeed), then key=value overrides")
+def add_config_arguments(parser: argparse.ArgumentParser, items: bool = True) -> None:
+    """The config inputs every command that resolves a config takes (`items=False`: a command
+    that declares its own positionals, as plan's CONFIG and overrides)."""
+    if items:
+        parser.add_argument("items", nargs="*", metavar="FILE|KEY=VALUE",
+                            help="config files (overdrive, Accelerate or DeepSpeed), then key=value overrides")
+    add_accelerate_default_argument(parser)
+
+
+def add_accelerate_default_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-accelerate-default", action="store_true",
                         help="ignore Accelerate's default_config.yaml")
 
@@ -41,4 +47,6 @@ def load_run(args):
         if args.items:
             raise UserError(f"--resolved carries the whole config; drop {' '.join(args.items)}")
         return read_resolved(args.resolved), True
-    return resolve_items(args.items), False
+    resolved = resolve_items(args.items, accelerate_default=not getattr(args, "no_accelerate_default", False))
+    resolved.items = list(args.items)  # the run's hints repeat them (commands/next_steps.py)
+    return resolved, False

@@ -16,6 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, as in train")
     parser.add_argument("--gpu-memory", type=float, metavar="GIB", help="plan for GPUs of this size")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    from overdrive.commands.arguments import add_accelerate_default_argument
+
+    add_accelerate_default_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_memory_sizes(args)
     items = [*([args.config] if args.config else []), *args.overrides]
-    cfg = resolve_items(items).config
+    cfg = resolve_items(items, accelerate_default=not args.no_accelerate_default).config
     path = next(iter(split_items(items)[0]), None)
     check_model_layout(cfg)  # heads and the tensor-parallel plan against tp_size / sp_size
     from overdrive import hub

@@ -1,0 +1,80 @@
+"""What a newcomer types in the first hour, answered with their own command: hints that keep the
+config, help and did-you-mean for the flags people type, variables that look like overdrive's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from overdrive.cli import main
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as exit_:
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_hints_after_a_run_keep_the_users_files_and_overrides(capsys):
+    from overdrive.commands.train import _summary
+    from overdrive.resolving import resolve
+
+    cfg = resolve([], cli=["output_dir=runs/x"], accelerate_default=False).config
+    result = SimpleNamespace(output_dir=Path("runs/x"), first_loss=None, eval={})
+    _summary(result, cfg, ["run.yaml", "data.max_bytes=1000", "launch.num_processes=1"])
+    hints = [line.split("#")[0].strip() for line in capsys.readouterr().out.split("next:")[1].splitlines() if line.strip()]
+    assert "overdrive explain run.yaml data.max_bytes=1000 launch.num_processes=1 lr=3e-4" in hints
+    sharded = [hint for hint in hints if "parallel.strategy=fsdp" in hint][0]
+    # The user's num_processes=1 is replaced, not repeated against the suggestion.
+    assert sharded.startswith("overdrive train run.yaml data.max_bytes=1000 parallel.strategy=fsdp launch.num_processes=2")
+    assert sharded.count("launch.num_processes") == 1 and "output_dir=runs/x-sharded" in sharded
+    continued = [hint for hint in hints if "model.name_or_path" in hint][0]
+    assert continued.startswith("overdrive train run.yaml data.max_bytes=1000") and "model.name_or_path=runs/x/model" in continued
+
+
+def test_the_typed_items_reach_the_workers_with_secrets_masked():
+    from overdrive.resolving import resolve
+    from overdrive.resolving.resolved import Resolved
+
+    resolved = resolve([], cli=["lr=1e-3"], accelerate_default=False)
+    resolved.items = ["run.yaml", "lr=1e-3"]
+    back = Resolved.from_json(resolved.to_json())
+    assert back.items == ["run.yaml", "lr=1e-3"]
+    resolved.items = ["hub.token=hf_abcdefghijklmnopqrstuvwxyz123456"]
+    assert "hf_abcdef" not in resolved.to_json()
+
+
+def test_help_command_prints_the_commands_help(capsys):
+    code, out, _ = _run(capsys, "help", "train")
+    assert code == 0 and "usage: overdrive train" in out
+    assert "Resuming is automatic" in out and "KEY=VALUE" in out and "examples:" in out
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["trian"], "`overdrive train`"),
+    (["train", "--max_steps", "20"], "training.max_steps=20"),
+    (["train", "--max-steps=20"], "training.max_steps=20"),
+    (["train", "training.max_steps", "20"], "training.max_steps=20"),
+    (["plan", "--lr", "1e-3"], "optim.lr=1e-3"),
+    (["train", "--resume"], "resuming is automatic: run the same command again"),
+    (["explain", "--force"], "--force is train's"),
+])
+def test_what_people_type_gets_the_form_overdrive_takes(capsys, argv, expected):
+    code, out, err = _run(capsys, *argv)
+    assert code == 2 and expected in err and "Traceback" not in err, err
+
+
+def test_a_variable_with_one_underscore_is_named_with_its_right_spelling():
+    from overdrive.resolving import resolve
+
+    resolved = resolve([], env={"OVERDRIVE_TRAINING_MAX_STEPS": "5", "OVERDRIVE_DEBUG": "1"}, accelerate_default=False)
+    assert resolved.config.training.max_steps != 5
+    rendered = [problem.render() for problem in resolved.warnings]
+    assert any("OVERDRIVE_TRAINING_MAX_STEPS is not read" in text and "OVERDRIVE_TRAINING__MAX_STEPS=5" in text
+               for text in rendered), rendered
+    assert not any("OVERDRIVE_DEBUG" in text for text in rendered)
