@@ -78,3 +78,67 @@ def test_a_variable_with_one_underscore_is_named_with_its_right_spelling():
     assert any("OVERDRIVE_TRAINING_MAX_STEPS is not read" in text and "OVERDRIVE_TRAINING__MAX_STEPS=5" in text
                for text in rendered), rendered
     assert not any("OVERDRIVE_DEBUG" in text for text in rendered)
+
+
+def _stale_accelerate_default(tmp_path, monkeypatch):
+    home = tmp_path / "hf"
+    (home / "accelerate").mkdir(parents=True)
+    (home / "accelerate" / "default_config.yaml").write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 3\nmixed_precision: 'no'\n")
+    monkeypatch.setenv("HF_HOME", str(home))
+
+
+def test_train_takes_the_flag_its_warning_offers(capsys, tmp_path, monkeypatch):
+    _stale_accelerate_default(tmp_path, monkeypatch)
+    code, out, err = _run(capsys, "train", "--print-launch")
+    assert code == 0 and "--no-accelerate-default" in err and "--nproc-per-node 3" in out
+    code, out, err = _run(capsys, "train", "--print-launch", "--no-accelerate-default")
+    assert code == 0 and "default_config.yaml" not in err and "--nproc-per-node 1" in out
+
+
+def test_plan_takes_the_flag_and_resolves_without_the_default(capsys, tmp_path, monkeypatch):
+    _stale_accelerate_default(tmp_path, monkeypatch)
+    import overdrive.resolving.inputs as inputs
+
+    from overdrive.errors import UserError
+
+    seen = {}
+
+    def resolve_items(items, accelerate_default=True, **_):
+        seen["accelerate_default"] = accelerate_default
+        raise UserError("resolved no further here")
+
+    monkeypatch.setattr(inputs, "resolve_items", resolve_items)
+    code, _, err = _run(capsys, "plan", "--no-accelerate-default", "training.max_steps=20")
+    assert code == 2 and "resolved no further here" in err and seen == {"accelerate_default": False}
+
+
+def test_every_config_overdrive_writes_has_an_output_dir_of_its_own(capsys, tmp_path, monkeypatch):
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run(capsys, "config", "--non-interactive", "-o", "mine.yaml", "--num-processes", "1",
+                        "--machine-type", "cpu")
+    assert code == 0, err
+    assert yaml.safe_load(Path("mine.yaml").read_text())["output_dir"] == "runs/mine"
+    Path("zero2.json").write_text('{"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 2}')
+    code, out, err = _run(capsys, "import", "zero2.json")
+    assert code == 0, err
+    assert yaml.safe_load(out)["output_dir"] == "runs/zero2"
+    code, out, err = _run(capsys, "import", "zero2.json", "-o", "imported.yaml")
+    assert code == 0 and yaml.safe_load(Path("imported.yaml").read_text())["output_dir"] == "runs/imported"
+
+
+def test_the_wizard_says_its_file_exists_before_any_question(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("overdrive.yaml").write_text("training: {max_steps: 5}\n")
+    prompts = []
+
+    def answer(prompt=""):
+        prompts.append(prompt)
+        return "n" if len(prompts) == 1 else ""
+
+    monkeypatch.setattr("builtins.input", answer)
+    code, out, err = _run(capsys, "config")
+    assert code == 1 and "exists" in prompts[0] and len(prompts) == 2, prompts
+    assert Path("overdrive.yaml").read_text() == "training: {max_steps: 5}\n"

@@ -127,6 +127,7 @@ def test_non_interactive_flags_write_the_nested_schema(tmp_path):
     assert text.startswith("# overdrive run config") and "# Keep optimizer states on cpu or nvme" in text
     data = yaml.safe_load(text)
     assert data == {
+        "output_dir": "runs/ds",
         "model": {"name_or_path": model},
         "precision": {"mixed_precision": "bf16"},
         "training": {"gradient_accumulation_steps": 4},

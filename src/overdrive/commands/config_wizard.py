@@ -99,6 +99,11 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(message)
 
+    if not args.non_interactive:  # an existing file is said before any question, not after them all
+        output = _confirm_path(output, args, read, say, "run config")
+        if output is None:
+            say("Nothing written.")
+            return 1
     hw = hardware()
     if not args.non_interactive:
         detected = wizard_files.hardware_line(hw)
@@ -109,10 +114,6 @@ def run(args: argparse.Namespace) -> int:
     if unused:
         say(f"note: {', '.join(unused)} not used with these answers (strategy {answers.strategy})")
 
-    output = _confirm_path(output, args, read, say, "run config")
-    if output is None:
-        say("Nothing written.")
-        return 1
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(wizard_files.render_yaml(answers, hw, str(output)))
     console.print(f"Wrote {output}")
