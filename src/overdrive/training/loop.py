@@ -155,6 +155,8 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
     watch.say = progress.print
     try:
         with checkpoint.StopRequest(checkpoint.cpu_group(), accelerator.num_processes) as stop, watch:
+            if main:  # answered at once, not when the step and its checkpoint are done
+                _answer_signals(stop, state, cfg, out)
             outcome = _steps(Loop(cfg, parts, state, ckpt, stop, progress, metrics, checkpoint=restored.path,
                                   observe=watch))
     finally:
@@ -164,6 +166,15 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
         (pipeline_training.save_final if parts.pipeline else save_final)(cfg, parts, out)
     accelerator.end_training()
     return result
+
+
+def _answer_signals(stop: "checkpoint.StopRequest", state: "LoopState", cfg, out: Path) -> None:
+    def kept() -> str:
+        found = checkpoint.latest_complete(checkpoint.checkpoints_dir(out), checksums=False).found
+        return checkpoint.kept_note(found.path if found else None)
+
+    stop.answer = lambda signum: checkpoint.stopping_note(signum, state.step + 1, cfg.checkpoint.enabled)
+    stop.abandon = kept
 
 
 @dataclass
