@@ -142,3 +142,40 @@ def test_the_wizard_says_its_file_exists_before_any_question(capsys, tmp_path, m
     code, out, err = _run(capsys, "config")
     assert code == 1 and "exists" in prompts[0] and len(prompts) == 2, prompts
     assert Path("overdrive.yaml").read_text() == "training: {max_steps: 5}\n"
+
+
+def test_a_short_run_from_a_file_gets_a_warmup_that_fits_and_no_warning(tmp_path):
+    from overdrive.resolving import resolve
+
+    run = tmp_path / "run.yaml"
+    run.write_text("training:\n  max_steps: 20\n")
+    resolved = resolve([run], accelerate_default=False, env={})
+    assert resolved.warnings == [] and resolved.config.scheduler.warmup_steps == 2
+    assert resolved.origins["scheduler.warmup_steps"].layer == "derived"
+    # A long run keeps the default; a warmup the user set is theirs, and still told.
+    assert resolve([], accelerate_default=False, env={}).config.scheduler.warmup_steps == 40
+    told = resolve([run], cli=["scheduler.warmup_steps=40"], accelerate_default=False, env={})
+    assert [p.key for p in told.warnings] == ["scheduler.warmup_steps"]
+
+
+def test_a_default_the_users_choice_contradicts_follows_it_with_its_origin():
+    from overdrive.errors import UserError
+    from overdrive.resolving import resolve
+
+    resolved = resolve([], cli=["optim.name=schedule_free_adamw"], accelerate_default=False, env={})
+    assert resolved.config.scheduler.name == "constant"
+    assert "schedule_free_adamw" in str(resolved.origins["scheduler.name"])
+    with pytest.raises(UserError, match="scheduler.name"):
+        resolve([], cli=["optim.name=schedule_free_adamw", "scheduler.name=cosine"], accelerate_default=False, env={})
+
+
+@pytest.mark.slow
+def test_plan_refuses_chat_data_that_train_refuses(capsys, tmp_path):
+    from hf_fixtures import make_tiny_llama
+
+    model = make_tiny_llama(tmp_path / "llama")
+    data = tmp_path / "chat.jsonl"
+    data.write_text('{"text": "hello there"}\n{"text": "more"}\n')
+    code, out, err = _run(capsys, "plan", "data.format=chat", f"data.source={data}", f"model.name_or_path={model}",
+                          "training.max_steps=20", "--no-accelerate-default")
+    assert code == 2 and "data.messages_column" in err, (out, err)

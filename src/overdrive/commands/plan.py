@@ -210,7 +210,9 @@ def _tokenize_forecast(cfg):
     try:
         return estimate.forecast(cfg, build_tokenizer, lambda texts: train_bpe(texts, cfg.tokenizer.vocab_size))
     except UserError as error:
-        if any(p.key in _NAMES for p in error.problems):  # a tokenizer that cannot be read stops the run too
+        # What train would refuse (a tokenizer it cannot read, data in a layout it does not take) is
+        # refused here too, with the same exit code 2, rather than noted inline under a plan.
+        if any(p.key in _NAMES or p.key.startswith(("data.", "tokenizer.")) for p in error.problems):
             raise
         return estimate.Forecast(note=f"not measured: {error}")
     except (OSError, ValueError) as error:  # the plan still stands without it
