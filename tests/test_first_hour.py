@@ -179,3 +179,38 @@ def test_plan_refuses_chat_data_that_train_refuses(capsys, tmp_path):
     code, out, err = _run(capsys, "plan", "data.format=chat", f"data.source={data}", f"model.name_or_path={model}",
                           "training.max_steps=20", "--no-accelerate-default")
     assert code == 2 and "data.messages_column" in err, (out, err)
+
+
+@pytest.mark.parametrize("name", ["./models/base", "~/no-such-model-here", "/no/such/model"])
+def test_a_missing_local_model_path_is_called_missing_before_any_hub_lookup(capsys, tmp_path, monkeypatch, name):
+    import overdrive.hub as hub
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(hub, "unreachable", lambda: pytest.fail("the hub was asked about a local path"))
+    code, out, err = _run(capsys, "plan", f"model.name_or_path={name}", "--no-accelerate-default")
+    assert code == 2 and f"{name} does not exist" in err and "hf download" not in err, err
+
+
+def test_a_name_under_an_existing_directory_is_local(tmp_path, monkeypatch):
+    from overdrive.hub import looks_local
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    assert looks_local("models/base") and not looks_local("gpt2") and not looks_local("openai-community/gpt2")
+
+
+def test_report_writes_only_data_on_stdout_and_reads_the_run_of_its_metrics_file(capsys, tmp_path):
+    import json
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 3.0 - s / 10, "lr": 1e-3,
+                                                           "tokens_per_s": 100.0}) + "\n" for s in (1, 2, 3)))
+    code, out, err = _run(capsys, "report", str(run / "metrics.jsonl"))
+    assert code == 0, err
+    assert "wrote" in err and "wrote" not in out.lower() and "loss" in out
+
+
+def test_docs_says_what_it_wrote_on_stderr(capsys, tmp_path):
+    code, out, err = _run(capsys, "docs", "-o", str(tmp_path / "config.md"))
+    assert code == 0 and out == "" and "wrote" in err

@@ -116,13 +116,14 @@ def run(args: argparse.Namespace) -> int:
 
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(wizard_files.render_yaml(answers, hw, str(output)))
-    console.print(f"Wrote {output}")
+    told = get_console(stderr=True, quiet=args.quiet)  # messages on stderr, as every command's
+    told.print(f"wrote {output}")
     if acc_path is not None:
         target = _confirm_path(acc_path, args, read, say, "Accelerate default config", allow_other=False)
         if target is not None:
             wizard_files.write_accelerate_default(answers, target)
-            console.print(f"Wrote {target} (read by every `accelerate launch` on this machine)")
-    console.print(f"Next: overdrive explain {output}   then: overdrive train {output}")
+            told.print(f"wrote {target} (read by every `accelerate launch` on this machine)")
+    told.print(f"next: overdrive explain {output}   then: overdrive train {output}")
     return 0
 
 
