@@ -214,3 +214,33 @@ def test_report_writes_only_data_on_stdout_and_reads_the_run_of_its_metrics_file
 def test_docs_says_what_it_wrote_on_stderr(capsys, tmp_path):
     code, out, err = _run(capsys, "docs", "-o", str(tmp_path / "config.md"))
     assert code == 0 and out == "" and "wrote" in err
+
+
+@pytest.mark.parametrize("command", ["k8s", "skypilot"])
+def test_cluster_writers_take_o_and_keep_an_existing_file(capsys, tmp_path, command):
+    target = tmp_path / "job.yaml"
+    code, out, err = _run(capsys, command, "--no-accelerate-default", "launch.image=example/overdrive:1",
+                          "launch.accelerator=A100", "-o", str(target))
+    assert code == 0 and out == "" and f"wrote {target}" in err and target.read_text().strip(), err
+    target.write_text("mine\n")
+    code, out, err = _run(capsys, command, "--no-accelerate-default", "launch.image=example/overdrive:1",
+                          "launch.accelerator=A100", "-o", str(target))
+    assert code == 2 and "--force" in err and target.read_text() == "mine\n"
+
+
+@pytest.mark.slow
+def test_launch_print_env_writes_nothing_and_passes_on_no_port_warning(capsys, tmp_path, monkeypatch):
+    import socket
+
+    monkeypatch.chdir(tmp_path)
+    Path("train.py").write_text("print('hello')\n")
+    with socket.socket() as busy:  # the configured port in use: Accelerate's own probe would warn
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, out, err = _run(capsys, "launch", "--no-accelerate-default", "-s", "parallel.strategy=deepspeed",
+                              "-s", "launch.num_processes=2", "-s", f"launch.main_process_port={port}",
+                              "--print-env", "train.py")
+    assert code == 0 and "ACCELERATE_DEEPSPEED_CONFIG_FILE=" in out, err
+    assert "already in use" not in err and "Warning" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.py"]

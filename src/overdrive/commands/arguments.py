@@ -50,3 +50,30 @@ def load_run(args):
     resolved = resolve_items(args.items, accelerate_default=not getattr(args, "no_accelerate_default", False))
     resolved.items = list(args.items)  # the run's hints repeat them (commands/next_steps.py)
     return resolved, False
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """-o FILE and --force for a command whose output is one file (stdout without -o)."""
+    parser.add_argument("-o", "--output", metavar="FILE", help=f"write the {what} here (default: stdout)")
+    parser.add_argument("--force", action="store_true", help="overwrite the -o file if it exists")
+
+
+def checked_output(args: argparse.Namespace) -> None:
+    """Before any work: an -o file that exists (without --force) or cannot be written is refused."""
+    from overdrive.storage import faults
+
+    if args.output:
+        args.output = str(faults.output_file(args.output, "--output", args.force))
+
+
+def emit(text: str, args: argparse.Namespace) -> None:
+    """The command's data: to the -o file (and `wrote FILE` on stderr), else on stdout."""
+    import sys
+
+    from overdrive.storage import faults
+
+    if args.output:
+        faults.write_text(args.output, text, "--output")
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        print(text, end="")

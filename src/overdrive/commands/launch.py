@@ -66,8 +66,13 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.resolving import resolve
 
     resolved = resolve(args.config, cli=args.set, accelerate_default=not args.no_accelerate_default)
-    if args.print_env:
-        env = launch.user_script_env(resolved.config, Path(resolved.config.output_dir) / "launch")
+    if args.print_env:  # print and exit: nothing written, the paths those a launch would write
+        import tempfile
+
+        launch_dir = str((Path(resolved.config.output_dir) / "launch").resolve())
+        with tempfile.TemporaryDirectory() as scratch:
+            made = launch.user_script_env(resolved.config, Path(scratch))
+            env = {key: value.replace(str(Path(scratch).resolve()), launch_dir) for key, value in made.items()}
         for key in sorted(env):
             if key.startswith(("ACCELERATE_", "FSDP_", "DS_", "OMP_", "MASTER_")):
                 print(f"{key}={env[key]}")
