@@ -7,6 +7,8 @@ step time when an earlier run in the same output_dir measured throughput.
 
 from __future__ import annotations
 
+from overdrive.console import counted
+
 import argparse
 import json
 
@@ -126,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     lines.append(f"optimizer    {_optimizer(cfg)['title']}; optimizer state {_optimizer(cfg)['state']}")
     lines.append(f"lr           {cfg.scheduler.name}: " + ", ".join(f"step {step + 1}: {lr:.3g}" for step, lr in curve))
     lines.append(
-        f"memory       {row.label} on {cfg.launch.num_processes} device(s): {gib(row.total_bytes)} GiB per device "
+        f"memory       {row.label} on {counted(cfg.launch.num_processes, 'device')}: {gib(row.total_bytes)} GiB per device "
         f"(params {gib(row.params_bytes)}, grads {gib(row.grads_bytes)}, optim {gib(row.optimizer_bytes)}, "
         f"master {gib(row.master_weights_bytes)}, activations {gib(row.activations_bytes)}, "
         f"buffers {gib(row.buffers_bytes)})" + (f" + {gib(row.host_bytes)} GiB host RAM" if row.host_bytes else ""))
