@@ -61,3 +61,7 @@ def test_ctrl_c_on_a_one_process_run_is_answered_within_2s_and_exits_130_with_a_
     stopped = max(steps_logged(out))
     assert f"stopping after step {stopped} and saving" in answer
     assert (out / "checkpoints" / f"step-{stopped:08d}" / "manifest.json").exists()
+    # Before the first step, each stage was said as it began (nothing silent for long).
+    said = "".join(line for _, line in lines)
+    for stage in ("loading torch", "reading the tokenizer and the data", "building the model", "preparing the model"):
+        assert stage in said, said[-3000:]

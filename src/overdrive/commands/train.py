@@ -98,6 +98,10 @@ def _run(args: argparse.Namespace, resolved, in_worker: bool) -> int:
         from overdrive.storage import lock
 
         lock.hold(cfg.output_dir, cfg.launch.machine_rank)  # one run per output_dir; the workers run under it
+        if cfg.logging.level != "quiet":
+            from overdrive.training.startup import Stages
+
+            Stages()("loading torch, Transformers and Accelerate")  # the first seconds, said
         check_for_train(resolved)
         from overdrive.training.preconditions import check_fine_tuning, check_model_layout
 

@@ -16,6 +16,8 @@ a non-finite step is kept out of the weights by nonfinite.py.
 
 from __future__ import annotations
 
+from overdrive.console import counted
+
 import math
 import time
 from dataclasses import dataclass, field, fields, replace
@@ -126,7 +128,11 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
     if main:
         out.mkdir(parents=True, exist_ok=True)
         faults.write_text(out / "resolved.json", settled.resolved.to_json(), "output_dir")
-    parts = (pipeline_training.build_parts if pipeline_training.enabled(cfg) else build_parts)(cfg, accelerator)
+    from overdrive.training.startup import Stages
+
+    say = Stages(main and cfg.logging.level != "quiet")  # each stage before the first step, as it begins
+    parts = (pipeline_training.build_parts(cfg, accelerator) if pipeline_training.enabled(cfg)
+             else build_parts(cfg, accelerator, say=say))
     if parts.derived:  # steps counted from the data (training.num_epochs): the config that runs, recorded
         cfg = parts.config
         origins = {**settled.resolved.origins, **{key: Origin("derived", why) for key, why in parts.derived.items()}}
@@ -139,7 +145,7 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
     progress = telemetry.ProgressDisplay(cfg.training.max_steps, enabled=main and cfg.logging.level != "quiet",
                                          bar=cfg.logging.progress)
     objective = cfg.model.task if parts.objective is None else f"{cfg.preference.method} on preference pairs"
-    progress.print(f"training: {objective}, {cfg.training.max_steps} steps, output in {out}")
+    progress.print(f"training: {objective}, {counted(cfg.training.max_steps, 'step')}, output in {out}")
     for note in parts.notes:
         progress.print(note)
     metrics = telemetry.MetricsLog(out / "metrics.jsonl", enabled=main)
