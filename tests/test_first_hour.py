@@ -244,3 +244,19 @@ def test_launch_print_env_writes_nothing_and_passes_on_no_port_warning(capsys, t
     assert code == 0 and "ACCELERATE_DEEPSPEED_CONFIG_FILE=" in out, err
     assert "already in use" not in err and "Warning" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.py"]
+
+
+def test_an_unknown_model_type_gets_close_names_not_the_whole_list(capsys, tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt3", "n_layer": 2}')
+    code, out, err = _run(capsys, "estimate", str(tmp_path))
+    assert code == 2 and "unknown model_type 'gpt3'" in err and "gpt2" in err
+    assert len(err) < 600 and "altclip" not in err, err
+
+
+def test_counts_and_parameters_read_right():
+    from overdrive.console import counted
+    from overdrive.memory.report import parameter_count
+
+    assert [counted(1, "process"), counted(2, "process"), counted(1, "device"), counted(8, "GPU")] == \
+        ["1 process", "2 processes", "1 device", "8 GPUs"]
+    assert [parameter_count(1_190_000), parameter_count(124_000_000), parameter_count(6.74e9)] == ["1.19M", "124M", "6.74B"]
