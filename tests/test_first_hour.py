@@ -260,3 +260,15 @@ def test_counts_and_parameters_read_right():
     assert [counted(1, "process"), counted(2, "process"), counted(1, "device"), counted(8, "GPU")] == \
         ["1 process", "2 processes", "1 device", "8 GPUs"]
     assert [parameter_count(1_190_000), parameter_count(124_000_000), parameter_count(6.74e9)] == ["1.19M", "124M", "6.74B"]
+
+
+def test_a_run_keeps_what_the_user_typed_for_its_hints(tmp_path):
+    import argparse
+
+    from overdrive.commands.arguments import load_run
+
+    run = tmp_path / "run.yaml"
+    run.write_text("training:\n  max_steps: 20\n")
+    resolved, in_worker = load_run(argparse.Namespace(items=[str(run), "lr=1e-3"], resolved=None,
+                                                      no_accelerate_default=True))
+    assert not in_worker and resolved.items == [str(run), "lr=1e-3", "--no-accelerate-default"]

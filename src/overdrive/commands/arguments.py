@@ -47,8 +47,10 @@ def load_run(args):
         if args.items:
             raise UserError(f"--resolved carries the whole config; drop {' '.join(args.items)}")
         return read_resolved(args.resolved), True
-    resolved = resolve_items(args.items, accelerate_default=not getattr(args, "no_accelerate_default", False))
-    resolved.items = list(args.items)  # the run's hints repeat them (commands/next_steps.py)
+    ignore_default = getattr(args, "no_accelerate_default", False)
+    resolved = resolve_items(args.items, accelerate_default=not ignore_default)
+    # The run's hints repeat them (commands/next_steps.py), the flag too: it changes the config.
+    resolved.items = [*args.items, *(["--no-accelerate-default"] if ignore_default else [])]
     return resolved, False
 
 

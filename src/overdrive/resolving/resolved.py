@@ -28,7 +28,8 @@ class Resolved:
     # it resumes ({"checkpoint": path or None, "force": bool, "notes": [...]}), handed to
     # the workers in the resolved file so they do not judge it again.
     resume: dict[str, Any] | None = None
-    # The FILE and KEY=VALUE items the user typed, in order (None: a config built in Python):
+    # The FILE and KEY=VALUE items the user typed, in order, and --no-accelerate-default when
+    # given (None: a config built in Python):
     # what a hint after the run repeats so it keeps the user's config.
     items: list[str] | None = None
 
