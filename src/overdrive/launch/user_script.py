@@ -120,6 +120,9 @@ def run_user_script(resolved_file: str, script: str, script_args: Sequence[str])
     # SIGTERM when the agent is gone, then SIGKILL launch.stop_timeout seconds later.
     lifetime.follow_agent(cfg.launch.stop_timeout)
     sys.argv = [script, *script_args]
+    from overdrive.launch.process import quiet_deprecated_collectives
+
+    quiet_deprecated_collectives()
     sys.path.insert(0, str(Path(script).resolve().parent))
     code = 0
     try:

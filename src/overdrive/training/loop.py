@@ -24,8 +24,6 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Optional
 
-import warnings
-
 import torch
 
 from overdrive import checkpoint
@@ -118,9 +116,9 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
     from overdrive.launch.process import build_accelerator
     from overdrive.training.settle import as_resolved, settle
 
-    # DeepSpeed calls torch.distributed collectives torch has deprecated: a warning per call
-    # that names nothing the user can change.
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.c10d_logger")
+    from overdrive.launch.process import quiet_deprecated_collectives
+
+    quiet_deprecated_collectives()
     given = as_resolved(run).config  # output_dir, threads and trackers: settling changes none of them
     out = Path(given.output_dir).expanduser()
     if given.launch.threads_per_process:
