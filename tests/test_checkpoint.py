@@ -312,7 +312,7 @@ def test_sigterm_is_recorded_and_the_old_handler_restored():
 
 
 def test_a_second_ctrl_c_stops_at_once():
-    with StopRequest() as stop:
+    with StopRequest(same_press_s=0) as stop:
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.received == signal.SIGINT
         with pytest.raises(KeyboardInterrupt):

@@ -39,7 +39,7 @@ def test_help_lists_the_commands():
 
 def test_unknown_command_exits_2():
     result = run_cli("trian")
-    assert result.returncode == 2 and "invalid choice" in result.stderr
+    assert result.returncode == 2 and "unknown command 'trian'" in result.stderr and "`overdrive train`" in result.stderr
 
 
 def test_missing_file_is_a_clear_error():

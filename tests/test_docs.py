@@ -9,7 +9,8 @@ and so is the README's test command, which is what runs this file.
 A block fails on its first failing command (`set -euo pipefail`), and also when a command it
 started in the background (`&`) failed (checked with `wait -n -p`, bash 5.1 or later). A line
 starting with `! ` shows a command that must fail (a refusal): bash's `set -e` would not check
-it, so the test does.
+it, so the test does. A block also fails when it warns (overdrive's `warning:` lines, a
+Python `...Warning:`, a library logger's `[WARNING]`), unless it says `# warnings expected:` and why.
 
 What one CPU-only machine without a network cannot run stays in ```text blocks, each with a
 sentence naming the block that rehearses it: the two-machine commands of multi-node.md.
@@ -105,6 +106,14 @@ accelerator.print(f"user script done on {accelerator.num_processes} process(es),
 '''
 
 
+WARNING = re.compile(r"^(overdrive: warning: .*|.*\b\w*Warning: .*|.*\[WARNING\].*)$", re.M)
+
+
+def warnings_in(stderr: str) -> list[str]:
+    """The warning lines of a command's stderr: overdrive's, Python's (`...Warning: `), a library logger's."""
+    return WARNING.findall(stderr)
+
+
 def must_fail(line: str) -> str:
     """`! command` shows a command that must fail. Under `set -e` bash ignores the status of a
     negated command, so it is checked explicitly."""
@@ -184,3 +193,15 @@ def test_every_command_block_runs(path, tmp_path, shared_cache):
                                 env=env, capture_output=True, text=True, timeout=900)
         assert result.returncode == 0, (f"{path.name} block {index}:\n{block}\n--- stdout\n{result.stdout[-3000:]}"
                                         f"\n--- stderr\n{result.stderr[-3000:]}")
+        # As written, without a warning: overdrive's own, or a library's passed on raw. A block
+        # whose warnings are its point (what an import leaves out) says so in a comment.
+        warned = [] if "# warnings expected:" in block else warnings_in(result.stderr)
+        assert not warned, f"{path.name} block {index} warns:\n{block}\n--- warnings\n" + "\n".join(warned)
+
+
+def test_warnings_are_found_in_every_form_they_take():
+    stderr = ("overdrive: warning: scheduler.warmup_steps: 40 warmup steps >= 20 max_steps\n"
+              "/x/accelerate/utils/launch.py:236: UserWarning: Port `29500` is already in use.\n"
+              "[2026-01-01 00:00:00,000] [WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to CPU.\n"
+              "training: causal-lm, 20 steps\n")
+    assert len(warnings_in(stderr)) == 3

@@ -109,7 +109,8 @@ def test_bad_optimizer_input_is_refused_by_key():
     assert "did you mean `dampening`" in found["optim.kwargs.dampning"]
     assert "optim.kwargs.lr" in problems_of("optim.kwargs.lr=0.1")  # overdrive's own key
     assert "optim.class_path" in problems_of("optim.class_path=torch.optim.Nope")
-    assert "scheduler.name" in problems_of("optim.name=schedule_free_adamw")  # it replaces the schedule
+    # It replaces the schedule: a schedule the user chose is refused (the default one follows, test_first_hour.py).
+    assert "scheduler.name" in problems_of("optim.name=schedule_free_adamw", "scheduler.name=cosine")
 
 
 @pytest.mark.parametrize("items, key", [

@@ -127,6 +127,7 @@ def test_non_interactive_flags_write_the_nested_schema(tmp_path):
     assert text.startswith("# overdrive run config") and "# Keep optimizer states on cpu or nvme" in text
     data = yaml.safe_load(text)
     assert data == {
+        "output_dir": "runs/ds",
         "model": {"name_or_path": model},
         "precision": {"mixed_precision": "bf16"},
         "training": {"gradient_accumulation_steps": 4},
@@ -192,6 +193,7 @@ def test_wizard_in_a_real_terminal_then_explain_and_train(tmp_path):
         child.expect(prompt)
         child.sendline(text)
 
+    answer("Overwrite", "y")  # said before the first question, not after them all
     answer("Where will this run", "")
     answer("Which kind of machine", "cpu")
     answer("How many processes", "two")
@@ -208,7 +210,6 @@ def test_wizard_in_a_real_terminal_then_explain_and_train(tmp_path):
     answer("Offload optimizer", "none")
     answer("Use torch.compile", "no")
     answer("accumulation steps", "2")
-    answer("Overwrite", "y")
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0, "".join(transcript)
@@ -218,6 +219,7 @@ def test_wizard_in_a_real_terminal_then_explain_and_train(tmp_path):
     assert data["training"] == {"gradient_accumulation_steps": 2}
     assert data["precision"] == {"mixed_precision": "no"}
     assert data["launch"] == {"num_processes": 1, "num_machines": 1, "use_cpu": True}
+    assert data["output_dir"] == "runs/run"
 
     if importlib.util.find_spec("overdrive.commands.explain") is None:
         pytest.skip("overdrive explain is not available yet")

@@ -47,12 +47,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, description=help_text, add_help=False)
+    sub.add_parser("help", help="help COMMAND: that command's options and examples", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    if argv and argv[0] == "help":  # `overdrive help train` is `overdrive train --help`
+        argv = [argv[1], "--help"] if len(argv) > 1 and argv[1] in COMMANDS else ["--help"]
+    if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        from overdrive.boundary import run_reporting_errors
+        from overdrive.commands.typed_hints import unknown_command
+
+        def refuse() -> int:
+            raise unknown_command(argv[0], list(COMMANDS))
+
+        return run_reporting_errors(refuse)
     if not argv or argv[0] not in COMMANDS:
         # Unknown commands and --help/--version are argparse's job.
         args = parser.parse_args(argv)
@@ -70,8 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     outcome: dict = {}
 
     def parse_and_run() -> int:
+        from overdrive.commands.typed_hints import HintingParser
+
         module = importlib.import_module(COMMANDS[name][0])
-        command_parser = argparse.ArgumentParser(prog=f"overdrive {name}", description=COMMANDS[name][1])
+        command_parser = HintingParser(prog=f"overdrive {name}", description=COMMANDS[name][1])
+        command_parser.argv = argv[1:]
         module.add_arguments(command_parser)
         # Intermixed: `overdrive train run.yaml --print-launch lr=3e-4` keeps all its items.
         try:

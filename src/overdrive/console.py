@@ -104,3 +104,8 @@ def print_table(
         return
     text = format_plain_table(headers, rows)
     print(f"{title}\n{text}" if title else text, file=stream)
+
+
+def counted(count: int, noun: str, plural: str = "") -> str:
+    """"1 device", "2 devices", "1 process": the count with its noun in the right number."""
+    return f"{count} {noun if count == 1 else (plural or noun + ('es' if noun.endswith('s') else 's'))}"

@@ -32,6 +32,21 @@ def is_local(name: str) -> bool:
     return Path(name).expanduser().exists()
 
 
+def looks_local(name: str) -> bool:
+    """A name written as a path (./x, ../x, /x, ~/x) or under a directory that exists here: never a hub name."""
+    if name.startswith(("./", "../", "/", "~")) or name in (".", ".."):
+        return True
+    parent = Path(name).expanduser().parent
+    return str(parent) not in ("", ".") and parent.is_dir()
+
+
+def refuse_missing_local(key: str, name: Optional[str], what: str = "model") -> None:
+    """A local-looking path that does not exist is called that, before any hub lookup."""
+    if name and looks_local(name) and not is_local(name):
+        raise UserError(Problem(key, f"{name} does not exist (a local {what} path: nothing was looked up on the hub)",
+                                fix=f"check the path (from {Path.cwd()}); a hub name is written owner/name"))
+
+
 @functools.lru_cache(maxsize=None)
 def unreachable() -> Optional[str]:
     """Why the hub cannot be reached, when that is plain at once; None when it answers, or when
@@ -160,6 +175,7 @@ def cached(name: str, what: str = "model") -> bool:
 def refuse_if_unreadable(key: str, name: Optional[str], what: str = "model") -> None:
     """Before anything heavy is imported or built: a hub name that cannot be read now (the hub
     plainly unreachable and nothing of it cached) is refused at once."""
+    refuse_missing_local(key, name, what)
     if not name or is_local(name):
         return
     why = unreachable()
@@ -181,6 +197,7 @@ def reading(key: str, name: Optional[str], *, what: str = "model", revision: Opt
             revision_key: str = "model.revision", cache: Optional[str] = None) -> Iterator[None]:
     """A hub read of `name` inside: cache-only at once when the hub is plainly unreachable, and
     every hub failure one message naming `key` (exit 2). A local path is read as it is."""
+    refuse_missing_local(key, name, what)
     if not name or is_local(name):
         yield
         return

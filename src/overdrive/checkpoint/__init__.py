@@ -20,9 +20,9 @@ The trainer calls these; none of them reads the environment.
 from overdrive.checkpoint.resume import (TRAINER_STATE, ResumePlan, describe_resume, judge_resume, plan_resume,
                                          read_state, resume_plan, with_plan)
 from overdrive.checkpoint.session import Checkpointer, Restored
-from overdrive.checkpoint.signals import StopRequest, cpu_group, signal_name
+from overdrive.checkpoint.signals import StopRequest, cpu_group, kept_note, signal_name, stopping_note
 from overdrive.checkpoint.store import checkpoints_dir, latest_complete
 
 __all__ = ["TRAINER_STATE", "Checkpointer", "Restored", "ResumePlan", "StopRequest", "checkpoints_dir", "cpu_group",
-           "describe_resume", "judge_resume", "latest_complete", "plan_resume", "read_state", "resume_plan",
-           "signal_name", "with_plan"]
+           "describe_resume", "judge_resume", "kept_note", "latest_complete", "plan_resume", "read_state",
+           "resume_plan", "signal_name", "stopping_note", "with_plan"]

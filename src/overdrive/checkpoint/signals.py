@@ -15,9 +15,11 @@ It costs one small message round per step.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
-from typing import Any, Optional
+import time
+from typing import Any, Callable, Optional
 
 # SIGHUP: the terminal closed; the launcher and agent pass it on (a worker whose agent
 # died gets SIGTERM from the kernel, launch/lifetime.py).
@@ -35,12 +37,20 @@ class StopRequest:
     """Context manager: while active, SIGTERM/SIGINT/SIGHUP ask the loop to stop after this step.
 
     A second SIGINT (Ctrl-C twice) stops at once, as a user pressing it again expects.
+    `answer(signum)`: what the process that speaks for the run says the moment a signal comes
+    (the step it will stop after), `abandon()`: what it says on the second Ctrl-C (what was
+    kept). A SIGINT within `same_press_s` of the first is the same press: a launched worker
+    gets the terminal's and, a moment later, the copy its agent passes on.
     """
 
-    def __init__(self, group: Any = None, world_size: int = 1):
+    def __init__(self, group: Any = None, world_size: int = 1, same_press_s: float = 1.5):
         self.received = 0
         self.group, self.world_size = group, world_size
         self._previous: dict[int, Any] = {}
+        self.same_press_s = same_press_s
+        self._first_at = 0.0
+        self.answer: Optional[Callable[[int], str]] = None
+        self.abandon: Optional[Callable[[], str]] = None
 
     def __enter__(self) -> "StopRequest":
         # Handlers can only be installed from the main thread (a notebook cell running the
@@ -57,7 +67,15 @@ class StopRequest:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.received and signum == signal.SIGINT:
+            if time.monotonic() - self._first_at < self.same_press_s:
+                return
+            if self.abandon is not None:
+                _say(self.abandon())
             raise KeyboardInterrupt
+        if not self.received:
+            self._first_at = time.monotonic()
+            if self.answer is not None:
+                _say(self.answer(signum))
         self.received = self.received or signum
 
     def agreed(self) -> int:
@@ -70,6 +88,30 @@ class StopRequest:
         flag = torch.tensor([self.received], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return int(flag.item())
+
+
+def stopping_note(signum: int, step: int, saving: bool) -> str:
+    """The answer to a stop signal, the moment it comes."""
+    what = "and saving" if saving else "(checkpoint.enabled is false: nothing is saved)"
+    again = "; Ctrl-C again to stop now without a checkpoint" if signum == signal.SIGINT and saving else ""
+    return f"overdrive: {signal_name(signum)}: stopping after step {step} {what}{again}"
+
+
+def kept_note(found: Any) -> str:
+    """The answer to the second Ctrl-C: what the run keeps (`found`: the newest complete
+    checkpoint, or None)."""
+    kept = f"the last checkpoint, {found}, is kept" if found else "no checkpoint was written yet"
+    return f"overdrive: stopping now, without a checkpoint of this step; {kept}"
+
+
+def _say(text: str) -> None:
+    """A line on stderr from a signal handler: os.write, since the handler may have interrupted
+    a print to the same stream (a buffered write re-entered raises)."""
+    if text:
+        try:
+            os.write(2, (text.rstrip("\n") + "\n").encode(errors="replace"))
+        except OSError:
+            pass
 
 
 def cpu_group() -> Optional[Any]:

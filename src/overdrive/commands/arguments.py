@@ -9,10 +9,16 @@ import math
 from overdrive.errors import Problem, UserError
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """The config inputs every command that resolves a config takes."""
-    parser.add_argument("items", nargs="*", metavar="FILE|KEY=VALUE",
-                        help="config files (overdrive, Accelerate or DeepSpeed), then key=value overrides")
+def add_config_arguments(parser: argparse.ArgumentParser, items: bool = True) -> None:
+    """The config inputs every command that resolves a config takes (`items=False`: a command
+    that declares its own positionals, as plan's CONFIG and overrides)."""
+    if items:
+        parser.add_argument("items", nargs="*", metavar="FILE|KEY=VALUE",
+                            help="config files (overdrive, Accelerate or DeepSpeed), then key=value overrides")
+    add_accelerate_default_argument(parser)
+
+
+def add_accelerate_default_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-accelerate-default", action="store_true",
                         help="ignore Accelerate's default_config.yaml")
 
@@ -41,4 +47,35 @@ def load_run(args):
         if args.items:
             raise UserError(f"--resolved carries the whole config; drop {' '.join(args.items)}")
         return read_resolved(args.resolved), True
-    return resolve_items(args.items), False
+    ignore_default = getattr(args, "no_accelerate_default", False)
+    resolved = resolve_items(args.items, accelerate_default=not ignore_default)
+    # The run's hints repeat them (commands/next_steps.py), the flag too: it changes the config.
+    resolved.items = [*args.items, *(["--no-accelerate-default"] if ignore_default else [])]
+    return resolved, False
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """-o FILE and --force for a command whose output is one file (stdout without -o)."""
+    parser.add_argument("-o", "--output", metavar="FILE", help=f"write the {what} here (default: stdout)")
+    parser.add_argument("--force", action="store_true", help="overwrite the -o file if it exists")
+
+
+def checked_output(args: argparse.Namespace) -> None:
+    """Before any work: an -o file that exists (without --force) or cannot be written is refused."""
+    from overdrive.storage import faults
+
+    if args.output:
+        args.output = str(faults.output_file(args.output, "--output", args.force))
+
+
+def emit(text: str, args: argparse.Namespace) -> None:
+    """The command's data: to the -o file (and `wrote FILE` on stderr), else on stdout."""
+    import sys
+
+    from overdrive.storage import faults
+
+    if args.output:
+        faults.write_text(args.output, text, "--output")
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        print(text, end="")

@@ -27,7 +27,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.plot:
         args.plot = str(output_file(args.plot, "--plot", args.force, suffix=".png"))
-    a, b = load_run(args.run_a), load_run(args.run_b)
+    from overdrive.commands.report import run_directory
+
+    a, b = load_run(run_directory(args.run_a)), load_run(run_directory(args.run_b))
     sa, sb = summarize(a), summarize(b)
     differences = config_differences(a, b)
     metrics = metric_rows(sa, sb)
@@ -46,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     name_a, name_b = f"A: {a.name}", f"B: {b.name}"
     if not a.config or not b.config:
         missing = [str(r.path) for r in (a, b) if not r.config]
-        console.print(f"No resolved.json in {', '.join(missing)}: config differences cannot be shown.")
+        get_console(stderr=True).print(f"No resolved.json in {', '.join(missing)}: config differences cannot be shown.")
     elif differences:
         print_table(["config key", name_a, name_b], differences, title="Config differences", console=console)
     else:
@@ -57,5 +59,5 @@ def run(args: argparse.Namespace) -> int:
     console.print("")
     print_table(["metric", name_a, name_b, "B vs A"], metrics, title="Results", console=console)
     if args.plot:
-        console.print(f"Wrote {args.plot}")
+        get_console(stderr=True).print(f"wrote {args.plot}")
     return 0

@@ -99,6 +99,11 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(message)
 
+    if not args.non_interactive:  # an existing file is said before any question, not after them all
+        output = _confirm_path(output, args, read, say, "run config")
+        if output is None:
+            say("Nothing written.")
+            return 1
     hw = hardware()
     if not args.non_interactive:
         detected = wizard_files.hardware_line(hw)
@@ -109,19 +114,16 @@ def run(args: argparse.Namespace) -> int:
     if unused:
         say(f"note: {', '.join(unused)} not used with these answers (strategy {answers.strategy})")
 
-    output = _confirm_path(output, args, read, say, "run config")
-    if output is None:
-        say("Nothing written.")
-        return 1
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(wizard_files.render_yaml(answers, hw, str(output)))
-    console.print(f"Wrote {output}")
+    told = get_console(stderr=True, quiet=args.quiet)  # messages on stderr, as every command's
+    told.print(f"wrote {output}")
     if acc_path is not None:
         target = _confirm_path(acc_path, args, read, say, "Accelerate default config", allow_other=False)
         if target is not None:
             wizard_files.write_accelerate_default(answers, target)
-            console.print(f"Wrote {target} (read by every `accelerate launch` on this machine)")
-    console.print(f"Next: overdrive explain {output}   then: overdrive train {output}")
+            told.print(f"wrote {target} (read by every `accelerate launch` on this machine)")
+    told.print(f"next: overdrive explain {output}   then: overdrive train {output}")
     return 0
 
 

@@ -6,6 +6,7 @@ header says so) or with --force: nothing a user wrote is overwritten without ask
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from overdrive.errors import Problem, UserError
@@ -38,13 +39,13 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(Problem("", f"{path} is missing", fix="run `overdrive docs -o PATH` and commit the result"))
         if current != text:
             raise UserError(Problem("", f"{path} is stale", fix="run `overdrive docs` and commit the result"))
-        print(f"{path} is up to date")
+        print(f"{path} is up to date", file=sys.stderr)
         return 0
     if current == text:
-        print(f"{path} is up to date")
+        print(f"{path} is up to date", file=sys.stderr)
         return 0
     faults.keep_existing_files([path], args.force or (current is not None and _generated(path)))
     faults.writable_target(path, "-o/--output")
     faults.write_text(path, text, "-o/--output")
-    print(f"wrote {path}")
+    print(f"wrote {path}", file=sys.stderr)
     return 0

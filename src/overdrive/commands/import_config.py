@@ -34,6 +34,10 @@ def run(args: argparse.Namespace) -> int:
     # Messages to stderr: `overdrive import x > run.yaml` must leave a valid file.
     tell_warnings(resolved.warnings)
     settings = redact(export.imported_settings(resolved))
+    if "output_dir" not in settings:  # a directory of its own, not every import's runs/default
+        from overdrive.wizard.files import own_output_dir
+
+        settings = {"output_dir": own_output_dir(args.output or args.files[0]), **settings}
     header = f"# overdrive run config imported from {', '.join(args.files)}\n"
     text = header + (yaml.safe_dump(settings, sort_keys=False) if settings else "{}\n")
     if args.output:

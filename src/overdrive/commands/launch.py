@@ -25,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--print-env", action="store_true",
                         help="print the Accelerate variables the script would get, and exit")
     parser.add_argument("--worker", metavar="RESOLVED", help=argparse.SUPPRESS)
+    from overdrive.commands.arguments import add_accelerate_default_argument
+
+    add_accelerate_default_argument(parser)
     parser.add_argument("script", help="the Python script to run on every process")
     parser.add_argument("script_args", nargs=argparse.REMAINDER,
                         help="arguments passed to the script (everything after SCRIPT)")
@@ -62,9 +65,14 @@ def run(args: argparse.Namespace) -> int:
               f"overdrive launch -c run.yaml -s key=value {args.script} [script args]", file=sys.stderr, flush=True)
     from overdrive.resolving import resolve
 
-    resolved = resolve(args.config, cli=args.set)
-    if args.print_env:
-        env = launch.user_script_env(resolved.config, Path(resolved.config.output_dir) / "launch")
+    resolved = resolve(args.config, cli=args.set, accelerate_default=not args.no_accelerate_default)
+    if args.print_env:  # print and exit: nothing written, the paths those a launch would write
+        import tempfile
+
+        launch_dir = str((Path(resolved.config.output_dir) / "launch").resolve())
+        with tempfile.TemporaryDirectory() as scratch:
+            made = launch.user_script_env(resolved.config, Path(scratch))
+            env = {key: value.replace(str(Path(scratch).resolve()), launch_dir) for key, value in made.items()}
         for key in sorted(env):
             if key.startswith(("ACCELERATE_", "FSDP_", "DS_", "OMP_", "MASTER_")):
                 print(f"{key}={env[key]}")

@@ -7,6 +7,8 @@ step time when an earlier run in the same output_dir measured throughput.
 
 from __future__ import annotations
 
+from overdrive.console import counted
+
 import argparse
 import json
 
@@ -16,6 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, as in train")
     parser.add_argument("--gpu-memory", type=float, metavar="GIB", help="plan for GPUs of this size")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    from overdrive.commands.arguments import add_accelerate_default_argument
+
+    add_accelerate_default_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_memory_sizes(args)
     items = [*([args.config] if args.config else []), *args.overrides]
-    cfg = resolve_items(items).config
+    cfg = resolve_items(items, accelerate_default=not args.no_accelerate_default).config
     path = next(iter(split_items(items)[0]), None)
     check_model_layout(cfg)  # heads and the tensor-parallel plan against tp_size / sp_size
     from overdrive import hub
@@ -123,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     lines.append(f"optimizer    {_optimizer(cfg)['title']}; optimizer state {_optimizer(cfg)['state']}")
     lines.append(f"lr           {cfg.scheduler.name}: " + ", ".join(f"step {step + 1}: {lr:.3g}" for step, lr in curve))
     lines.append(
-        f"memory       {row.label} on {cfg.launch.num_processes} device(s): {gib(row.total_bytes)} GiB per device "
+        f"memory       {row.label} on {counted(cfg.launch.num_processes, 'device')}: {gib(row.total_bytes)} GiB per device "
         f"(params {gib(row.params_bytes)}, grads {gib(row.grads_bytes)}, optim {gib(row.optimizer_bytes)}, "
         f"master {gib(row.master_weights_bytes)}, activations {gib(row.activations_bytes)}, "
         f"buffers {gib(row.buffers_bytes)})" + (f" + {gib(row.host_bytes)} GiB host RAM" if row.host_bytes else ""))
@@ -207,7 +212,9 @@ def _tokenize_forecast(cfg):
     try:
         return estimate.forecast(cfg, build_tokenizer, lambda texts: train_bpe(texts, cfg.tokenizer.vocab_size))
     except UserError as error:
-        if any(p.key in _NAMES for p in error.problems):  # a tokenizer that cannot be read stops the run too
+        # What train would refuse (a tokenizer it cannot read, data in a layout it does not take) is
+        # refused here too, with the same exit code 2, rather than noted inline under a plan.
+        if any(p.key in _NAMES or p.key.startswith(("data.", "tokenizer.")) for p in error.problems):
             raise
         return estimate.Forecast(note=f"not measured: {error}")
     except (OSError, ValueError) as error:  # the plan still stands without it

@@ -18,6 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="config files (applied in order) and dotted overrides, as for `overdrive train`")
     parser.add_argument("--resolved", metavar="PATH",
                         help="check exactly this resolved config (written by the launcher for its workers)")
+    from overdrive.commands.arguments import add_accelerate_default_argument
+
+    add_accelerate_default_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:

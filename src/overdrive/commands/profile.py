@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="profile again with the first advice applied, and print before and after")
     parser.add_argument("--resolved", metavar="PATH", help=argparse.SUPPRESS)  # a worker of the profiled job
     parser.add_argument("--profile-dir", metavar="PATH", help=argparse.SUPPRESS)
+    from overdrive.commands.arguments import add_accelerate_default_argument
+
+    add_accelerate_default_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     # With --json, stdout is the contract alone: what the job prints (libraries included,
     # in this process and in the workers, which inherit the descriptor) goes to stderr.
     with _stdout_to_stderr(args.json):
-        report = profile(files, cli, args.steps, args.warmup)
+        report = profile(files, cli, args.steps, args.warmup, accelerate_default=not args.no_accelerate_default)
         if args.try_advice:
             report["try"] = _try(files, cli, args, report)
     if args.json:
@@ -75,7 +78,8 @@ def _try(files, cli, args, before) -> dict:
         return {"key": None, "note": "no advice to try"}
     top = before["advice"][0]
     change = f"{top['key']}={json.dumps(top['value']) if not isinstance(top['value'], str) else top['value']}"
-    after = profile(files, cli + [change], args.steps, args.warmup, subdir="try")
+    after = profile(files, cli + [change], args.steps, args.warmup, subdir="try",
+                    accelerate_default=not args.no_accelerate_default)
     pick = lambda r: {"step_s": max(x["step_s"] for x in r["ranks"]), "tokens_per_s": r["tokens_per_s"],  # noqa: E731
                       "bottleneck": r["bottleneck"], "mfu": r.get("mfu")}
     return {"key": top["key"], "value": top["value"], "before": pick(before), "after": pick(after),
@@ -111,18 +115,20 @@ PROFILE_RUN = ["checkpoint.enabled=false", "checkpoint.resume=never", "checkpoin
                "logging.level=quiet"]
 
 
-def profile(files: list[str], cli: list[str], steps: int, warmup: int, subdir: str = "") -> dict:
+def profile(files: list[str], cli: list[str], steps: int, warmup: int, subdir: str = "",
+            accelerate_default: bool = True) -> dict:
     """Profile the job `files` + `cli` describe; the report (the --json contract)."""
     from overdrive.resolving import resolve
     from overdrive.launch import workers
     from overdrive.launch.process import hide_gpus_for_cpu_runs, local_processes, threads_per_process
     from overdrive.observe.profile_report import collect, summarise
 
-    base = resolve(files, cli=cli).config
+    base = resolve(files, cli=cli, accelerate_default=accelerate_default).config
     profile_dir = Path(base.output_dir).expanduser() / "profile" / subdir
     total = warmup + steps
     resolved = resolve(files, cli=[*cli, *PROFILE_RUN, f"training.max_steps={total}",
-                                   f"training.log_every_steps={total}", f"output_dir={profile_dir / 'run'}"])
+                                   f"training.log_every_steps={total}", f"output_dir={profile_dir / 'run'}"],
+                       accelerate_default=accelerate_default)
     cfg = resolved.config
     hide_gpus_for_cpu_runs(cfg)
     for old in [*profile_dir.glob("phases.rank*.json"), *profile_dir.glob("trace.rank*.json"),

@@ -23,6 +23,7 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.reports.write import write_report
 
     console = get_console(quiet=args.quiet)
+    args.run_dir = run_directory(args.run_dir)
     from overdrive.sweep.outputs import is_sweep_dir
 
     _keep_out_dir(args.out, args.force)
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     rows = [(label, fmt(summary[key], kind)) for key, label, kind in METRICS if summary[key] is not None]
     print_table(["metric", "value"], rows, title=f"run {args.run_dir}", console=console)
     _rank_panel(args.run_dir, console, print_table)
-    console.print(f"Wrote {path}" + (f" and {len(images)} plot(s)" if images else " (nothing to plot)"))
+    _told(args).print(f"wrote {path}" + (f" and {_plots(len(images))}" if images else " (nothing to plot)"))
     return _list_files(args, console, path, images)
 
 
@@ -61,6 +62,25 @@ def _keep_out_dir(out, force: bool) -> None:
     if held:
         raise UserError(Problem("-o/--out", f"{target} already holds files ({', '.join(held)}), which the report "
                                 "could overwrite", fix="give a new or empty directory, or pass --force"))
+
+
+def run_directory(given: str) -> str:
+    """RUN_DIR as given, or the run of a file in it (`report runs/x/metrics.jsonl`)."""
+    from pathlib import Path
+
+    path = Path(given)
+    return str(path.parent) if path.is_file() and path.name in ("metrics.jsonl", "resolved.json", "sweep.json") else given
+
+
+def _told(args: argparse.Namespace):
+    """Messages (what was written) on stderr: stdout is the report's data, for a pipe."""
+    from overdrive.console import get_console
+
+    return get_console(stderr=True, quiet=args.quiet)
+
+
+def _plots(count: int) -> str:
+    return f"{count} plot" + ("" if count == 1 else "s")
 
 
 def _list_files(args: argparse.Namespace, console, path, images) -> int:
@@ -96,5 +116,5 @@ def _sweep(args: argparse.Namespace, console) -> int:
     if args.quiet:
         return 0
     table.print_summary(study, marker["metric"], marker["trials"], file=console.file)
-    console.print(f"Wrote {path} and {len(images)} plot(s)" + "".join(f"\n  no {note}" for note in notes))
+    _told(args).print(f"wrote {path} and {_plots(len(images))}" + "".join(f"\n  no {note}" for note in notes))
     return _list_files(args, console, path, images)

@@ -7,14 +7,18 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from overdrive.commands.arguments import add_config_arguments
+    from overdrive.commands.arguments import add_config_arguments, add_output_arguments
 
     add_config_arguments(parser)
+    add_output_arguments(parser, "task YAML")
     parser.add_argument("--job-name", default="overdrive", help="name of the task")
 
 
 def run(args: argparse.Namespace) -> int:
+    from overdrive.commands.arguments import checked_output, emit
     from overdrive.resolving.inputs import split_items
+
+    checked_output(args)
     from overdrive.launch import job, skypilot
 
     from overdrive.errors import UserError
@@ -23,5 +27,5 @@ def run(args: argparse.Namespace) -> int:
     found = skypilot.problems(described)
     if found:
         raise UserError(found, title="cannot write the task")
-    print(skypilot.render(described), end="")
+    emit(skypilot.render(described), args)
     return 0

@@ -13,10 +13,27 @@ from __future__ import annotations
 import argparse
 import sys
 
-from overdrive.commands.arguments import load_run
+from overdrive.commands.arguments import add_accelerate_default_argument, load_run
+
+EXAMPLES = """\
+examples:
+  overdrive train                                   the embedded default (a small model, runs/default)
+  overdrive train run.yaml                          your config file
+  overdrive train run.yaml training.max_steps=20 lr=3e-4
+                                                    files first, then dotted overrides: KEY=VALUE, no spaces, no --
+  overdrive train run.yaml parallel.strategy=fsdp launch.num_processes=2
+  OVERDRIVE_TRAINING__MAX_STEPS=20 overdrive train run.yaml
+                                                    an environment variable: OVERDRIVE_<SECTION>__<KEY>
+
+Resuming is automatic: run the same command again and it continues from the newest complete
+checkpoint in output_dir (checkpoint.resume=auto). --force resumes even when the config changed
+keys that alter the math. Every key: `overdrive explain`, docs/config.md.
+"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EXAMPLES
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
         "items", nargs="*", metavar="FILE | KEY=VALUE",
         help="config files (applied in order) and dotted overrides such as lr=3e-4 or "
@@ -40,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--print-launch", action="store_true",
         help="print the equivalent torchrun, `accelerate launch` and srun command lines, and exit",
     )
+    add_accelerate_default_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,6 +98,10 @@ def _run(args: argparse.Namespace, resolved, in_worker: bool) -> int:
         from overdrive.storage import lock
 
         lock.hold(cfg.output_dir, cfg.launch.machine_rank)  # one run per output_dir; the workers run under it
+        if cfg.logging.level != "quiet":
+            from overdrive.training.startup import Stages
+
+            Stages()("loading torch, Transformers and Accelerate")  # the first seconds, said
         check_for_train(resolved)
         from overdrive.training.preconditions import check_fine_tuning, check_model_layout
 
@@ -104,7 +126,7 @@ def _train_here(resolved, force: bool, in_worker: bool) -> int:
             _how_to_resume(result.checkpoint, result.stopped_by, in_worker)
         return 128 + result.stopped_by
     if result.is_main_process and resolved.config.logging.level != "quiet":
-        _summary(result, resolved.config)
+        _summary(result, resolved.config, resolved.items)
     return 1 if result.stopped_early else 0
 
 
@@ -149,7 +171,9 @@ def _final_files(cfg) -> str:
     return ", model/ (the adapter: PEFT's directory)" + (", merged/ (save_pretrained)" if cfg.peft.save_merged else "")
 
 
-def _summary(result, cfg) -> None:
+def _summary(result, cfg, items=None) -> None:
+    from overdrive.commands.next_steps import next_lines
+
     out = result.output_dir
     lines = [""]
     if result.first_loss is not None:
@@ -161,14 +185,6 @@ def _summary(result, cfg) -> None:
         f"run directory: {out}",
         f"  metrics.jsonl, resolved.json{_final_files(cfg)}",
         "next:",
-        f"  overdrive report {out}    # loss curves, throughput, MFU, memory",
-        "  overdrive explain lr=3e-4    # every effective value and the layer that set it",
-        "  overdrive train parallel.strategy=fsdp launch.num_processes=2    # the same run, sharded over 2 processes",
-        "  overdrive train parallel.strategy=deepspeed parallel.deepspeed.zero_stage=3 launch.num_processes=2",
+        *next_lines(cfg, out, items or []),
     ]
-    if cfg.checkpoint.save_final_model and cfg.peft.method != "none":
-        lines.append(f"  PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({cfg.model.name_or_path!r}), "
-                     f"{str(out / 'model')!r})    # the adapter on its base (docs/finetuning.md)")
-    elif cfg.checkpoint.save_final_model:
-        lines.append(f"  overdrive train model.name_or_path={out / 'model'}    # continue from the trained model")
     print("\n".join(lines))

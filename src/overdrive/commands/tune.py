@@ -11,6 +11,8 @@ cached by a fingerprint of the inputs: asking again answers at once, without tor
 
 from __future__ import annotations
 
+from overdrive.console import counted
+
 import argparse
 import json
 import sys
@@ -123,7 +125,7 @@ def _measure(job, quiet: bool):
     check_for_train(job.resolved)
     log = (lambda _: None) if quiet else (lambda line: print(f"tune: {line}", file=sys.stderr, flush=True))
     space = job.space
-    log(f"{space_size(space)} combinations; global batch {space.global_batch} on {space.world} process(es) kept "
+    log(f"{space_size(space)} combinations; global batch {space.global_batch} on {counted(space.world, 'process')} kept "
         f"in every one; {'every one measured in full' if job.settings.mode == 'grid' else 'staged successive halving'}")
     for note in space.notes:
         log(note)

@@ -57,7 +57,8 @@ class SchedulerConfig(Section):
         "(power `power`) to `min_lr_ratio`; `inverse_sqrt`; `cosine_with_restarts` (`num_cycles` hard restarts); "
         "the last four from Transformers' schedules."
     )
-    warmup_steps: int = Field(40, ge=0, description="Optimizer steps of linear warmup from 0 to `optim.lr`.")
+    warmup_steps: int = Field(40, ge=0, description="Optimizer steps of linear warmup from 0 to `optim.lr`. Left unset, "
+                              "40 capped at a tenth of `training.max_steps` (a 20-step run warms up for 2).")
     warmup_ratio: Optional[float] = Field(
         None, ge=0.0, le=1.0, description="Warmup as a fraction of the run's steps: ceil(ratio x steps), as "
         "Transformers counts it. Of `warmup_steps` and `warmup_ratio` the one set in the later layer wins. Empty: "

@@ -10,7 +10,7 @@ class TokenizeProgress:
     """Progress in the corpus' unit (bytes of a text file, rows of a table); speed always in MB of text."""
 
     def __init__(self, what: str, total: Optional[float], unit: str, done: float = 0.0, enabled: bool = True,
-                 every_s: float = 30.0):
+                 every_s: float = 5.0):
         from overdrive.console import get_console, is_interactive
 
         self.what, self.total, self.unit, self.enabled = what, total, unit, enabled
@@ -26,6 +26,8 @@ class TokenizeProgress:
                                 TimeRemainingColumn(), console=self.console, transient=True)
             self.task = self.bar.add_task(what, total=total, completed=done, mb=0.0, rate=0.0)
             self.bar.start()
+        elif enabled:  # no bar: the start said at once, then a line every `every_s`
+            self.console.print(f"{what} ...")
 
     def rate(self) -> float:
         return self.text_bytes / 1e6 / max(time.perf_counter() - self.start, 1e-9)

@@ -56,6 +56,9 @@ def model_config(cfg: RunConfig, vocab_size: Optional[int] = None, *, label_name
                                     fix="add model.architecture.model_type=gpt2, or set model.name_or_path"))
         if vocab_size is not None:
             arch["vocab_size"] = vocab_size
+        problem = unknown_model_type("model.architecture.model_type", model_type)
+        if problem is not None:
+            raise UserError(problem)
         try:
             config = AutoConfig.for_model(model_type, **arch, **extra)
         except ValueError as error:
@@ -63,3 +66,22 @@ def model_config(cfg: RunConfig, vocab_size: Optional[int] = None, *, label_name
     # The key/value cache only serves generation; in training it is memory and time spent.
     config.use_cache = False
     return config
+
+
+COMMON_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "gemma2", "phi3", "gpt_neox", "opt", "bert", "t5")
+
+
+def unknown_model_type(key: str, model_type: str, where: str = "") -> Optional[Problem]:
+    """A model_type Transformers does not know: the close names and a few common ones, not
+    the several hundred Transformers lists."""
+    import difflib
+
+    from transformers import CONFIG_MAPPING
+
+    known = list(CONFIG_MAPPING.keys())
+    if model_type in known:
+        return None
+    close = difflib.get_close_matches(str(model_type), known, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    return Problem(key, f"unknown model_type {model_type!r}", where,
+                   f"{hint}common ones: {', '.join(COMMON_MODEL_TYPES)} ({len(known)} in this Transformers)")

@@ -3,6 +3,8 @@ an sbatch script (`overdrive train --print-launch`, `overdrive slurm`)."""
 
 from __future__ import annotations
 
+from overdrive.console import counted
+
 import shlex
 from pathlib import Path
 from typing import Any, Sequence
@@ -98,8 +100,8 @@ def sbatch_script(resolved: Any, job_name: str = "overdrive") -> str:
 #SBATCH --nodes={launch.num_machines}
 #SBATCH --ntasks-per-node=1
 {gpu_line}{cpus_line}#SBATCH --output=slurm-%x-%j.out
-# Written by `overdrive slurm`: {launch.num_processes} process(es) on {launch.num_machines} machine(s),
-# strategy {cfg.parallel.strategy}, {f"{gpus} GPU(s) per machine" if gpus else "CPU only"} (launch.gpus_per_machine,
+# Written by `overdrive slurm`: {counted(launch.num_processes, 'process')} on {counted(launch.num_machines, 'machine')},
+# strategy {cfg.parallel.strategy}, {f"{counted(gpus, 'GPU')} per machine" if gpus else "CPU only"} (launch.gpus_per_machine,
 # launch.use_cpu). output_dir must be on a file system every node sees. The log goes to the
 # directory sbatch is run from: Slurm opens it before this script can create output_dir.
 # Cores: whole nodes (--exclusive) unless launch.threads_per_process asks for a number per process.

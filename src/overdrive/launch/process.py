@@ -140,3 +140,12 @@ def build_accelerator(cfg: RunConfig, world_size: Optional[int] = None, **extra_
 
     prepare_this_process(cfg)
     return construct_accelerator(cfg, world_size, **extra_kwargs)
+
+
+def quiet_deprecated_collectives() -> None:
+    """DeepSpeed calls torch.distributed collectives torch has deprecated: a FutureWarning per
+    call, on every rank, naming nothing the user can change. Called where a rank starts work
+    (the training loop, a user's script)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.c10d_logger")

@@ -9,6 +9,8 @@ written. Checked against SkyPilot's own task schema (tests/fixtures/skypilot).
 
 from __future__ import annotations
 
+from overdrive.console import counted
+
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -60,7 +62,7 @@ def problems(job: Job) -> list[Problem]:
                              fix="use a directory of its own, e.g. output_dir=/data/run or a relative path "
                                  f"(under {HOME})"))
     if job.gpus_per_machine and not job.config.launch.accelerator:
-        found.append(Problem("launch.accelerator", f"is needed to ask a cloud for {job.gpus_per_machine} GPU(s) per "
+        found.append(Problem("launch.accelerator", f"is needed to ask a cloud for {counted(job.gpus_per_machine, 'GPU')} per "
                              "machine", fix="name the GPU type, e.g. launch.accelerator=A100 (or launch.use_cpu=true "
                              "for CPU machines)"))
     return found

@@ -12,6 +12,7 @@ instead of printing it; the launcher prints it once (launch/elastic.py).
 from __future__ import annotations
 
 import os
+import warnings
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -59,13 +60,15 @@ def user_script_env(cfg: RunConfig, files_dir: Path) -> dict[str, str]:
         args, defaults, _ = _validate_launch_command(args)
         # Only ever started by us, on a port chosen by the config: skip their port probe.
         args.main_process_port = cfg.launch.main_process_port
-        if args.use_deepspeed:
-            args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config) if defaults else ""
-            _, env = prepare_deepspeed_cmd_env(args)
-        elif args.use_fsdp or args.multi_gpu:
-            env = prepare_multi_gpu_env(args)
-        else:
-            _, env = prepare_simple_launcher_cmd_env(args)
+        with warnings.catch_warnings():  # the launcher picks a free port itself (workers.local_port)
+            warnings.filterwarnings("ignore", message=r"Port `\d+` is already in use")
+            if args.use_deepspeed:
+                args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config) if defaults else ""
+                _, env = prepare_deepspeed_cmd_env(args)
+            elif args.use_fsdp or args.multi_gpu:
+                env = prepare_multi_gpu_env(args)
+            else:
+                _, env = prepare_simple_launcher_cmd_env(args)
     finally:
         os.environ.update(saved)
     env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(cfg.training.gradient_accumulation_steps)
@@ -117,6 +120,9 @@ def run_user_script(resolved_file: str, script: str, script_args: Sequence[str])
     # SIGTERM when the agent is gone, then SIGKILL launch.stop_timeout seconds later.
     lifetime.follow_agent(cfg.launch.stop_timeout)
     sys.argv = [script, *script_args]
+    from overdrive.launch.process import quiet_deprecated_collectives
+
+    quiet_deprecated_collectives()
     sys.path.insert(0, str(Path(script).resolve().parent))
     code = 0
     try:

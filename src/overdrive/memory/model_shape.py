@@ -117,6 +117,11 @@ def _config_from_json(path: Path) -> Any:
         raise UserError(Problem("", f"{path} has no `model_type`", fix="is it a Transformers config.json?"))
     for key in ("architectures", "transformers_version", "_name_or_path"):
         data.pop(key, None)
+    from overdrive.hf.model_config import unknown_model_type
+
+    problem = unknown_model_type("model_type", model_type, str(path))
+    if problem is not None:
+        raise UserError(problem)
     try:
         return AutoConfig.for_model(model_type, **data)
     except ValueError as error:

@@ -9,6 +9,8 @@ from typing import Optional
 from overdrive.memory import Estimate, Row
 from overdrive.memory.formulas import FIELDS
 
+from overdrive.console import counted
+
 GIB = 2**30
 HEADROOM = 0.10
 """Kept free: allocator fragmentation, the CUDA context (~0.5-1 GiB), NCCL buffers and the
@@ -76,6 +78,14 @@ def to_json(est: Estimate, cap: Optional[Capacity] = None, best: Optional[Row] =
     return json.dumps(data, indent=2)
 
 
+def parameter_count(params: float) -> str:
+    """1.19M, 124M, 7.24B: the unit that keeps the number readable (never 0.00119B)."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if params >= scale:
+            return f"{params / scale:.3g}{unit}"
+    return f"{params:.0f}"
+
+
 def gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f}"
 
@@ -97,7 +107,7 @@ def render(est: Estimate, cap: Capacity, best: Optional[Row], headroom: float = 
     from overdrive.console import print_table
 
     s, shape = est.setup, est.shape
-    title = (f"{shape.name}: {shape.params / 1e9:.3g}B parameters, {s.devices} device(s){_layout(s)}, precision {s.precision}, "
+    title = (f"{shape.name}: {parameter_count(shape.params)} parameters, {counted(s.devices, 'device')}{_layout(s)}, precision {s.precision}, "
              f"micro-batch {s.micro_batch} x {s.seq_len} tokens — GiB per device")
     headers, rows = table_rows(est)
     print_table(headers, rows, title=title, file=file)
@@ -184,19 +194,19 @@ def paper_table_markdown(psi: float, devices: int) -> str:
 
 
 def markdown(est: Estimate, cap: Optional[Capacity] = None, best: Optional[Row] = None) -> str:
-    """The estimate as a markdown table in GB (10^9 bytes), for docs and reports."""
+    """The estimate as a markdown table in GiB (2^30 bytes, as the terminal table), for docs and reports."""
     s = est.setup
     head = ("| strategy | params | grads | optimizer | fp32 master | activations (ckpt) | buffers | total | "
             "host RAM/process | fits |")
     lines = [head, "| --- " * 10 + "|"]
     for r in est.rows:
         fits = "-" if r.fits is None else ("yes" if r.fits else "no")
-        act = f"{r.activations_full_bytes / 1e9:.1f} ({r.activations_checkpointed_bytes / 1e9:.1f})"
-        lines.append(f"| {r.strategy} | " + " | ".join(f"{v / 1e9:.1f}" for v in (
+        act = f"{r.activations_full_bytes / GIB:.1f} ({r.activations_checkpointed_bytes / GIB:.1f})"
+        lines.append(f"| {r.strategy} | " + " | ".join(f"{v / GIB:.1f}" for v in (
             r.params_bytes, r.grads_bytes, r.optimizer_bytes, r.master_weights_bytes)) + f" | {act} | "
-            f"{r.buffers_bytes / 1e9:.1f} | **{r.total_bytes / 1e9:.1f}** | {r.host_bytes / 1e9:.1f} | {fits} |")
-    notes = [f"{est.shape.params:,} parameters, {s.devices} devices, {s.precision}, micro-batch {s.micro_batch} x "
-             f"{s.seq_len} tokens, {s.target} kernels; GB per device; total uses activations "
+            f"{r.buffers_bytes / GIB:.1f} | **{r.total_bytes / GIB:.1f}** | {r.host_bytes / GIB:.1f} | {fits} |")
+    notes = [f"{est.shape.params:,} parameters, {counted(s.devices, 'device')}, {s.precision}, micro-batch "
+             f"{s.micro_batch} x {s.seq_len} tokens, {s.target} kernels; GiB per device; total uses activations "
              f"{'with' if s.checkpointing else 'without'} checkpointing."]
     if cap is not None:
         notes.append(f"fits: within {cap.source} less {HEADROOM:.0%}"

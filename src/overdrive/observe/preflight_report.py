@@ -6,6 +6,8 @@ and words. A problem names the key or the machine to fix and makes the command e
 
 from __future__ import annotations
 
+from overdrive.console import counted
+
 from typing import Any, Optional
 
 # Before training there is no step time to set the traffic against, so the table gives the
@@ -36,7 +38,7 @@ def judge(cfg, ranks: list[dict[str, Any]], comm: Optional[dict[str, float]], re
     problems: list[dict[str, str]] = []
     first = ranks[0]
     hosts = sorted({(r["machine"], r["host"]) for r in ranks})
-    rows.append(["rendezvous", f"{len(ranks)} processes on {len(hosts)} machine(s) in {rendezvous_s:.1f} s", "ok"])
+    rows.append(["rendezvous", f"{counted(len(ranks), 'process')} on {counted(len(hosts), 'machine')} in {rendezvous_s:.1f} s", "ok"])
     if comm:
         rows.append(["all-reduce", f"{_mb(comm['bucket_bytes'])} bucket in {comm['all_reduce_s'] * 1e3:.1f} ms: "
                      f"bus bandwidth {_rate(comm['all_reduce_busbw'])}", "ok"])

@@ -30,11 +30,25 @@ def resolve_items(items: Iterable[str], accelerate_default: bool = True,
                   env: Optional[Mapping[str, str]] = None, tell: bool = True) -> Resolved:
     """The resolved config of a command's FILE and KEY=VALUE items; its warnings told unless `tell`
     is false (a command that shows them in its own output, as explain does)."""
+    refuse_keys_as_files(list(items))
     files, cli = split_items(items)
     resolved = resolve(files, cli=cli, accelerate_default=accelerate_default, env=env)
     if tell:
         tell_warnings(resolved.warnings)
     return resolved
+
+
+def refuse_keys_as_files(items: list[str]) -> None:
+    """`train training.max_steps 20`: a config key typed where a file goes, with its value apart."""
+    from overdrive.config.keys import expand_alias, is_known
+    from overdrive.errors import UserError
+
+    for index, item in enumerate(items):
+        if "=" in item or Path(item).expanduser().exists() or not is_known(expand_alias(item)):
+            continue
+        following = items[index + 1] if index + 1 < len(items) and "=" not in items[index + 1] else "VALUE"
+        raise UserError(Problem(item, "is a config key, not a file: a key and its value are one item, KEY=VALUE",
+                                fix=f"write it as {expand_alias(item)}={following}"))
 
 
 def read_resolved(path: str | Path) -> Resolved:

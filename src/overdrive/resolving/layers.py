@@ -152,7 +152,10 @@ def accelerate_default_layer(path: Path | None) -> LayerOutput:
 
 
 def env_layer(environ: Mapping[str, str]) -> LayerOutput:
+    from overdrive.resolving.env_lookalikes import lookalike_warnings
+
     out = native.map_accelerate_env(environ)
+    out.warnings += lookalike_warnings(environ)
     for name, value in sorted(environ.items()):
         if not name.startswith("OVERDRIVE_") or "__" not in name and name != "OVERDRIVE_OUTPUT_DIR":
             continue

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from overdrive.config import batch, length
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
-from overdrive.resolving import layers, validate
+from overdrive.resolving import followed_defaults, layers, validate
 from overdrive.resolving.problems import pydantic_problems
 from overdrive.resolving.resolved import Resolved
 
@@ -75,6 +75,7 @@ def resolve(
     config, derived = batch.settle(config, chains)  # the batch split, settled once here
     order = {id(setting): i for i, setting in enumerate(s for output in outputs for s in output.settings)}
     config, length_origins, length_errors, length_warnings = length.settle(config, chains, order)  # steps or epochs
+    config, followed = followed_defaults.follow(config, chains)  # defaults the user's choices contradict
     rule_errors, rule_warnings = validate.check(config, chains)
     errors += length_errors + rule_errors
     warnings += length_warnings
@@ -84,6 +85,7 @@ def resolve(
     origins.update(length_origins)
     if derived is not None:
         origins[batch.ACCUMULATION] = derived
+    origins.update(followed)
     return Resolved(config=config, origins=origins, chains=chains, warnings=warnings + rule_warnings)
 
 

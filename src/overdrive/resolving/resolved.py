@@ -28,6 +28,10 @@ class Resolved:
     # it resumes ({"checkpoint": path or None, "force": bool, "notes": [...]}), handed to
     # the workers in the resolved file so they do not judge it again.
     resume: dict[str, Any] | None = None
+    # The FILE and KEY=VALUE items the user typed, in order, and --no-accelerate-default when
+    # given (None: a config built in Python):
+    # what a hint after the run repeats so it keeps the user's config.
+    items: list[str] | None = None
 
     def to_json(self) -> str:
         """The hand-off to workers and the record in output_dir: values and their origins,
@@ -41,6 +45,8 @@ class Resolved:
         }
         if self.resume is not None:
             data["resume"] = self.resume
+        if self.items is not None:
+            data["items"] = [_masked_item(item) for item in self.items]
         return json.dumps(data, indent=2)
 
     def secret_values(self) -> dict[str, Any]:
@@ -77,7 +83,17 @@ class Resolved:
             origins = {key: Origin(*record) for key, record in records.items()}
         except TypeError:
             origins = {}
-        return cls(config=config, origins=origins, resume=data.get("resume"))
+        items = data.get("items")
+        items = [str(item) for item in items] if isinstance(items, list) else None
+        return cls(config=config, origins=origins, resume=data.get("resume"), items=items)
+
+
+def _masked_item(item: str) -> str:
+    """A typed item as a file may keep it: a secret's value never (as the cli layer's origin)."""
+    from overdrive.config.redact import is_secret_name, redact_text
+
+    key, sep, _ = item.partition("=")
+    return f"{key}=***" if sep and is_secret_name(key.strip()) else redact_text(item)
 
 
 SECRETS_VARIABLE = "OVERDRIVE_SECRET_VALUES"

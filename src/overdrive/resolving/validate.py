@@ -7,6 +7,8 @@ on a laptop) and an error when training.
 
 from __future__ import annotations
 
+from overdrive.console import counted
+
 from typing import Mapping
 
 from overdrive.config import batch
@@ -66,7 +68,7 @@ def launch_rules(cfg: RunConfig, chains: Chains | None = None) -> list[Problem]:
         problems.append(Problem("launch.num_processes", f"{launch.num_processes} processes do not divide evenly over {launch.num_machines} machines",
                                 _where(chains, "launch.num_processes"), "num_processes is the total over all machines: make it a multiple of launch.num_machines"))
     if launch.machine_rank >= launch.num_machines:
-        problems.append(Problem("launch.machine_rank", f"is {launch.machine_rank}, but there are {launch.num_machines} machine(s): ranks go 0..{launch.num_machines - 1}",
+        problems.append(Problem("launch.machine_rank", f"is {launch.machine_rank}, but there are {counted(launch.num_machines, 'machine')}: ranks go 0..{launch.num_machines - 1}",
                                 _where(chains, "launch.machine_rank"), "set launch.machine_rank to this machine's index"))
     if launch.num_machines > 1 and not launch.main_process_ip:
         problems.append(Problem("launch.main_process_ip", "is required with several machines",
@@ -105,7 +107,7 @@ def elastic_rules(cfg: RunConfig, chains: Chains | None = None) -> list[Problem]
     good = [m for m in counts if keeps(m)]
     return [Problem("launch.min_machines", f"{launch.min_machines}..{launch.num_machines} machines: "
                     f"{', '.join(str(m) for m in counts if not keeps(m))} cannot keep the global batch of "
-                    f"{split.global_batch} (micro-batch {split.micro or 'auto'} x {per_machine} process(es) per machine "
+                    f"{split.global_batch} (micro-batch {split.micro or 'auto'} x {counted(per_machine, 'process')} per machine "
                     "x a whole accumulation)", where,
                     f"machine counts that keep it: {', '.join(map(str, good)) or 'none'}; raise launch.min_machines "
                     "or choose a global batch they all divide")]
@@ -240,7 +242,7 @@ def hardware_problems(cfg: RunConfig, chains: Chains, hardware) -> list[Problem]
         usable = len(ids or [])
     local = cfg.launch.num_processes // max(cfg.launch.num_machines, 1)
     if on_gpu and local > usable:
-        which = f"launch.gpu_ids lists {usable}" if cfg.launch.gpu_ids != "all" else f"{usable} GPU(s)"
+        which = f"launch.gpu_ids lists {usable}" if cfg.launch.gpu_ids != "all" else counted(usable, "GPU")
         problems.append(Problem("launch.num_processes", f"{local} processes per machine but {which}: two processes "
                                 "would share a GPU (NCCL refuses: \"Duplicate GPU detected\")",
                                 _where(chains, "launch.num_processes"), f"at most one process per GPU; detected: {detected}"))

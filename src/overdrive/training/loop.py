@@ -16,6 +16,8 @@ a non-finite step is kept out of the weights by nonfinite.py.
 
 from __future__ import annotations
 
+from overdrive.console import counted
+
 import math
 import time
 from dataclasses import dataclass, field, fields, replace
@@ -114,6 +116,9 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
     from overdrive.launch.process import build_accelerator
     from overdrive.training.settle import as_resolved, settle
 
+    from overdrive.launch.process import quiet_deprecated_collectives
+
+    quiet_deprecated_collectives()
     given = as_resolved(run).config  # output_dir, threads and trackers: settling changes none of them
     out = Path(given.output_dir).expanduser()
     if given.launch.threads_per_process:
@@ -126,7 +131,11 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
     if main:
         out.mkdir(parents=True, exist_ok=True)
         faults.write_text(out / "resolved.json", settled.resolved.to_json(), "output_dir")
-    parts = (pipeline_training.build_parts if pipeline_training.enabled(cfg) else build_parts)(cfg, accelerator)
+    from overdrive.training.startup import Stages
+
+    say = Stages(main and cfg.logging.level != "quiet")  # each stage before the first step, as it begins
+    parts = (pipeline_training.build_parts(cfg, accelerator) if pipeline_training.enabled(cfg)
+             else build_parts(cfg, accelerator, say=say))
     if parts.derived:  # steps counted from the data (training.num_epochs): the config that runs, recorded
         cfg = parts.config
         origins = {**settled.resolved.origins, **{key: Origin("derived", why) for key, why in parts.derived.items()}}
@@ -139,7 +148,7 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
     progress = telemetry.ProgressDisplay(cfg.training.max_steps, enabled=main and cfg.logging.level != "quiet",
                                          bar=cfg.logging.progress)
     objective = cfg.model.task if parts.objective is None else f"{cfg.preference.method} on preference pairs"
-    progress.print(f"training: {objective}, {cfg.training.max_steps} steps, output in {out}")
+    progress.print(f"training: {objective}, {counted(cfg.training.max_steps, 'step')}, output in {out}")
     for note in parts.notes:
         progress.print(note)
     metrics = telemetry.MetricsLog(out / "metrics.jsonl", enabled=main)
@@ -155,6 +164,8 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
     watch.say = progress.print
     try:
         with checkpoint.StopRequest(checkpoint.cpu_group(), accelerator.num_processes) as stop, watch:
+            if main:  # answered at once, not when the step and its checkpoint are done
+                _answer_signals(stop, state, cfg, out)
             outcome = _steps(Loop(cfg, parts, state, ckpt, stop, progress, metrics, checkpoint=restored.path,
                                   observe=watch))
     finally:
@@ -164,6 +175,15 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
         (pipeline_training.save_final if parts.pipeline else save_final)(cfg, parts, out)
     accelerator.end_training()
     return result
+
+
+def _answer_signals(stop: "checkpoint.StopRequest", state: "LoopState", cfg, out: Path) -> None:
+    def kept() -> str:
+        found = checkpoint.latest_complete(checkpoint.checkpoints_dir(out), checksums=False).found
+        return checkpoint.kept_note(found.path if found else None)
+
+    stop.answer = lambda signum: checkpoint.stopping_note(signum, state.step + 1, cfg.checkpoint.enabled)
+    stop.abandon = kept
 
 
 @dataclass

@@ -12,6 +12,7 @@ import torch
 
 from overdrive import data as data_mod
 from overdrive import strategies
+from overdrive.strategies import registry
 import overdrive.config.batch as batch
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
@@ -60,14 +61,20 @@ def _check_positions(config, seq_len: int) -> None:
                                 fix=f"set data.max_length <= {limit}"))
 
 
-def build_parts(cfg: RunConfig, accelerator) -> Parts:
-    """Tokenizer, model, data, optimizer and schedule, prepared by `accelerator`."""
+def build_parts(cfg: RunConfig, accelerator, say=None) -> Parts:
+    """Tokenizer, model, data, optimizer and schedule, prepared by `accelerator`; `say(what)`
+    tells each stage as it starts (training/startup.py)."""
     from accelerate.utils import set_seed
+
+    from overdrive.training.startup import silent
+
+    say = say or silent
 
     t, d = cfg.training, cfg.data
     micro = _micro_batch(cfg)
     split = batch.split(cfg)
     cache_dir = Path(d.cache_dir).expanduser()
+    say("reading the tokenizer and the data (a token cache is filled once, then reused)")
     # One process per machine trains the tokenizer and fills the token cache; the others wait
     # for those files (not in a barrier), then every process memory-maps the same token ids.
     tokenizer, tokens = data_mod.prepare(cfg, build_tokenizer, build=accelerator.is_local_main_process,
@@ -79,6 +86,7 @@ def build_parts(cfg: RunConfig, accelerator) -> Parts:
         # blocks have no padding, and with pad == eos Transformers would warn on every batch.
         special["pad_token_id"] = tokenizer.pad_token_id
     set_seed(t.seed)  # same initial weights on every rank and every run
+    say(f"building the model ({cfg.model.name_or_path or 'from scratch'})")
     label_names = ["reward"] if preference.trains_reward_model(cfg) else tokens.label_names  # one scalar
     model = model_mod.build_model(cfg, vocab_size=len(tokenizer), label_names=label_names,
                                   special_tokens=special, device=adapter.load_device(cfg, accelerator.device))
@@ -104,10 +112,14 @@ def build_parts(cfg: RunConfig, accelerator) -> Parts:
     reference_model = reference.frozen_copy(cfg, model)  # the starting weights, before anything wraps them
     optimizer = optimizers.build_optimizer(model, cfg, accelerator.device.type)
     scheduler = optimizers.build_schedule(optimizer, cfg)  # None when DeepSpeed builds the optimizer
+    say(f"preparing the model and optimizer ({registry.of(cfg).label(cfg)}, "
+        f"{accelerator.num_processes} process{'es' if accelerator.num_processes != 1 else ''})")
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     scheduler = scheduler or optimizers.schedule_after_prepare(accelerator, cfg)
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
+    if cfg.compile.backend:
+        say(f"compiling with torch.compile ({cfg.compile.backend}): the first step compiles the kernels")
     model = _maybe_compile(model, cfg, accelerator)
     # MFU against the peak of the precision the matmuls run in (bf16 weights without autocast: bf16).
     peak = telemetry.DevicePeak(accelerator.device, matmul_precision(cfg.precision.mixed_precision, model), cache_dir)

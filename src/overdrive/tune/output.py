@@ -8,6 +8,8 @@ unless asked: the result goes to the next free name instead.
 
 from __future__ import annotations
 
+from overdrive.console import counted
+
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -47,7 +49,7 @@ def tuned_yaml(result: dict[str, Any], sources: str, name: str = "tuned.yaml") -
         head.append(f"# as given {base['label']}: {_fmt(base['run_tokens_per_s'])} tokens/s "
                     f"-> {chosen['run_tokens_per_s'] / base['run_tokens_per_s']:.2f}x")
     head += [
-        f"# global batch {result['global_batch']} over {result['world']} process(es), unchanged: the same training, faster",
+        f"# global batch {result['global_batch']} over {counted(result['world'], 'process')}, unchanged: the same training, faster",
         f"# {result['measured']} of {len(result['candidates'])} candidates measured in {result['search_s']:.0f} s "
         f"(fingerprint {result['fingerprint']})",
         f"# use it after your own config: overdrive train {sources + ' ' if sources else ''}{name}",

@@ -92,10 +92,19 @@ def _emit(data: dict[str, Any], model: type, indent: int, out: list[str]) -> Non
             out.append(f"{pad}{key}: {_scalar(value)}")
 
 
+def own_output_dir(config_path: str) -> str:
+    """runs/<the config file's stem>: where the run of a config overdrive wrote goes."""
+    from pathlib import PurePath
+
+    return f"runs/{PurePath(config_path).stem or 'run'}"
+
+
 def render_yaml(a: Answers, hw: dict[str, Any], path: str) -> str:
     from overdrive.config.schema import RunConfig
 
-    cfg = run_config(a)
+    # A directory of its own: a first run of every config landing in runs/default would resume,
+    # or be judged against, whatever ran there before.
+    cfg = {"output_dir": own_output_dir(path), **run_config(a)}
     RunConfig.model_validate(cfg)  # the wizard must never write a file the schema rejects
     today = datetime.date.today().isoformat()
     out = [

@@ -9,6 +9,8 @@ The same parsers check typed answers and flags, so both fail with the same messa
 
 from __future__ import annotations
 
+from overdrive.console import counted
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -203,7 +205,7 @@ def ask_all(ask: Asker, hw: dict[str, Any], suggest: Callable[..., Optional[dict
                           _processes(a.num_machines), per_machine * a.num_machines,
                           "one per GPU" if a.machine_type == "gpu" else "each process takes a share of the cores")
     if a.machine_type == "gpu" and gpus and a.num_processes // a.num_machines > len(gpus):
-        a.notes.append(f"{a.num_processes // a.num_machines} processes per machine, but {len(gpus)} GPU(s) here")
+        a.notes.append(f"{a.num_processes // a.num_machines} processes per machine, but {counted(len(gpus), 'GPU')} here")
         ask.say(f"note: {a.notes[-1]}")
     a.model = ask("model", "Model to train (hub name or local path)?", text_value(), "",
                   "blank: the embedded tiny GPT-2 from scratch") or None
