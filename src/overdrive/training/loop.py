@@ -16,17 +16,16 @@ a non-finite step is kept out of the weights by nonfinite.py.
 
 from __future__ import annotations
 
-from overdrive.console import counted
-
 import math
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from overdrive import checkpoint
+from overdrive.console import counted
 import overdrive.config.batch as batch
 from overdrive.config.provenance import Origin
 from overdrive.config.redact import redact
@@ -37,72 +36,8 @@ from overdrive.training import context_parallel, loss_scale, nonfinite, step_los
 from overdrive.training import pipeline as pipeline_training
 from overdrive.training.evaluation import evaluate
 from overdrive.training.loss_tokens import LossTokens
+from overdrive.training.loop_state import LoopState, TrainResult, batches  # noqa: F401  (asked for here too)
 from overdrive.training.parts import Parts, build_parts, save_final
-
-
-@dataclass
-class LoopState:
-    """Where the loop is: with model, optimizer, schedule and RNG states, a resumable point.
-    The checkpoint saves it whole (`state_dict`) and restores it whole (`load_state_dict`)."""
-
-    step: int = 0  # optimizer steps done
-    epoch: int = 0  # passes over the training data started
-    batch_in_epoch: int = 0  # micro-batches consumed in the current epoch (data position)
-    tokens_seen: int = 0  # across all processes
-    nonfinite_in_a_row: int = 0
-    # This rank's share of each step's loss (its summed token losses / the global batch's loss
-    # tokens, step_loss.py), summed on the device since the last log point (no sync per step),
-    # and the micro-batches in that sum: a resume carries on the interval being summed.
-    loss_sum: Any = 0.0
-    micro_steps: int = 0
-    loss_tokens: int = 0  # tokens in the loss since the last log point, all ranks (set when saved)
-    first_loss: Optional[float] = None  # the first and latest logged losses
-    final_loss: Optional[float] = None
-    source_positions: Optional[dict] = None  # a data mixture: where each source is (data/mixing.py)
-    preference_pending: Optional[list] = None  # preference metrics summed since the last log point, all ranks
-
-    def state_dict(self) -> dict[str, Any]:
-        """Every field but the loss sum, which lives on the device (the checkpoint gathers it)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "loss_sum"}
-
-    def load_state_dict(self, values: dict[str, Any]) -> None:
-        for f in fields(self):
-            if f.name in values:
-                setattr(self, f.name, values[f.name])
-
-
-@dataclass
-class TrainResult:
-    output_dir: Path
-    steps: int
-    first_loss: Optional[float] = None
-    final_loss: Optional[float] = None
-    eval: dict[str, float] = field(default_factory=dict)
-    tokens_per_s: float = 0.0  # mean after the first logged step (which includes warm-up)
-    elapsed_s: float = 0.0
-    is_main_process: bool = True
-    stopped_early: str = ""
-    stopped_by: int = 0  # the signal (SIGTERM, SIGINT) that stopped the run after a checkpoint
-    checkpoint: Optional[Path] = None  # the last checkpoint written or resumed from
-
-
-def batches(loader, state: LoopState, skip_first_batches=None):
-    """Micro-batches forever, epoch after epoch; keeps the data position in `state`.
-
-    A resumed run starts inside an epoch: that epoch's loader skips the batches already
-    trained on by index (nothing is loaded), so the order is the uninterrupted run's.
-    """
-    while True:
-        if hasattr(loader, "set_epoch"):
-            loader.set_epoch(state.epoch)
-        epoch = loader
-        if state.batch_in_epoch and skip_first_batches is not None:
-            epoch = skip_first_batches(loader, state.batch_in_epoch)
-        for batch_ in epoch:
-            state.batch_in_epoch += 1
-            yield batch_
-        state.epoch += 1
-        state.batch_in_epoch = 0
 
 
 def train(run, force: bool = False, observer=None) -> TrainResult:
