@@ -53,6 +53,17 @@ def _environ(environ: Optional[Mapping[str, str]]) -> Mapping[str, str]:
     return os.environ if environ is None else environ
 
 
+def process_environment(environ: Optional[Mapping[str, str]] = None) -> Mapping[str, str]:
+    """`environ`, or this process's environment: read here (and in launch/, which decides what
+    started processes get), so no other package has a hidden input."""
+    return _environ(environ)
+
+
+def local_rank(environ: Optional[Mapping[str, str]] = None) -> int:
+    """This process's rank on its machine, as torch.distributed.run sets it (0 when alone)."""
+    return int(_environ(environ).get("LOCAL_RANK", "0"))
+
+
 # Words of a name that mark a credential (HF_TOKEN, hub_token, MLFLOW_TRACKING_PASSWORD), and
 # the words that make "key" one (WANDB_API_KEY, AWS_ACCESS_KEY_ID; not `fsdp_..._key`).
 _CREDENTIAL_WORDS = frozenset({"token", "password", "passwd", "secret", "apikey", "credentials"})

@@ -12,7 +12,6 @@ prints (preflight_report.py).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import statistics
@@ -131,7 +130,9 @@ def join_process_group(cfg) -> tuple[int, int, Any]:
 
     backend = process_group_backend(cfg) or ("nccl" if torch.cuda.is_available() else "gloo")
     on_cuda = "nccl" in backend and torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_cuda else torch.device("cpu")
+    from overdrive.config.env_report import local_rank
+
+    device = torch.device("cuda", local_rank()) if on_cuda else torch.device("cpu")
     if on_cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():

@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 from pydantic import ValidationError
 
 from overdrive.config import batch, length
+from overdrive.config.env_report import process_environment
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 from overdrive.resolving import followed_defaults, layers, validate
@@ -21,7 +22,7 @@ from overdrive.resolving.resolved import Resolved
 
 def accelerate_default_path(environ: Mapping[str, str] | None = None) -> Path:
     """Where `accelerate config` writes its default: $HF_HOME/accelerate/default_config.yaml."""
-    environ = os.environ if environ is None else environ
+    environ = process_environment(environ)
     hf_home = environ.get("HF_HOME") or os.path.join(
         environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
     return Path(hf_home) / "accelerate" / "default_config.yaml"
@@ -43,7 +44,7 @@ def resolve(
     Raises UserError listing every problem found (unknown keys, types, ranges, cross-field
     and world-size rules). Hardware checks are separate: see `check_for_train`.
     """
-    environ = os.environ if env is None else env
+    environ = process_environment(env)
     if accelerate_default is True:
         default_path: Path | None = accelerate_default_path(environ)
     elif accelerate_default:

@@ -4,12 +4,12 @@ the hand-off to workers and the record in output_dir (resolved.json)."""
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from pydantic import ValidationError
 
+from overdrive.config.env_report import process_environment
 from overdrive.config.keys import flatten, set_dotted
 from overdrive.config.provenance import Origin, Setting
 from overdrive.config.schema import RunConfig
@@ -67,7 +67,7 @@ class Resolved:
             raise UserError(Problem("", "not a resolved config (no \"config\" mapping)", where,
                                     "pass the resolved.json written by overdrive for this run"))
         config = data["config"]
-        environ = os.environ if environ is None else environ
+        environ = process_environment(environ)
         try:
             secrets = json.loads(environ.get(SECRETS_VARIABLE) or "{}")
         except ValueError:
