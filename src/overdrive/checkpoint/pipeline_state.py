@@ -12,10 +12,9 @@ tensors by name, and shards them for tensor parallel).
 
 from __future__ import annotations
 
-import contextlib
 import re
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from overdrive.checkpoint import tensor_parallel
 
@@ -63,16 +62,6 @@ def save_state(accelerator: Any, path: Path, pipeline: Optional[Any], stages: An
     dcp.save(state, checkpoint_id=str(Path(path) / DIRECTORY))
 
 
-@contextlib.contextmanager
-def _set_aside(accelerator: Any) -> Iterator[tuple[Any, Any]]:
-    models, optimizers = accelerator._models, accelerator._optimizers
-    accelerator._models, accelerator._optimizers = [], []
-    try:
-        yield models[0], optimizers[0]
-    finally:
-        accelerator._models, accelerator._optimizers = models, optimizers
-
-
 def load_state(accelerator: Any, path: Path, pipeline: Optional[Any], stages: Any = None, optimizer: Any = None,
                **kwargs: Any) -> None:
     """Load `path` into this run: a pipeline checkpoint into stages or into one whole model
@@ -92,7 +81,7 @@ def load_state(accelerator: Any, path: Path, pipeline: Optional[Any], stages: An
     if not source.is_dir():
         tensor_parallel.load_state(accelerator, path, **kwargs)
         return
-    with _set_aside(accelerator) as (model, whole_optimizer):
+    with tensor_parallel.set_aside(accelerator) as (model, whole_optimizer):
         accelerator.load_state(str(path), **kwargs)
         model_state, optimizer_state = get_state_dict(model, whole_optimizer, options=_options())
         state = {"model": model_state, "optimizer": optimizer_state}

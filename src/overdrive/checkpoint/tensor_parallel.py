@@ -31,7 +31,9 @@ def _reads(accelerator: Any, path: Path) -> bool:
         and accelerator.distributed_type != DistributedType.DEEPSPEED
 
 @contextlib.contextmanager
-def _set_aside(accelerator: Any) -> Iterator[tuple[Any, Any]]:
+def set_aside(accelerator: Any) -> Iterator[tuple[Any, Any]]:
+    """The accelerator's one model and optimizer, taken out of its lists while DCP saves or loads
+    them itself (Accelerate's save_state/load_state then handles the rest: RNG, schedule, scaler)."""
     models, optimizers = accelerator._models, accelerator._optimizers
     accelerator._models, accelerator._optimizers = [], []
     try:
@@ -48,7 +50,7 @@ def save_state(accelerator: Any, path: Path, **kwargs: Any) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    with _set_aside(accelerator) as (model, optimizer):
+    with set_aside(accelerator) as (model, optimizer):
         accelerator.save_state(str(path), **kwargs)
         model_state, optimizer_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(Path(path) / DIRECTORY))
@@ -62,7 +64,7 @@ def load_state(accelerator: Any, path: Path, **kwargs: Any) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    with _set_aside(accelerator) as (model, optimizer):
+    with set_aside(accelerator) as (model, optimizer):
         accelerator.load_state(str(path), **kwargs)
         model_state, optimizer_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optimizer_state}
