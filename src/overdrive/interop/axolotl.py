@@ -232,23 +232,9 @@ def _loop(r: ToolReader) -> None:
     r.put_key("gradient_accumulation_steps", "training.gradient_accumulation_steps", int)
     if r.given("batch_size") and not r.given("gradient_accumulation_steps"):
         r.unmapped(("batch_size",), "set training.global_batch_size")
-    if r.given("max_steps") and int(r.data["max_steps"]) > 0:
-        r.put("training.max_steps", int(r.data["max_steps"]), "max_steps")
-        if r.given("num_epochs"):
-            r.c.warn(("num_epochs",), "max_steps is set too: as in Axolotl (Transformers' Trainer), max_steps decides")
-    elif r.given("num_epochs"):
-        r.put("training.num_epochs", float(r.data["num_epochs"]), "num_epochs")
-    else:
-        r.default("training.num_epochs", 1.0, "num_epochs defaults to 1")
-    r.put_key("learning_rate", "optim.lr", float)
-    r.put_key("weight_decay", "optim.weight_decay", float)
-    r.put_key("adam_epsilon", "optim.eps", float)
-    common.betas(r)
-    r.put_key("max_grad_norm", "training.gradient_clipping", lambda v: float(v) if float(v) > 0 else None)
-    if r.given("optimizer"):
-        common.optimizer(r, "optimizer", r.data["optimizer"])
-    if r.given("lr_scheduler"):
-        common.schedule(r, "lr_scheduler", r.data["lr_scheduler"])
+    common.steps_or_epochs(r, r.data["max_steps"] if r.given("max_steps") else None, "num_epochs", 1.0,
+                           "num_epochs defaults to 1", "Axolotl (Transformers' Trainer)")
+    common.trainer_optimizer(r, "optimizer", "lr_scheduler")
     r.put_key("cosine_min_lr_ratio", "scheduler.min_lr_ratio", float)
     if r.given("warmup_steps"):
         r.put("scheduler.warmup_steps", int(r.data["warmup_steps"]), "warmup_steps")

@@ -234,23 +234,9 @@ def _loop(r: ToolReader) -> None:
     r.put_key("per_device_train_batch_size", "training.micro_batch_size", int)
     r.put_key("gradient_accumulation_steps", "training.gradient_accumulation_steps", int)
     max_steps = r.get("max_steps")
-    if max_steps is not None and int(max_steps) > 0:
-        r.put("training.max_steps", int(max_steps), "max_steps")
-        if r.given("num_train_epochs"):
-            r.c.warn(("num_train_epochs",), "max_steps is set too: as in Transformers' Trainer, max_steps decides")
-    elif r.given("num_train_epochs"):
-        r.put("training.num_epochs", float(r.data["num_train_epochs"]), "num_train_epochs")
-    else:
-        r.default("training.num_epochs", 3.0, "Transformers' TrainingArguments num_train_epochs=3")
-    r.put_key("learning_rate", "optim.lr", float)
-    r.put_key("weight_decay", "optim.weight_decay", float)
-    r.put_key("adam_epsilon", "optim.eps", float)
-    common.betas(r)
-    r.put_key("max_grad_norm", "training.gradient_clipping", lambda v: float(v) if float(v) > 0 else None)
-    if r.given("optim"):
-        common.optimizer(r, "optim", r.data["optim"])
-    if r.given("lr_scheduler_type"):
-        common.schedule(r, "lr_scheduler_type", r.data["lr_scheduler_type"])
+    common.steps_or_epochs(r, max_steps, "num_train_epochs", 3.0,
+                           "Transformers' TrainingArguments num_train_epochs=3", "Transformers' Trainer")
+    common.trainer_optimizer(r, "optim", "lr_scheduler_type")
     kwargs = r.get("lr_scheduler_kwargs") or {}
     if isinstance(kwargs, dict) and "min_lr_rate" in kwargs:
         r.put("scheduler.min_lr_ratio", float(kwargs["min_lr_rate"]), "lr_scheduler_kwargs", "min_lr_rate")

@@ -190,3 +190,30 @@ def betas(reader: ToolReader) -> None:
     if b1 is not None or b2 is not None:
         reader.put("optim.betas", [float(0.9 if b1 is None else b1), float(0.999 if b2 is None else b2)],
                    "adam_beta1" if b1 is not None else "adam_beta2")
+
+
+def steps_or_epochs(reader: ToolReader, max_steps: Any, epochs_key: str, default_epochs: float, default_why: str,
+                    trainer: str) -> None:
+    """Transformers' Trainer rule, as both tools keep it: a positive max_steps decides, else the
+    epochs (the tool's default when unset)."""
+    if max_steps is not None and int(max_steps) > 0:
+        reader.put("training.max_steps", int(max_steps), "max_steps")
+        if reader.given(epochs_key):
+            reader.c.warn((epochs_key,), f"max_steps is set too: as in {trainer}, max_steps decides")
+    elif reader.given(epochs_key):
+        reader.put("training.num_epochs", float(reader.data[epochs_key]), epochs_key)
+    else:
+        reader.default("training.num_epochs", default_epochs, default_why)
+
+
+def trainer_optimizer(reader: ToolReader, optimizer_key: str, schedule_key: str) -> None:
+    """The optimizer keys both tools take from Transformers' TrainingArguments, under their names."""
+    reader.put_key("learning_rate", "optim.lr", float)
+    reader.put_key("weight_decay", "optim.weight_decay", float)
+    reader.put_key("adam_epsilon", "optim.eps", float)
+    betas(reader)
+    reader.put_key("max_grad_norm", "training.gradient_clipping", lambda v: float(v) if float(v) > 0 else None)
+    if reader.given(optimizer_key):
+        optimizer(reader, optimizer_key, reader.data[optimizer_key])
+    if reader.given(schedule_key):
+        schedule(reader, schedule_key, reader.data[schedule_key])
