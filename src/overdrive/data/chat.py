@@ -19,15 +19,14 @@ of the whole conversation cannot be split that way and is refused by key.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import numpy as np
 
 from overdrive.data import layouts
-from overdrive.data.sources import Batch, Rows, _columns
+from overdrive.data.sources import Batch, Rows, _columns, row_batches
 from overdrive.errors import Problem, UserError
 
 KINDS = ("ids", "ends", "mask")  # the token cache's files for chat
@@ -73,23 +72,7 @@ class ChatRows(Rows):
         return {"messages": turns, "tools": tools} if tools else turns
 
     def batches(self, start: Optional[dict] = None, batch_bytes: int = 1 << 20) -> Iterator[Batch]:
-        done = (start or {}).get("rows", 0)
-        dataset = self.dataset.skip(done) if done else self.dataset
-        batch = Batch([], [], [])
-        for rows in dataset.iter(batch_size=64):
-            n = len(rows[self.columns[0]])
-            for i in range(n):
-                turns = self.conversation({c: rows[c][i] for c in self.columns + self.extra}, done + i)
-                batch.texts.append(turns)
-                batch.sizes.append(len(json.dumps(turns).encode()))
-                batch.ends.append(True)
-            done += n
-            batch.position, batch.advance = {"rows": done}, batch.advance + n
-            if sum(batch.sizes) >= batch_bytes or len(batch.texts) >= 1024:
-                yield batch
-                batch = Batch([], [], [])
-        if batch.texts:
-            yield batch
+        return row_batches(self.dataset, self.columns + self.extra, self.conversation, start, batch_bytes)
 
 
 # ---------------------------------------------------------------- template

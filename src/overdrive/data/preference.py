@@ -19,14 +19,13 @@ row 2i is the chosen sequence, row 2i+1 the rejected one, so a held-out pair sta
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any, Iterator, Optional
 
 import numpy as np
 
 from overdrive.data.chat import KINDS
 from overdrive.data.layouts import checked as _checked
-from overdrive.data.sources import Batch, Rows, _columns
+from overdrive.data.sources import Batch, Rows, _columns, row_batches
 from overdrive.errors import Problem, UserError
 
 _KEYS = {"prompt": "data.prompt_column", "chosen": "data.chosen_column", "rejected": "data.rejected_column"}
@@ -89,23 +88,7 @@ class PreferenceRows(Rows):
         return cells
 
     def batches(self, start: Optional[dict] = None, batch_bytes: int = 1 << 20) -> Iterator[Batch]:
-        done = (start or {}).get("rows", 0)
-        dataset = self.dataset.skip(done) if done else self.dataset
-        batch = Batch([], [], [])
-        for rows in dataset.iter(batch_size=64):
-            n = len(rows[self.columns[0]])
-            for i in range(n):
-                pair = self.pair({c: rows[c][i] for c in self.columns}, done + i)
-                batch.texts.append(pair)
-                batch.sizes.append(len(json.dumps(pair).encode()))
-                batch.ends.append(True)
-            done += n
-            batch.position, batch.advance = {"rows": done}, batch.advance + n
-            if sum(batch.sizes) >= batch_bytes or len(batch.texts) >= 1024:
-                yield batch
-                batch = Batch([], [], [])
-        if batch.texts:
-            yield batch
+        return row_batches(self.dataset, self.columns, self.pair, start, batch_bytes)
 
 
 def template_key(cfg, tokenizer) -> str:

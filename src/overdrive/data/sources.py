@@ -259,3 +259,27 @@ def read_source(cfg: RunConfig, split: str, key: str):
     # names give the splits): `load_dataset` treats both the same way.
     name = str(path) if path.is_dir() else d.source
     return _table(_load(name, d.subset, split, d.streaming, cache, key), name, d.text_column, label)
+
+
+def row_batches(dataset: Any, columns: list[str], make: Any, start: Optional[dict] = None,
+                batch_bytes: int = 1 << 20) -> Iterator["Batch"]:
+    """A table's rows read 64 at a time, each made into one record by `make(row, index)` (a
+    conversation, a preference pair), in batches of about `batch_bytes`; a batch's position is the
+    rows done, so tokenizing resumes after the last whole batch."""
+    done = (start or {}).get("rows", 0)
+    rows_left = dataset.skip(done) if done else dataset
+    batch = Batch([], [], [])
+    for rows in rows_left.iter(batch_size=64):
+        n = len(rows[columns[0]])
+        for i in range(n):
+            record = make({c: rows[c][i] for c in columns}, done + i)
+            batch.texts.append(record)
+            batch.sizes.append(len(json.dumps(record).encode()))
+            batch.ends.append(True)
+        done += n
+        batch.position, batch.advance = {"rows": done}, batch.advance + n
+        if sum(batch.sizes) >= batch_bytes or len(batch.texts) >= 1024:
+            yield batch
+            batch = Batch([], [], [])
+    if batch.texts:
+        yield batch
