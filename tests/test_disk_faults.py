@@ -131,7 +131,8 @@ def test_a_second_run_into_a_busy_output_dir_is_refused_and_a_killed_run_leaves_
     assert (out / "checkpoints" / "step-00000008").is_dir()
 
     longer = ["training.max_steps=16", *args[1:]]
-    killed = start(command(out, cache, *longer), cwd=tmp_path)
+    # A finished run continued with another schedule length: --force says so (without it, refused).
+    killed = start(command(out, cache, *longer, "--force"), cwd=tmp_path)
     wait_for(checkpoint_then(out, 12, 1), killed, what="checkpoint 12 and one more step")
     kill_group(killed)
     finish(killed)
