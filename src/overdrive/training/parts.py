@@ -130,7 +130,7 @@ def build_parts(cfg: RunConfig, accelerator, say=None) -> Parts:
                                                 split.micro, Path(cfg.output_dir).expanduser(), validation)
         objective = preference.PreferenceObjective(cfg, accelerator, train_ref, eval_ref)
     return Parts(accelerator, model, optimizer, scheduler, train_loader, eval_loader, tokenizer, fpt, peak,
-                 d.max_length, Recipe(cfg, optimizer, train_loader, d.max_length), notes, cfg, derived, objective)
+                 d.max_length, Recipe(cfg, optimizer, train_loader, d.max_length), notes, cfg, derived, objective=objective)
 
 
 def _counted_from_data(cfg: RunConfig, train, global_batch: int):
