@@ -20,8 +20,10 @@ def command(verb: str, items: Sequence[str], changes: Sequence[str] = ()) -> str
     def key_of(item: str) -> str:
         return expand_alias(item.partition("=")[0].strip())
 
+    from overdrive.config.redact import masked_item
+
     changed = {key_of(change) for change in changes}
-    kept = [item for item in items if "=" not in item or key_of(item) not in changed]
+    kept = [masked_item(item) for item in items if "=" not in item or key_of(item) not in changed]
     return shlex.join(["overdrive", verb, *kept, *changes])
 
 

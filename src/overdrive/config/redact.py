@@ -94,3 +94,10 @@ def redact(node: Any, key: str = "") -> Any:
 def shown(key: str, value: Any) -> Any:
     """A value as it may be printed next to its key: masked when either says it is secret."""
     return redact(value, key)
+
+
+def masked_item(item: str) -> str:
+    """A typed FILE or KEY=VALUE item as it may be shown or kept: a secret's value never (as the
+    cli layer's origin), credentials in a URL masked."""
+    key, sep, _ = item.partition("=")
+    return f"{key}=***" if sep and is_secret_name(key.strip()) else redact_text(item)

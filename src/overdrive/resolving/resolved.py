@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from overdrive.config.env_report import process_environment
 from overdrive.config.keys import flatten, set_dotted
+from overdrive.config.redact import masked_item
 from overdrive.config.provenance import Origin, Setting
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
@@ -46,7 +47,7 @@ class Resolved:
         if self.resume is not None:
             data["resume"] = self.resume
         if self.items is not None:
-            data["items"] = [_masked_item(item) for item in self.items]
+            data["items"] = [masked_item(item) for item in self.items]
         return json.dumps(data, indent=2)
 
     def secret_values(self) -> dict[str, Any]:
@@ -88,13 +89,6 @@ class Resolved:
         return cls(config=config, origins=origins, resume=data.get("resume"), items=items)
 
 
-def _masked_item(item: str) -> str:
-    """A typed item as a file may keep it: a secret's value never (as the cli layer's origin)."""
-    from overdrive.config.redact import is_secret_name, redact_text
-
-    key, sep, _ = item.partition("=")
-    return f"{key}=***" if sep and is_secret_name(key.strip()) else redact_text(item)
 
 
 SECRETS_VARIABLE = "OVERDRIVE_SECRET_VALUES"
-
