@@ -1,6 +1,5 @@
 """bench/gpu_check.py on a machine without CUDA: it runs to the end, exit 0, the GPU rows
-marked as needing one and the rows a CPU can run (QLoRA under FSDP2 against one process, the
-phases adding up to the step) run for real."""
+marked as needing one and a row a CPU can run (the phases adding up to the step) run for real."""
 
 from __future__ import annotations
 
@@ -19,12 +18,14 @@ def test_the_gpu_check_runs_on_the_cpu_to_the_end(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the check runs its GPU rows (minutes), run it by hand")
-    done = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=1200)
+    # The qlora row's CPU runs (FSDP2 against one process) are what
+    # test_finetune_runs.py::test_qlora_under_fsdp2_in_bf16_on_two_processes_matches_one already runs: left out here.
+    rows_here = "fp16_weights,fp16_overflow,memory,mfu,phases,profile,compile"
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--out", str(tmp_path),
+                           "--only", rows_here], capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     table = done.stdout.split("\n\n")[-1]
     rows = {line.split()[0]: line for line in table.splitlines()[2:]}
     for name in ("fp16_weights", "fp16_overflow", "memory", "mfu", "profile", "compile"):
         assert "needs a GPU" in rows[name], table
-    for name in ("qlora", "phases"):
-        assert rows[name].split()[1] == "pass", table
+    assert rows["phases"].split()[1] == "pass", table
