@@ -37,8 +37,7 @@ def config(out, cache, **training) -> RunConfig:
 
 
 def poison(monkeypatch, bad_calls: set[int]):
-    """Make the training forward passes numbered `bad_calls` (1-based) return NaN logits, so the
-    loss the loop takes from them is NaN."""
+    """Make the training forward passes numbered `bad_calls` (1-based) return a NaN loss."""
     build = model_mod.build_model
     calls = {"n": 0}
 
@@ -46,7 +45,7 @@ def poison(monkeypatch, bad_calls: set[int]):
         if module.training:
             calls["n"] += 1
             if calls["n"] in bad_calls:
-                output.logits = output.logits * float("nan")
+                output.loss = output.loss * float("nan")
         return output
 
     def build_poisoned(*args, **kwargs):
