@@ -32,7 +32,7 @@ CP_GPU_JOB = ("parallel.strategy=fsdp", "parallel.cp_size=2", "launch.num_proces
 
 @pytest.mark.parametrize("items, key", [
     ((*CP_GPU_JOB, "data.format=chat", "data.packing=true", "model.name_or_path=some/model"), "data.packing"),
-    ((*CP_GPU_JOB, "model.task=sequence-classification"), "model.task"),
+    ((*CP_GPU_JOB, "model.task=sequence-classification"), "parallel.cp_size"),
     (("precision.mixed_precision=fp8", "peft.method=qlora", "model.name_or_path=some/model"), "precision.mixed_precision"),
     (("precision.mixed_precision=fp8", "precision.fp8.backend=MSAMP", "parallel.strategy=fsdp"), "precision.fp8.backend"),
     (("parallel.strategy=fsdp", "parallel.tp_size=2", "launch.num_processes=4", "peft.method=lora",

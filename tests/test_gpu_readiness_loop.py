@@ -51,13 +51,35 @@ class _RecordingAccelerator:
         return torch.nn.utils.clip_grad_norm_(list(params), value)
 
 
-def _one_step(cfg):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def _bare_loop(cfg, acc, model, optimizer, scheduler, data, scaler=None):
+    """A Loop over a recording accelerator: the step's real pieces (the objective, the plain
+    forward-backward, the books), nothing of the run around it (checkpoint, observer, display)."""
     from overdrive.config import batch
+    from overdrive.training import context_parallel, forward_backward, loss_scale, nonfinite, telemetry
     from overdrive.training.loop import Loop, LoopState
     from overdrive.training.loss_tokens import LossTokens
-    from overdrive.training import context_parallel, loss_scale, nonfinite, telemetry
+    from overdrive.training.objective import TokenObjective
+
+    loop = object.__new__(Loop)
+    loop.cfg, loop.state, loop.split = cfg, LoopState(), batch.split(cfg)
+    loop.parts = SimpleNamespace(accelerator=acc, model=model, optimizer=optimizer, scheduler=scheduler,
+                                 objective=TokenObjective(cfg.model.task), forward_backward=forward_backward.plain,
+                                 counts_loss_tokens=True,
+                                 clip_grad_norm=lambda norm: acc.clip_grad_norm_(model.parameters(), norm))
+    loop.model_parallel, loop.cp = 1, context_parallel.cp_size(cfg)  # one recording process
+    loop.data = iter(data)
+    loop.observe = SimpleNamespace(enter=lambda phase: None, step_done=lambda step: None)
+    loop.progress = SimpleNamespace(step=lambda step: None)
+    loop.loss_tokens, loop.throughput = LossTokens(acc.device, 0), telemetry.Throughput()
+    loop.guard = nonfinite.NonfiniteGuard("skip", optimizer, acc.device, scaler=scaler)
+    loop.scale_watch = loss_scale.ScaleWatch(scaler)
+    loop.state.loss_sum = torch.zeros(())
+    loop.grad_norm = None
+    return loop
+
+
+def _one_step(cfg):
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -74,19 +96,10 @@ def _one_step(cfg):
     ids = torch.randint(0, 32, (2, 8))
     micro_batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    loop = object.__new__(Loop)
-    loop.cfg, loop.state, loop.split = cfg, LoopState(), batch.split(cfg)
-    loop.parts = SimpleNamespace(accelerator=acc, model=model, optimizer=optimizer, pipeline=None, objective=None,
-                                 scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
-    loop.model_parallel, loop.cp = 1, context_parallel.cp_size(cfg)  # one recording process
-    loop.data = iter([micro_batch] * loop.split.accumulation)
-    loop.observe = SimpleNamespace(enter=lambda phase: None, step_done=lambda step: None)
-    loop.progress = SimpleNamespace(step=lambda step: None)
-    loop.loss_tokens, loop.throughput = LossTokens(acc.device, 0), telemetry.Throughput()
-    loop.guard = nonfinite.NonfiniteGuard("skip", optimizer, acc.device)
-    loop.scale_watch = loss_scale.ScaleWatch(None)
-    loop.state.loss_sum = torch.zeros(())
-    loop.grad_norm = None
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    from overdrive.config import batch
+
+    loop = _bare_loop(cfg, acc, model, optimizer, schedule, [micro_batch] * batch.split(cfg).accumulation)
     loop.optimizer_step()
     return acc, ids
 
@@ -169,11 +182,6 @@ def test_a_fused_adamw_step_skipped_by_the_fp16_scaler_holds_the_schedule_and_is
     from accelerate import Accelerator
     from accelerate.optimizer import AcceleratedOptimizer
 
-    from overdrive.config import batch
-    from overdrive.training import loss_scale, nonfinite, telemetry
-    from overdrive.training.loop import Loop, LoopState
-    from overdrive.training.loss_tokens import LossTokens
-
     Accelerator(cpu=True)  # the state AcceleratedOptimizer reads
     cfg = cfg_of("precision.mixed_precision=fp16", "training.micro_batch_size=2", "training.gradient_clipping=null")
     model = _Overflowing(bad=1)
@@ -183,22 +191,11 @@ def test_a_fused_adamw_step_skipped_by_the_fp16_scaler_holds_the_schedule_and_is
     acc = _RecordingAccelerator()
     acc.scaler = scaler
     type(acc).optimizer_step_was_skipped = property(lambda self: optimizer.step_was_skipped)
-    loop = object.__new__(Loop)
-    loop.cfg, loop.state, loop.split = cfg, LoopState(), batch.split(cfg)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda s: s + 1.0)
-    loop.parts = SimpleNamespace(accelerator=acc, model=model, optimizer=optimizer, scheduler=schedule, pipeline=None,
-                                 objective=None)
-    loop.model_parallel, loop.cp = 1, 1
     ids = torch.ones(2, 4)
     # A label per row: the loop takes the model's own loss (its mean x the rows).
-    loop.data = iter([{"input_ids": ids, "labels": torch.zeros(2, dtype=torch.long)}] * 2)
-    loop.observe = SimpleNamespace(enter=lambda phase: None, step_done=lambda step: None)
-    loop.progress = SimpleNamespace(step=lambda step: None)
-    loop.loss_tokens, loop.throughput = LossTokens(acc.device, 0), telemetry.Throughput()
-    loop.guard = nonfinite.NonfiniteGuard("skip", optimizer, acc.device, scaler=scaler)
-    loop.scale_watch = loss_scale.ScaleWatch(scaler)
-    loop.state.loss_sum = torch.zeros(())
-    loop.grad_norm = None
+    loop = _bare_loop(cfg, acc, model, optimizer, schedule,
+                      [{"input_ids": ids, "labels": torch.zeros(2, dtype=torch.long)}] * 2, scaler=scaler)
     weights = model.linear.weight.detach().clone()
     loop.optimizer_step()  # overflows: the kernel leaves the weights, the scaler halves its scale
     assert torch.equal(model.linear.weight, weights) and not optimizer.step_was_skipped  # what Accelerate says

@@ -233,7 +233,11 @@ def test_a_deepspeed_lamb_block_is_read_with_its_lines_and_refused_on_cpu(tmp_pa
     path = tmp_path / "lamb.json"
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2},
                                 "optimizer": {"type": "Lamb", "params": {"lr": 1e-3, "max_coeff": 0.3}}}, indent=2))
-    resolved = resolve([path], cli=["launch.use_cpu=true"], accelerate_default=False)
+    with pytest.raises(UserError) as refused:  # a config that says it trains on CPU: refused by explain too
+        resolve([path], cli=["launch.use_cpu=true"], accelerate_default=False)
+    assert "parallel.deepspeed.extra.optimizer.type" in refused.value.render()
+    assert "lamb.json:7" in refused.value.render()
+    resolved = resolve([path], accelerate_default=False)
     cfg = resolved.config
     assert cfg.optim.name == "deepspeed" and cfg.optim.lr == 1e-3
     origin = resolved.origins["optim.name"]

@@ -204,8 +204,7 @@ def test_fsdp_state_dict_and_mixed_precision():
 
 
 def test_cpu_refusals_name_the_key():
-    keys = {p.key for p in problems(cfg_of("parallel.strategy=fsdp", "parallel.fsdp.version=1", "launch.use_cpu=true"))}
+    keys = {p.key for p in problems(cfg_of("parallel.strategy=fsdp", "parallel.fsdp.version=1"), gpus=0)}
     assert keys == {"parallel.fsdp.version"}
-    keys = {p.key for p in problems(cfg_of("parallel.strategy=deepspeed", "precision.mixed_precision=fp16",
-                                           "launch.use_cpu=true"))}
+    keys = {p.key for p in problems(cfg_of("parallel.strategy=deepspeed", "precision.mixed_precision=fp16"), gpus=0)}
     assert keys == {"precision.mixed_precision"}

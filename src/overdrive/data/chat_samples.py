@@ -16,9 +16,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from overdrive.data.samples import _portable, _restore
-
-IGNORE = -100
+from overdrive.data.samples import IGNORE, _portable, _restore
 
 
 def _labels(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:

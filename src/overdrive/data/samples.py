@@ -11,6 +11,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+# The label that puts a position out of the loss: Transformers' and torch's ignore_index. Every
+# module that writes or reads labels takes it from here.
+IGNORE = -100
+
 
 def _portable(array: np.ndarray):
     if isinstance(array, np.memmap) and array.filename:

@@ -18,7 +18,7 @@ from overdrive.config.redact import shown
 from overdrive.config.schema import RunConfig
 from overdrive.config.sweep_space import sweep_rules
 from overdrive.errors import Problem
-from overdrive.resolving import recipe_rules, validate_gpu
+from overdrive.resolving import composition, recipe_rules, validate_gpu
 from overdrive.strategies import registry
 
 Chains = Mapping[str, list[Setting]]
@@ -157,10 +157,23 @@ def check(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]
     from overdrive.resolving.validate_inputs import input_rules
 
     errors += validate_gpu.check(cfg, lambda key: _where(chains, key)) + input_rules(cfg, lambda key: _where(chains, key))
+    errors += composition.problems(cfg, lambda key: _where(chains, key)) + cpu_rules(cfg, chains)
     warnings += training_rules(cfg, chains) + sweep_warnings + validate_gpu.warnings(cfg, lambda key: _where(chains, key))
     peft_errors, peft_warnings = _peft_rules(cfg, chains)
     preference_errors, preference_warnings = _preference_rules(cfg, chains)
     return errors + peft_errors + preference_errors, warnings + peft_warnings + preference_warnings
+
+
+def cpu_rules(cfg: RunConfig, chains: Chains) -> list[Problem]:
+    """What cannot run on CPU processes (strategies/cpu.py), by key, when the config itself says
+    it trains on CPU (`launch.use_cpu`): `explain` refuses what `train` would. Without it, the
+    same rules are this machine's (hardware_problems): a warning when explaining a GPU config on
+    a laptop, an error before training on it."""
+    from overdrive.strategies import cpu
+
+    if not cfg.launch.use_cpu:
+        return []
+    return [Problem(p.key, p.message, p.where or _where(chains, p.key), p.fix) for p in cpu.problems(cfg)]
 
 
 def _preference_rules(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]:
@@ -221,12 +234,14 @@ def hardware_problems(cfg: RunConfig, chains: Chains, hardware) -> list[Problem]
     if precision == "bf16" and on_gpu and not hardware.supports_bf16:
         problems.append(Problem("precision.mixed_precision", "bf16 needs compute capability 8.0 or newer",
                                 _where(chains, "precision.mixed_precision"), f"use fp16; detected: {detected}"))
-    # "nccl needs CUDA GPUs" and the other CPU-only refusals live in strategies/cpu.py; a DeepSpeed
-    # optimizer block is named here too, with the file and line it came from.
-    if not on_gpu:
-        from overdrive.strategies.cpu import deepspeed_optimizer_problems
+    # "nccl needs CUDA GPUs" and the other CPU-only refusals live in strategies/cpu.py (the
+    # launcher asks the same rules), named here with the file and line each value came from.
+    if not on_gpu and not cfg.launch.use_cpu:  # with use_cpu they are the config's own errors (cpu_rules)
+        from overdrive.strategies import cpu
 
-        problems += [Problem(p.key, p.message, _where(chains, p.key), p.fix) for p in deepspeed_optimizer_problems(cfg)]
+        problems += [Problem(p.key, p.message, _where(chains, p.key), p.fix) for p in cpu.problems(cfg, gpus=0)]
+    if not cfg.launch.use_cpu:
+        problems += composition.attention_problems(cfg, lambda key: _where(chains, key), on_cpu=not on_gpu)
     problems += nvme_problems(cfg, chains)
     if cfg.launch.gpu_ids != "all" and hardware.gpu_count == 0 and not cfg.launch.use_cpu:
         problems.append(Problem("launch.gpu_ids", f"asks for GPUs {cfg.launch.gpu_ids}", _where(chains, "launch.gpu_ids"),

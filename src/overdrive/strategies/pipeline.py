@@ -155,12 +155,6 @@ def problems(cfg: Any, world: int, samples_per_replica: Optional[int]) -> list[P
     if strategy == "fsdp" and int(_get(cfg, "parallel.dp_replicate_size")) > 1:
         found.append(Problem("parallel.dp_replicate_size", "pipeline stages are sharded over one data-parallel axis "
                              "(HSDP beside stages is not composed here)", fix="set parallel.dp_replicate_size=1"))
-    if _get(cfg, "model.task") != "causal-lm":
-        found.append(Problem("parallel.pp_size", "the pipeline's last stage computes a causal-lm loss; "
-                             f"model.task is {_get(cfg, 'model.task')}", fix="set parallel.pp_size=1"))
-    if _get(cfg, "peft.method") != "none":
-        found.append(Problem("parallel.pp_size", "adapters (peft.method) are not split into pipeline stages",
-                             fix="set parallel.pp_size=1, or peft.method=none"))
     if _get(cfg, "training.micro_batch_size") == "auto":
         found.append(Problem("training.micro_batch_size", "`auto` probes the whole model on one device; a pipeline "
                              "stage holds a part of it", fix="set an integer micro_batch_size with parallel.pp_size > 1"))

@@ -2,7 +2,10 @@
 
     loop.py          `train(cfg)`: build the parts, run the optimizer steps, save, report
     settle.py        the run config settled once: the resume plan, the auto micro-batch, the Accelerator
-    evaluation.py    the validation pass
+    parts.py         the one builder of a run's parts and of its step's pieces:
+    objective.py       what a micro-batch's loss is (token, classification; preference.py: pairs)
+    forward_backward.py  how micro-batches go through the model (plain, context parallel; pipeline.py: stages)
+    step_loss.py       the loss's normalisation over the global batch: units, ignore index, scale
     metrics.py       metrics.jsonl: its one writer and its one reader (pure)
     model.py         the model through the Transformers Auto classes
     tokenizer.py     a pretrained tokenizer, or a byte-level BPE trained on the data and cached

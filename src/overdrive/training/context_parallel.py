@@ -23,10 +23,10 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-IGNORE = -100
+from overdrive.config.schema import RunConfig
 
 
-def cp_size(cfg: Any) -> int:
+def cp_size(cfg: RunConfig) -> int:
     from overdrive.strategies import layout
 
     return layout.layout(cfg).cp
@@ -37,19 +37,21 @@ def with_sequence_buffers(micro_batch: dict) -> tuple[dict, list]:
     the buffers to shard, in the order Accelerate's example passes them."""
     import torch
 
+    from overdrive.training.step_loss import shifted_labels
+
     batch = dict(micro_batch)
     ids = batch["input_ids"]
     labels = batch.get("labels")
     if labels is None:
         labels = batch["labels"] = ids.clone()
-    batch["shift_labels"] = torch.nn.functional.pad(labels[..., 1:], (0, 1), value=IGNORE).contiguous()
+    batch["shift_labels"] = shifted_labels(labels).contiguous()
     if batch.get("position_ids") is None:
         batch["position_ids"] = torch.arange(ids.size(1), device=ids.device).unsqueeze(0).expand_as(ids).contiguous()
     batch.pop("attention_mask", None)  # the CP hooks set it to None and make attention causal
     return batch, [batch["input_ids"], batch["shift_labels"], batch["labels"], batch["position_ids"]]
 
 
-def sharding(accelerator: Any, cfg: Any, micro_batch: dict) -> tuple[dict, Any]:
+def sharding(accelerator: Any, cfg: RunConfig, micro_batch: dict) -> tuple[dict, Any]:
     """(the batch the model is called with, the context forward and backward run in): the
     sequence buffers sharded over the cp group when cp_size > 1, else the batch as it is."""
     if cp_size(cfg) <= 1:

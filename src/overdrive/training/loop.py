@@ -2,10 +2,13 @@
 
 `train(resolved)` settles the run config once (training/settle.py), builds everything from
 it (training/parts.py: accelerator, tokenizer, model, data, optimizer, schedule), then runs
-`training.max_steps` optimizer steps. The outer loop (`_run`) is short: each pass calls the
+`training.max_steps` optimizer steps. The outer loop (`_steps`) is short: each pass calls the
 named steps, each with its own "due":
 
-    optimizer_step   the split's accumulation micro-batches under `accelerator.accumulate`
+    optimizer_step   the step composed of its pieces (parts.py builds them): the objective's loss
+                     (objective.py) of the split's micro-batches, run by the forward-backward
+                     (forward_backward.py, or the pipeline's schedule), wrapped by the strategy;
+                     the books kept here once (step_loss.py's counts, clipping, the optimizer)
     log_point        every `training.log_every_steps`: the one host-device sync, metrics.jsonl
     evaluate         every `training.eval_every_steps`
     save             checkpoint/: every `checkpoint.every_steps`, at the end, before any stop
@@ -33,8 +36,6 @@ from overdrive.config.schema import RunConfig
 from overdrive.storage import faults
 from overdrive.strategies import registry
 from overdrive.training import context_parallel, loss_scale, nonfinite, step_loss, telemetry
-from overdrive.training import pipeline as pipeline_training
-from overdrive.training.evaluation import evaluate
 from overdrive.training.loss_tokens import LossTokens
 from overdrive.training.loop_state import LoopState, TrainResult, batches  # noqa: F401  (asked for here too)
 from overdrive.training.parts import Parts, build_parts, save_final
@@ -69,8 +70,7 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
     from overdrive.training.startup import Stages
 
     say = Stages(main and cfg.logging.level != "quiet")  # each stage before the first step, as it begins
-    parts = (pipeline_training.build_parts(cfg, accelerator) if pipeline_training.enabled(cfg)
-             else build_parts(cfg, accelerator, say=say))
+    parts = build_parts(cfg, accelerator, say=say)
     if parts.derived:  # steps counted from the data (training.num_epochs): the config that runs, recorded
         cfg = parts.config
         origins = {**settled.resolved.origins, **{key: Origin("derived", why) for key, why in parts.derived.items()}}
@@ -82,8 +82,7 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
 
     progress = telemetry.ProgressDisplay(cfg.training.max_steps, enabled=main and cfg.logging.level != "quiet",
                                          bar=cfg.logging.progress)
-    objective = cfg.model.task if parts.objective is None else f"{cfg.preference.method} on preference pairs"
-    progress.print(f"training: {objective}, {counted(cfg.training.max_steps, 'step')}, output in {out}")
+    progress.print(f"training: {parts.objective.name}, {counted(cfg.training.max_steps, 'step')}, output in {out}")
     for note in parts.notes:
         progress.print(note)
     metrics = telemetry.MetricsLog(out / "metrics.jsonl", enabled=main)
@@ -107,7 +106,7 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
         progress.close()
     result = TrainResult(out, state.step, state.first_loss, state.final_loss, is_main_process=main, **vars(outcome))
     if not result.stopped_by:  # a stopped run is not finished: its checkpoint is the result
-        (pipeline_training.save_final if parts.pipeline else save_final)(cfg, parts, out)
+        save_final(cfg, parts, out)
     accelerator.end_training()
     return result
 
@@ -188,8 +187,7 @@ class Loop:
         self.grad_norm = None
         self.lr = 0.0
         self.after_first: Optional[tuple[float, int]] = None  # (time, tokens) at the first log: steady state
-        if parts.objective is not None:
-            parts.objective.restore(state.preference_pending)
+        parts.objective.restore(state.preference_pending)
         note = parts.recipe.check_resumed(state)
         if note:
             progress.print(note)
@@ -197,60 +195,46 @@ class Loop:
     # -------------------------------------------------------------- the optimizer step
 
     def optimizer_step(self) -> None:
-        """One optimizer step: `accumulation` micro-batches, then the schedule."""
-        if self.parts.pipeline is not None:
-            return pipeline_training.optimizer_step(self)  # the stages' schedule over the microbatches
-        acc, model, optimizer, guard, state = (self.parts.accelerator, self.parts.model, self.parts.optimizer,
-                                               self.guard, self.state)
-        clipping = self.cfg.training.gradient_clipping
-        world = self.split.data_parallel
+        """One optimizer step: the objective's loss of the step's micro-batches, run by the
+        forward-backward, then the books (the optimizer update at the last micro-batch, the schedule)."""
+        acc, state = self.parts.accelerator, self.state
         self.lr = self.parts.scheduler.get_last_lr()[0]  # the lr this optimizer step uses
         self.scale_watch.before_step()
         self.observe.enter("data")
-        # The step's micro-batches drawn ahead: the loss is normalised by the global batch's
-        # loss tokens, counted (over every rank, before context parallel shards the sequences)
-        # ahead of the first forward (step_loss.py).
-        micro_batches = [next(self.data) for _ in range(self.split.accumulation)]
-        objective = self.parts.objective  # preference training counts pairs, not tokens
-        count = step_loss.global_count(acc, micro_batches, self.model_parallel,
-                                       objective.units if objective is not None else step_loss.loss_token_count)
-        # Under context parallel each rank's slice adds its own tokens' losses, and the gradient
-        # reduction averages over data-parallel x cp ranks: the slices' sum is scaled back too.
-        scale = step_loss.backward_scale(self.split.accumulation, world * self.cp)
-        for micro_batch in micro_batches:
-            self.loss_tokens.add(micro_batch)
-            tokens = micro_batch["input_ids"].numel() * world  # shapes are host-side: no sync
-            with acc.accumulate(model):
-                inputs, sequences = context_parallel.sharding(acc, self.cfg, micro_batch)
-                with sequences:  # cp_size > 1: this rank's slice of every sequence, forward and backward
-                    self.observe.enter("forward")
-                    if objective is not None:  # preference pairs: the method's mean over this micro-batch's pairs
-                        loss = objective(model, inputs) * objective.units(micro_batch) / count
-                    else:
-                        loss = step_loss.summed_loss(model, inputs) / count  # this micro-batch's share of the mean
-                    self.observe.enter("backward")
-                    acc.backward(loss * scale)  # undone by the accumulation and data-parallel averaging
-                self.observe.enter("optimizer")
-                if acc.sync_gradients and (clipping is not None or guard.needs_norm):
-                    # Clipping to infinity measures the norm (over all ranks) and changes nothing.
-                    self.grad_norm = acc.clip_grad_norm_(model.parameters(), clipping or math.inf)
-                    guard.check(self.grad_norm)  # a non-finite norm: this step will not touch the weights
-                if guard.allows_step():
-                    optimizer.step()  # a no-op until the last micro-batch of the accumulation
-                optimizer.zero_grad(set_to_none=True)
-            state.loss_sum += loss.detach().float()
-            state.micro_steps += 1
-            self.throughput.add(tokens)
-            state.tokens_seen += tokens
-        if not acc.sync_gradients:
-            raise RuntimeError("accumulation out of step with the data: optimizer did not step")
+        # The step's micro-batches drawn ahead: the loss is normalised by the global batch's units
+        # (loss tokens, pairs), counted over every rank before context parallel shards the
+        # sequences, ahead of the first forward (step_loss.py).
+        objective = self.parts.objective
+        micro_batches = objective.prepare(self.parts.model, [next(self.data) for _ in range(self.split.accumulation)])
+        totals = step_loss.global_counts(acc, micro_batches, self.model_parallel, objective.counts)
+        loss = self.parts.forward_backward(self, micro_batches, totals)
+        state.loss_sum += loss
+        state.micro_steps += len(micro_batches)
+        tokens = sum(b["input_ids"].numel() for b in micro_batches) * self.split.data_parallel  # host-side shapes
+        if self.parts.counts_loss_tokens:
+            for micro_batch in micro_batches:
+                self.loss_tokens.add(micro_batch)
+        self.throughput.add(tokens)
+        state.tokens_seen += tokens
         if not self.scale_watch.skipped(acc):  # fp16 overflow skips a step; the schedule waits too
             self.parts.scheduler.step()
         else:
-            guard.scaler_skipped()  # reported as such at the next log, not as a bad loss
+            self.guard.scaler_skipped()  # reported as such at the next log, not as a bad loss
         state.step += 1
         self.observe.step_done(state.step)
         self.progress.step(state.step)
+
+    def optimizer_update(self) -> None:
+        """Called by the forward-backward once the step's gradients are whole: the norm (clipped
+        when asked), the non-finite guard, the optimizer."""
+        clipping = self.cfg.training.gradient_clipping
+        if clipping is not None or self.guard.needs_norm:
+            # Clipping to infinity measures the norm (over all ranks) and changes nothing.
+            self.grad_norm = self.parts.clip_grad_norm(clipping or math.inf)
+            self.guard.check(self.grad_norm)  # a non-finite norm: this step will not touch the weights
+        if self.guard.allows_step():
+            self.parts.optimizer.step()
+        self.parts.optimizer.zero_grad(set_to_none=True)
 
     # -------------------------------------------------------------- the log point
 
@@ -273,7 +257,7 @@ class Loop:
         state.nonfinite_in_a_row = counts.in_a_row
         record = {**self._record(loss_value), **counts.record(), "elapsed_s": self.throughput.elapsed(),
                   "loss_tokens": self.loss_tokens.read(acc), **self.observe.fields(),
-                  **(self.parts.objective.read() if self.parts.objective else {})}
+                  **self.parts.objective.read()}
         if counts.note(state.step):
             self.progress.print(counts.note(state.step))
         self.metrics.write(record)
@@ -310,7 +294,7 @@ class Loop:
 
     def evaluate(self) -> None:
         self.parts.recipe.eval_mode()  # a schedule-free optimizer is evaluated at its averaged point
-        values = evaluate(self.parts, self.cfg.model.task)
+        values = self.parts.objective.evaluate(self.parts.model, self.parts.eval_loader, self.parts.accelerator)
         self.parts.recipe.train_mode()
         self.metrics.write({"step": self.state.step, **values, "time": time.time()})
         self.parts.accelerator.log(values, step=self.state.step)
@@ -324,8 +308,7 @@ class Loop:
         self.state.nonfinite_in_a_row = self.guard.run_length()
         self.state.source_positions = self.parts.recipe.positions(self.state)
         self.state.loss_tokens = self.loss_tokens.total(self.parts.accelerator)
-        if self.parts.objective is not None:
-            self.state.preference_pending = self.parts.objective.pending()
+        self.state.preference_pending = self.parts.objective.pending()
         self.parts.recipe.eval_mode()  # a schedule-free optimizer saves its averaged point
         self.outcome.checkpoint = self.ckpt.save(self.state)
         self.parts.recipe.train_mode()

@@ -2,14 +2,15 @@
 
 Packed text puts every token but each row's first into the loss; chat data only the
 assistant's tokens (or, with data.train_on_prompt, all of a conversation's); padding never.
-Counted on the device beside the summed loss, and read (a sync) only when the loss is.
+Counted by step_loss.py's rule on the device beside the summed loss, and read (a sync) only
+when the loss is.
 """
 
 from __future__ import annotations
 
 import torch
 
-IGNORE = -100
+from overdrive.training.step_loss import loss_token_count
 
 
 class LossTokens:
@@ -19,13 +20,8 @@ class LossTokens:
         self.count = torch.full((), int(pending), dtype=torch.long, device=device)
 
     def add(self, batch) -> None:
-        labels = batch.get("labels") if hasattr(batch, "get") else None
-        if labels is None:
-            return
-        if labels.dim() < 2:  # a class label per row
-            self.count += labels.numel()
-        else:  # the model shifts: the first position of a row predicts nothing
-            self.count += (labels[..., 1:] != IGNORE).sum()
+        if batch.get("labels") is not None:
+            self.count += loss_token_count(batch).to(self.count.device)
 
     def total(self, accelerator) -> int:
         """Over every rank, without resetting (what a checkpoint records)."""

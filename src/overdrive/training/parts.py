@@ -6,7 +6,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -21,13 +21,17 @@ from overdrive.training import model as model_mod
 from overdrive.training import telemetry
 from overdrive.training import optimizers
 from overdrive.training.dtypes import matmul_precision
-from overdrive.training import preference, reference
+from overdrive.training import forward_backward, pipeline, preference, reference
+from overdrive.training.objective import Objective, TokenObjective
+from overdrive.training.pipeline import Pipeline
 from overdrive.training.recipe import Recipe
 from overdrive.training.tokenizer import build_tokenizer
 
 
 @dataclass
 class Parts:
+    """What the loop is built from, and the pieces its step is composed of."""
+
     accelerator: Any
     model: Any
     optimizer: Any
@@ -38,12 +42,26 @@ class Parts:
     flops_per_token: float
     peak: telemetry.DevicePeak
     seq_len: int
+    objective: Objective  # what a micro-batch's loss is (training/objective.py)
+    # how the step's micro-batches go through the model: forward_backward.plain, or the pipeline's schedule
+    forward_backward: Callable[..., torch.Tensor] = forward_backward.plain
     recipe: Optional[Recipe] = None  # what the loop asks of the optimizer and the data mixture
     notes: list[str] = field(default_factory=list)  # said once the run starts (trainable parameters, packing)
     config: Optional[RunConfig] = None  # the config as it runs: steps counted from the data (training.num_epochs)
     derived: dict = field(default_factory=dict)  # key -> how the data derived it
-    pipeline: Any = None  # training/pipeline.py's Pipeline under parallel.pp_size > 1 (model: this rank's stages)
-    objective: Any = None  # preference training's loss step (training/preference.py); None: the model's loss
+    pipeline: Optional["Pipeline"] = None  # under parallel.pp_size > 1 (model: this rank's stages)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The gradient norm over every rank (and every stage), the gradients clipped to `max_norm`."""
+        if self.pipeline is not None:
+            return self.pipeline.clip(max_norm)
+        return self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    @property
+    def counts_loss_tokens(self) -> bool:
+        """Whether this rank adds its micro-batches to metrics.jsonl's `loss_tokens`: once per
+        pipeline replica, not once per stage."""
+        return self.pipeline is None or self.pipeline.pp_rank == 0
 
 
 def _micro_batch(cfg: RunConfig) -> int:
@@ -61,15 +79,16 @@ def _check_positions(config, seq_len: int) -> None:
                                 fix=f"set data.max_length <= {limit}"))
 
 
-def build_parts(cfg: RunConfig, accelerator, say=None) -> Parts:
-    """Tokenizer, model, data, optimizer and schedule, prepared by `accelerator`; `say(what)`
-    tells each stage as it starts (training/startup.py)."""
+def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], None]] = None) -> Parts:
+    """Tokenizer, model, data, optimizer and schedule, prepared by `accelerator` (or cut into this
+    rank's pipeline stages), and the step's pieces; `say(what)` tells each stage as it starts
+    (training/startup.py). The one builder of a run's parts."""
     from accelerate.utils import set_seed
 
     from overdrive.training.startup import silent
 
     say = say or silent
-
+    staged = pipeline.enabled(cfg)
     t, d = cfg.training, cfg.data
     micro = _micro_batch(cfg)
     split = batch.split(cfg)
@@ -88,20 +107,34 @@ def build_parts(cfg: RunConfig, accelerator, say=None) -> Parts:
     set_seed(t.seed)  # same initial weights on every rank and every run
     say(f"building the model ({cfg.model.name_or_path or 'from scratch'})")
     label_names = ["reward"] if preference.trains_reward_model(cfg) else tokens.label_names  # one scalar
+    # Pipeline stages are cut from the whole model on this rank's device; otherwise prepare() places it.
+    device = accelerator.device if staged else adapter.load_device(cfg, accelerator.device)
     model = model_mod.build_model(cfg, vocab_size=len(tokenizer), label_names=label_names,
-                                  special_tokens=special, device=adapter.load_device(cfg, accelerator.device))
+                                  special_tokens=special, device=device)
     _check_positions(model.config, d.max_length)
     upcast = master_weights.upcast_trainable(cfg, model)
-    model = strategies.split_model(model, accelerator, cfg)  # tensor parallel, when the layout has it
     layers, width = model_mod.shape_of(model.config)
-    fpt = telemetry.flops_per_token(model_mod.flop_params(model), layers, width, d.max_length,
-                                    frozen_params=model_mod.flop_params(model, frozen=True))
-    notes = adapter.notes(cfg, model) + master_weights.note(upcast)
-
+    # MFU against the peak of the precision the matmuls run in (bf16 weights without autocast: bf16).
+    peak = telemetry.DevicePeak(accelerator.device, matmul_precision(cfg.precision.mixed_precision, model), cache_dir)
     collate = data_mod.collate_for(data_mod.sample_kind(cfg), tokenizer.pad_token_id)
     train_loader = data_mod.train_loader(tokens.train, split.micro, split.accumulation,
                                          split.data_parallel, t.seed, d.shuffle, d.num_workers,
                                          d.pin_memory, collate)
+    if staged:
+        fpt = telemetry.flops_per_token(model_mod.flop_params(model), layers, width, d.max_length)
+        stages = pipeline.Pipeline(cfg, accelerator, model)
+        train_loader = pipeline.replica_loader(train_loader, accelerator, stages)
+        optimizer = optimizers.build_optimizer(stages.module, cfg, accelerator.device.type)  # this rank's stages only
+        notes = stages.notes(cfg) + (["pipeline: the validation split is not evaluated (no forward-only schedule "
+                                      "is run here)"] if tokens.validation is not None else [])
+        return Parts(accelerator, stages.module, optimizer, optimizers.build_schedule(optimizer, cfg), train_loader,
+                     None, tokenizer, fpt, peak, d.max_length, TokenObjective(cfg.model.task),
+                     stages.forward_backward, Recipe(cfg, optimizer, train_loader, d.max_length), notes, cfg, derived,
+                     pipeline=stages)
+    model = strategies.split_model(model, accelerator, cfg)  # tensor parallel, when the layout has it
+    fpt = telemetry.flops_per_token(model_mod.flop_params(model), layers, width, d.max_length,
+                                    frozen_params=model_mod.flop_params(model, frozen=True))
+    notes = adapter.notes(cfg, model) + master_weights.note(upcast)
     eval_loader = None
     if tokens.validation is not None:
         # A fixed leading subset: evaluations are comparable across steps, and the loader is
@@ -121,16 +154,15 @@ def build_parts(cfg: RunConfig, accelerator, say=None) -> Parts:
     if cfg.compile.backend:
         say(f"compiling with torch.compile ({cfg.compile.backend}): the first step compiles the kernels")
     model = _maybe_compile(model, cfg, accelerator)
-    # MFU against the peak of the precision the matmuls run in (bf16 weights without autocast: bf16).
-    peak = telemetry.DevicePeak(accelerator.device, matmul_precision(cfg.precision.mixed_precision, model), cache_dir)
-    objective = None
+    objective: Objective = TokenObjective(cfg.model.task)
     if preference.enabled(cfg):
         validation = tokens.validation if eval_loader is not None else None
         train_ref, eval_ref = reference.for_run(cfg, accelerator, model, reference_model, tokens.train, collate,
                                                 split.micro, Path(cfg.output_dir).expanduser(), validation)
         objective = preference.PreferenceObjective(cfg, accelerator, train_ref, eval_ref)
     return Parts(accelerator, model, optimizer, scheduler, train_loader, eval_loader, tokenizer, fpt, peak,
-                 d.max_length, Recipe(cfg, optimizer, train_loader, d.max_length), notes, cfg, derived, objective=objective)
+                 d.max_length, objective, recipe=Recipe(cfg, optimizer, train_loader, d.max_length), notes=notes,
+                 config=cfg, derived=derived)
 
 
 def _counted_from_data(cfg: RunConfig, train, global_batch: int):
@@ -184,7 +216,9 @@ def _gathered(model: Any):
 
 def save_final(cfg: RunConfig, parts: Parts, out: Path) -> None:
     """The trained model and tokenizer as a `save_pretrained` directory: out/model (an adapter
-    run's: PEFT's adapter directory, training/adapter.py)."""
+    run's: PEFT's adapter directory, training/adapter.py; pipeline stages': joined on rank 0)."""
+    if parts.pipeline is not None:
+        return pipeline.save_final(cfg, parts.pipeline, parts.accelerator, parts.tokenizer, out)
     acc = parts.accelerator
     acc.wait_for_everyone()
     if not cfg.checkpoint.save_final_model:

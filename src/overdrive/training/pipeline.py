@@ -3,38 +3,40 @@
 (pp, dp, tp) device mesh: each stage split by the model's tensor-parallel plan when tp_size > 1,
 its gradients averaged over its data-parallel replicas.
 
-    parts = build_parts(cfg, accelerator)     # this rank's stages, optimizer, schedule, data
-    optimizer_step(loop)                      # one step: the schedule over the microbatches
+    pipe = Pipeline(cfg, accelerator, model)  # this rank's stages (training/parts.py builds the rest)
+    pipe.forward_backward(loop, micro_batches, totals)   # the step's forward-backward: the schedule
 
 The step is the one-process step, cut differently: every rank of a pipeline takes the same
 samples (micro_batch_size x gradient_accumulation_steps of its data-parallel replica), the
 schedule splits them into `parallel.pp_microbatches`, and the last stage's loss of each
-microbatch is its summed token loss over the tokens of the whole step, so the step's loss is
-the token-weighted mean over its samples (what the one-process loop averages) and its
-gradient the gradient of that mean. Gradients are clipped by the norm over all stages.
+microbatch is its summed token loss over the tokens of the whole step (step_loss.py), so the
+step's loss is the token-weighted mean over its samples (what the one-process loop averages)
+and its gradient the gradient of that mean. Gradients are clipped by the norm over all stages.
+
+Every microbatch is padded to `data.max_length` (labels IGNORE, right padding, which a causal
+model needs no mask for): the schedule splits one tensor, and each stage sizes the messages it
+sends and receives by the first step's shapes, so rows of varying length (chat, unpacked
+text) would not concatenate, and a later, longer step would overrun those messages.
 Which rules the layout keeps: strategies/pipeline.py.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from overdrive import data as data_mod
-import overdrive.config.batch as batch
 from overdrive.config.schema import RunConfig
 from overdrive.strategies import pipeline as rules
 from overdrive.strategies import shards_parameters
 from overdrive.training import model as model_mod
-from overdrive.training import optimizers, telemetry
-from overdrive.training.loss_tokens import IGNORE
-from overdrive.training.parts import Parts, _check_positions, _counted_from_data, _micro_batch
+from overdrive.training import step_loss
 from overdrive.training.pipeline_stage import cut
-from overdrive.training.recipe import Recipe
-from overdrive.training.tokenizer import build_tokenizer
+
+if TYPE_CHECKING:
+    from overdrive.training.loop import Loop
 
 
 def enabled(cfg: RunConfig) -> bool:
@@ -52,10 +54,7 @@ class StepTokenMean:
         self.replicas = replicas
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE)[..., 1:]  # as Transformers shifts
-        summed = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1),
-                                                   ignore_index=IGNORE, reduction="sum")
-        return summed / self.tokens * self.replicas
+        return step_loss.summed_cross_entropy(logits, labels) / self.tokens * self.replicas
 
 
 class Pipeline:
@@ -90,6 +89,9 @@ class Pipeline:
         self.loss_rank = next(r for r in range(pp) if count - 1 in rules.stages_of_rank(
             r, pp, rules.stages_per_rank(cfg), kind.v_shape))
         self.loss = StepTokenMean(self.dp)
+        self.module = torch.nn.ModuleList(self.modules)  # what the optimizer and the checkpoint hold
+        # Any id pads: a right pad is attended by no real token before it and predicts nothing.
+        self.pad_id, self.length = 0, cfg.data.max_length
         cls = get_schedule_class(kind.torch_name)
         self.schedule = cls(stages if kind.multi else stages[0], n_microbatches=rules.microbatches(cfg),
                             loss_fn=self.loss, scale_grads=False)
@@ -131,13 +133,38 @@ class Pipeline:
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for m in self.modules for p in m.parameters()]
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward and backward over the microbatches; this replica's share of the step's loss (the
-        global batch's token mean) on every pipeline rank."""
-        tokens = (labels[..., 1:] != IGNORE).sum()
-        if self.dp > 1:  # the global batch's loss tokens: every replica's (training/step_loss.py)
-            dist.all_reduce(tokens, group=self.dp_group)
-        self.loss.tokens = tokens.clamp(min=1)
+    def notes(self, cfg: RunConfig) -> list[str]:
+        """What the run says of its stages when it starts."""
+        layers, _ = model_mod.shape_of(self.modules[0].lm.config)
+        split = rules.layer_split(layers, rules.stage_count(cfg))
+        held = ", ".join(f"stage {i} (layers {split[i][0]}-{split[i][1] - 1})" for i in self.stage_ids)
+        return [f"pipeline: {rules.pp_size(cfg)} stages x {self.dp} data-parallel, schedule {cfg.parallel.pp_schedule}, "
+                f"{rules.microbatches(cfg)} microbatches per step; rank 0 holds {held}"]
+
+    def padded(self, micro_batches: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's micro-batches as one (input_ids, labels) pair, each row padded to the run's length."""
+        ids, labels = [], []
+        for micro_batch in micro_batches:
+            short = self.length - micro_batch["input_ids"].shape[1]
+            ids.append(torch.nn.functional.pad(micro_batch["input_ids"], (0, short), value=self.pad_id))
+            labels.append(torch.nn.functional.pad(micro_batch["labels"], (0, short), value=step_loss.IGNORE))
+        return torch.cat(ids), torch.cat(labels)
+
+    def forward_backward(self, loop: "Loop", micro_batches: list, totals: torch.Tensor) -> torch.Tensor:
+        """The step's forward-backward under stages (training/forward_backward.py's contract): the
+        schedule over the microbatches, then the optimizer update; this replica's share of the loss."""
+        input_ids, labels = self.padded(micro_batches)
+        loop.observe.enter("forward")  # the schedule interleaves forward and backward
+        with loop.parts.accelerator.autocast():
+            loss = self.step(input_ids, labels, totals[0])
+        loop.observe.enter("optimizer")
+        loop.optimizer_update()
+        return loss.float()
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Forward and backward over the microbatches, normalised by the global batch's loss
+        `tokens`; this replica's share of the step's loss on every pipeline rank."""
+        self.loss.tokens = tokens
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first else ()
         self.schedule.step(*args, target=labels if self.has_last else None, losses=losses)
@@ -210,7 +237,7 @@ def _tensor_parallel(model, mesh, tp: int) -> None:
     apply_tensor_parallelism(model, mesh, plan)
 
 
-def _replica_loader(loader, accelerator, pipe: Pipeline):
+def replica_loader(loader: Any, accelerator: Any, pipe: Pipeline) -> Any:
     """The loader sharded over the data-parallel replicas only: every stage of one pipeline
     reads its replica's samples (Accelerate's own sharding, given the dp degree and rank)."""
     from accelerate.data_loader import prepare_data_loader
@@ -226,82 +253,8 @@ def _replica_loader(loader, accelerator, pipe: Pipeline):
     return prepared
 
 
-def build_parts(cfg: RunConfig, accelerator) -> Parts:
-    """This rank's stages (the whole model built from the run's seed on every rank, then cut, so
-    the weights are the one-process run's), their optimizer and schedule, and its replica's data."""
-    from accelerate.utils import set_seed
-
-    t, d = cfg.training, cfg.data
-    micro, split = _micro_batch(cfg), batch.split(cfg)
-    tokenizer, tokens = data_mod.prepare(cfg, build_tokenizer, build=accelerator.is_local_main_process,
-                                         show=accelerator.is_main_process and cfg.logging.level != "quiet")
-    cfg, derived = _counted_from_data(cfg, tokens.train, split.global_batch)  # training.num_epochs, as parts.py
-    set_seed(t.seed)
-    model = model_mod.build_model(cfg, vocab_size=len(tokenizer), label_names=tokens.label_names,
-                                  special_tokens={"bos_token_id": tokenizer.bos_token_id,
-                                                  "eos_token_id": tokenizer.eos_token_id},
-                                  device=accelerator.device)
-    _check_positions(model.config, d.max_length)
-    layers, width = model_mod.shape_of(model.config)
-    fpt = telemetry.flops_per_token(model_mod.flop_params(model), layers, width, d.max_length)
-    pipe = Pipeline(cfg, accelerator, model)
-    collate = data_mod.collate_for(data_mod.sample_kind(cfg), tokenizer.pad_token_id)
-    loader = data_mod.train_loader(tokens.train, micro, split.accumulation, split.data_parallel, t.seed, d.shuffle,
-                                   d.num_workers, d.pin_memory, collate)
-    train_loader = _replica_loader(loader, accelerator, pipe)
-    stages = torch.nn.ModuleList(pipe.modules)
-    optimizer = optimizers.build_optimizer(stages, cfg, accelerator.device.type)  # this rank's stages only
-    scheduler = optimizers.build_schedule(optimizer, cfg)
-    peak = telemetry.DevicePeak(accelerator.device, cfg.precision.mixed_precision, Path(d.cache_dir).expanduser())
-    per_rank = ", ".join(f"stage {i} (layers {a}-{b - 1})" for i, (a, b) in zip(
-        pipe.stage_ids, [rules.layer_split(layers, rules.stage_count(cfg))[i] for i in pipe.stage_ids]))
-    notes = [f"pipeline: {rules.pp_size(cfg)} stages x {pipe.dp} data-parallel, schedule {cfg.parallel.pp_schedule}, "
-             f"{rules.microbatches(cfg)} microbatches per step; rank 0 holds {per_rank}"]
-    if tokens.validation is not None:
-        notes.append("pipeline: the validation split is not evaluated (no forward-only schedule is run here)")
-    return Parts(accelerator, stages, optimizer, scheduler, train_loader, None, tokenizer, fpt, peak, d.max_length,
-                 Recipe(cfg, optimizer, train_loader, d.max_length), notes, cfg, derived, pipeline=pipe)
-
-
-def optimizer_step(loop) -> None:
-    """The loop's optimizer step under pipeline parallel (`loop` is training/loop.py's Loop:
-    logging, stopping and the rest are the loop's)."""
-    acc, pipe, state = loop.parts.accelerator, loop.parts.pipeline, loop.state
-    clipping = loop.cfg.training.gradient_clipping
-    loop.lr = loop.parts.scheduler.get_last_lr()[0]
-    loop.observe.enter("data")
-    micro_batches = [next(loop.data) for _ in range(loop.split.accumulation)]
-    input_ids = torch.cat([b["input_ids"] for b in micro_batches])
-    labels = torch.cat([b["labels"] for b in micro_batches])
-    loop.observe.enter("forward")  # the schedule interleaves forward and backward
-    with acc.autocast():
-        loss = pipe.step(input_ids, labels)
-    loop.observe.enter("optimizer")
-    if clipping is not None or loop.guard.needs_norm:
-        loop.grad_norm = pipe.clip(clipping or float("inf"))
-        loop.guard.check(loop.grad_norm)
-    if loop.guard.allows_step():
-        loop.parts.optimizer.step()
-    loop.parts.optimizer.zero_grad(set_to_none=True)
-    # As the loop sums its micro-batches' shares: this replica's share of the step's mean, summed
-    # over the ranks at the log point (each rank of a pipeline holds the same share).
-    state.loss_sum += loss.float()
-    state.micro_steps += loop.split.accumulation
-    if pipe.pp_rank == 0:  # the loss tokens once per replica, not once per stage
-        for micro_batch in micro_batches:
-            loop.loss_tokens.add(micro_batch)
-    tokens = input_ids.numel() * loop.split.data_parallel
-    loop.throughput.add(tokens)
-    state.tokens_seen += tokens
-    loop.parts.scheduler.step()
-    state.step += 1
-    loop.observe.step_done(state.step)
-    loop.progress.step(state.step)
-
-
-def save_final(cfg: RunConfig, parts: Parts, out: Path) -> None:
+def save_final(cfg: RunConfig, pipe: Pipeline, acc: Any, tokenizer: Any, out: Path) -> None:
     """The stages' weights joined into the whole model on rank 0, written by `save_pretrained`."""
-    acc, pipe = parts.accelerator, parts.pipeline
     acc.wait_for_everyone()
     if not cfg.checkpoint.save_final_model:
         return
@@ -324,7 +277,7 @@ def save_final(cfg: RunConfig, parts: Parts, out: Path) -> None:
         try:
             with atomic.directory(out / "model", "output_dir", "the final model") as target:
                 model.save_pretrained(target)
-                parts.tokenizer.save_pretrained(target)
+                tokenizer.save_pretrained(target)
         finally:
             if bar_was_on:
                 hf_logging.enable_progress_bar()

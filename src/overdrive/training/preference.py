@@ -18,8 +18,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from overdrive.config.schema import RunConfig
 from overdrive.config.schema_preference import WITH_REFERENCE
 from overdrive.training import preference_loss as losses
+from overdrive.training.objective import Objective
 
 # metrics.jsonl's names (TRL's), in the order of the summed tensor; the last slot counts pairs.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -30,15 +32,15 @@ MODEL_INPUTS = ("input_ids", "attention_mask")
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 
 
-def enabled(cfg) -> bool:
+def enabled(cfg: RunConfig) -> bool:
     return cfg.preference.method != "none"
 
 
-def trains_reward_model(cfg) -> bool:
+def trains_reward_model(cfg: RunConfig) -> bool:
     return cfg.preference.method == "reward"
 
 
-def needs_reference(cfg) -> bool:
+def needs_reference(cfg: RunConfig) -> bool:
     return cfg.preference.method in WITH_REFERENCE
 
 
@@ -51,52 +53,65 @@ def sequence_scores(model, batch: dict, context=contextlib.nullcontext) -> tuple
     return logps, lengths, per_token
 
 
-class PreferenceObjective:
-    """`objective(model, batch) -> loss`, as the loop's step calls it; `read` gives the metrics."""
+class PreferenceObjective(Objective):
+    """A preference method as the composed step's objective (training/objective.py): a pair is
+    the unit; ORPO adds a second term, the chosen answers' NLL over their real tokens (TRL's
+    mean over the batch's tokens, here over the global batch's, whatever the split)."""
 
-    def __init__(self, cfg, accelerator, reference: Optional[Callable[[Any, dict], torch.Tensor]] = None,
+    def __init__(self, cfg: RunConfig, accelerator, reference: Optional[Callable[[Any, dict], torch.Tensor]] = None,
                  eval_reference: Optional[Callable[[Any, dict], torch.Tensor]] = None):
         p = cfg.preference
         self.method, self.beta, self.smoothing, self.gamma = p.method, p.beta, p.label_smoothing, p.simpo_gamma
+        self.name = f"{p.method} on preference pairs"
         self.centering = p.center_rewards_coefficient
         self.accelerator, self.reference, self.eval_reference = accelerator, reference, eval_reference
-        self.sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=accelerator.device)
+        self.sums_of_metrics = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=accelerator.device)
 
     def restore(self, pending: Optional[list]) -> None:
         """A resumed run's interval since its last log point (summed over ranks: kept on one)."""
         if pending is not None and self.accelerator.is_main_process:
-            self.sums += torch.tensor(pending, dtype=torch.float64, device=self.accelerator.device)
+            self.sums_of_metrics += torch.tensor(pending, dtype=torch.float64, device=self.accelerator.device)
 
-    def evaluate(self, model, loader) -> dict[str, float]:
-        """The mean loss and TRL's metrics over the validation pairs (as `eval_*`)."""
-        kept, self.sums = self.sums, torch.zeros_like(self.sums)
+    def evaluate(self, model, loader, accelerator=None) -> dict[str, float]:
+        """The loss and TRL's metrics over the validation pairs (as `eval_*`), the loss normalised
+        over the whole subset as a training step's is over its global batch."""
+        from overdrive.training import step_loss
+
+        kept, self.sums_of_metrics = self.sums_of_metrics, torch.zeros_like(self.sums_of_metrics)
         train_reference, self.reference = self.reference, self.eval_reference
-        loss_sum, batches = torch.zeros((), device=self.accelerator.device), 0
+        sums, counts = None, None
         model.eval()
         try:
             with torch.no_grad():
                 for batch in loader:
-                    loss_sum += self(model, batch).float()
-                    batches += 1
+                    here, units = self.sums(model, batch).double(), self.counts(batch).double().to(self.accelerator.device)
+                    sums, counts = (here, units) if sums is None else (sums + here, counts + units)
             metrics = self.read()
         finally:
             model.train()
-            self.sums, self.reference = kept, train_reference
-        loss = self.accelerator.reduce(loss_sum / max(batches, 1), "mean").item()
-        return {"eval_loss": loss, **{f"eval_{k}": v for k, v in metrics.items()}}
+            self.sums_of_metrics, self.reference = kept, train_reference
+        if sums is None:
+            sums = counts = torch.zeros(1, dtype=torch.float64, device=self.accelerator.device)
+        loss = step_loss.share(self.accelerator.reduce(sums, "sum"), self.accelerator.reduce(counts, "sum").clamp(min=1))
+        return {"eval_loss": loss.item(), **{f"eval_{k}": v for k, v in metrics.items()}}
 
-    @staticmethod
-    def units(batch: dict) -> torch.Tensor:
-        """The pairs of a micro-batch (chosen rows, then rejected ones): what a step's loss is the mean over."""
-        return torch.tensor(batch["input_ids"].shape[0] // 2, dtype=torch.long)
+    def counts(self, batch: dict) -> torch.Tensor:
+        """The pairs of a micro-batch (chosen rows, then rejected ones); ORPO: and the tokens of
+        the chosen rows its NLL is taken over."""
+        pairs = batch["input_ids"].shape[0] // 2
+        device = batch["input_ids"].device
+        if self.method != "orpo":
+            return torch.tensor([pairs], dtype=torch.long, device=device)
+        chosen_tokens = batch["attention_mask"][:pairs, 1:].sum()
+        return torch.stack([torch.tensor(pairs, dtype=torch.long, device=device), chosen_tokens.long()])
 
-    def __call__(self, model, batch: dict) -> torch.Tensor:
+    def sums(self, model, batch: dict) -> torch.Tensor:
         if self.method == "reward":  # a scalar per sequence: chosen rows, then rejected ones
             scores = model(**{k: batch[k] for k in MODEL_INPUTS}, use_cache=False).logits.squeeze(-1).float()
             n = len(scores) // 2
             pairs = losses.bradley_terry(scores[:n], scores[n:], self.centering)
             self._add(pairs)
-            return pairs.losses.mean()
+            return pairs.losses.sum().reshape(1)
         ref = self.reference(model, batch) if self.reference is not None else None
         logps, lengths, per_token = sequence_scores(model, batch)
         n = len(logps) // 2
@@ -109,28 +124,31 @@ class PreferenceObjective:
         elif self.method == "simpo":
             scores = losses.simpo(chosen, rejected, chosen_length, rejected_length, self.beta, self.gamma,
                                   self.smoothing)
-        else:  # orpo: the NLL over the chosen sequences, prompt included (TRL's ORPOTrainer)
+        else:  # orpo: the odds-ratio term per pair, and the NLL over the chosen sequences, prompt included
             real = batch["attention_mask"][:n, 1:].to(per_token.dtype)
-            nll = -(per_token[:n] * real).sum() / real.sum().clamp(min=1.0)
-            scores = losses.orpo(chosen, rejected, chosen_length, rejected_length, nll, self.beta)
+            nll_sum = -(per_token[:n] * real).sum()
+            scores = losses.orpo(chosen, rejected, chosen_length, rejected_length, 0.0, self.beta)
+            self._add(scores)
+            return torch.stack([scores.losses.sum(), nll_sum.float()])
         self._add(scores)
-        return scores.losses.mean()
+        return scores.losses.sum().reshape(1)
 
     def _add(self, s: "losses.PairScores") -> None:
         with torch.no_grad():
             margins = s.chosen_rewards - s.rejected_rewards
             values = [s.chosen_rewards.sum(), s.rejected_rewards.sum(), (margins > 0).sum(), margins.sum(),
                       s.chosen_logps.detach().sum(), s.rejected_logps.detach().sum()]
-            self.sums += torch.stack([v.double() for v in values] + [self.sums.new_tensor(len(margins))])
+            self.sums_of_metrics += torch.stack([v.double() for v in values]
+                                                + [self.sums_of_metrics.new_tensor(len(margins))])
 
     def pending(self) -> list[float]:
         """The sums since the last read, over every rank, without resetting (what a checkpoint keeps)."""
-        return self.accelerator.reduce(self.sums.clone(), "sum").tolist()
+        return self.accelerator.reduce(self.sums_of_metrics.clone(), "sum").tolist()
 
     def read(self) -> dict[str, float]:
         """TRL's metrics over the pairs since the last read, on every rank (a sync: the log point)."""
-        total = self.accelerator.reduce(self.sums.clone(), "sum").tolist()
-        self.sums.zero_()
+        total = self.accelerator.reduce(self.sums_of_metrics.clone(), "sum").tolist()
+        self.sums_of_metrics.zero_()
         count = max(total[-1], 1.0)
         if self.method == "reward":  # the rewards are the scores; also RewardTrainer's own names
             means = {name: value / count for name, value in zip(REWARD_METRICS, total)}

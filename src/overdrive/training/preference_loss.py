@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-IGNORE = -100
+from overdrive.data.samples import IGNORE
 
 
 @dataclass

@@ -1,0 +1,48 @@
+"""How a step's micro-batches go through the model: one piece of the composed step.
+
+    forward_backward(loop, micro_batches, totals) -> the step's loss (this rank's share, on the device)
+
+Each runs the objective (training/objective.py) on the micro-batches it is given, backward
+included, with the step's global unit counts `totals` (step_loss.py); the loop keeps the books
+(clipping, the optimizer, the schedule) once, whichever ran.
+
+- `plain`: each micro-batch forward and backward under `accelerator.accumulate`, its sequences
+  first sharded over the context-parallel group where the layout has one (context_parallel.py);
+- training/pipeline.py's `Pipeline.forward_backward`: the schedule over the stages.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from overdrive.training import context_parallel, step_loss
+
+if TYPE_CHECKING:
+    from overdrive.training.loop import Loop
+
+
+def plain(loop: "Loop", micro_batches: list, totals: torch.Tensor) -> torch.Tensor:
+    """Forward and backward of each micro-batch; the optimizer steps at the last one (Accelerate's
+    accumulation: its `optimizer.step` is a no-op until the gradients are synchronised)."""
+    acc, model, objective = loop.parts.accelerator, loop.parts.model, loop.parts.objective
+    # Under context parallel each rank's slice adds its own tokens' losses, and the gradient
+    # reduction averages over data-parallel x cp ranks: the slices' sum is scaled back too.
+    scale = step_loss.backward_scale(loop.split.accumulation, loop.split.data_parallel * loop.cp)
+    loss = torch.zeros((), device=acc.device)
+    for micro_batch in micro_batches:
+        with acc.accumulate(model):
+            inputs, sequences = context_parallel.sharding(acc, loop.cfg, micro_batch)
+            with sequences:  # cp_size > 1: this rank's slice of every sequence, forward and backward
+                loop.observe.enter("forward")
+                share = step_loss.share(objective.sums(model, inputs), totals)  # its share of the step's mean
+                loop.observe.enter("backward")
+                acc.backward(share * scale)  # undone by the accumulation and data-parallel averaging
+            loop.observe.enter("optimizer")
+            if acc.sync_gradients:
+                loop.optimizer_update()
+        loss += share.detach().float()
+    if not acc.sync_gradients:
+        raise RuntimeError("accumulation out of step with the data: optimizer did not step")
+    return loss
