@@ -53,6 +53,9 @@ ROWS: tuple[Row, ...] = (
         "context parallel drops the attention mask and splits each row over ranks: a pair's answer log-probs and "
         "a classifier's last-token read need the whole, masked row",
         "set parallel.cp_size=1 (shard with FSDP2 or ZeRO instead)"),
+    Row(PAIRS | SCALAR, "sequence-parallel", "parallel.sp_size",
+        "sequence parallel (DeepSpeed Ulysses) splits each row over ranks and attends without the padding mask "
+        "that pairs and a classifier's last-token read rely on", "set parallel.sp_size=1 (shard with ZeRO instead)"),
     Row(frozenset({"chat"}), "context-parallel+packing", "data.packing",
         "context parallel makes every attention causal over the whole row and drops its mask: packed "
         "conversations would attend to each other", "set data.packing=false (one conversation per row), or "
@@ -86,6 +89,8 @@ def pieces_of(cfg: RunConfig) -> set[str]:
         pieces |= {"pipeline"} | ({"pipeline+adapter"} if adapter else set())
     if shape.cp > 1:
         pieces |= {"context-parallel"} | ({"context-parallel+packing"} if cfg.data.packing else set())
+    if shape.sp > 1:
+        pieces.add("sequence-parallel")
     if shape.tp > 1:
         pieces |= {"tensor-parallel"} | ({"tensor-parallel+adapter"} if adapter else set())
     return pieces
