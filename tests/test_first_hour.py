@@ -3,6 +3,8 @@ config, help and did-you-mean for the flags people type, variables that look lik
 
 from __future__ import annotations
 
+import shlex
+
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,21 +22,50 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def test_hints_after_a_run_keep_the_users_files_and_overrides(capsys):
+def _hints(capsys, items: list[str]) -> list[str]:
     from overdrive.commands.train import _summary
-    from overdrive.resolving import resolve
+    from overdrive.resolving.inputs import resolve_items
 
-    cfg = resolve([], cli=["output_dir=runs/x"], accelerate_default=False).config
+    cfg = resolve_items([*items, "output_dir=runs/x"], tell=False).config
     result = SimpleNamespace(output_dir=Path("runs/x"), first_loss=None, eval={})
-    _summary(result, cfg, ["run.yaml", "data.max_bytes=1000", "launch.num_processes=1"])
-    hints = [line.split("#")[0].strip() for line in capsys.readouterr().out.split("next:")[1].splitlines() if line.strip()]
-    assert "overdrive explain run.yaml data.max_bytes=1000 launch.num_processes=1 lr=3e-4" in hints
+    _summary(result, cfg, items)
+    return [line.split("#")[0].strip() for line in capsys.readouterr().out.split("next:")[1].splitlines() if line.strip()]
+
+
+def test_hints_after_a_run_keep_the_users_files_and_overrides(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("run.yaml").write_text("optim:\n  lr: 0.001\n")
+    hints = _hints(capsys, ["run.yaml", "data.max_bytes=1000", "launch.num_processes=1", "lr=1e-3"])
+    assert "overdrive explain run.yaml data.max_bytes=1000 launch.num_processes=1 lr=1e-3" in hints  # the user's lr kept
     sharded = [hint for hint in hints if "parallel.strategy=fsdp" in hint][0]
     # The user's num_processes=1 is replaced, not repeated against the suggestion.
-    assert sharded.startswith("overdrive train run.yaml data.max_bytes=1000 parallel.strategy=fsdp launch.num_processes=2")
+    assert sharded.startswith("overdrive train run.yaml data.max_bytes=1000 lr=1e-3 parallel.strategy=fsdp "
+                              "launch.num_processes=2")
     assert sharded.count("launch.num_processes") == 1 and "output_dir=runs/x-sharded" in sharded
     continued = [hint for hint in hints if "model.name_or_path" in hint][0]
     assert continued.startswith("overdrive train run.yaml data.max_bytes=1000") and "model.name_or_path=runs/x/model" in continued
+
+
+def test_every_hint_is_accepted_by_explain_and_differs_from_the_run_just_done(capsys, tmp_path, monkeypatch):
+    from overdrive import cli
+
+    monkeypatch.chdir(tmp_path)
+    # A pipeline run: ZeRO-3 (whose engine wraps the whole model) is refused with stages; an FSDP run
+    # over 2 processes is not offered the same run again.
+    for items in (["parallel.pp_size=2", "launch.num_processes=2", "model.architecture.tie_word_embeddings=false"],
+                  ["parallel.strategy=fsdp", "launch.num_processes=2"]):
+        hints = _hints(capsys, items)
+        commands = [hint for hint in hints if hint.startswith(("overdrive explain", "overdrive train"))]
+        assert commands
+        for hint in commands:
+            argv = shlex.split(hint)[1:]
+            assert cli.main(["explain", *argv[1:]]) == 0, hint
+            capsys.readouterr()
+        assert not any("zero_stage=3" in hint for hint in hints) or "pp_size" not in " ".join(items)
+        assert all(hint.split("output_dir=")[0].strip() != "overdrive train " + " ".join(items) for hint in commands)
+        if "parallel.strategy=fsdp" in items:
+            assert not any(hint.startswith("overdrive train") and "fsdp launch.num_processes=2 output_dir" in hint
+                           for hint in hints)
 
 
 def test_the_typed_items_reach_the_workers_with_secrets_masked():

@@ -3,14 +3,17 @@ overrides, with only the keys a suggestion changes replaced. A hint that dropped
 train the embedded default instead of the user's run.
 
     next_lines(cfg, Path("runs/x"), ["run.yaml", "data.max_bytes=1e6"])
-    -> ["  overdrive report runs/x    # ...", "  overdrive explain run.yaml data.max_bytes=1e6 lr=3e-4 ...", ...]
+    -> ["  overdrive report runs/x    # ...", "  overdrive explain run.yaml data.max_bytes=1e6    # ...", ...]
 """
 
 from __future__ import annotations
 
 import shlex
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Optional, Sequence
+
+from overdrive.config.schema import RunConfig
+from overdrive.errors import UserError
 
 
 def command(verb: str, items: Sequence[str], changes: Sequence[str] = ()) -> str:
@@ -27,17 +30,43 @@ def command(verb: str, items: Sequence[str], changes: Sequence[str] = ()) -> str
     return shlex.join(["overdrive", verb, *kept, *changes])
 
 
-def next_lines(cfg, out: Path, items: Sequence[str]) -> list[str]:
-    """What to run next, each line a command that keeps the user's config, then a comment."""
-    sharded = f"output_dir={out}-sharded"  # a new directory: the finished run's would be resumed, and is done
+# Layouts a finished run may try next: (the keys that ask for it, what the line says)
+LAYOUTS = (
+    (("parallel.strategy=fsdp", "launch.num_processes=2"), "the same run, sharded over 2 processes (FSDP2)"),
+    (("parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3", "launch.num_processes=2"),
+     "the same run under DeepSpeed ZeRO-3"),
+)
+
+
+def _layout_of(cfg: RunConfig) -> tuple:
+    p = cfg.parallel
+    return p.strategy, p.deepspeed.zero_stage if p.strategy == "deepspeed" else None, cfg.launch.num_processes
+
+
+def _accepted(items: Sequence[str], changes: Sequence[str]) -> Optional[RunConfig]:
+    """The config a hint would run, when `explain` accepts it (None when it refuses it)."""
+    from overdrive.resolving.inputs import resolve_items
+
+    kept = shlex.split(command("explain", items, changes))[2:]
+    try:
+        return resolve_items(kept, tell=False).config
+    except UserError:
+        return None
+
+
+def next_lines(cfg: RunConfig, out: Path, items: Sequence[str],
+               accepted: Callable[[Sequence[str], Sequence[str]], Optional[RunConfig]] = _accepted) -> list[str]:
+    """What to run next, each line a command that keeps the user's config, then a comment. Every
+    command is one `explain` accepts (asked through `accepted`) and differs from the run just done."""
     lines = [
         (shlex.join(["overdrive", "report", str(out)]), "loss curves, throughput, MFU, memory"),
-        (command("explain", items, ["lr=3e-4"]), "every effective value and the layer that set it"),
-        (command("train", items, ["parallel.strategy=fsdp", "launch.num_processes=2", sharded]),
-         "the same run, sharded over 2 processes"),
-        (command("train", items, ["parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3",
-                                  "launch.num_processes=2", sharded]), "the same run under DeepSpeed ZeRO-3"),
+        (command("explain", items), "every effective value and the layer that set it"),
     ]
+    sharded = f"output_dir={out}-sharded"  # a new directory: the finished run's would be resumed, and is done
+    for changes, what in LAYOUTS:
+        hinted = accepted(items, changes)
+        if hinted is not None and _layout_of(hinted) != _layout_of(cfg):
+            lines.append((command("train", items, [*changes, sharded]), what))
     if cfg.checkpoint.save_final_model and cfg.peft.method != "none":
         lines.append((f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({cfg.model.name_or_path!r}), "
                       f"{str(out / 'model')!r})", "the adapter on its base (docs/finetuning.md)"))
