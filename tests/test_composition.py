@@ -147,3 +147,14 @@ def test_the_compatibility_page_is_the_tables_own():
 
     assert (REPO / "docs" / "compatibility.md").read_text() == markdown(), (
         "docs/compatibility.md is stale: python -m overdrive.resolving.compatibility > docs/compatibility.md")
+
+
+def test_the_dpo_starting_point_is_accepted_as_written_and_the_pretraining_defaults_are_said(capsys):
+    from overdrive.resolving.inputs import resolve_items
+
+    resolved = resolve_items([str(REPO / "configs" / "dpo-lora.yaml"), "model.name_or_path=org/sft",
+                              "data.source=pairs.jsonl"], tell=False)
+    assert not [p for p in resolved.warnings if p.key in ("optim.lr", "training.max_steps")]
+    bare = resolve_items(["model.name_or_path=org/sft", "data.source=pairs.jsonl", "data.format=preference",
+                          "preference.method=dpo"], tell=False)
+    assert {"optim.lr", "training.max_steps"} <= {p.key for p in bare.warnings}

@@ -50,7 +50,24 @@ def preference_rules(cfg: RunConfig, where: Callable[[str], str],
         if set_explicitly(key) and p.method not in methods:
             warnings.append(Problem(key, f"has no effect with preference.method={p.method} (used by "
                                     f"{', '.join(methods)})", where(key), "remove the key"))
-    return errors + reference_rules(cfg, where), warnings
+    return errors + reference_rules(cfg, where), warnings + pretraining_defaults(cfg, where, set_explicitly)
+
+
+def pretraining_defaults(cfg: RunConfig, where: Callable[[str], str],
+                         set_explicitly: Callable[[str], bool]) -> list[Problem]:
+    """A preference run whose learning rate or length is still the embedded pretraining job's:
+    2e-3 for 1,200 steps moves a trained model far from its reference (TRL trains at 1e-6, one
+    epoch). Said, not refused: the user may mean it."""
+    found = []
+    if not set_explicitly("optim.lr"):
+        found.append(Problem("optim.lr", f"is {cfg.optim.lr:g}, the pretraining default: preference methods move a "
+                             "trained model a little", where("optim.lr"), "set optim.lr (TRL's default is 1e-6; "
+                             "configs/dpo-lora.yaml uses 5e-6)"))
+    if not (set_explicitly("training.max_steps") or set_explicitly("training.num_epochs")):
+        found.append(Problem("training.max_steps", f"is {cfg.training.max_steps}, the pretraining default, not a "
+                             "count of passes over the pairs", where("training.max_steps"),
+                             "set training.num_epochs=1 (DPOTrainer's default) or training.max_steps"))
+    return found
 
 
 def reference_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
