@@ -128,3 +128,13 @@ def test_the_config_value_loads_nothing_above_it():
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     outside = [m for m in loaded if _package(m) not in ("config", "errors", "console")]
     assert outside == []
+
+
+def test_the_code_is_ruff_clean():
+    """The lint rules of pyproject.toml ([tool.ruff.lint]) over src, tests and bench."""
+    import shutil
+
+    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([ruff, "check", "src", "tests", "bench"], cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]

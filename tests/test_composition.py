@@ -83,7 +83,9 @@ def test_every_objectives_step_loss_is_the_same_whatever_the_split(objective):
     model = _tiny(task)
     if pairs:
         items = ["data.format=preference", f"preference.method={objective}", "data.packing=false", f"model.task={task}"]
-        reference = (lambda m, b: -b["input_ids"].sum(dim=1).float() / 50)  # a fixed reference log-prob per row
+        def reference(model, batch):  # a fixed reference log-prob per row
+            return -batch["input_ids"].sum(dim=1).float() / 50
+
         obj = PreferenceObjective(_cfg(*items), _accelerator(), reference=reference)
     else:
         obj = TokenObjective("causal-lm")

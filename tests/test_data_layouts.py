@@ -5,7 +5,6 @@ own layout, columns and template; `plan` taking ShareGPT and Alpaca rows as chat
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -138,7 +138,7 @@ class _DeviceTimeline:
         self.now_ms = 0.0
 
     def event(self):
-        timeline, at = self, self.now_ms
+        at = self.now_ms
 
         class Event:
             time_ms = at

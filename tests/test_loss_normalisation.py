@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from checkpoint_probe import run
 from hf_fixtures import CHAT_WORDS, LETTERS, make_tiny_llama
-from strategy_probe import REPO, free_port, losses_of
+from strategy_probe import free_port, losses_of
 
 pytestmark = pytest.mark.slow  # every test here trains
 

@@ -6,7 +6,6 @@ tests/test_parallelism_multiprocess.py."""
 from __future__ import annotations
 
 import pytest
-import yaml
 from conftest import run_cli
 
 from overdrive.config import batch

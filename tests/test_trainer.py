@@ -78,7 +78,9 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------- pure parts
 
 def test_warmup_then_cosine_to_the_floor():
-    f = lambda step: optimization.lr_factor(step, "cosine", warmup_steps=4, max_steps=20, min_lr_ratio=0.1)
+    def f(step):
+        return optimization.lr_factor(step, "cosine", warmup_steps=4, max_steps=20, min_lr_ratio=0.1)
+
     assert [round(f(s), 3) for s in range(5)] == [0.2, 0.4, 0.6, 0.8, 1.0]
     assert f(20) == pytest.approx(0.1) and f(12) == pytest.approx(0.55)
     assert optimization.lr_factor(12, "linear", 4, 20, 0.1) == pytest.approx(0.5)

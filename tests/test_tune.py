@@ -16,7 +16,7 @@ from overdrive.config.schema import RunConfig
 from overdrive.errors import UserError
 from overdrive.tune import output
 from overdrive.tune.search import Search, SearchSettings
-from overdrive.tune.space import DIMENSIONS, Facts, build_space, prune
+from overdrive.tune.space import Facts, build_space, prune
 from overdrive.tune.trials import Measurement, Outcome, Rung, TrialPlan
 
 CPU = Facts(cpu_cores=2, gpu=False, supports_bf16=True, compiler="g++")

@@ -88,7 +88,6 @@ def _try(files, cli, args, before) -> dict:
 
 def _worker(args) -> int:
     from overdrive.commands.arguments import load_run as _load
-    from overdrive.observe.profiling import ProfilingObserver
     resolved, _ = _load(argparse.Namespace(items=[], resolved=args.resolved))
     _train_profiled(resolved, Path(args.profile_dir), args.warmup, args.steps)
     return 0

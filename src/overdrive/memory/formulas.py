@@ -196,7 +196,7 @@ def zero12(shape: ModelShape, setup: Setup, stage: int, offload: bool = False) -
 
 
 def zero3(shape: ModelShape, setup: Setup, offload_optimizer: bool = False, offload_param: bool = False) -> Row:
-    n, e = setup.shard_ranks, setup.half_bytes
+    e = setup.half_bytes
     part, whole = _zero3_numel(shape, setup)
     name = "zero3" + ("_offload" if offload_param else "_offload_optimizer" if offload_optimizer else "")
     label = "ZeRO-3" + (" + offload params & optimizer" if offload_param else

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from statistics import mean
 from typing import Any, Optional
 
 from overdrive.observe.verdict import judge, shares

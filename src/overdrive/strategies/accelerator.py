@@ -77,7 +77,6 @@ def construct_accelerator(cfg: RunConfig, world_size: int | None = None, **extra
     `kwargs_handlers` given there are added to overdrive's own.
     """
     from overdrive.errors import UserError
-    from overdrive.config.batch import data_parallel_degree
     from overdrive.strategies import cpu
 
     world = world_size or cfg.launch.num_processes

@@ -15,7 +15,6 @@ accelerate (`parallelism_config` builds Accelerate's object, importing it there)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from overdrive.errors import Problem

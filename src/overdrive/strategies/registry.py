@@ -12,7 +12,7 @@ or a checkpoint's saved config): both are read through `_get`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Optional
 
 from overdrive.config.keys import dotted_value as _get
 from overdrive.strategies import settings

@@ -3,7 +3,6 @@ loop run to its end."""
 
 from __future__ import annotations
 
-from overdrive.sweep.objective import Stopped, objective, run_config
 from overdrive.sweep.loop import Finish, Job
 
 

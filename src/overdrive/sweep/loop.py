@@ -14,7 +14,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from overdrive.config.sweep_space import SpaceEntry
 from overdrive.errors import Problem, UserError

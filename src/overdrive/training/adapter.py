@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from overdrive.errors import Problem, UserError
 from overdrive.hf import lora

@@ -11,7 +11,7 @@ import hashlib
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Optional
 
 from overdrive.config.schema import RunConfig
 from overdrive.data.pieces import limited

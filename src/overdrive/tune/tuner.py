@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 from overdrive.tune import cache
 from overdrive.tune.search import Search, SearchSettings
 from overdrive.tune.space import DIMENSIONS, Candidate, Space, build_space, detect_facts
-from overdrive.tune.trials import Outcome, Rung, TrialPlan
+from overdrive.tune.trials import Outcome, TrialPlan
 
 
 

@@ -102,7 +102,7 @@ class Asker:
             if default is None:  # no default: the answer is required, or empty is fine
                 try:
                     return parse("")
-                except ValueError as error:
+                except ValueError:
                     raise UserError(Problem(flag, f"required with these answers ({question.rstrip('?')})")) from None
             return default
         shown = _show(default)
