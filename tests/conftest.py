@@ -55,6 +55,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def cfg_of(*cli: str):
+    """The RunConfig of these command-line items, resolved as `overdrive explain` would, without
+    the environment or an Accelerate default file."""
+    from overdrive.resolving import load_config
+
+    return load_config(cli=list(cli), env={})
+
+
 def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run `overdrive ARGS` as a user types it, in a fresh interpreter."""
     full_env = dict(os.environ)

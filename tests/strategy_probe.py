@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import free_port  # noqa: F401  (handed on to the tests that import it from here)
+
 
 REPO = Path(__file__).resolve().parents[1]
 # Tiny GPT-2, no dropout, a few hundred KB of the stdlib as data, 4 steps at lr 1e-2 (so the

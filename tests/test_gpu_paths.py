@@ -15,15 +15,12 @@ import sys
 from datetime import timedelta
 
 import pytest
+from conftest import cfg_of
 import torch
 
-from overdrive.resolving import load_config, resolve
+from overdrive.resolving import resolve
 from overdrive.errors import UserError
 from overdrive.strategies import accelerator_kwargs, cpu
-
-def cfg_of(*cli: str):
-    return load_config(cli=list(cli), env={})
-
 
 def init_handler(kwargs):
     from accelerate.utils import InitProcessGroupKwargs

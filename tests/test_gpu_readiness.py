@@ -10,14 +10,10 @@ own objects are used everywhere else.
 from __future__ import annotations
 
 import pytest
+from conftest import cfg_of
 import torch
 
-from overdrive.resolving import load_config
 from overdrive.errors import UserError
-
-
-def cfg_of(*cli: str):
-    return load_config(cli=list(cli), env={})
 
 
 def keys_of(error: UserError) -> list[str]:

@@ -9,13 +9,10 @@ import contextlib
 from types import SimpleNamespace
 
 import pytest
+from conftest import cfg_of
 import torch
 
-from overdrive.resolving import load_config
 
-
-def cfg_of(*cli: str):
-    return load_config(cli=list(cli), env={})
 
 # ------------------------------------------------------------------ context parallel in the loop
 

@@ -7,16 +7,13 @@ import json
 import subprocess
 
 import pytest
+from conftest import cfg_of
 from conftest import REPO, run_cli
 
 from overdrive.launch import process, workers
-from overdrive.resolving import Resolved, load_config, resolve
+from overdrive.resolving import Resolved, resolve
 from overdrive.config.schema import LaunchConfig, RunConfig
 from overdrive.errors import UserError
-
-
-def cfg_of(*cli: str) -> RunConfig:
-    return load_config(cli=list(cli), env={})
 
 
 # --------------------------------------------------------------------------- torchrun arguments

@@ -6,20 +6,17 @@ tests/test_parallelism_multiprocess.py."""
 from __future__ import annotations
 
 import pytest
+from conftest import cfg_of
 from conftest import run_cli
 
 from overdrive.config import batch
-from overdrive.resolving import load_config, resolve
+from overdrive.resolving import resolve
 from overdrive.errors import UserError
 from overdrive.interop import writing as export
 from overdrive.strategies import accelerator_kwargs, cpu, layout
 
 LLAMA = ["model.architecture.model_type=llama", "model.architecture.num_attention_heads=8",
          "model.architecture.num_key_value_heads=2"]
-
-
-def cfg_of(*cli: str):
-    return load_config(cli=list(cli), env={})
 
 
 def problems_of(*cli: str) -> str:

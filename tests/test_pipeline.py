@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import cfg_of as shared_cfg_of
 from conftest import run_cli
 
 from overdrive.config import batch
-from overdrive.resolving import load_config, resolve
+from overdrive.resolving import resolve
 from overdrive.errors import UserError
 from overdrive.strategies import layout, pipeline
 
@@ -19,7 +20,7 @@ PP = ["checkpoint.enabled=false"]
 
 
 def cfg_of(*cli: str):
-    return load_config(cli=[*PP, *cli], env={})
+    return shared_cfg_of(*[*PP, *cli])
 
 
 def problems_of(*cli: str) -> str:

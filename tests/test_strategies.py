@@ -5,20 +5,17 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import cfg_of
 from conftest import PEER_CONFIGS
 
 from overdrive.config import RunConfig
-from overdrive.resolving import load_config, resolve
+from overdrive.resolving import resolve
 from overdrive.errors import Problem, UserError
 from overdrive.strategies import accelerator_kwargs, deepspeed, fsdp, problems
 from overdrive.strategies import deepspeed_config
 
 TRANSFORMERS_DS = PEER_CONFIGS / "transformers" / "tests" / "deepspeed"
 TOY = ["model.architecture.n_embd=32", "model.architecture.n_head=2", "model.architecture.n_layer=2"]
-
-
-def cfg_of(*cli: str):
-    return load_config(cli=list(cli), env={})
 
 
 def leaves(tree, prefix=""):

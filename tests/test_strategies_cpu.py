@@ -12,13 +12,13 @@ import subprocess
 import sys
 
 import pytest
+from conftest import cfg_of as shared_cfg_of
 
-from overdrive.resolving import load_config
 from overdrive.strategies import accelerator_kwargs, cpu
 
 
 def cfg_of(*cli: str):
-    return load_config(cli=["launch.use_cpu=true", *cli], env={})
+    return shared_cfg_of(*["launch.use_cpu=true", *cli])
 
 
 def test_ddp_and_fsdp_are_built_with_cpu_true_deepspeed_is_not():

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from conftest import cfg_of
 
-from overdrive.resolving import load_config
 from overdrive.strategies import registry
-
-
-def cfg_of(*cli):
-    return load_config(cli=list(cli), env={})
 
 
 @pytest.mark.parametrize("stage, shards", [

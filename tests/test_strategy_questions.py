@@ -7,15 +7,11 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import cfg_of
 
-from overdrive.resolving import load_config
 from overdrive.strategies import registry, shards_parameters
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "overdrive"
-
-
-def cfg_of(*cli):
-    return load_config(cli=list(cli), env={})
 
 
 @pytest.mark.parametrize("items, whole", [

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from overdrive.memory.activations import Activations, estimate_activations
 from overdrive.memory.adapter import model_state_row as adapter_row
 from overdrive.memory.formulas import STRATEGIES, Row, model_state_row, uses_autocast
+from overdrive.memory.formulas import zero_paper_bytes  # noqa: F401  (handed on by the package)
 from overdrive.memory.shape import ModelShape, Setup, tp_slice
 
 

@@ -3,6 +3,7 @@ loop run to its end."""
 
 from __future__ import annotations
 
+from overdrive.sweep.objective import Stopped, objective, run_config  # noqa: F401  (handed on by the package)
 from overdrive.sweep.loop import Finish, Job
 
 

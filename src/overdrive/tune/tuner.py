@@ -15,6 +15,7 @@ from overdrive.tune import cache
 from overdrive.tune.search import Search, SearchSettings
 from overdrive.tune.space import DIMENSIONS, Candidate, Space, build_space, detect_facts
 from overdrive.tune.trials import Outcome, TrialPlan
+from overdrive.tune.trials import Rung  # noqa: F401  (handed on by the package)
 
 
 
