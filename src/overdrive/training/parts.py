@@ -98,7 +98,7 @@ def build_parts(cfg: RunConfig, accelerator, say=None) -> Parts:
                                     frozen_params=model_mod.flop_params(model, frozen=True))
     notes = adapter.notes(cfg, model) + master_weights.note(upcast)
 
-    collate = data_mod.collate_for(data_mod.sample_kind(cfg), tokenizer.pad_token_id)
+    collate = data_mod.collate_for(data_mod.sample_kind(cfg), tokenizer.pad_token_id, d.max_length)
     train_loader = data_mod.train_loader(tokens.train, split.micro, split.accumulation,
                                          split.data_parallel, t.seed, d.shuffle, d.num_workers,
                                          d.pin_memory, collate)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from overdrive.config.schema_preference import WITH_REFERENCE
+from overdrive.training import preference_kto as kto
 from overdrive.training import preference_loss as losses
 
 # metrics.jsonl's names (TRL's), in the order of the summed tensor; the last slot counts pairs.
@@ -60,7 +61,10 @@ class PreferenceObjective:
         self.method, self.beta, self.smoothing, self.gamma = p.method, p.beta, p.label_smoothing, p.simpo_gamma
         self.centering = p.center_rewards_coefficient
         self.accelerator, self.reference, self.eval_reference = accelerator, reference, eval_reference
-        self.sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=accelerator.device)
+        # KTO (unpaired rows): its own loss and sums (preference_kto.py)
+        self.unpaired = kto.UnpairedLoss(cfg, accelerator, _logps) if p.method == "kto" else None
+        slots = len(kto.SLOTS) if self.unpaired else len(METRICS) + 1
+        self.sums = torch.zeros(slots, dtype=torch.float64, device=accelerator.device)
 
     def restore(self, pending: Optional[list]) -> None:
         """A resumed run's interval since its last log point (summed over ranks: kept on one)."""
@@ -85,12 +89,18 @@ class PreferenceObjective:
         loss = self.accelerator.reduce(loss_sum / max(batches, 1), "mean").item()
         return {"eval_loss": loss, **{f"eval_{k}": v for k, v in metrics.items()}}
 
-    @staticmethod
-    def units(batch: dict) -> torch.Tensor:
-        """The pairs of a micro-batch (chosen rows, then rejected ones): what a step's loss is the mean over."""
+    def units(self, batch: dict) -> torch.Tensor:
+        """The pairs of a micro-batch (chosen rows, then rejected ones), or KTO's rows: what a step's loss is
+        the mean over."""
+        if self.unpaired:
+            return kto.units(batch)
         return torch.tensor(batch["input_ids"].shape[0] // 2, dtype=torch.long)
 
     def __call__(self, model, batch: dict) -> torch.Tensor:
+        if self.unpaired:
+            loss, sums = self.unpaired(model, batch, self.reference)
+            self.sums += sums
+            return loss
         if self.method == "reward":  # a scalar per sequence: chosen rows, then rejected ones
             scores = model(**{k: batch[k] for k in MODEL_INPUTS}, use_cache=False).logits.squeeze(-1).float()
             n = len(scores) // 2
@@ -131,12 +141,18 @@ class PreferenceObjective:
         """TRL's metrics over the pairs since the last read, on every rank (a sync: the log point)."""
         total = self.accelerator.reduce(self.sums.clone(), "sum").tolist()
         self.sums.zero_()
+        if self.unpaired:
+            return kto.means(total)
         count = max(total[-1], 1.0)
         if self.method == "reward":  # the rewards are the scores; also RewardTrainer's own names
             means = {name: value / count for name, value in zip(REWARD_METRICS, total)}
             return {**means, "accuracy": means["rewards/accuracies"], "margin": means["rewards/margins"],
                     "mean_reward": (means["rewards/chosen"] + means["rewards/rejected"]) / 2}
         return {name: value / count for name, value in zip(METRICS, total)}
+
+
+def _logps(model, batch: dict) -> torch.Tensor:
+    return sequence_scores(model, batch)[0]
 
 
 def lora_reference(accelerator) -> Callable[[Any, dict], torch.Tensor]:
