@@ -143,3 +143,39 @@ def test_torchtune_refuses_another_reference_and_a_ppo_recipe(tmp_path):
     assert keys == ["ref_checkpointer.checkpoint_dir"]
     keys, text = refusal(tmp_path, "ppo.yaml", base + "loss:\n  _component_: torchtune.rlhf.loss.PPOLoss\n")
     assert keys == ["loss._component_"] and "kto" in text
+
+
+@pytest.mark.parametrize("text, want", [
+    ("model_name_or_path: m\nstage: dpo\npref_loss: ipo\npref_beta: 0.3\n", {"method": "ipo", "beta": 0.3}),
+    ("model_name_or_path: m\nstage: dpo\npref_loss: orpo\n", {"method": "orpo"}),
+    ("model_name_or_path: m\nstage: dpo\ndpo_label_smoothing: 0.1\n", {"method": "dpo", "label_smoothing": 0.1}),
+    ("model_name_or_path: m\nstage: kto\nkto_chosen_weight: 2.0\n", {"method": "kto", "desirable_weight": 2.0}),
+    ("base_model: m\nmicro_batch_size: 2\nrl: kto\nkto_undesirable_weight: 0.5\n",
+     {"method": "kto", "undesirable_weight": 0.5}),
+    ("base_model: m\nmicro_batch_size: 2\nrl: dpo\nrl_beta: 0.4\n", {"method": "dpo", "beta": 0.4}),
+    ("checkpointer:\n  checkpoint_dir: m\nmodel:\n  _component_: torchtune.models.llama3_1.lora_llama3_1_8b\n"
+     "  lora_attn_modules: [q_proj]\nloss:\n  _component_: torchtune.rlhf.loss.SimPOLoss\n  gamma: 0.7\n",
+     {"method": "simpo", "beta": 2.0, "simpo_gamma": 0.7}),
+    ("checkpointer:\n  checkpoint_dir: m\nmodel:\n  _component_: torchtune.models.llama3_1.lora_llama3_1_8b\n"
+     "  lora_attn_modules: [q_proj]\nloss:\n  _component_: torchtune.rlhf.loss.DPOLoss\n  label_smoothing: 0.2\n",
+     {"method": "dpo", "beta": 0.1, "label_smoothing": 0.2}),
+])
+def test_each_mapped_preference_key(tmp_path, text, want):
+    path = tmp_path / "x.yaml"
+    path.write_text(text)
+    r = resolved(path, "peft.method=lora")
+    p = r.config.preference
+    assert {k: getattr(p, k) for k in want} == want
+    for key in want:  # each from the file: a line, or the tool's default named
+        assert r.origins[f"preference.{key}"].layer != "default"
+
+
+def test_torchtune_preference_dataset_reads_its_column_map(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text("checkpointer:\n  checkpoint_dir: m\nmodel:\n  _component_: torchtune.models.llama3_1.lora_llama3_1_8b\n"
+                    "  lora_attn_modules: [q_proj]\nloss:\n  _component_: torchtune.rlhf.loss.DPOLoss\n"
+                    "dataset:\n  _component_: torchtune.datasets.preference_dataset\n  source: json\n"
+                    "  data_files: pairs.json\n  column_map:\n    chosen: good\n    rejected: bad\n")
+    c = resolved(path).config
+    assert (c.data.source, c.data.chosen_column, c.data.rejected_column, c.data.format) == \
+        ("pairs.json", "good", "bad", "preference")

@@ -46,7 +46,7 @@ def settle(config, chains, order: dict[int, int]):
         if steps is None or order.get(id(other), 0) > order.get(id(steps), -1):
             continue  # the alternative wins
         warnings.append(Problem(other_key, f"not used: {steps_key} is set later ({steps.origin}), and the later one "
-                                "wins", str(other.origin), f"remove one of them to silence this"))
+                                "wins", str(other.origin), "remove one of them to silence this"))
         cleared.setdefault(section, {})[name] = None
     for section, values in cleared.items():
         config = config.model_copy(update={section: getattr(config, section).model_copy(update=values)})
