@@ -76,6 +76,7 @@ def test_kto_loss_of_one_batch_equals_trls_kto_trainer(models, tmp_path):
     objective = PreferenceObjective(cfg, accelerator, frozen_reference(reference, accelerator))
     with torch.no_grad():
         got = objective(trainer.model, ours)
+    print(f"KTO loss: overdrive {got.item():.8f}  TRL {want.item():.8f}")
     assert abs(got.item() - want.item()) < 1e-5 and abs(want.item() - 0.5) > 1e-3  # the reference differs: not 0.5
     metrics = objective.read()
     assert metrics["kl"] >= 0 and set(metrics) >= {"rewards/chosen", "rewards/rejected", "rewards/margins", "kl"}
@@ -171,6 +172,51 @@ def test_a_kto_run_raises_the_desirable_undesirable_reward_gap(tmp_path):
     assert "rewards/margins 0.0000 -> " in said  # the final lines: the gap from the first log point to the last
     logged = [r for r in records(tmp_path / "out") if "loss" in r]
     assert abs(logged[0]["loss"] - 0.5) < 1e-4 and logged[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    print("step loss rewards/margins kl\n" + "\n".join(f"{r['step']} {r['loss']:.4f} {r['rewards/margins']:.4f} "
+                                                         f"{r['kl']:.4f}" for r in logged))
     late = [r["rewards/margins"] for r in logged[-10:]]
     assert sum(late) / len(late) > 0.05, late  # desirable completions gain on undesirable ones
     assert all("kl" in r and r["kl"] >= 0 for r in logged)
+
+
+@pytest.mark.slow
+def test_kto_under_ddp_zero3_and_fsdp2_on_two_processes(tmp_path):
+    """The one-process run (micro-batch 4, accumulation 2) against 2 processes of micro-batch 4: the
+    same global batch. Each micro-batch builds its own KL pairs (as TRL's per-device batches do) and
+    the estimate is averaged over the ranks, so the losses agree closely, not exactly."""
+    import sys
+
+    from checkpoint_probe import records, run
+    from hf_fixtures import make_preference_data
+    from strategy_probe import REPO, free_port
+
+    make_tiny_llama(tmp_path / "base")
+    make_preference_data(tmp_path / "pairs.jsonl", rows=64)
+    common = [sys.executable, "-m", "overdrive.cli", "train", f"model.name_or_path={tmp_path / 'base'}",
+              f"data.source={tmp_path / 'pairs.jsonl'}", f"data.cache_dir={tmp_path / 'cache'}",
+              "data.format=preference", "preference.method=kto", "data.max_length=64", "data.validation_fraction=0",
+              "peft.method=lora", "training.micro_batch_size=4", "training.max_steps=3", "optim.lr=5e-3",
+              "scheduler.name=constant", "scheduler.warmup_steps=0", "precision.mixed_precision=no",
+              "checkpoint.enabled=false", "logging.trackers=[none]", "logging.progress=false", "launch.use_cpu=true"]
+
+    def losses(name: str, *extra: str) -> list[float]:
+        done = run(common + [f"output_dir={tmp_path / name}", *extra], cwd=tmp_path, timeout=900)
+        assert done.returncode == 0, name + done.stdout[-3000:] + done.stderr[-3000:]
+        return [r["loss"] for r in records(tmp_path / name) if "loss" in r]
+
+    expected = losses("one", "training.gradient_accumulation_steps=2")
+    assert len(expected) == 3 and abs(expected[0] - 0.5) < 1e-6  # the policy is its reference at step 1
+    for name, config in {"ddp": "configs/ddp.yaml", "zero3": "configs/zero3.yaml", "fsdp2": "configs/fsdp.yaml"}.items():
+        got = losses(name, str(REPO / config), "launch.num_processes=2", f"launch.main_process_port={free_port()}")
+        print(name, [round(v, 6) for v in got], "one process:", [round(v, 6) for v in expected])
+        assert len(got) == 3 and got[0] == pytest.approx(0.5, abs=1e-6), (name, got)
+        assert got == pytest.approx(expected, abs=5e-3), (name, got, expected)
+
+
+def test_a_method_overdrive_lacks_is_refused_once_by_its_key(models, tmp_path):
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in _rows(4)))
+    with pytest.raises(UserError) as error:
+        _cfg(models[0], source, "preference.method=cpo")
+    assert [p.key for p in error.value.problems] == ["preference.method"]
+    assert "no preference method is set" not in error.value.render() and "'kto'" in error.value.render()

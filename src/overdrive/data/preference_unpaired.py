@@ -4,7 +4,8 @@ A row (a prompt, a completion, desirable or not: preference_layouts.py) is rende
 `_prepare_dataset` renders it: conversational rows through the chat template (the prompt with
 the generation prompt, prompt + completion without), text rows by the tokenizer with EOS added
 to the completion; the completion starts where the two first differ. A row whose prompt alone
-fills `data.max_length` is dropped (TRL's filter); both counts are reported.
+fills `data.max_length` is dropped (TRL's filter), as is one whose completion renders to no token;
+the counts are reported.
 
 In the token cache a row is one sequence, prompt then completion, with the mask over the
 completion's tokens holding 1 (desirable) or 2 (undesirable): the label travels with the
@@ -61,7 +62,7 @@ class UnpairedEncoder:
     def encode(self, row: dict) -> Optional[Encoded]:
         prompt, completion = self.render(row)
         self.counts["rows"] += 1
-        if len(prompt) >= self.max_length:
+        if len(prompt) >= self.max_length or not completion:  # nothing of the completion to score
             self.counts["dropped"] += 1
             return None
         label = DESIRABLE if row["desirable"] else UNDESIRABLE
