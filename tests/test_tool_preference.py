@@ -179,3 +179,17 @@ def test_torchtune_preference_dataset_reads_its_column_map(tmp_path):
     c = resolved(path).config
     assert (c.data.source, c.data.chosen_column, c.data.rejected_column, c.data.format) == \
         ("pairs.json", "good", "bad", "preference")
+
+
+def test_axolotl_reward_model_with_its_bradley_terry_rows(tmp_path):
+    """After Axolotl's examples/qwen3/reward-model.yaml."""
+    path = tmp_path / "rm.yml"
+    path.write_text("base_model: m\nmodel_type: AutoModelForSequenceClassification\nnum_labels: 1\nreward_model: true\n"
+                    "center_rewards_coefficient: 0.01\ndatasets:\n  - path: argilla/distilabel-intel-orca-dpo-pairs\n"
+                    "    type: bradley_terry.chat_template\nmicro_batch_size: 1\n")
+    r = resolved(path)
+    c = r.config
+    assert (c.preference.method, c.model.task, c.preference.center_rewards_coefficient) == \
+        ("reward", "sequence-classification", 0.01)
+    assert (c.data.layout, c.data.prompt_column, c.data.format) == ("alpaca", "input", "preference")
+    assert "num_labels" not in {w.key for w in r.warnings}

@@ -44,6 +44,8 @@ def axolotl(r: ToolReader) -> Optional[str]:
         r.put("preference.method", "reward", "reward_model")
         r.put("model.task", "sequence-classification", "reward_model")
         r.put("data.format", "preference", "reward_model")
+        r.put_key("center_rewards_coefficient", "preference.center_rewards_coefficient", _number)
+        r.get("num_labels")  # one score per sequence: the reward head
         return "reward"
     if r.given("process_reward_model") and r.data["process_reward_model"] not in (False, "none"):
         r.refuse(("process_reward_model",), "a process reward model (a score per step) has no counterpart", OFFERED)
@@ -103,14 +105,16 @@ def axolotl_dataset(r: ToolReader, path: tuple[str, ...], entry: dict, rl: str, 
         if any(list(v) != [k] for k, v in roles.items() if isinstance(v, list)):
             r.c.warn(path + ("roles",), "roles are read as their names (user, assistant, system, tool)")
     elif kind.startswith("chat_template") and style == "argilla_chat":
-        out["layout"] = "messages"  # the prompt is what chosen and rejected share (TRL's implicit prompt)
-        out["prompt_column"] = "-"
+        out["layout"] = "messages"  # the prompt is what chosen and rejected share (TRL's implicit prompt):
+        out["prompt_column"] = "-"  # a column no row has
+    elif kind == "bradley_terry.chat_template":  # a reward model's rows: system, input, chosen, rejected text
+        out.update(layout="alpaca", prompt_column="input", input_column="-")
     elif style in ("intel", "prompt_pairs", "ultra", "argilla", "icr") and not kind.startswith("chat_template"):
         # a prompt column, one user turn, rendered by the chat template here (not the tool's ChatML text)
         out["layout"] = "alpaca"
         out["prompt_column"] = {"intel": "question", "prompt_pairs": "prompt", "ultra": "prompt",
                                 "icr": "input"}.get(style, entry.get("field_prompt") or "instruction")
-        out["input_column"] = "-"
+        out["input_column"] = "-"  # the prompt column is the whole user turn: no input column beside it
         if style == "argilla":
             out["chosen_column"], out["rejected_column"] = "chosen_response", "rejected_response"
         r.c.warn(path + ("type",), f"{kind} read as prompt/chosen/rejected columns: the prompt is rendered by the "
