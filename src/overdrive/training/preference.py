@@ -63,7 +63,7 @@ class PreferenceObjective:
         self.accelerator, self.reference, self.eval_reference = accelerator, reference, eval_reference
         # KTO (unpaired rows): its own loss and sums (preference_kto.py)
         self.unpaired = kto.UnpairedLoss(cfg, accelerator, _logps) if p.method == "kto" else None
-        slots = len(kto.SLOTS) if self.unpaired else len(METRICS) + 1
+        slots = len(kto.SLOTS) if self.unpaired is not None else len(METRICS) + 1
         self.sums = torch.zeros(slots, dtype=torch.float64, device=accelerator.device)
 
     def restore(self, pending: Optional[list]) -> None:
@@ -92,12 +92,12 @@ class PreferenceObjective:
     def units(self, batch: dict) -> torch.Tensor:
         """The pairs of a micro-batch (chosen rows, then rejected ones), or KTO's rows: what a step's loss is
         the mean over."""
-        if self.unpaired:
+        if self.unpaired is not None:
             return kto.units(batch)
         return torch.tensor(batch["input_ids"].shape[0] // 2, dtype=torch.long)
 
     def __call__(self, model, batch: dict) -> torch.Tensor:
-        if self.unpaired:
+        if self.unpaired is not None:
             loss, sums = self.unpaired(model, batch, self.reference)
             self.sums += sums
             return loss
@@ -141,7 +141,7 @@ class PreferenceObjective:
         """TRL's metrics over the pairs since the last read, on every rank (a sync: the log point)."""
         total = self.accelerator.reduce(self.sums.clone(), "sum").tolist()
         self.sums.zero_()
-        if self.unpaired:
+        if self.unpaired is not None:
             return kto.means(total)
         count = max(total[-1], 1.0)
         if self.method == "reward":  # the rewards are the scores; also RewardTrainer's own names
