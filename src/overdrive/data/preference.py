@@ -1,9 +1,11 @@
 """Preference data: rows of a prompt and a chosen and a rejected answer, for `preference.method`.
 
-The layouts are TRL's: each of `prompt`, `chosen`, `rejected` is text (the standard layout)
-or a list of {role, content} turns (the conversational one); without a prompt column the
-prompt is the turns the two answers share (TRL's `extract_prompt`). Columns are renamed by
-`data.prompt_column`, `data.chosen_column`, `data.rejected_column`.
+Rows are read into TRL's layouts: each of `prompt`, `chosen`, `rejected` is text (the
+standard layout) or a list of {role, content} turns (the conversational one); without a
+prompt column the prompt is the turns the two answers share (TRL's `extract_prompt`). The
+other tools' layouts (ShareGPT and Alpaca pairs, single-message answers) and KTO's unpaired
+rows are recognised by their columns in preference_layouts.py; KTO's rows are rendered and
+batched by preference_unpaired.py.
 
 A pair is rendered as TRL's DPOTrainer renders it: conversational rows through the chat
 template (the prompt with the generation prompt, prompt + answer without), text rows by the
