@@ -4,6 +4,7 @@ pairs rendered as TRL's DPOTrainer renders them, the keys' rules, the reference 
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -183,13 +184,18 @@ def test_missing_chosen_column_and_bad_rows_are_refused_by_key_and_line(llama, t
     assert error.value.problems[0].key == "data.chosen_column" and "'better'" in error.value.render()
     bad = tmp_path / "bad.jsonl"
     lines = path.read_text().splitlines()
-    lines[2] = lines[2].replace('"chosen": [{"role": "assistant", "content": "the answer is', '"chosen": "the answer is')
-    lines[2] = lines[2].replace('"}], "rejected"', '", "rejected"', 1)
+    row = json.loads(lines[2])
+    lines[2] = json.dumps({**row, "chosen": 7})  # neither text nor turns
     bad.write_text("\n".join(lines) + "\n")
     splits = open_splits(_cfg(llama, bad))
     with pytest.raises(UserError) as error:
         list(splits.train.batches())
-    assert error.value.problems[0].key == "data.prompt_column" and "line 3" in error.value.render()
+    assert error.value.problems[0].key == "data.chosen_column" and "line 3" in error.value.render()
+    # A text answer beside a prompt of turns is one assistant turn (Axolotl's chat_template.default rows)
+    lines[2] = json.dumps({**row, "chosen": "the answer is q"})
+    bad.write_text("\n".join(lines) + "\n")
+    pair = next(open_splits(_cfg(llama, bad)).train.batches()).texts[2]
+    assert pair["chosen"] == [{"role": "assistant", "content": "the answer is q"}]
 
 
 def test_rules_of_the_preference_keys(llama, tmp_path):

@@ -45,6 +45,10 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
                                         ("llamafactory-qlora.yaml", "llamafactory"),
                                         ("torchtune-lora.yaml", "torchtune"),
                                         ("torchtune-qlora-distributed.yaml", "torchtune"),
+                                        ("llamafactory-lora-dpo.yaml", "llamafactory"),
+                                        ("llamafactory-lora-kto.yaml", "llamafactory"),
+                                        ("axolotl-dpo-lora.yml", "axolotl"), ("axolotl-kto-qlora.yml", "axolotl"),
+                                        ("torchtune-lora-dpo.yaml", "torchtune"),
                                         ("zero3_bf16.json", "deepspeed")])
 def test_each_file_is_recognised_by_its_keys(name, kind):
     assert tool_reading.detect_kind(load_file(FIXTURES / name).data) == kind
@@ -87,7 +91,7 @@ def test_axolotl_70b_qlora_with_fsdp():
 
 def test_axolotl_refuses_what_changes_the_math_by_key(tmp_path):
     base = "base_model: m\nadapter: lora\nmicro_batch_size: 1\n"
-    assert refused(write(tmp_path, "dpo.yml", base + "rl: dpo\n")) == ["rl"]
+    assert refused(write(tmp_path, "grpo.yml", base + "rl: grpo\n")) == ["rl"]
     assert refused(write(tmp_path, "type.yml", base + "datasets:\n  - path: x\n    type: oasst\n")) == ["datasets.0.type"]
     assert refused(write(tmp_path, "optim.yml", base + "optimizer: galore_adamw\n")) == ["optimizer"]
     assert refused(write(tmp_path, "tokens.yml", base + "tokens: ['<x>']\n")) == ["tokens"]
@@ -131,7 +135,7 @@ def test_llamafactory_qlora_sharegpt_tools_and_a_missing_deepspeed_file(monkeypa
 
 def test_llamafactory_refuses_other_stages_and_methods_by_key(tmp_path):
     base = "model_name_or_path: m\n"
-    assert refused(write(tmp_path, "dpo.yaml", base + "stage: dpo\n")) == ["stage"]
+    assert refused(write(tmp_path, "ppo.yaml", base + "stage: ppo\n")) == ["stage"]
     assert refused(write(tmp_path, "freeze.yaml", base + "stage: sft\nfinetuning_type: freeze\n")) == ["finetuning_type"]
     assert refused(write(tmp_path, "plus.yaml", base + "stage: sft\nloraplus_lr_ratio: 16\n")) == ["loraplus_lr_ratio"]
 
@@ -160,8 +164,8 @@ def test_torchtune_qlora_distributed():
 
 
 def test_torchtune_refuses_a_loss_it_cannot_compute(tmp_path):
-    text = "checkpointer:\n  checkpoint_dir: m\nmodel:\n  _component_: torchtune.models.llama3_1.lora_llama3_1_8b\n  lora_attn_modules: [q_proj]\nloss:\n  _component_: torchtune.rlhf.loss.DPOLoss\n"
-    assert refused(write(tmp_path, "dpo.yaml", text)) == ["loss._component_"]
+    text = "checkpointer:\n  checkpoint_dir: m\nmodel:\n  _component_: torchtune.models.llama3_1.lora_llama3_1_8b\n  lora_attn_modules: [q_proj]\nloss:\n  _component_: torchtune.rlhf.loss.RSOLoss\n"
+    assert refused(write(tmp_path, "rso.yaml", text)) == ["loss._component_"]
 
 
 def test_import_writes_a_config_explain_accepts(tmp_path, capsys, monkeypatch):

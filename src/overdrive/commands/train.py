@@ -171,6 +171,19 @@ def _final_files(cfg) -> str:
     return ", model/ (the adapter: PEFT's directory)" + (", merged/ (save_pretrained)" if cfg.peft.save_merged else "")
 
 
+def _preference_lines(out) -> list[str]:
+    """A preference run's rewards at its first and last log points (TRL's names), from metrics.jsonl."""
+    from overdrive.training import metrics
+
+    path = metrics.path_in(out)
+    logged = [r for r in metrics.read(path).records if "loss" in r] if path.is_file() else []
+    names = [n for n in metrics.PREFERENCE_REPORTED if logged and n in logged[-1]]
+    if not names:
+        return []
+    first = {name: next(r[name] for r in logged if name in r) for name in names}
+    return [f"{name} {first[name]:.4f} -> {logged[-1][name]:.4f}" for name in names]
+
+
 def _summary(result, cfg, items=None) -> None:
     from overdrive.commands.next_steps import next_lines
 
@@ -179,6 +192,8 @@ def _summary(result, cfg, items=None) -> None:
     if result.first_loss is not None:
         lines.append(f"loss {result.first_loss:.3f} -> {result.final_loss:.3f} in {result.steps} steps, "
                      f"{result.elapsed_s:.0f}s, {result.tokens_per_s:,.0f} tokens/s")
+    if cfg.preference.method != "none":
+        lines += _preference_lines(out)
     if result.eval:
         lines.append("eval: " + "  ".join(f"{k} {v:.4g}" for k, v in result.eval.items()))
     lines += [

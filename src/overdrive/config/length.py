@@ -9,6 +9,9 @@ warning. A mixture's epoch is one pass's worth of samples over all its sources (
 samples, as the tools that concatenate data sets count it). Epochs become steps only once the data is known: `derived(cfg, samples)` when the run
 starts (the token cache's exact sample count) and `overdrive plan` (its count or estimate); a
 warmup ratio with `max_steps` is settled here at once.
+
+The log interval follows the length when nobody set it: the default every 10 steps, but at least
+about 20 log points in a shorter run (`log_interval`: a 20-step run logs every step).
 """
 
 from __future__ import annotations
@@ -59,7 +62,21 @@ def settle(config, chains, order: dict[int, int]):
         config = config.model_copy(update={"scheduler": s.model_copy(update={"warmup_steps": warmup})})
         origins["scheduler.warmup_steps"] = Origin("derived", f"scheduler.warmup_ratio={s.warmup_ratio:g} x "
                                                    f"training.max_steps={t.max_steps} = {warmup}")
+    if t.num_epochs is None and _last_set(chains.get("training.log_every_steps")) is None:
+        every = log_interval(t.max_steps, t.log_every_steps)
+        if every != t.log_every_steps:
+            config = config.model_copy(update={"training": config.training.model_copy(update={"log_every_steps": every})})
+            origins["training.log_every_steps"] = Origin("derived", f"training.max_steps={t.max_steps}: about "
+                                                         f"{LOG_POINTS} log points in a short run")
     return config, origins, problems, warnings
+
+
+LOG_POINTS = 20
+
+
+def log_interval(steps: int, default: int) -> int:
+    """The default interval, or finer when a run of `steps` would log fewer than about LOG_POINTS times."""
+    return max(1, min(default, steps // LOG_POINTS))
 
 
 def warmup_steps(ratio: float, steps: int) -> int:

@@ -38,9 +38,10 @@ def is_chat(cfg) -> bool:
 
 
 def sample_kind(cfg) -> str:
-    """What a training sample is: `chat`, `preference` (pairs), or the model task's (packed text, labelled rows)."""
+    """What a training sample is: `chat`, `preference` (pairs), `unpaired` (KTO's rows), or the model task's
+    (packed text, labelled rows)."""
     if cfg.data.format == "preference":
-        return "preference"
+        return "unpaired" if cfg.preference.method == "kto" else "preference"
     return "chat" if is_chat(cfg) else cfg.model.task
 
 

@@ -64,6 +64,8 @@ def _length(encoded) -> int:
         return 0
     if isinstance(encoded, tuple) and isinstance(encoded[0], tuple):  # a preference pair: both sides
         return sum(len(side[0]) for side in encoded)
+    if isinstance(encoded, list) and all(e is None or isinstance(e, tuple) for e in encoded):  # KTO's rows
+        return sum(len(e[0]) for e in encoded if e is not None)
     return len(encoded[0]) if isinstance(encoded, tuple) else len(encoded)
 
 
@@ -89,7 +91,7 @@ def measure(splits: Splits, tokenizer, task: str, max_length: int, sample: tuple
     per_token = np.dtype(tokens.id_dtype(tokenizer)).itemsize
     if task == "preference":
         index = (corpus.total or 0) * 16 + est_tokens  # two sequence ends per pair, a one-byte mask per token
-    elif task == "chat":
+    elif task in ("chat", "unpaired"):
         index = (corpus.total or 0) * 8 + est_tokens  # conversation ends (int64), a one-byte loss mask per token
     elif task != "causal-lm" and advance:
         rows = corpus.total or 0

@@ -12,10 +12,14 @@ from overdrive.data.samples import PadCollator
 from overdrive.errors import Problem, UserError
 
 
-def collate_for(kind: str, pad_id: Optional[int]):
+def collate_for(kind: str, pad_id: Optional[int], max_length: Optional[int] = None):
     """The batch maker for a sample kind (`data.chat.sample_kind`): padding for classification
     and chat rows, none for packed text blocks (all one length)."""
     pad = pad_id if pad_id is not None else 0
+    if kind == "unpaired":  # KTO's rows, with their KL sequences made per batch
+        from overdrive.data.preference_unpaired import UnpairedCollator
+
+        return UnpairedCollator(pad, max_length or 1 << 30)
     if kind == "preference":
         from overdrive.data.preference_samples import PairCollator
 

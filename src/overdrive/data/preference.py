@@ -1,9 +1,11 @@
 """Preference data: rows of a prompt and a chosen and a rejected answer, for `preference.method`.
 
-The layouts are TRL's: each of `prompt`, `chosen`, `rejected` is text (the standard layout)
-or a list of {role, content} turns (the conversational one); without a prompt column the
-prompt is the turns the two answers share (TRL's `extract_prompt`). Columns are renamed by
-`data.prompt_column`, `data.chosen_column`, `data.rejected_column`.
+Rows are read into TRL's layouts: each of `prompt`, `chosen`, `rejected` is text (the
+standard layout) or a list of {role, content} turns (the conversational one); without a
+prompt column the prompt is the turns the two answers share (TRL's `extract_prompt`). The
+other tools' layouts (ShareGPT and Alpaca pairs, single-message answers) and KTO's unpaired
+rows are recognised by their columns in preference_layouts.py; KTO's rows are rendered and
+batched by preference_unpaired.py.
 
 A pair is rendered as TRL's DPOTrainer renders it: conversational rows through the chat
 template (the prompt with the generation prompt, prompt + answer without), text rows by the
@@ -19,72 +21,52 @@ row 2i is the chosen sequence, row 2i+1 the rejected one, so a held-out pair sta
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import numpy as np
 
 from overdrive.data.chat import KINDS
-from overdrive.data.layouts import checked as _checked
+from overdrive.data import preference_layouts as layouts
 from overdrive.data.sources import Batch, Rows, _columns, row_batches
 from overdrive.errors import Problem, UserError
-
-_KEYS = {"prompt": "data.prompt_column", "chosen": "data.chosen_column", "rejected": "data.rejected_column"}
-
 
 def is_preference(cfg) -> bool:
     return cfg.data.format == "preference"
 
 
-def _shared_prefix(chosen: list, rejected: list) -> int:
-    n = 0
-    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
-        n += 1
-    return n
-
-
 class PreferenceRows(Rows):
     """Rows of a `datasets` table or stream, read as pairs (a Batch's `texts` are dicts of
-    prompt, chosen and rejected, each a string or a list of turns)."""
+    prompt, chosen and rejected, each a string or a list of turns) in any layout of
+    preference_layouts.py; under KTO, as lists of unpaired rows (prompt, completion, desirable)."""
 
     def __init__(self, rows: Rows, cfg):
         d = cfg.data
         super().__init__(rows.dataset, rows.key, None, None, rows.total, None)
         names = _columns(rows.dataset)
-        for key, column in (("data.chosen_column", d.chosen_column), ("data.rejected_column", d.rejected_column)):
-            if column not in names:
-                raise UserError(Problem(key, f"no column {column!r} in {cfg.data.source}; the data has {names}",
-                                        fix=f"set {key} to the column holding that answer"))
-        prompt = d.prompt_column if d.prompt_column in names else None
-        self.names = {"prompt": prompt, "chosen": d.chosen_column, "rejected": d.rejected_column}
-        self.columns = tuple(c for c in self.names.values() if c)
-        self.key = f"preference|{'|'.join(self.columns)}|{rows.key}"
+        self.data, self.unpaired = d, cfg.preference.method == "kto"
+        kto = layouts.unpaired_columns(names, d) if self.unpaired else {}
+        if not self.unpaired or "paired" in kto:
+            for key, column in (("data.chosen_column", d.chosen_column), ("data.rejected_column", d.rejected_column)):
+                if column not in names:
+                    raise UserError(Problem(key, f"no column {column!r} in {cfg.data.source}; the data has {names}",
+                                            fix=f"set {key} to the column holding that answer"))
+            self.layout = layouts.recognise_pairs(names, d)
+            self.names = layouts.pair_columns(self.layout, names, d)
+        else:
+            self.layout, self.names = "unpaired", kto
+        self.columns = tuple(dict.fromkeys(c for k, c in self.names.items() if c and k != "layout"))
+        kind = "kto|" if self.unpaired else ""
+        self.key = f"preference|{kind}{self.layout}|{'|'.join(self.columns)}|{rows.key}"
 
-    def pair(self, row: dict, index: int) -> dict[str, Any]:
-        """One row as {prompt, chosen, rejected}: all text, or all turns; refused by key otherwise."""
-        cells = {part: row[column] for part, column in self.names.items() if column}
-        for part, value in cells.items():
-            if value is None or (isinstance(value, (str, list)) and not value and part != "prompt"):
-                raise UserError(Problem(_KEYS[part], f"row {index} (line {index + 1} of a jsonl file): an empty "
-                                        f"{part!r} cell", fix="drop or fix the row"))
-            if not isinstance(value, (str, list)):
-                raise UserError(Problem(_KEYS[part], f"row {index} (line {index + 1} of a jsonl file): {part} is a "
-                                        f"{type(value).__name__}; expected text or a list of {{role, content}} turns",
-                                        fix="fix the row, or point the key at the right column"))
-        conversational = isinstance(cells["chosen"], list)
-        for part, value in cells.items():
-            if isinstance(value, list) != conversational:
-                raise UserError(Problem(_KEYS[part], f"row {index} (line {index + 1} of a jsonl file): {part} is "
-                                        f"{'text' if isinstance(value, str) else 'turns'} while chosen is "
-                                        f"{'turns' if conversational else 'text'}",
-                                        fix="give every column of a row in one layout: all text, or all turns"))
-            if conversational:
-                cells[part] = _checked(value, index, _KEYS[part]) if value else []
-        if "prompt" not in cells:
-            if not conversational:
-                raise UserError(Problem("data.prompt_column", f"no column {self.names['prompt']!r}, and text answers "
-                                        "carry no prompt of their own", fix="set data.prompt_column to the prompt"))
-            n = _shared_prefix(cells["chosen"], cells["rejected"])
-            cells = {"prompt": cells["chosen"][:n], "chosen": cells["chosen"][n:], "rejected": cells["rejected"][n:]}
+    def pair(self, row: dict, index: int):
+        """One row as {prompt, chosen, rejected}: all text, or all turns; refused by key otherwise.
+        Under KTO: a list of {prompt, completion, desirable} (a pair gives two)."""
+        if self.layout == "unpaired":
+            return [layouts.unpaired_of(self.names, row, index)]
+        cells = layouts.pair_of(self.layout, self.names, row, index, self.data)
+        if self.unpaired:  # TRL's unpair_preference_dataset: the chosen answer desirable, the rejected one not
+            return [{"prompt": cells["prompt"], "completion": cells[part], "desirable": part == "chosen"}
+                    for part in ("chosen", "rejected")]
         return cells
 
     def batches(self, start: Optional[dict] = None, batch_bytes: int = 1 << 20) -> Iterator[Batch]:
@@ -94,7 +76,7 @@ class PreferenceRows(Rows):
 def template_key(cfg, tokenizer) -> str:
     """What the token cache entry depends on beyond the tokenizer's vocabulary."""
     digest = hashlib.sha256(str(getattr(tokenizer, "chat_template", None)).encode()).hexdigest()[:16]
-    return f"preference|{digest}"
+    return f"preference|{'kto|' if cfg.preference.method == 'kto' else ''}{digest}"
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:

@@ -59,6 +59,10 @@ def cache_kind(cfg: RunConfig, tokenizer) -> str:
 
 
 def encoder_for(cfg: RunConfig, tokenizer):
+    if preference.is_preference(cfg) and cfg.preference.method == "kto":
+        from overdrive.data.preference_unpaired import UnpairedEncoder
+
+        return UnpairedEncoder(tokenizer, cfg.data.max_length)
     if preference.is_preference(cfg):
         return preference.PreferenceEncoder(tokenizer, cfg.data.max_length)
     if chat.is_chat(cfg):
@@ -122,6 +126,10 @@ def _summary(progress: TokenizeProgress, meta: dict, entry: Path) -> None:
         progress.console.print("chat: " + chat.describe_counts(meta["chat"]))
     if "preference" in meta:
         progress.console.print("preference: " + preference.describe_counts(meta["preference"]))
+    if "unpaired" in meta:
+        from overdrive.data.preference_unpaired import describe_counts
+
+        progress.console.print("kto: " + describe_counts(meta["unpaired"]))
 
 
 def tokenize(cfg: RunConfig, splits: Splits, tokenizer, build: bool = True, show: bool = False

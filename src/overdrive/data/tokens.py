@@ -240,6 +240,12 @@ def open_entry(entry: Path, task: str, max_length: int, packing: bool = False,
             n = counts[f"{part}.ends"]
             result[part] = open_pairs(ids, cache.open_array(entry, f"{part}.ends", np.int64, n),
                                       cache.open_array(entry, f"{part}.mask", np.uint8, counts[f"{part}.mask"]))
+        elif task == "unpaired":  # KTO's rows: the label in the completion's mask (preference_unpaired.py)
+            from overdrive.data.preference_unpaired import open_unpaired
+
+            n = counts[f"{part}.ends"]
+            result[part] = open_unpaired(ids, cache.open_array(entry, f"{part}.ends", np.int64, n),
+                                         cache.open_array(entry, f"{part}.mask", np.uint8, counts[f"{part}.mask"]))
         elif task == "chat":
             n = counts[f"{part}.ends"]
             result[part] = open_chat(ids, cache.open_array(entry, f"{part}.ends", np.int64, n),

@@ -2,15 +2,17 @@
 
 Recognised by `base_model` with Axolotl's own keys beside it. Its FSDP block (`fsdp` +
 `fsdp_config`, with or without the `fsdp_` prefixes, `fsdp_version`) is handed to the Accelerate
-FSDP reader; `deepspeed:` names a DeepSpeed JSON, read as one. `rl:` (DPO, KTO, ORPO, GRPO, ...)
-and a reward model are refused: overdrive trains supervised fine-tuning and pre-training only.
+FSDP reader; `deepspeed:` names a DeepSpeed JSON, read as one. `rl:` dpo, ipo, orpo, simpo and kto
+and a reward model map onto `preference.*` (interop/tool_preference.py, with their DPO / KTO dataset
+types); online stages (GRPO, ...) are refused by key.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from overdrive.interop import tool_common as common
+from overdrive.interop import tool_preference
 from overdrive.interop.tool_common import ToolReader
 
 TOOL = "Axolotl"
@@ -34,13 +36,10 @@ def read(data, c, source: str):
     r.default("data.max_length", 512, "sequence_len defaults to 512")
     r.default("scheduler.name", "cosine", "lr_scheduler defaults to cosine")
     r.default("training.seed", 42, "seed defaults to 42")
-    for key in ("rl", "reward_model", "process_reward_model"):
-        if r.given(key) and r.data[key] not in (False, "none"):
-            r.refuse((key,), f"{key}: {r.data[key]!r} is a training stage overdrive does not run (its loss cannot be "
-                     "computed here)", "train this stage with Axolotl; overdrive runs supervised fine-tuning")
+    rl = tool_preference.axolotl(r)  # None: supervised fine-tuning
     _model(r)
     _adapter(r)
-    _data(r)
+    _data(r, rl)
     _loop(r)
     _parallel(r)
     _outputs(r)
@@ -120,7 +119,7 @@ def _adapter(r: ToolReader) -> None:
         r.unmapped(("lora_fan_in_fan_out",), "PEFT sets it from the model's layers")
 
 
-def _data(r: ToolReader) -> None:
+def _data(r: ToolReader, rl: Optional[str] = None) -> None:
     r.put_key("sequence_len", "data.max_length", int)
     r.put_key("sample_packing", "data.packing", common.truthy)
     r.put_key("train_on_inputs", "data.train_on_prompt", common.truthy)
@@ -144,7 +143,7 @@ def _data(r: ToolReader) -> None:
         key = "pretraining_dataset"
     else:
         key = "datasets"
-    entries = [_dataset(r, key, i, d) for i, d in enumerate(datasets if isinstance(datasets, list) else [datasets])]
+    entries = [_dataset(r, key, i, d, rl) for i, d in enumerate(datasets if isinstance(datasets, list) else [datasets])]
     entries = [e for e in entries if e]
     _put_sources(r, key, entries)
     for name in ("dataset_prepared_path", "shuffle_merged_datasets", "dataset_processes", "pad_to_sequence_len",
@@ -153,7 +152,7 @@ def _data(r: ToolReader) -> None:
             r.unmapped((name,))
 
 
-def _dataset(r: ToolReader, key: str, index: int, entry: Any) -> dict:
+def _dataset(r: ToolReader, key: str, index: int, entry: Any, rl: Optional[str] = None) -> dict:
     path = (key, str(index))
     if isinstance(entry, str):
         entry = {"path": entry}
@@ -166,6 +165,10 @@ def _dataset(r: ToolReader, key: str, index: int, entry: Any) -> dict:
            "path": path}
     if isinstance(out["source"], list):
         out["source"] = out["source"][0]
+    if rl:  # a preference stage's dataset type: its columns (interop/tool_preference.py)
+        if not tool_preference.axolotl_dataset(r, path, entry, rl, out):
+            return {}
+        return _source_keys(entry, out)
     base_kind = kind_name.split(":")[0].split(".")[0] if kind_name else None  # alpaca:chat, chat_template.default
     if base_kind in DATASET_TYPES and base_kind != kind_name and base_kind != "chat_template":
         r.c.warn(path + ("type",), f"{kind_name} read as {base_kind}: its prompt style is the chat template's here")
@@ -195,13 +198,18 @@ def _dataset(r: ToolReader, key: str, index: int, entry: Any) -> dict:
                  "built otherwise)", "convert the data to messages, ShareGPT or Alpaca rows (data.layout), or use "
                  "type: chat_template / alpaca / sharegpt / completion")
         return {}
+    _source_keys(entry, out)
+    for extra in ("roles_to_train", "train_on_eos", "shards", "preprocess_shards", "revision"):
+        if entry.get(extra) is not None:
+            r.c.warn(path + (extra,), "dataset key with no counterpart in overdrive: not used")
+    return out
+
+
+def _source_keys(entry: dict, out: dict) -> dict:
     if entry.get("name") and entry.get("path") and not entry.get("data_files"):
         out["subset"] = entry["name"]
     if entry.get("split"):
         out["split"] = entry["split"]
-    for extra in ("roles_to_train", "train_on_eos", "shards", "preprocess_shards", "revision"):
-        if entry.get(extra) is not None:
-            r.c.warn(path + (extra,), "dataset key with no counterpart in overdrive: not used")
     return out
 
 

@@ -7,7 +7,8 @@ differ from overdrive's are carried explicitly with LLaMA-Factory named as their
 checkpointing on, `cutoff_len: 2048`, 3 epochs, and Transformers' TrainingArguments defaults
 (linear schedule to 0, no warmup, no weight decay, betas 0.9/0.999). Datasets are looked up in
 `<dataset_dir>/dataset_info.json` as LLaMA-Factory does (file or hub id, alpaca or sharegpt
-formatting, column names and role tags). Stages other than pt and sft (rm, ppo, dpo, kto) are refused.
+formatting, column names and role tags). The preference stages dpo, kto and rm map onto `preference.*`
+(interop/tool_preference.py) with their `ranking: true` / `kto_tag` data sets; ppo is refused by key.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from overdrive.interop import llamafactory_v1
 from overdrive.interop import tool_common as common
+from overdrive.interop import tool_preference
 from overdrive.interop.tool_common import ToolReader
 
 TOOL = "LLaMA-Factory"
@@ -50,9 +52,11 @@ def read(data, c, source: str):
     r.default("model.gradient_checkpointing", True, "gradient checkpointing is on unless disable_gradient_checkpointing")
     r.default("data.validation_fraction", 0.0, "val_size defaults to 0")
     stage = str(r.get("stage", "sft")).lower()
-    if stage not in ("sft", "pt"):
-        r.refuse(("stage",), f"stage {stage!r} is a training stage overdrive does not run (its loss cannot be computed "
-                 "here)", "train this stage with LLaMA-Factory; overdrive runs pt and sft")
+    if stage in ("dpo", "kto", "rm"):
+        tool_preference.llamafactory(r, stage)
+    elif stage not in ("sft", "pt"):
+        r.refuse(("stage",), f"stage {stage!r} is a training stage overdrive does not run (an online stage)",
+                 f"{tool_preference.OFFERED}; pt and sft; train this stage with LLaMA-Factory")
     for key, what in _REFUSED.items():
         if r.given(key) and r.data[key] not in (False, 0, "none"):
             r.refuse((key,), f"{what} is not done by overdrive: the math would differ", f"remove {key}")
@@ -177,6 +181,9 @@ def _data(r: ToolReader, stage: str) -> None:
     entries = [e for e in entries if e]
     if stage == "sft" and entries:
         r.put("data.format", "chat", "dataset")
+    if stage in ("dpo", "kto", "rm") and len(entries) > 1:
+        r.refuse(("dataset",), "preference training reads one data set", "give one data set (merge the files)")
+        return
     if len(entries) == 1:
         for key, value in entries[0].items():
             if key != "name":
@@ -195,9 +202,11 @@ def _data(r: ToolReader, stage: str) -> None:
 
 
 def _entry(r: ToolReader, name: str, spec: dict, folder: Path, stage: str) -> dict:
-    if spec.get("ranking"):
-        r.refuse(("dataset",), f"{name!r} is a ranking (preference) data set: its stage is not run by overdrive",
-                 "give a supervised data set")
+    preference = stage in ("dpo", "kto", "rm")
+    if bool(spec.get("ranking")) != (stage in ("dpo", "rm")) and stage != "pt":
+        r.refuse(("dataset",), f"{name!r} is {'a' if spec.get('ranking') else 'not a'} ranking data set "
+                 f"(ranking: true in dataset_info.json) and stage is {stage}",
+                 "give a ranking data set to dpo and rm, another to sft and kto")
         return {}
     source = spec.get("file_name") and str(folder / spec["file_name"]) or spec.get("hf_hub_url") or spec.get("ms_hub_url")
     if not source:
@@ -219,11 +228,20 @@ def _entry(r: ToolReader, name: str, spec: dict, folder: Path, stage: str) -> di
             r.refuse(("dataset",), f"{name!r}: ShareGPT turns with tags {tags['role_tag']}/{tags['content_tag']}",
                      "rewrite the turns as {from, value} or {role, content}")
         entry["messages_column"] = columns.get("messages", "conversations")
+        if preference and entry["layout"] == "messages" and stage != "kto":  # the prompt's turns; chosen/rejected messages
+            entry["prompt_column"] = entry.pop("messages_column")
     else:
         entry["layout"] = "alpaca"
         for key, target in (("prompt", "prompt_column"), ("query", "input_column"), ("response", "completion_column")):
             if columns.get(key):
                 entry[target] = columns[key]
+        if stage == "kto":
+            r.refuse(("dataset",), f"{name!r}: KTO rows in the Alpaca formatting", "write them as a conversation "
+                     "(formatting: sharegpt) or prompt/completion/label columns")
+            return {}
+    for key, target in (("chosen", "chosen_column"), ("rejected", "rejected_column"), ("kto_tag", "label_column")):
+        if preference and columns.get(key):
+            entry[target] = columns[key]
     for key, target in (("system", "system_column"), ("tools", "tools_column")):
         if columns.get(key):
             entry[target] = columns[key]

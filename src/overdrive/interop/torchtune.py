@@ -6,8 +6,9 @@ Transformers checkpoint (`lora_attn_modules` q/k/v/output_proj -> q/k/v/o_proj, 
 -> gate/up/down_proj, `apply_lora_to_output` -> lm_head); the model itself is the checkpointer's
 Hugging Face directory. torchtune's defaults are carried explicitly: its cosine schedule decays
 to 0 (min lr 0), no schedule means a constant lr, `clip_grad_norm: null` is no clipping, the
-builders' lora_rank 8 / lora_alpha 16 / lora_dropout 0. A loss other than cross-entropy (DPO, PPO,
-...) is refused by key.
+builders' lora_rank 8 / lora_alpha 16 / lora_dropout 0. The DPO recipes' losses (DPOLoss, SimPOLoss)
+map onto `preference.*` (interop/tool_preference.py) with their paired data sets; another loss (PPO's,
+RSO's hinge) is refused by key.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from overdrive.interop import tool_common as common
+from overdrive.interop import tool_preference
 from overdrive.interop.tool_common import ToolReader
 
 TOOL = "torchtune"
@@ -28,7 +30,10 @@ OPTIMIZERS = {"AdamW": "adamw", "Adam": "adam", "SGD": "sgd", "Adafactor": "adaf
 DATASETS = {"alpaca_dataset": ("tatsu-lab/alpaca", "alpaca"), "alpaca_cleaned_dataset": ("yahma/alpaca-cleaned", "alpaca"),
             "slimorca_dataset": ("Open-Orca/SlimOrca-Dedup", "sharegpt"), "chat_dataset": (None, None),
             "instruct_dataset": (None, "prompt-completion"), "text_completion_dataset": (None, "text"),
-            "cnn_dailymail_articles_dataset": ("ccdv/cnn_dailymail", "text")}
+            "cnn_dailymail_articles_dataset": ("ccdv/cnn_dailymail", "text"),
+            # preference pairs: TRL's implicit-prompt turns, or the question and two answers
+            "preference_dataset": (None, "pairs"), "stack_exchange_paired_dataset": ("lvwerra/stack-exchange-paired",
+                                                                                     "pairs")}
 
 
 def recognises(data) -> bool:
@@ -61,10 +66,12 @@ def read(data, c, source: str):
 
 def _loss(r: ToolReader) -> None:
     loss = r.get("loss")
-    if loss and _name(loss) not in CROSS_ENTROPY:
-        r.refuse(("loss", "_component_"), f"loss {loss.get('_component_')!r} is not computed by overdrive (only "
-                 "the next-token cross-entropy)", "train this recipe with torchtune")
-    for key in ("ref_checkpointer", "reward_and_value_model", "ppo_epochs", "kl_coeff"):
+    if loss and _name(loss) not in CROSS_ENTROPY and not tool_preference.torchtune_loss(r, loss, _name(loss)):
+        r.refuse(("loss", "_component_"), f"loss {loss.get('_component_')!r} is not computed by overdrive (the "
+                 "next-token cross-entropy, DPOLoss, SimPOLoss)", f"{tool_preference.OFFERED}; or train this recipe "
+                 "with torchtune")
+    r.get("ref_checkpointer")
+    for key in ("reward_and_value_model", "ppo_epochs", "kl_coeff"):
         if r.given(key):
             r.refuse((key,), "a preference or reinforcement-learning recipe: not run by overdrive",
                      "train this recipe with torchtune")
@@ -125,7 +132,7 @@ def _data(r: ToolReader) -> None:
     blocks = r.get("dataset")
     blocks = blocks if isinstance(blocks, list) else [blocks] if blocks else []
     entries = [e for e in (_dataset(r, i if len(blocks) > 1 else None, b) for i, b in enumerate(blocks)) if e]
-    if any(e.get("layout") for e in entries):
+    if any(e.get("layout") for e in entries) and not any("chosen_column" in e for e in entries):
         r.put("data.format", "chat", "dataset")
     if len(entries) == 1:
         path = entries[0].pop("path")
@@ -169,6 +176,14 @@ def _dataset(r: ToolReader, index, block) -> dict:
     if layout == "text":
         entry["text_column"] = block.get("column", "text")
         layout = None
+    if layout == "pairs":  # preference pairs: their columns, the layout recognised by them
+        columns = block.get("column_map") or {}
+        if builder == "stack_exchange_paired_dataset":
+            entry.update(layout="alpaca", prompt_column="question", chosen_column="response_j",
+                         rejected_column="response_k")
+        else:
+            entry.update(chosen_column=columns.get("chosen", "chosen"), rejected_column=columns.get("rejected", "rejected"))
+        return entry
     if layout:
         entry["layout"] = layout
     if "packed" in block:

@@ -194,12 +194,23 @@ def summarize(run: Run) -> dict[str, Any]:
         "final_eval_loss": eval_losses[-1] if eval_losses else None,
         "min_eval_loss": min(eval_losses) if eval_losses else None,
         "final_eval_accuracy": _number(_last(evals, "eval_accuracy")),
+        **_preference(train, evals),
         "mean_tokens_per_s": steady_rate(train, "tokens_per_s"),
         "mean_mfu": steady_rate(train, "mfu"),
         "peak_memory_bytes": max(memory) if memory else None,
         "wall_time_s": max(elapsed) if elapsed else (max(stamps) - min(stamps) if len(stamps) > 1 else None),
         "bad_lines": run.bad_lines,
     }
+
+
+def _preference(train: list[dict[str, Any]], evals: list[dict[str, Any]]) -> dict[str, Optional[float]]:
+    """A preference run's last logged rewards, margins, accuracies (and KTO's KL), train and eval."""
+    out: dict[str, Optional[float]] = {}
+    for name in metrics_file.PREFERENCE_REPORTED:
+        out[f"final_{name}"] = _number(next((r[name] for r in reversed(train) if name in r), None))
+        out[f"final_eval_{name}"] = _number(next((r[f"eval_{name}"] for r in reversed(evals) if f"eval_{name}" in r),
+                                                 None))
+    return out
 
 
 def _model_name(cfg: dict[str, Any]) -> Optional[str]:
@@ -263,6 +274,8 @@ METRICS = (
     ("final_eval_loss", "final eval loss", ""),
     ("min_eval_loss", "min eval loss", ""),
     ("final_eval_accuracy", "final eval accuracy", ""),
+    *((f"final_{prefix}{name}", f"final {prefix.replace('_', ' ')}{name}", "") for prefix in ("", "eval_")
+      for name in metrics_file.PREFERENCE_REPORTED),
     ("mean_tokens_per_s", "mean tokens/s", ""),
     ("mean_mfu", "mean MFU", "percent"),
     ("peak_memory_bytes", "peak memory", "bytes"),

@@ -24,6 +24,7 @@ OBJECTIVES = {  # name: the keys that ask for it
             "preference.precompute_reference=true"],
     "orpo": [*PRETRAINED, "data.format=preference", "preference.method=orpo", "data.packing=false"],
     "simpo": [*PRETRAINED, "data.format=preference", "preference.method=simpo", "data.packing=false"],
+    "kto": [*PRETRAINED, "data.format=preference", "preference.method=kto", "data.packing=false"],
     "reward": [*PRETRAINED, "data.format=preference", "preference.method=reward", "data.packing=false",
                "model.task=sequence-classification"],
 }

@@ -26,7 +26,7 @@ from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem
 
 TOKEN = frozenset({"text", "chat"})
-PAIRS = frozenset({"dpo", "ipo", "orpo", "simpo"})
+PAIRS = frozenset({"dpo", "ipo", "orpo", "simpo", "kto"})  # the preference methods on a causal LM
 SCALAR = frozenset({"reward", "classification"})
 EVERY = TOKEN | PAIRS | SCALAR
 

@@ -69,7 +69,8 @@ def resolve(
         usable = {key: chain for key, chain in chains.items() if key not in bad}
         try:
             partial = RunConfig.model_validate(layers.nest(usable))
-            errors += validate.check(partial, usable)[0]
+            # a rule about a key whose value was refused judged its default, not the user's value: left out
+            errors += [problem for problem in validate.check(partial, usable)[0] if problem.key not in bad]
         except ValidationError:
             pass
         raise UserError(errors + type_errors) from None

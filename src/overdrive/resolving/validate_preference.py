@@ -10,7 +10,8 @@ from overdrive.errors import Problem
 
 _KNOBS = {"preference.label_smoothing": ("dpo", "simpo"), "preference.simpo_gamma": ("simpo",),
           "preference.precompute_reference": WITH_REFERENCE,
-          "preference.beta": ("dpo", "ipo", "orpo", "simpo"), "preference.center_rewards_coefficient": ("reward",)}
+          "preference.beta": ("dpo", "ipo", "orpo", "simpo", "kto"), "preference.center_rewards_coefficient": ("reward",),
+          "preference.desirable_weight": ("kto",), "preference.undesirable_weight": ("kto",)}
 
 
 def preference_rules(cfg: RunConfig, where: Callable[[str], str],
@@ -21,7 +22,7 @@ def preference_rules(cfg: RunConfig, where: Callable[[str], str],
     if p.method == "none":
         if pairs:
             errors.append(Problem("preference.method", "data.format is preference, but no preference method is set",
-                                  where("data.format"), "set preference.method (dpo, ipo, orpo or simpo)"))
+                                  where("data.format"), "set preference.method (dpo, ipo, orpo, simpo, kto or reward)"))
         stray = [k for k in _KNOBS if set_explicitly(k)]
         if stray:
             warnings.append(Problem(stray[0], "applies to preference training only (preference.method is none)",
@@ -50,7 +51,29 @@ def preference_rules(cfg: RunConfig, where: Callable[[str], str],
         if set_explicitly(key) and p.method not in methods:
             warnings.append(Problem(key, f"has no effect with preference.method={p.method} (used by "
                                     f"{', '.join(methods)})", where(key), "remove the key"))
-    return errors + reference_rules(cfg, where), warnings + pretraining_defaults(cfg, where, set_explicitly)
+    return (errors + kto_rules(cfg, where) + reference_rules(cfg, where),
+            warnings + pretraining_defaults(cfg, where, set_explicitly))
+
+
+def kto_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
+    """KTO's KL estimate pairs each row's prompt with another row's completion of the same micro-batch
+    (as TRL's KTOTrainer, which refuses a per-device batch of 1), so the mismatched pairs are drawn anew
+    each step and cannot be scored once before training."""
+    if cfg.preference.method != "kto":
+        return []
+    problems = []
+    if cfg.training.micro_batch_size == 1:
+        problems.append(Problem("training.micro_batch_size", "kto estimates its KL term from the other rows of a "
+                                "micro-batch; with one row the estimate is the row's own reward",
+                                where("training.micro_batch_size"), "set training.micro_batch_size to 2 or more "
+                                "(lower training.gradient_accumulation_steps to keep the global batch)"))
+    if cfg.preference.precompute_reference:
+        problems.append(Problem("preference.precompute_reference", "kto's mismatched pairs are drawn with each "
+                                "micro-batch, so their reference log-probs cannot be computed once",
+                                where("preference.precompute_reference"),
+                                "set preference.precompute_reference=false (with peft.method=lora the base model "
+                                "is the reference)"))
+    return problems
 
 
 def pretraining_defaults(cfg: RunConfig, where: Callable[[str], str],
@@ -89,7 +112,9 @@ def reference_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem
     strategy = registry.of(cfg)
     if strategy.holds_whole_model(cfg):
         return []
+    fix = ("set peft.method=lora (the base model is the reference)" if p.method == "kto" else
+           "set preference.precompute_reference=true (the reference log-probs computed once before training), or "
+           "peft.method=lora (the base model is the reference)")
     return [Problem("preference.precompute_reference", f"{p.method} with every parameter trained needs a reference "
                     f"model; under {strategy.label(cfg)} the policy is sharded and a whole frozen copy would not be",
-                    where("preference.method"), "set preference.precompute_reference=true (the reference log-probs "
-                    "computed once before training), or peft.method=lora (the base model is the reference)")]
+                    where("preference.method"), fix)]

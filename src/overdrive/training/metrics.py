@@ -19,6 +19,10 @@ from typing import Any, Mapping, Optional
 from overdrive.storage.faults import writing
 
 FILE_NAME = "metrics.jsonl"
+# A preference run's own fields (TRL's names; `eval_` before them on eval lines): what its progress
+# lines show first, then what its report adds.
+PREFERENCE_WATCHED = ("rewards/accuracies", "rewards/margins", "kl")
+PREFERENCE_REPORTED = PREFERENCE_WATCHED + ("rewards/chosen", "rewards/rejected")
 
 
 def path_in(output_dir: str | Path) -> Path:

@@ -116,7 +116,7 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
     layers, width = model_mod.shape_of(model.config)
     # MFU against the peak of the precision the matmuls run in (bf16 weights without autocast: bf16).
     peak = telemetry.DevicePeak(accelerator.device, matmul_precision(cfg.precision.mixed_precision, model), cache_dir)
-    collate = data_mod.collate_for(data_mod.sample_kind(cfg), tokenizer.pad_token_id)
+    collate = data_mod.collate_for(data_mod.sample_kind(cfg), tokenizer.pad_token_id, d.max_length)
     train_loader = data_mod.train_loader(tokens.train, split.micro, split.accumulation,
                                          split.data_parallel, t.seed, d.shuffle, d.num_workers,
                                          d.pin_memory, collate)

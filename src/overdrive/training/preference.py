@@ -20,6 +20,7 @@ import torch
 
 from overdrive.config.schema import RunConfig
 from overdrive.config.schema_preference import WITH_REFERENCE
+from overdrive.training import preference_kto as kto
 from overdrive.training import preference_loss as losses
 from overdrive.training.objective import Objective
 
@@ -65,7 +66,10 @@ class PreferenceObjective(Objective):
         self.name = f"{p.method} on preference pairs"
         self.centering = p.center_rewards_coefficient
         self.accelerator, self.reference, self.eval_reference = accelerator, reference, eval_reference
-        self.sums_of_metrics = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=accelerator.device)
+        # KTO (unpaired rows): its own loss and sums (preference_kto.py)
+        self.unpaired = kto.UnpairedLoss(cfg, accelerator, _logps) if p.method == "kto" else None
+        slots = len(kto.SLOTS) if self.unpaired is not None else len(METRICS) + 1
+        self.sums_of_metrics = torch.zeros(slots, dtype=torch.float64, device=accelerator.device)
 
     def restore(self, pending: Optional[list]) -> None:
         """A resumed run's interval since its last log point (summed over ranks: kept on one)."""
@@ -96,16 +100,22 @@ class PreferenceObjective(Objective):
         return {"eval_loss": loss.item(), **{f"eval_{k}": v for k, v in metrics.items()}}
 
     def counts(self, batch: dict) -> torch.Tensor:
-        """The pairs of a micro-batch (chosen rows, then rejected ones); ORPO: and the tokens of
-        the chosen rows its NLL is taken over."""
-        pairs = batch["input_ids"].shape[0] // 2
+        """The pairs of a micro-batch (chosen rows, then rejected ones), or KTO's rows; ORPO: and
+        the tokens of the chosen rows its NLL is taken over."""
         device = batch["input_ids"].device
+        if self.unpaired is not None:
+            return kto.units(batch).to(device).reshape(1)
+        pairs = batch["input_ids"].shape[0] // 2
         if self.method != "orpo":
             return torch.tensor([pairs], dtype=torch.long, device=device)
         chosen_tokens = batch["attention_mask"][:pairs, 1:].sum()
         return torch.stack([torch.tensor(pairs, dtype=torch.long, device=device), chosen_tokens.long()])
 
     def sums(self, model, batch: dict) -> torch.Tensor:
+        if self.unpaired is not None:  # KTO: its mean over the micro-batch's rows (the KL estimate is the batch's)
+            loss, metrics = self.unpaired(model, batch, self.reference)
+            self.sums_of_metrics += metrics
+            return (loss * batch["input_ids"].shape[0]).reshape(1)
         if self.method == "reward":  # a scalar per sequence: chosen rows, then rejected ones
             scores = model(**{k: batch[k] for k in MODEL_INPUTS}, use_cache=False).logits.squeeze(-1).float()
             n = len(scores) // 2
@@ -149,12 +159,18 @@ class PreferenceObjective(Objective):
         """TRL's metrics over the pairs since the last read, on every rank (a sync: the log point)."""
         total = self.accelerator.reduce(self.sums_of_metrics.clone(), "sum").tolist()
         self.sums_of_metrics.zero_()
+        if self.unpaired is not None:
+            return kto.means(total)
         count = max(total[-1], 1.0)
         if self.method == "reward":  # the rewards are the scores; also RewardTrainer's own names
             means = {name: value / count for name, value in zip(REWARD_METRICS, total)}
             return {**means, "accuracy": means["rewards/accuracies"], "margin": means["rewards/margins"],
                     "mean_reward": (means["rewards/chosen"] + means["rewards/rejected"]) / 2}
         return {name: value / count for name, value in zip(METRICS, total)}
+
+
+def _logps(model, batch: dict) -> torch.Tensor:
+    return sequence_scores(model, batch)[0]
 
 
 def lora_reference(accelerator) -> Callable[[Any, dict], torch.Tensor]:

@@ -14,6 +14,12 @@ model's log-probs; it returns per-pair losses and the rewards TRL logs. Sources 
     orpo    ORPOTrainer.odds_ratio_loss: average log-probs, log odds
             (a - r) - (log(1 - e^a) - log(1 - e^r)); loss = NLL(chosen) - b logsigmoid(log odds)
 
+    kto     KTOTrainer, loss_type "kto" (unpaired rows, each desirable or not): with r the
+            log-ratio (policy - reference) of a completion and z the KL estimate,
+            desirable 1 - sigmoid(b (r - z)), undesirable 1 - sigmoid(b (z - r)), weighted by
+            desirable_weight / undesirable_weight; z is the mean log-ratio of mismatched
+            (prompt, another row's completion) pairs, detached, averaged over ranks, clamped at 0
+
     reward  RewardTrainer.compute_loss: -logsigmoid(r_chosen - r_rejected) (Bradley-Terry), plus
             center_rewards_coefficient x mean((r_chosen + r_rejected)^2) when set
 
@@ -105,3 +111,32 @@ def bradley_terry(chosen_scores, rejected_scores, center_rewards_coefficient=Non
         losses = losses + center_rewards_coefficient * (chosen_scores + rejected_scores) ** 2
     return PairScores(losses, chosen_scores.detach(), rejected_scores.detach(), chosen_scores.detach(),
                       rejected_scores.detach())
+
+
+@dataclass
+class UnpairedScores:
+    """KTO on a batch of rows: per-row weighted losses, the desirable and undesirable rows' rewards and log-probs."""
+
+    losses: torch.Tensor
+    chosen_rewards: torch.Tensor
+    rejected_rewards: torch.Tensor
+    chosen_logps: torch.Tensor
+    rejected_logps: torch.Tensor
+
+
+def kto_kl(mismatched, mismatched_reference) -> torch.Tensor:
+    """One batch's KL estimate (before the mean over ranks and the clamp): the mean log-ratio
+    of the mismatched pairs, without gradient."""
+    return (mismatched - mismatched_reference).mean().detach()
+
+
+def kto(logps, reference_logps, desirable: torch.Tensor, kl: torch.Tensor, beta: float,
+        desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> UnpairedScores:
+    """`desirable`: a bool per row; `kl`: the estimate already clamped at 0. The mean of the
+    losses is TRL's loss (its rows ordered desirable first, which the mean does not see)."""
+    ratios = logps - reference_logps
+    good, bad = ratios[desirable], ratios[~desirable]
+    losses = torch.cat([desirable_weight * (1 - torch.sigmoid(beta * (good - kl))),
+                        undesirable_weight * (1 - torch.sigmoid(beta * (kl - bad)))])
+    return UnpairedScores(losses, beta * good.detach(), beta * bad.detach(), logps[desirable].detach(),
+                          logps[~desirable].detach())

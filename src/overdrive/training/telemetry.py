@@ -21,6 +21,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from overdrive.config.keys import flatten
+from overdrive.training import metrics as metrics_file
 from overdrive.training.metrics import MetricsLog  # noqa: F401 - the writer, kept where the loop finds it
 from overdrive.system.hardware import cpu_model
 from overdrive.storage.whole_file import replace_whole
@@ -241,10 +242,15 @@ class ProgressDisplay:
             self.bar = None
 
 
+# What a preference run is watched by (TRL's names, training/preference.py), on its progress lines.
+PREFERENCE_SHOWN = tuple((f"{prefix}{name}", f"{prefix}{name} {{:.4f}}") for prefix in ("", "eval_")
+                         for name in metrics_file.PREFERENCE_WATCHED)
+
+
 def _format(values: Mapping[str, Any]) -> str:
     parts = []
     for key, fmt in (("loss", "loss {:.4f}"), ("eval_loss", "eval_loss {:.4f}"), ("eval_accuracy", "acc {:.3f}"),
-                     ("lr", "lr {:.2e}"), ("tokens_per_s", "{:,.0f} tok/s"), ("mfu", "mfu {:.1%}")):
+                     *PREFERENCE_SHOWN, ("lr", "lr {:.2e}"), ("tokens_per_s", "{:,.0f} tok/s"), ("mfu", "mfu {:.1%}")):
         if values.get(key) is not None:
             parts.append(fmt.format(values[key]))
     return "  ".join(parts)
