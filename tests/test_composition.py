@@ -160,3 +160,11 @@ def test_the_dpo_starting_point_is_accepted_as_written_and_the_pretraining_defau
     bare = resolve_items(["model.name_or_path=org/sft", "data.source=pairs.jsonl", "data.format=preference",
                           "preference.method=dpo"], tell=False)
     assert {"optim.lr", "training.max_steps"} <= {p.key for p in bare.warnings}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="judges a machine without a GPU")
+def test_context_parallel_explained_on_a_machine_that_cannot_run_it_is_refused_as_train_refuses_it(capsys):
+    items = ["parallel.strategy=fsdp", "parallel.cp_size=2", "launch.num_processes=2"]
+    assert cli.main(["explain", *items]) == 2
+    assert "parallel.cp_size:" in capsys.readouterr().err
+    assert cli.main(["explain", *items, "launch.gpus_per_machine=2"]) == 0  # explained for GPU machines

@@ -124,7 +124,13 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.commands.arguments import resolved_from
 
     resolved = resolved_from(args, tell=False)  # shown with the rest of the explanation
-    warnings = resolved.warnings + hardware_warnings(resolved)
+    machine = hardware_warnings(resolved)
+    # A layout axis the machine the run trains on cannot run (context parallel on CPU processes) is
+    # refused here as `train` refuses it: the table of what composes answers for layouts. Other
+    # hardware gaps stay warnings (a GPU config explained on a laptop); `launch.gpus_per_machine`
+    # names other machines, judged by their GPUs.
+    layout_refusals = [p for p in machine if p.key in _LAYOUT_AXES]
+    warnings = resolved.warnings + [p for p in machine if p not in layout_refusals]
     if args.key:
         return _explain_key(resolved, args.key)
     from overdrive.config.redact import redact, redact_text
@@ -140,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
             "resume": _resume(resolved.config),
             "layout": layout.summary(resolved.config),
         }, indent=2))
-        return 0
+        return _refuse(layout_refusals)
     rows = []
     for key, value in _flat_values(resolved.config).items():
         origin = _origin_of(resolved.origins, key)
@@ -161,7 +167,19 @@ def run(args: argparse.Namespace) -> int:
     if resume:
         print(f"resume: {resume['text']}")
     _print_problems("warnings", warnings)
-    return 0
+    return _refuse(layout_refusals)
+
+
+_LAYOUT_AXES = ("parallel.cp_size", "parallel.sp_size")
+
+
+def _refuse(layout_refusals: list[Problem]) -> int:
+    """Exit 2 naming each layout axis this run's machines cannot run (after the explanation)."""
+    if not layout_refusals:
+        return 0
+    _print_problems("this machine cannot run the layout (train refuses it too; set launch.gpus_per_machine to "
+                    "explain it for GPU machines)", layout_refusals)
+    return 2
 
 
 def _resume(config) -> Any:

@@ -53,7 +53,11 @@ def verdict(objective: str, layout: str, adapter: str) -> str:
         resolved = resolve([], cli=items, env={}, accelerate_default=False)
     except UserError as error:
         return "no: " + ", ".join(sorted({p.key for p in error.problems}))
-    from overdrive.strategies import cpu
+    from overdrive.strategies import cpu, layout
+
+    loop = layout.loop_problems(resolved.config)  # what `overdrive train`'s loop refuses before it starts
+    if loop:
+        return "no: " + ", ".join(sorted({p.key for p in loop}))
 
     on_cpu = resolved.config.model_copy(update={"launch": resolved.config.launch.model_copy(
         update={"use_cpu": True, "gpus_per_machine": None})})
@@ -67,7 +71,9 @@ def markdown() -> str:
              "(`python -m overdrive.resolving.compatibility`); tests/test_composition.py checks it.", "",
              "Each cell: **runs** (on CPU processes and on GPUs, with the one-process losses at the same global "
              "batch), **GPU: key** (runs on CUDA GPUs; on CPU it is refused by that key), or **no: key** "
-             "(refused by that key before anything starts, with the fix in the message). Preference methods are "
+             "(refused by that key before anything starts, with the fix in the message; sequence parallel is "
+             "refused by `overdrive train`, whose loop does not split sequences for Ulysses, and runs in a "
+             "Transformers or TRL script under `overdrive launch`). Preference methods are "
              "shown with a precomputed reference where they need one under a sharded strategy "
              "(`preference.precompute_reference`).", ""]
     for adapter in ADAPTERS:

@@ -236,12 +236,13 @@ def hardware_problems(cfg: RunConfig, chains: Chains, hardware) -> list[Problem]
                                 _where(chains, "precision.mixed_precision"), f"use fp16; detected: {detected}"))
     # "nccl needs CUDA GPUs" and the other CPU-only refusals live in strategies/cpu.py (the
     # launcher asks the same rules), named here with the file and line each value came from.
-    if not on_gpu and not cfg.launch.use_cpu:  # with use_cpu they are the config's own errors (cpu_rules)
+    # Judged for the machines the run trains on: `launch.gpus_per_machine` names them, else this one.
+    gpus = cfg.launch.gpus_per_machine if cfg.launch.gpus_per_machine is not None else hardware.gpu_count
+    if not cfg.launch.use_cpu:  # with use_cpu they are the config's own errors (cpu_rules)
         from overdrive.strategies import cpu
 
-        problems += [Problem(p.key, p.message, _where(chains, p.key), p.fix) for p in cpu.problems(cfg, gpus=0)]
-    if not cfg.launch.use_cpu:
-        problems += composition.attention_problems(cfg, lambda key: _where(chains, key), on_cpu=not on_gpu)
+        problems += [Problem(p.key, p.message, _where(chains, p.key), p.fix) for p in cpu.problems(cfg, gpus=gpus)]
+        problems += composition.attention_problems(cfg, lambda key: _where(chains, key), on_cpu=gpus == 0)
     problems += nvme_problems(cfg, chains)
     if cfg.launch.gpu_ids != "all" and hardware.gpu_count == 0 and not cfg.launch.use_cpu:
         problems.append(Problem("launch.gpu_ids", f"asks for GPUs {cfg.launch.gpu_ids}", _where(chains, "launch.gpu_ids"),
