@@ -138,3 +138,23 @@ def test_the_code_is_ruff_clean():
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([ruff, "check", "src", "tests", "bench"], cwd=root, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+
+
+def test_every_module_path_the_docs_and_docstrings_name_exists():
+    """A path like `training/step_loss.py` in docs/, README.md or a module's text names a file of
+    the project (src/overdrive, the repository, tests/) or of an installed library."""
+    import re
+    import sysconfig
+
+    root = Path(__file__).resolve().parents[1]
+    source = root / "src" / "overdrive"
+    site = Path(sysconfig.get_paths()["purelib"])
+    named = re.compile(r"(?<![\w/.-])((?:[a-z_]+/)+[a-z_0-9]+\.py)\b")
+    texts = [*(root / "docs").glob("*.md"), root / "README.md", *source.rglob("*.py")]
+    missing = []
+    for text in texts:
+        for path in set(named.findall(text.read_text())):
+            places = [root / path, source / path, root / "tests" / path, site / path, *site.glob(f"*/{path}")]
+            if not any(place.exists() for place in places):
+                missing.append(f"{text.relative_to(root)}: {path}")
+    assert not missing, "\n".join(missing)

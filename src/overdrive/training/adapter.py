@@ -106,7 +106,7 @@ def apply(cfg, model, gradient_checkpointing: bool = False):
         # Norms and other unquantized weights in fp32 for stability, inputs made to carry grads.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
                                                 gradient_checkpointing_kwargs={"use_reentrant": False})
-    if cfg.peft.adapter_path:  # an adapter that exists, trained on (its config checked by config/validate_adapter.py)
+    if cfg.peft.adapter_path:  # an adapter that exists, trained on (its config checked by resolving/validate_adapter.py)
         from peft import PeftModel
 
         return PeftModel.from_pretrained(model, str(Path(cfg.peft.adapter_path).expanduser()), is_trainable=True)

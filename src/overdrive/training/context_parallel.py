@@ -14,7 +14,7 @@ first token of the next rank's slice, which the model's own shift cannot see. `l
 the batch only because Transformers computes a loss when it is given (shift_labels wins).
 
 Masks are dropped by the hooks, so what relies on one (packed conversations, classification's
-padding) is refused before a run starts (config/validate_gpu.py); right padding of a causal
+padding) is refused before a run starts (resolving/composition.py); right padding of a causal
 LM needs none (no real token attends to a later pad).
 """
 
