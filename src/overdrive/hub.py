@@ -20,10 +20,13 @@ import functools
 import socket
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 from urllib.parse import urlparse
 
 from overdrive.errors import Problem, UserError
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 CONNECT_TIMEOUT_S = 3.0
 
@@ -186,7 +189,7 @@ def refuse_if_unreadable(key: str, name: Optional[str], what: str = "model") -> 
         raise UserError(problem, title=f"cannot read the {what} {name!r}")
 
 
-def refuse_unreadable_names(cfg) -> None:
+def refuse_unreadable_names(cfg: RunConfig) -> None:
     """The run's model and tokenizer names, checked as `refuse_if_unreadable` says."""
     refuse_if_unreadable("model.name_or_path", cfg.model.name_or_path)
     refuse_if_unreadable("tokenizer.name_or_path", cfg.tokenizer.name_or_path, "tokenizer")

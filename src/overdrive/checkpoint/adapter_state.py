@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from overdrive.errors import Problem, UserError
 
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
-def base_record(cfg) -> Optional[dict[str, Any]]:
+
+def base_record(cfg: RunConfig) -> Optional[dict[str, Any]]:
     """The frozen base as a checkpoint refers to it (None without an adapter)."""
     if cfg.peft.method == "none":
         return None
@@ -37,7 +40,7 @@ def base_record(cfg) -> Optional[dict[str, Any]]:
     return record
 
 
-def check_base(saved: dict, cfg, name: str) -> None:
+def check_base(saved: dict, cfg: RunConfig, name: str) -> None:
     """Refuse a resume whose base model's files are not the ones the adapter was trained on."""
     before, now = saved.get("base_model"), base_record(cfg)
     if before and now and before.get("fingerprint") != now.get("fingerprint"):
@@ -47,7 +50,7 @@ def check_base(saved: dict, cfg, name: str) -> None:
                                 "with checkpoint.resume=never"))
 
 
-def attach(cfg, accelerator) -> tuple[dict, dict]:
+def attach(cfg: RunConfig, accelerator) -> tuple[dict, dict]:
     """(save_state kwargs, load_state kwargs) that keep the frozen base out of the checkpoint;
     registers the pre-hook where Accelerate writes the weights itself."""
     if cfg.peft.method == "none":

@@ -7,10 +7,15 @@ step time when an earlier run in the same output_dir measured throughput.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from overdrive.console import counted
 
 import argparse
 import json
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -164,13 +169,13 @@ def _stage_lines(stages: dict, gib) -> list[str]:
     return lines
 
 
-def _lr_points(cfg) -> list[tuple[int, float]]:
+def _lr_points(cfg: RunConfig) -> list[tuple[int, float]]:
     from overdrive.training.optimization import lr_curve
 
     return lr_curve(cfg)
 
 
-def _optimizer(cfg) -> dict:
+def _optimizer(cfg: RunConfig) -> dict:
     import overdrive.config.optimizer_catalog as optimizer_catalog
 
     kind = optimizer_catalog.of(cfg)
@@ -178,14 +183,14 @@ def _optimizer(cfg) -> dict:
     return {"name": kind.name, "title": title, "state": kind.state_words}
 
 
-def _source_sizes(cfg) -> list:
+def _source_sizes(cfg: RunConfig) -> list:
     """(source, DataSize) for each source of a mixture, from the forecast a single source gets."""
     from overdrive.data.mixing import source_configs
 
     return [(part, _data_size(part.cfg, _tokenize_forecast(part.cfg))) for part in source_configs(cfg)]
 
 
-def _sources(cfg, sizes: list, math_) -> list[dict]:
+def _sources(cfg: RunConfig, sizes: list, math_) -> list[dict]:
     """Per source of a mixture: its size, its share, and what the run draws from it (samples,
     tokens, passes over it)."""
     total_weight = sum(part.weight for part, _ in sizes) or 1.0
@@ -203,7 +208,7 @@ def _sources(cfg, sizes: list, math_) -> list[dict]:
     return rows
 
 
-def _tokenize_forecast(cfg):
+def _tokenize_forecast(cfg: RunConfig):
     """Measured on a sample of this machine's data (data/estimate.py); None when it cannot be read."""
     from overdrive.data import estimate
     from overdrive.errors import UserError
@@ -224,7 +229,7 @@ def _tokenize_forecast(cfg):
 _NAMES = ("model.name_or_path", "model.revision", "tokenizer.name_or_path")
 
 
-def _data_size(cfg, tokenize):
+def _data_size(cfg: RunConfig, tokenize):
     from overdrive.memory import plan as arith
 
     est = tokenize.estimate if tokenize else None
@@ -238,7 +243,7 @@ def _data_size(cfg, tokenize):
     return arith.data_size(cfg)
 
 
-def _tokenize_line(cfg, tokenize) -> str:
+def _tokenize_line(cfg: RunConfig, tokenize) -> str:
     if tokenize is None or (tokenize.estimate is None and not tokenize.cached_tokens):
         return f"tokenize     {tokenize.note if tokenize else 'not measured'}"
     if tokenize.cached_tokens:
@@ -254,7 +259,7 @@ def _tokenize_line(cfg, tokenize) -> str:
             f"cache ~{est.cache_bytes / 1e6:,.0f} MB on disk under {cfg.data.cache_dir}/tokens")
 
 
-def _cpu(cfg) -> bool:
+def _cpu(cfg: RunConfig) -> bool:
     from overdrive.strategies.cpu import on_cpu
 
     return on_cpu(cfg)
@@ -272,7 +277,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def _length_origin(cfg) -> str:
+def _length_origin(cfg: RunConfig) -> str:
     t, s = cfg.training, cfg.scheduler
     text = f" (derived: training.num_epochs={t.num_epochs:g} x steps per epoch)" if t.num_epochs is not None else ""
     if s.warmup_ratio is not None:
@@ -280,7 +285,7 @@ def _length_origin(cfg) -> str:
     return text
 
 
-def _warmup(cfg, max_steps) -> int:
+def _warmup(cfg: RunConfig, max_steps) -> int:
     from overdrive.config.length import warmup_steps
 
     s = cfg.scheduler

@@ -10,10 +10,15 @@ Run again, the same command continues from the newest complete checkpoint in out
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import argparse
 import sys
 
 from overdrive.commands.arguments import add_accelerate_default_argument, load_run
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 EXAMPLES = """\
 examples:
@@ -163,7 +168,7 @@ def _how_to_resume(path, signum: int, in_worker: bool) -> None:
         print(f"overdrive: {why}; {where}. To resume, run the same command again:\n  {command}", file=sys.stderr)
 
 
-def _final_files(cfg) -> str:
+def _final_files(cfg: RunConfig) -> str:
     if not cfg.checkpoint.save_final_model:
         return ""
     if cfg.peft.method == "none":
@@ -184,7 +189,7 @@ def _preference_lines(out) -> list[str]:
     return [f"{name} {first[name]:.4f} -> {logged[-1][name]:.4f}" for name in names]
 
 
-def _summary(result, cfg, items=None) -> None:
+def _summary(result, cfg: RunConfig, items=None) -> None:
     from overdrive.commands.next_steps import next_lines
 
     out = result.output_dir

@@ -262,7 +262,12 @@ def set_dotted(values: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def dotted_value(config: Any, dotted: str) -> Any:
+# A RunConfig, or its JSON form (a checkpoint's saved config, a plan's input, read before it is
+# validated again): what the readers that take either say they take; `dotted_value` reads both.
+ConfigLike = Union[RunConfig, Mapping[str, Any]]
+
+
+def dotted_value(config: ConfigLike, dotted: str) -> Any:
     """The value at `dotted` of a RunConfig, or of its JSON form (a checkpoint's saved config,
     read before it is validated again): the one reader of both shapes."""
     node = config

@@ -17,10 +17,13 @@ about 20 log points in a shorter run (`log_interval`: a 20-step run logs every s
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from overdrive.config.provenance import Origin
 from overdrive.errors import Problem
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 PAIRS = (("training.max_steps", "training.num_epochs"), ("scheduler.warmup_steps", "scheduler.warmup_ratio"))
 
@@ -87,7 +90,7 @@ def steps_for(epochs: float, per_epoch: int) -> int:
     return max(1, math.ceil(epochs * per_epoch))
 
 
-def derived(cfg, samples: int, global_batch: int):
+def derived(cfg: RunConfig, samples: int, global_batch: int):
     """The config with the steps (and warmup, evaluation and saving per epoch) counted from
     `samples` training samples: (config, {key: why}). Unchanged without epochs or per-epoch keys."""
     t, s, c = cfg.training, cfg.scheduler, cfg.checkpoint

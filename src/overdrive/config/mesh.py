@@ -10,9 +10,12 @@ split included; strategies/layout.py adds the rules and Accelerate's objects.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from overdrive.config.keys import dotted_value
+
+if TYPE_CHECKING:
+    from overdrive.config.keys import ConfigLike
 
 # Accelerate's canonical mesh order (ParallelismConfig._get_mesh): outermost first. Ranks
 # next to each other share the innermost axis, so TP stays within a machine. Pipeline stages
@@ -68,18 +71,18 @@ class Layout:
         return " x ".join(f"{name} {size}" for name, size in self.mesh) or "one rank"
 
 
-def world_of(cfg: Any, world: Optional[int] = None) -> int:
+def world_of(cfg: ConfigLike, world: Optional[int] = None) -> int:
     return int(world or dotted_value(cfg, "launch.num_processes"))
 
 
-def _parallel(cfg: Any, key: str) -> Any:
+def _parallel(cfg: ConfigLike, key: str) -> Any:
     """A `parallel.*` size; a checkpoint's saved config from before an axis existed has none."""
     if isinstance(cfg, Mapping):
         return (cfg.get("parallel") or {}).get(key, None if key == "dp_shard_size" else 1)
     return dotted_value(cfg, f"parallel.{key}")
 
 
-def layout(cfg: Any, world: Optional[int] = None, shard_the_rest: bool = False) -> Layout:
+def layout(cfg: ConfigLike, world: Optional[int] = None, shard_the_rest: bool = False) -> Layout:
     """The layout a run config (RunConfig or its JSON dump) asks for on `world` ranks. The rest
     of the world (world / the axes given) is data parallel: sharded when `shard_the_rest` (the
     strategy shards parameters and dp_shard_size is left empty), replicated otherwise. The

@@ -14,9 +14,13 @@ one that factors or orthogonalises matrices does not.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from overdrive.config.keys import dotted_value as _get  # a RunConfig or its JSON dump, read alike
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
+    from overdrive.config.keys import ConfigLike
 
 
 @dataclass(frozen=True)
@@ -45,23 +49,23 @@ class OptimizerKind:
     _state_bytes: Callable[[Counts, Any], float]
     state_words: str
 
-    def state_bytes(self, counts: Counts, cfg: Any = None) -> float:
+    def state_bytes(self, counts: Counts, cfg: Optional[RunConfig] = None) -> float:
         """Bytes of optimizer state for the whole model (divide by the parameter count for per-parameter)."""
         return self._state_bytes(counts, cfg)
 
 
-def _sgd_state(counts: Counts, cfg: Any) -> float:
+def _sgd_state(counts: Counts, cfg: ConfigLike) -> float:
     momentum = 0.9 if cfg is None or _get(cfg, "optim.momentum") is None else _get(cfg, "optim.momentum")
     return 4.0 * counts.total if momentum > 0 else 0.0
 
 
-def _adafactor_state(counts: Counts, cfg: Any) -> float:
+def _adafactor_state(counts: Counts, cfg: RunConfig) -> float:
     # torch Adafactor: a row and a column second-moment vector per matrix, the full second
     # moment for vectors; no first moment.
     return 4.0 * (counts.matrix_sides + (counts.total - counts.matrices))
 
 
-def _muon_state(counts: Counts, cfg: Any) -> float:
+def _muon_state(counts: Counts, cfg: RunConfig) -> float:
     # One fp32 momentum buffer on the hidden matrices, AdamW's two on everything else.
     return 4.0 * counts.hidden_matrices + 8.0 * (counts.total - counts.hidden_matrices)
 
@@ -90,7 +94,7 @@ CLASS_PATH = OptimizerKind("class_path", "optim.class_path", "", None, True, Non
                            "unknown: taken as Adam-like, 8 bytes/param")
 
 
-def of(cfg: Any) -> OptimizerKind:
+def of(cfg: ConfigLike) -> OptimizerKind:
     """The optimizer a run config (RunConfig or its JSON dump) builds."""
     if _get(cfg, "optim.class_path"):
         return CLASS_PATH

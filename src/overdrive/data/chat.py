@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import numpy as np
 
@@ -29,15 +29,18 @@ from overdrive.data import layouts
 from overdrive.data.sources import Batch, Rows, _columns, row_batches
 from overdrive.errors import Problem, UserError
 
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
+
 KINDS = ("ids", "ends", "mask")  # the token cache's files for chat
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-def is_chat(cfg) -> bool:
+def is_chat(cfg: RunConfig) -> bool:
     return cfg.data.format == "chat"
 
 
-def sample_kind(cfg) -> str:
+def sample_kind(cfg: RunConfig) -> str:
     """What a training sample is: `chat`, `preference` (pairs), `unpaired` (KTO's rows), or the model task's
     (packed text, labelled rows)."""
     if cfg.data.format == "preference":
@@ -51,7 +54,7 @@ def sample_kind(cfg) -> str:
 class ChatRows(Rows):
     """Rows of a `datasets` table or stream, read as conversations (a Batch's `texts` are lists of turns)."""
 
-    def __init__(self, rows: Rows, cfg):
+    def __init__(self, rows: Rows, cfg: RunConfig):
         d = cfg.data
         super().__init__(rows.dataset, rows.key, None, None, rows.total, None)
         names = _columns(rows.dataset)
@@ -79,7 +82,7 @@ class ChatRows(Rows):
 # ---------------------------------------------------------------- template
 
 
-def with_template(cfg, tokenizer, source: str):
+def with_template(cfg: RunConfig, tokenizer, source: str):
     """The tokenizer with its chat template: `tokenizer.chat_template` (text or a file) wins,
     else the tokenizer's own; refused by key when there is none, when a value that is no Jinja
     names no file, and when the template does not compile."""
@@ -111,7 +114,7 @@ def with_template(cfg, tokenizer, source: str):
     return tokenizer
 
 
-def template_key(cfg, tokenizer) -> str:
+def template_key(cfg: RunConfig, tokenizer) -> str:
     """What the token cache entry depends on beyond the tokenizer's vocabulary."""
     d = cfg.data
     digest = hashlib.sha256(str(for_data(cfg, tokenizer).chat_template).encode()).hexdigest()[:16]
@@ -214,7 +217,7 @@ class _WithTools:
         return self._tokenizer(*args, **kwargs)
 
 
-def for_data(cfg, tokenizer):
+def for_data(cfg: RunConfig, tokenizer):
     """The tokenizer with this data's own template (`data.chat_template`, a source's), else as it is."""
     given = cfg.data.chat_template
     if not given:
@@ -227,7 +230,7 @@ def for_data(cfg, tokenizer):
     return own
 
 
-def encoder_for(cfg, tokenizer) -> ChatEncoder:
+def encoder_for(cfg: RunConfig, tokenizer) -> ChatEncoder:
     d = cfg.data
     return ChatEncoder(for_data(cfg, tokenizer), d.max_length, d.train_on_prompt, d.overlong)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from overdrive.data import cache, tokens
 from overdrive.data.chat import sample_kind
 from overdrive.data.prepare import cache_kind, encoder_for
 from overdrive.data.sources import Splits, TextFiles
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 SAMPLE_BYTES = 2_000_000
 
@@ -102,7 +105,7 @@ def measure(splits: Splits, tokenizer, task: str, max_length: int, sample: tuple
                             est_tokens * per_token + index)
 
 
-def cached_entry(cfg, splits: Splits, tokenizer) -> Optional[Path]:
+def cached_entry(cfg: RunConfig, splits: Splits, tokenizer) -> Optional[Path]:
     """The complete cache entry of the training corpus, if there is one."""
     d = cfg.data
     names = splits.train.label_names if cfg.model.task != "causal-lm" else None
@@ -127,7 +130,7 @@ class Forecast:
                 self.tokenizer_seconds, "note": self.note, **(self.estimate.to_dict() if self.estimate else {})}
 
 
-def forecast(cfg, make_tokenizer, train_sample_bpe) -> Forecast:
+def forecast(cfg: RunConfig, make_tokenizer, train_sample_bpe) -> Forecast:
     """The cache entry if complete; else a measured forecast. Needs local data (a hub name is not read).
 
     `make_tokenizer(cfg, texts, key, only_cached=True)` as in prepare(); when it has no cached

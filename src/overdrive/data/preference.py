@@ -21,7 +21,7 @@ row 2i is the chosen sequence, row 2i+1 the rejected one, so a held-out pair sta
 from __future__ import annotations
 
 import hashlib
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import numpy as np
 
@@ -30,7 +30,10 @@ from overdrive.data import preference_layouts as layouts
 from overdrive.data.sources import Batch, Rows, _columns, row_batches
 from overdrive.errors import Problem, UserError
 
-def is_preference(cfg) -> bool:
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
+
+def is_preference(cfg: RunConfig) -> bool:
     return cfg.data.format == "preference"
 
 
@@ -39,7 +42,7 @@ class PreferenceRows(Rows):
     prompt, chosen and rejected, each a string or a list of turns) in any layout of
     preference_layouts.py; under KTO, as lists of unpaired rows (prompt, completion, desirable)."""
 
-    def __init__(self, rows: Rows, cfg):
+    def __init__(self, rows: Rows, cfg: RunConfig):
         d = cfg.data
         super().__init__(rows.dataset, rows.key, None, None, rows.total, None)
         names = _columns(rows.dataset)
@@ -73,7 +76,7 @@ class PreferenceRows(Rows):
         return row_batches(self.dataset, self.columns, self.pair, start, batch_bytes)
 
 
-def template_key(cfg, tokenizer) -> str:
+def template_key(cfg: RunConfig, tokenizer) -> str:
     """What the token cache entry depends on beyond the tokenizer's vocabulary."""
     digest = hashlib.sha256(str(getattr(tokenizer, "chat_template", None)).encode()).hexdigest()[:16]
     return f"preference|{'kto|' if cfg.preference.method == 'kto' else ''}{digest}"

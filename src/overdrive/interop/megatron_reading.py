@@ -10,7 +10,10 @@ Used by interop/reading.py; `megatron_section` is what interop/writing.py writes
 from __future__ import annotations
 
 import difflib
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 # megatron_lm_config key: the overdrive key it sets.
 MEGATRON_KEYS = {
@@ -117,7 +120,7 @@ def map_megatron(data: Mapping[str, Any], c: Any, distributed_type: str) -> None
             c.set(target, value, *where)
 
 
-def megatron_section(cfg: Any) -> dict[str, Any]:
+def megatron_section(cfg: RunConfig) -> dict[str, Any]:
     """The `megatron_lm_config:` block `export` writes for a layout with pipeline stages: the
     keys above that map, read back off the run config (the inverse of `map_megatron`)."""
     from overdrive.strategies import pipeline

@@ -4,12 +4,15 @@ on the cluster's machines would refuse."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from overdrive.errors import Problem
 
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
-def layout_problems(cfg: Any) -> list[Problem]:
+
+def layout_problems(cfg: RunConfig) -> list[Problem]:
     """The model's heads, tensor-parallel plan and layers against parallel.tp_size / sp_size / pp_size, read from
     its config alone (no weights), and what the loop does not do (sequence parallel)."""
     from overdrive.strategies import layout
@@ -22,7 +25,7 @@ def layout_problems(cfg: Any) -> list[Problem]:
     return layout.loop_problems(cfg) + layout.model_problems(cfg, hf_config_for_run(cfg))
 
 
-def cluster_problems(cfg: Any, supplied: Sequence[str] = ()) -> list[Problem]:
+def cluster_problems(cfg: RunConfig, supplied: Sequence[str] = ()) -> list[Problem]:
     """Every check `train` makes before it starts, judged for the cluster's machines (their GPUs,
     not this one's); `supplied`: keys the cluster fills in itself (the rendezvous address)."""
     from overdrive.launch.workers import problems

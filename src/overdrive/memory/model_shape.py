@@ -11,10 +11,13 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from overdrive.errors import Problem, UserError
 from overdrive.memory.shape import ModelShape
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 _YAML = (".yaml", ".yml")
 
@@ -52,7 +55,7 @@ def load_run_config(path: Optional[str], cli: list[str] = ()):
     return resolve(files=[path] if path else [], cli=list(cli)).config
 
 
-def hf_config_for_run(cfg) -> Any:
+def hf_config_for_run(cfg: RunConfig) -> Any:
     """The Transformers config a run would build, without weights or tokenizer."""
     from overdrive.hf.model_config import model_config
 
@@ -251,7 +254,7 @@ def model_shape(source: Source) -> ModelShape:
     return shape_of_model(model, source.name)
 
 
-def run_shape(cfg) -> ModelShape:
+def run_shape(cfg: RunConfig) -> ModelShape:
     """The shape of the model a run config trains (meta device, no weights): built once by
     whoever estimates for a run, and handed to `run_estimate` for every size it tries."""
     name = cfg.model.name_or_path or str(cfg.model.architecture.get("model_type"))
@@ -259,7 +262,7 @@ def run_shape(cfg) -> ModelShape:
                               attn_implementation=cfg.model.attn_implementation))
 
 
-def adapter_of_run(cfg):
+def adapter_of_run(cfg: RunConfig):
     """What an adapter run (peft.method lora/qlora) trains, counted by PEFT itself on the model
     on the meta device (memory/adapter.py); None for full training. Cached per model and peft
     section: the tuner and the auto micro-batch estimate one run at many sizes."""
@@ -280,7 +283,7 @@ def adapter_of_run(cfg):
 _ADAPTERS: dict[str, Any] = {}
 
 
-def run_setup(cfg, target: str = "cuda", **changes):
+def run_setup(cfg: RunConfig, target: str = "cuda", **changes):
     """The estimator's input built from a run: its Setup (memory/shape.setup_for_run) with the
     adapter it trains attached. The one place this is done: plan, estimate, the tuner and the
     auto micro-batch all size what trains."""
@@ -293,7 +296,7 @@ def run_setup(cfg, target: str = "cuda", **changes):
     return replace(setup, adapter=adapter) if adapter is not None else setup
 
 
-def run_estimate(cfg, target: str = "cuda", shape: Optional[ModelShape] = None, **changes):
+def run_estimate(cfg: RunConfig, target: str = "cuda", shape: Optional[ModelShape] = None, **changes):
     """The estimate of a run config's own strategy: the one place the estimator's input is
     built from a run (the plan, the tuner, the auto micro-batch). `changes` go to the Setup."""
     from overdrive.memory import estimate

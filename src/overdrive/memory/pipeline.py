@@ -15,12 +15,15 @@ The bubble is strategies/pipeline.py's (pp - 1) / (v m + pp - 1).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from overdrive.memory.activations import estimate_activations
 from overdrive.memory.formulas import model_state_row, uses_autocast
 from overdrive.memory.shape import ModelShape, setup_for_run
 from overdrive.strategies import pipeline as rules
+
+if TYPE_CHECKING:
+    from overdrive.config.keys import ConfigLike
 
 
 def _in_flight(name: str, pp: int, rank: int, microbatches: int, per_rank: int) -> int:
@@ -32,7 +35,7 @@ def _in_flight(name: str, pp: int, rank: int, microbatches: int, per_rank: int) 
     return min(microbatches * per_rank, (pp - rank - 1) * 2 + (per_rank - 1) * pp + 1)
 
 
-def stages(cfg: Any, shape: ModelShape, target: str = "cuda") -> dict[str, Any]:
+def stages(cfg: ConfigLike, shape: ModelShape, target: str = "cuda") -> dict[str, Any]:
     """Per pipeline rank: the bytes of its stages' model state and in-flight activations."""
     pp, per_rank, m = rules.pp_size(cfg), rules.stages_per_rank(cfg), rules.microbatches(cfg)
     name, count = cfg.parallel.pp_schedule, rules.stage_count(cfg)

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 BYTES_PER_TOKEN = 3.5
 """Bytes of source text per token for a byte-level BPE of ~8k-50k entries on English and
@@ -23,7 +26,7 @@ class DataSize:
     exact: bool = False
 
 
-def data_size(cfg, cached_tokens: Optional[int] = None) -> DataSize:
+def data_size(cfg: RunConfig, cached_tokens: Optional[int] = None) -> DataSize:
     """Training tokens before the validation hold-out, and how they were counted.
 
     `cached_tokens`: exact, from the token cache (`overdrive plan` also measures a sample:
@@ -70,7 +73,7 @@ class Arithmetic:
     epochs: Optional[float]
 
 
-def arithmetic(cfg, data: DataSize, micro_batch: int) -> Arithmetic:
+def arithmetic(cfg: RunConfig, data: DataSize, micro_batch: int) -> Arithmetic:
     """The settled batch split (at `micro_batch`, for an `auto` one shown as an integer);
     the loader drops incomplete global batches."""
     import overdrive.config.batch as batch

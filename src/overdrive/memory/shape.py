@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 from overdrive.strategies import registry
 import overdrive.config.optimizer_catalog as optimizer_catalog
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 Precision = Literal["no", "fp16", "bf16"]
 Target = Literal["cuda", "cpu"]
@@ -172,7 +175,7 @@ def _int_or_none(value) -> Optional[int]:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def setup_for_run(cfg, target: Target = "cuda", **changes) -> Setup:
+def setup_for_run(cfg: RunConfig, target: Target = "cuda", **changes) -> Setup:
     """The Setup a run config describes; `changes` (devices=..., precision=...) win."""
     ds, t = cfg.parallel.deepspeed, cfg.training
     data_types = (ds.extra.get("data_types") or {}) if isinstance(ds.extra, dict) else {}
@@ -205,14 +208,14 @@ def setup_for_run(cfg, target: Target = "cuda", **changes) -> Setup:
     return Setup(**values)
 
 
-def _reference_copy(cfg) -> bool:
+def _reference_copy(cfg: RunConfig) -> bool:
     from overdrive.config.schema_preference import WITH_REFERENCE
 
     p = cfg.preference
     return p.method in WITH_REFERENCE and cfg.peft.method == "none" and not p.precompute_reference
 
 
-def _layout_of(cfg, devices: Optional[int]) -> dict:
+def _layout_of(cfg: RunConfig, devices: Optional[int]) -> dict:
     from overdrive.strategies import layout
 
     lay = layout.layout(cfg, devices)
@@ -238,6 +241,6 @@ def tp_slice(shape: ModelShape, tp: int) -> ModelShape:
         autocast_params=max(shape.autocast_params - removed, 0))
 
 
-def strategy_of_run(cfg) -> str:
+def strategy_of_run(cfg: RunConfig) -> str:
     """The estimator row a run config selects."""
     return registry.of(cfg).estimator_row(cfg)

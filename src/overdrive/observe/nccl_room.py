@@ -15,20 +15,23 @@ where. Two things keep that from happening unless asked:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 TRACE_ENTRIES = 2000  # collectives kept per rank (torch's documented example size)
 GRACE_S = 60.0  # after NCCL's timeout: its report and the flight recorder's dump
 
 
-def over_nccl(cfg: Any, gpus: Optional[int] = None) -> bool:
+def over_nccl(cfg: RunConfig, gpus: Optional[int] = None) -> bool:
     """Whether the job's collectives run over NCCL (GPUs, backend auto or nccl)."""
     from overdrive.strategies.cpu import on_cpu
 
     return not on_cpu(cfg, gpus) and cfg.launch.backend in ("auto", "nccl")
 
 
-def watchdog_timeout_s(cfg: Any, gpus: Optional[int] = None) -> Optional[float]:
+def watchdog_timeout_s(cfg: RunConfig, gpus: Optional[int] = None) -> Optional[float]:
     """The hang watchdog's timeout: `launch.hang_timeout_s`, raised past NCCL's own timeout on
     a job over NCCL (None: no watchdog)."""
     hang = cfg.launch.hang_timeout_s
@@ -37,7 +40,7 @@ def watchdog_timeout_s(cfg: Any, gpus: Optional[int] = None) -> Optional[float]:
     return max(hang, cfg.launch.timeout_minutes * 60 + GRACE_S)
 
 
-def flight_recorder_env(cfg: Any, gpus: Optional[int] = None) -> dict[str, str]:
+def flight_recorder_env(cfg: RunConfig, gpus: Optional[int] = None) -> dict[str, str]:
     """The workers' variables that turn NCCL's flight recorder on, dumped on timeout."""
     if not over_nccl(cfg, gpus):
         return {}

@@ -18,9 +18,12 @@ import statistics
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from overdrive.observe.heartbeat import directory
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 # DDP's default gradient bucket (bucket_cap_mb=25), the unit its all-reduces move.
 BUCKET_BYTES = 25 * 2**20
@@ -45,7 +48,7 @@ def versions() -> dict[str, str]:
     return found
 
 
-def model_params(cfg) -> int:
+def model_params(cfg: RunConfig) -> int:
     from overdrive.memory.model_shape import Source, hf_config_for_run, model_shape
 
     return model_shape(Source(hf_config_for_run(cfg), "model", run=cfg, task=cfg.model.task,
@@ -93,7 +96,7 @@ def measure_collectives(world: int, bucket_bytes: int, device) -> dict[str, floa
             "all_gather_busbw": gathered.numel() * 4 / gather_s * (world - 1) / world}
 
 
-def step_traffic_bytes(cfg, params: int, world: int) -> float:
+def step_traffic_bytes(cfg: RunConfig, params: int, world: int) -> float:
     """Bytes each rank moves per optimizer step (bus bytes): the gradient reduction, plus
     the parameter all-gathers (forward and backward) of a strategy that shards parameters."""
     from overdrive.strategies import registry
@@ -110,7 +113,7 @@ def checkpoint_bytes(params: int) -> int:
     return params * 12
 
 
-def config_values(cfg) -> dict[str, str]:
+def config_values(cfg: RunConfig) -> dict[str, str]:
     """{dotted key: its value as JSON}, secrets masked: what every machine must agree on."""
     from overdrive.config.keys import flatten
     from overdrive.config.redact import redact
@@ -118,7 +121,7 @@ def config_values(cfg) -> dict[str, str]:
     return {k: json.dumps(v, sort_keys=True) for k, v in flatten(redact(cfg.model_dump(mode="json"))).items()}
 
 
-def join_process_group(cfg) -> tuple[int, int, Any]:
+def join_process_group(cfg: RunConfig) -> tuple[int, int, Any]:
     """(rank, world, the device the collectives are measured on). On CUDA each local rank takes
     its own GPU before NCCL starts (without it every rank uses cuda:0 and NCCL stops at the first
     collective: "Duplicate GPU detected"); a mixed backend (`cuda:nccl,cpu:gloo`, FSDP's offload)
@@ -140,7 +143,7 @@ def join_process_group(cfg) -> tuple[int, int, Any]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def run_checks(cfg) -> dict[str, Any]:
+def run_checks(cfg: RunConfig) -> dict[str, Any]:
     """In a worker (or the lone process): every check; rank 0 judges; every rank gets the verdict."""
     import torch
     import torch.distributed as dist

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from overdrive.console import counted
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 # Before training there is no step time to set the traffic against, so the table gives the
 # seconds per optimizer step the traffic costs at the measured bandwidth.
@@ -32,7 +35,7 @@ def _differences(base: dict[str, Any], other: dict[str, Any]) -> list[str]:
     return [k for k in keys if base.get(k) != other.get(k)]
 
 
-def judge(cfg, ranks: list[dict[str, Any]], comm: Optional[dict[str, float]], rendezvous_s: float, params: int,
+def judge(cfg: RunConfig, ranks: list[dict[str, Any]], comm: Optional[dict[str, float]], rendezvous_s: float, params: int,
           traffic_bytes: float, checkpoint_bytes: int) -> dict[str, Any]:
     rows: list[list[str]] = []
     problems: list[dict[str, str]] = []

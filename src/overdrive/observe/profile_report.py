@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from overdrive.observe.verdict import judge, shares
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 PHASES = ("data", "forward", "backward", "optimizer", "communication", "other")
 
@@ -32,7 +35,7 @@ def traces(profile_dir: Path) -> list[str]:
     return [str(p) for p in found]
 
 
-def device_facts(cfg, processes_here: int) -> tuple[Optional[float], bool, bool]:
+def device_facts(cfg: RunConfig, processes_here: int) -> tuple[Optional[float], bool, bool]:
     """Memory one process may use, whether it is a GPU's, and whether the device multiplies
     bf16 natively."""
     from overdrive.system.hardware import detect
@@ -43,7 +46,7 @@ def device_facts(cfg, processes_here: int) -> tuple[Optional[float], bool, bool]
     return (hw.ram_bytes / max(processes_here, 1)) if hw.ram_bytes else None, False, hw.cpu_bf16_native
 
 
-def summarise(cfg, ranks: list[dict[str, Any]], profile_dir: Path, cores_per_process: int = 1,
+def summarise(cfg: RunConfig, ranks: list[dict[str, Any]], profile_dir: Path, cores_per_process: int = 1,
               processes_here: int = 1, mfu: Optional[float] = None) -> dict[str, Any]:
     capacity, cuda, fast_bf16 = device_facts(cfg, processes_here)
     bottleneck, advice = judge(cfg, ranks, capacity, cores_per_process, cuda, fast_bf16)

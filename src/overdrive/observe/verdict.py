@@ -8,7 +8,10 @@ what to expect, and `overdrive profile --try` measures the first one.
 from __future__ import annotations
 
 from statistics import mean
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 DATA_SHARE = 0.20  # waiting for batches beyond this: the loader is the bottleneck
 COMMUNICATION_SHARE = 0.25
@@ -27,7 +30,7 @@ def _advice(key: str, value: Any, why: str, expected: str) -> dict[str, Any]:
     return {"key": key, "value": value, "why": why, "expected": expected}
 
 
-def lighter_sharding(cfg) -> Optional[dict[str, Any]]:
+def lighter_sharding(cfg: RunConfig) -> Optional[dict[str, Any]]:
     """Less parameter traffic for a strategy that shards parameters (asked of strategies/)."""
     from overdrive.strategies import registry
 
@@ -45,7 +48,7 @@ def lighter_sharding(cfg) -> Optional[dict[str, Any]]:
                    "saves that all-gather", "one all-gather fewer per layer and step, at the memory of the parameters")
 
 
-def judge(cfg, ranks: list[dict[str, Any]], capacity_bytes: Optional[float] = None,
+def judge(cfg: RunConfig, ranks: list[dict[str, Any]], capacity_bytes: Optional[float] = None,
           cores_per_process: int = 1, cuda: bool = False,
           fast_bf16: bool = True) -> tuple[str, list[dict[str, Any]]]:
     """`fast_bf16`: the device multiplies bf16 natively (a GPU from Ampere on, or a CPU with

@@ -13,12 +13,15 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from overdrive.config.keys import flatten
 from overdrive.errors import UserError
 from overdrive.reports import ranks
 from overdrive.training import metrics as metrics_file
+
+if TYPE_CHECKING:
+    from overdrive.config.keys import ConfigLike
 
 # Peak memory has been logged under several names and units; all are read, in bytes.
 _MEMORY_KEY = re.compile(r"^(peak|max)_mem(ory)?(_allocated|_reserved)?(_(?P<unit>bytes|b|kb|kib|mb|mib|gb|gib))?$")
@@ -143,7 +146,7 @@ def steady_rate(records: list[dict[str, Any]], key: str) -> Optional[float]:
     return sum(weights) / sum(w / r for (r, _), w in zip(points, weights))
 
 
-def _data_parallel(cfg: Any, world: Any) -> Any:
+def _data_parallel(cfg: ConfigLike, world: Any) -> Any:
     """The data-parallel degree of the run's config (config/batch.py's one answer), else the world."""
     from overdrive.config.batch import data_parallel_degree
 

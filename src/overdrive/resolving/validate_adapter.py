@@ -7,10 +7,13 @@ that disagrees is named in a warning, since PEFT trains the adapter as it was sa
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from overdrive.errors import Problem
 from overdrive.hf.lora import adapter_config
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 # peft.* key -> PEFT's adapter_config.json key
 KEYS = {"peft.r": "r", "peft.alpha": "lora_alpha", "peft.dropout": "lora_dropout", "peft.target_modules": "target_modules",
@@ -29,7 +32,7 @@ def _same(key: str, ours, theirs) -> bool:
     return theirs is not None and float(ours) == float(theirs) if not isinstance(ours, list) else ours == theirs
 
 
-def adapter_rules(cfg, where: Callable[[str], str], explicit: Callable[[str], bool]) -> tuple[list[Problem], list[Problem]]:
+def adapter_rules(cfg: RunConfig, where: Callable[[str], str], explicit: Callable[[str], bool]) -> tuple[list[Problem], list[Problem]]:
     p = cfg.peft
     if not p.adapter_path:
         return [], []

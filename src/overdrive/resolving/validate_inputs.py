@@ -5,16 +5,19 @@ file is written or any process starts."""
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from overdrive.errors import Problem
 
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
-def input_rules(cfg, where: Callable[[str], str]) -> list[Problem]:
+
+def input_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
     return _cache_dir(cfg, where) + _mixture_kinds(cfg, where)
 
 
-def _cache_dir(cfg, where) -> list[Problem]:
+def _cache_dir(cfg: RunConfig, where) -> list[Problem]:
     """data.cache_dir is a directory: one that names a file (or sits under one) cannot hold the caches."""
     path = os.path.expanduser(cfg.data.cache_dir)
     probe = path
@@ -30,7 +33,7 @@ def _cache_dir(cfg, where) -> list[Problem]:
     return []
 
 
-def _mixture_kinds(cfg, where) -> list[Problem]:
+def _mixture_kinds(cfg: RunConfig, where) -> list[Problem]:
     """The sources of a mixture are all chat or all plain: a chat conversation and a packed text
     block are different samples (a loss mask and padding, against full blocks), not one stream."""
     d = cfg.data

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from overdrive.errors import Problem
 from overdrive.strategies import adapter as strategy_adapter
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 # bitsandbytes has 4-bit and 8-bit layers on the CPU from 0.46 on (its CPU backend); the
 # QLoRA path was checked here with 0.50 (training, saving, merging).
@@ -38,7 +41,7 @@ def bitsandbytes_problem(on_cpu: bool) -> str:
     return ""
 
 
-def peft_rules(cfg, where, set_explicitly: Mapping[str, bool], on_cpu: Callable[[], bool]) -> tuple[list[Problem], list[Problem]]:
+def peft_rules(cfg: RunConfig, where, set_explicitly: Mapping[str, bool], on_cpu: Callable[[], bool]) -> tuple[list[Problem], list[Problem]]:
     """(errors, warnings). `where(key)` says where a value was set; `set_explicitly[key]` whether
     a layer above the defaults set it; `on_cpu()` whether the run trains on the CPU."""
     errors, warnings = [], []

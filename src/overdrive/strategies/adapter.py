@@ -16,10 +16,13 @@ Pure: no torch, no accelerate.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from overdrive.errors import Problem
 from overdrive.strategies import registry
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -27,7 +30,7 @@ _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 _CAST_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
-def cast_dtype(cfg: Any) -> Optional[str]:
+def cast_dtype(cfg: RunConfig) -> Optional[str]:
     """The dtype this strategy casts every float parameter to, frozen ones included, or None.
     FSDP2 under bf16/fp16: Accelerate's MixedPrecisionPolicy(param_dtype) on every all-gather
     (it skips its own fp32 upcast for Params4bit, not FSDP's cast). DeepSpeed under bf16/fp16:
@@ -38,7 +41,7 @@ def cast_dtype(cfg: Any) -> Optional[str]:
     return None
 
 
-def quant_storage_dtype(cfg: Any) -> str:
+def quant_storage_dtype(cfg: RunConfig) -> str:
     """The dtype packed 4-bit weights are stored in, unless `peft.storage_dtype` says: under FSDP
     the dtype FSDP computes in (its mixed-precision dtype, else the model's float dtype: one dtype
     per unit, and a cast that leaves the bytes alone); elsewhere uint8, which no cast touches."""
@@ -50,7 +53,7 @@ def quant_storage_dtype(cfg: Any) -> str:
     return "uint8"
 
 
-def checkpoint_writer(cfg: Any) -> str:
+def checkpoint_writer(cfg: RunConfig) -> str:
     """Who writes an adapter run's model files, so the frozen base can be left out:
     `engine` (DeepSpeed's save_checkpoint), `full` (FSDP2's distributed checkpoint: every
     parameter), or `state_dict` (Accelerate's own weights file)."""
@@ -60,7 +63,7 @@ def checkpoint_writer(cfg: Any) -> str:
     return "full" if strategy is registry.FSDP else "state_dict"
 
 
-def problems(cfg: Any, where: Callable[[str], str]) -> list[Problem]:
+def problems(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
     """What this strategy cannot do with the `peft:` section asked for."""
     p, strategy, found = cfg.peft, registry.of(cfg), []
     if p.method == "none":

@@ -15,7 +15,7 @@ accelerate (`parallelism_config` builds Accelerate's object, importing it there)
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from overdrive.errors import Problem
 from overdrive.config import mesh
@@ -24,17 +24,21 @@ from overdrive.config.keys import dotted_value as _get
 from overdrive.strategies import pipeline
 from overdrive.strategies.registry import of
 
-def layout(cfg: Any, world: Optional[int] = None) -> Layout:
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
+    from overdrive.config.keys import ConfigLike
+
+def layout(cfg: RunConfig, world: Optional[int] = None) -> Layout:
     """The layout a run config asks for on `world` ranks (config/mesh.py's arithmetic): the rest
     of the world is sharded under a strategy that shards parameters, replicated under ddp."""
     return mesh.layout(cfg, world, shard_the_rest=of(cfg).name != "ddp")
 
 
-def _world(cfg: Any, world: Optional[int]) -> int:
+def _world(cfg: RunConfig, world: Optional[int]) -> int:
     return mesh.world_of(cfg, world)
 
 
-def summary(cfg: Any, world: Optional[int] = None) -> dict[str, Any]:
+def summary(cfg: RunConfig, world: Optional[int] = None) -> dict[str, Any]:
     """The mesh (names, sizes) and the batch split's data-parallel degree, for explain and plan."""
     from overdrive.config.batch import data_parallel_degree  # the batch split's one answer
 
@@ -47,7 +51,7 @@ def summary(cfg: Any, world: Optional[int] = None) -> dict[str, Any]:
             "model_parallel": lay.model_parallel, "text": text}
 
 
-def problems(cfg: Any, world: Optional[int] = None) -> list[Problem]:
+def problems(cfg: ConfigLike, world: Optional[int] = None) -> list[Problem]:
     """Every rule of the layout, named by key: the sizes against the world, the strategy each
     axis needs, the sequence length CP and SP split. (The model's heads and its tensor-parallel
     plan: `model_problems`.)"""
@@ -110,7 +114,7 @@ def problems(cfg: Any, world: Optional[int] = None) -> list[Problem]:
     return found + pipeline.problems(cfg, world, samples)
 
 
-def loop_problems(cfg: Any) -> list[Problem]:
+def loop_problems(cfg: RunConfig) -> list[Problem]:
     """What overdrive's own training loop does not do with this layout (a user's script run by
     `overdrive launch` may: Transformers' Trainer and TRL drive DeepSpeed's Ulysses themselves).
     Sequence parallel needs the loop to take its batches through DeepSpeed's Ulysses data-loader
@@ -124,7 +128,7 @@ def loop_problems(cfg: Any) -> list[Problem]:
                         "or use parallel.cp_size with fsdp")]
 
 
-def model_problems(cfg: Any, hf_config: Any) -> list[Problem]:
+def model_problems(cfg: RunConfig, hf_config: Any) -> list[Problem]:
     """What the model's shape says about the layout: heads and KV heads divisible by tp (and
     heads by sp: Ulysses splits attention by head), and a tensor-parallel plan for tp > 1.
     `hf_config` is the Transformers config the run builds (no weights). The decoder layers
@@ -148,7 +152,7 @@ def model_problems(cfg: Any, hf_config: Any) -> list[Problem]:
     return found + pipeline.model_problems(cfg, hf_config)
 
 
-def parallelism_kwargs(cfg: Any, world: Optional[int] = None) -> Optional[dict[str, Any]]:
+def parallelism_kwargs(cfg: ConfigLike, world: Optional[int] = None) -> Optional[dict[str, Any]]:
     """The arguments of Accelerate's ParallelismConfig for this run, or None when the run has
     only one data-parallel axis (plain DDP, FSDP, ZeRO: no mesh needed)."""
     lay = layout(cfg, world)
@@ -171,7 +175,7 @@ def parallelism_kwargs(cfg: Any, world: Optional[int] = None) -> Optional[dict[s
     return kwargs
 
 
-def parallelism_config(cfg: Any, world: Optional[int] = None):
+def parallelism_config(cfg: RunConfig, world: Optional[int] = None):
     """Accelerate's ParallelismConfig for this run (None without an N-D layout), every field
     given so nothing is read from PARALLELISM_CONFIG_* variables behind the config's back."""
     kwargs = parallelism_kwargs(cfg, world)

@@ -14,11 +14,15 @@ even split); the embedding goes with the first stage, the final norm and head wi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from overdrive.errors import Problem
 from overdrive.config.keys import dotted_value as _get
 from overdrive.strategies.registry import of
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
+    from overdrive.config.keys import ConfigLike
 
 
 @dataclass(frozen=True)
@@ -39,7 +43,7 @@ SCHEDULES = {
 }
 
 
-def _p(cfg: Any, key: str, default: Any = None) -> Any:
+def _p(cfg: ConfigLike, key: str, default: Any = None) -> Any:
     try:
         value = _get(cfg, f"parallel.{key}")
     except (KeyError, AttributeError):  # a checkpoint's config from before the pipeline axis
@@ -47,24 +51,24 @@ def _p(cfg: Any, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def pp_size(cfg: Any) -> int:
+def pp_size(cfg: ConfigLike) -> int:
     return int(_p(cfg, "pp_size", 1))
 
 
-def schedule(cfg: Any) -> Schedule:
+def schedule(cfg: ConfigLike) -> Schedule:
     return SCHEDULES[_p(cfg, "pp_schedule", "1f1b")]
 
 
-def stages_per_rank(cfg: Any) -> int:
+def stages_per_rank(cfg: ConfigLike) -> int:
     given = _p(cfg, "pp_stages_per_rank")
     return int(given) if given is not None else (2 if schedule(cfg).multi else 1)
 
 
-def stage_count(cfg: Any) -> int:
+def stage_count(cfg: RunConfig) -> int:
     return pp_size(cfg) * stages_per_rank(cfg)
 
 
-def microbatches(cfg: Any) -> int:
+def microbatches(cfg: ConfigLike) -> int:
     """pp_microbatches, or else the step's micro-batches when there are at least pp_size of
     them, else one sample per microbatch (the smallest bubble the step's samples allow)."""
     given = _p(cfg, "pp_microbatches")
@@ -110,7 +114,7 @@ def bubble_fraction(pp: int, microbatches_: int, per_rank: int = 1) -> float:
     return (pp - 1) / (per_rank * microbatches_ + pp - 1)
 
 
-def problems(cfg: Any, world: int, samples_per_replica: Optional[int]) -> list[Problem]:
+def problems(cfg: ConfigLike, world: int, samples_per_replica: Optional[int]) -> list[Problem]:
     """The pipeline's rules, named by key (none when pp_size is 1). `samples_per_replica` is
     micro x accumulation (None while the micro-batch is `auto`)."""
     pp = pp_size(cfg)
@@ -167,7 +171,7 @@ def problems(cfg: Any, world: int, samples_per_replica: Optional[int]) -> list[P
     return found
 
 
-def model_problems(cfg: Any, hf_config: Any) -> list[Problem]:
+def model_problems(cfg: ConfigLike, hf_config: Any) -> list[Problem]:
     """The model's decoder layers against the stages asked for (no weights needed)."""
     if pp_size(cfg) == 1:
         return []

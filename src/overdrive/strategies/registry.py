@@ -12,10 +12,14 @@ or a checkpoint's saved config): both are read through `_get`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from overdrive.config.keys import dotted_value as _get
 from overdrive.strategies import settings
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
+    from overdrive.config.keys import ConfigLike
 
 
 @dataclass(frozen=True)
@@ -65,41 +69,41 @@ class Strategy:
     # model is prepared).
     fp8_backends: tuple[str, ...] = ("TE", "AO", "MSAMP")
 
-    def optimizer_sees(self, cfg: Any) -> str:
+    def optimizer_sees(self, cfg: RunConfig) -> str:
         """What the optimizer steps on: "whole" tensors, ZeRO's "flat partitions", FSDP2's "shards"."""
         return self._optimizer_sees(cfg)
 
-    def sharding(self, cfg: Any) -> Sharding:
+    def sharding(self, cfg: RunConfig) -> Sharding:
         return self._sharding(cfg)
 
-    def holds_whole_model(self, cfg: Any) -> bool:
+    def holds_whole_model(self, cfg: RunConfig) -> bool:
         """Whether a rank holds the whole model outside a gather: not under ZeRO-3 or FSDP
         (which shards the parameters at rest whatever reshard_after_forward says)."""
         return self._holds_whole_model(cfg)
 
-    def setting_problems(self, cfg: Any, where: settings.Where) -> settings.Found:
+    def setting_problems(self, cfg: RunConfig, where: settings.Where) -> settings.Found:
         """(errors, warnings) of this strategy's own settings; `where(key)`: where a value was set."""
         return self._setting_problems(cfg, where)
 
-    def skips_overflowing_steps(self, cfg: Any) -> bool:
+    def skips_overflowing_steps(self, cfg: ConfigLike) -> bool:
         """The strategy's engine skips a step whose fp16 gradients overflow and lowers the loss
         scale itself: DeepSpeed with dynamic loss scaling (`loss_scale: 0`; a fixed scale skips nothing)."""
         return (self.engine_steps_optimizer and _get(cfg, "precision.mixed_precision") == "fp16"
                 and not _get(cfg, "parallel.deepspeed.loss_scale"))
 
-    def checkpoint_per_rank(self, cfg: Any) -> bool:
+    def checkpoint_per_rank(self, cfg: RunConfig) -> bool:
         """True when the checkpoint's optimizer state (or weights) is written as one shard per rank."""
         return self._checkpoint_per_rank(cfg)
 
-    def estimator_row(self, cfg: Any) -> str:
+    def estimator_row(self, cfg: RunConfig) -> str:
         """The memory estimator's row (overdrive.memory.formulas.STRATEGIES) this run selects."""
         return self._estimator_row(cfg)
 
-    def label(self, cfg: Any) -> str:
+    def label(self, cfg: RunConfig) -> str:
         """One line for reports: the strategy and what it was set to."""
         return self._label(cfg)
 
-    def distributed_type(self, cfg: Any) -> str:
+    def distributed_type(self, cfg: ConfigLike) -> str:
         """Accelerate's DistributedType for this run (an Accelerate YAML's `distributed_type`)."""
         if self.accelerate_type:
             return self.accelerate_type
@@ -107,7 +111,7 @@ class Strategy:
             return "NO"
         return "MULTI_CPU" if _get(cfg, "launch.use_cpu") else "MULTI_GPU"
 
-    def activation_checkpointing(self, cfg: Any) -> bool:
+    def activation_checkpointing(self, cfg: ConfigLike) -> bool:
         """The strategy's own activation checkpointing (beside model.gradient_checkpointing)."""
         return self.name == "fsdp" and bool(_get(cfg, "parallel.fsdp.activation_checkpointing"))
 
@@ -116,14 +120,14 @@ class Strategy:
         return bool(self.section) and key.startswith(f"{self.section}.")
 
 
-def _zero_sharding(cfg: Any) -> Sharding:
+def _zero_sharding(cfg: ConfigLike) -> Sharding:
     stage = int(_get(cfg, "parallel.deepspeed.zero_stage"))
     return Sharding(parameters=stage >= 3, gradients=stage >= 2, optimizer_state=stage >= 1,
                     offload_parameters=stage >= 3 and _get(cfg, "parallel.deepspeed.offload_param") != "none",
                     offload_optimizer_state=stage >= 1 and _get(cfg, "parallel.deepspeed.offload_optimizer") != "none")
 
 
-def _fsdp_sharding(cfg: Any) -> Sharding:
+def _fsdp_sharding(cfg: ConfigLike) -> Sharding:
     # FSDP2 always shards all three between uses; reshard_after_forward decides whether the
     # gathered parameters are freed after forward (ZeRO-3-like) or kept to backward (ZeRO-2-like).
     offload = bool(_get(cfg, "parallel.fsdp.offload_params"))
@@ -131,7 +135,7 @@ def _fsdp_sharding(cfg: Any) -> Sharding:
                     optimizer_state=True, offload_parameters=offload, offload_optimizer_state=offload)
 
 
-def _zero_row(cfg: Any) -> str:
+def _zero_row(cfg: ConfigLike) -> str:
     stage = int(_get(cfg, "parallel.deepspeed.zero_stage"))
     offload_opt = _get(cfg, "parallel.deepspeed.offload_optimizer") != "none"
     if stage == 3:
@@ -145,7 +149,7 @@ def _zero_row(cfg: Any) -> str:
     return f"zero{stage}"
 
 
-def _zero_label(cfg: Any) -> str:
+def _zero_label(cfg: ConfigLike) -> str:
     text = f"deepspeed ZeRO-{_get(cfg, 'parallel.deepspeed.zero_stage')}"
     offload = [f"{what} to {dev}" for what, dev in (
         ("optimizer", _get(cfg, "parallel.deepspeed.offload_optimizer")),
@@ -153,7 +157,7 @@ def _zero_label(cfg: Any) -> str:
     return text + (f" (offload {', '.join(offload)})" if offload else "")
 
 
-def _fsdp_label(cfg: Any) -> str:
+def _fsdp_label(cfg: ConfigLike) -> str:
     return (f"fsdp{_get(cfg, 'parallel.fsdp.version') or ''} "
             f"(reshard_after_forward={_get(cfg, 'parallel.fsdp.reshard_after_forward')})")
 
@@ -193,6 +197,6 @@ def named(name: str) -> Strategy:
         raise ValueError(f"unknown strategy {name!r}: one of {', '.join(NAMES)}") from None
 
 
-def of(cfg: Any) -> Strategy:
+def of(cfg: ConfigLike) -> Strategy:
     """The strategy a run config (RunConfig, or its JSON dump) uses."""
     return named(_get(cfg, "parallel.strategy"))

@@ -7,19 +7,22 @@ torch, no accelerate.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from overdrive.errors import Problem
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 Where = Callable[[str], str]
 Found = tuple[list[Problem], list[Problem]]  # (errors, warnings)
 
 
-def none(cfg: Any, where: Where) -> Found:
+def none(cfg: RunConfig, where: Where) -> Found:
     return [], []
 
 
-def deepspeed(cfg: Any, where: Where) -> Found:
+def deepspeed(cfg: RunConfig, where: Where) -> Found:
     import overdrive.config.batch as batch
 
     errors, warnings = [], []
@@ -50,7 +53,7 @@ def deepspeed(cfg: Any, where: Where) -> Found:
     return errors, warnings
 
 
-def fsdp(cfg: Any, where: Where) -> Found:
+def fsdp(cfg: RunConfig, where: Where) -> Found:
     f = cfg.parallel.fsdp
     if f.version == 1 and f.offload_params and not f.reshard_after_forward:
         return [], [Problem("parallel.fsdp.offload_params", "CPU offload with SHARD_GRAD_OP is unsupported by FSDP1",

@@ -15,18 +15,21 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from overdrive.errors import Problem, UserError
 from overdrive.hf import lora
 from overdrive.strategies import adapter as strategy_adapter
 
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
-def enabled(cfg) -> bool:
+
+def enabled(cfg: RunConfig) -> bool:
     return cfg.peft.method != "none"
 
 
-def quantization(cfg):
+def quantization(cfg: RunConfig):
     """BitsAndBytesConfig for `peft.method: qlora`, else None."""
     if cfg.peft.method != "qlora":
         return None
@@ -42,7 +45,7 @@ def quantization(cfg):
                               bnb_4bit_quant_storage=getattr(torch, strategy_adapter.quant_storage_dtype(cfg)))
 
 
-def lora_config(cfg, task: Optional[str] = None):
+def lora_config(cfg: RunConfig, task: Optional[str] = None):
     """PEFT's LoraConfig for this run (also what `overdrive export --peft` writes)."""
     return lora.lora_config(cfg.peft, task or cfg.model.task)
 
@@ -62,7 +65,7 @@ def _module_names(model) -> tuple[list[str], list[str]]:
     return paths, linear
 
 
-def target_problems(cfg, model) -> list[Problem]:
+def target_problems(cfg: RunConfig, model) -> list[Problem]:
     """Names in `peft.target_modules` and `peft.modules_to_save` that match no module."""
     p, found = cfg.peft, []
     paths, linear = _module_names(model)
@@ -79,7 +82,7 @@ def target_problems(cfg, model) -> list[Problem]:
     return found
 
 
-def check(cfg) -> None:
+def check(cfg: RunConfig) -> None:
     """Refuse, by key, an adapter that fits no module of the model (built on the meta device:
     no weights are read). Called before any process starts."""
     if not enabled(cfg):
@@ -92,7 +95,7 @@ def check(cfg) -> None:
         raise UserError(problems)
 
 
-def apply(cfg, model, gradient_checkpointing: bool = False):
+def apply(cfg: RunConfig, model, gradient_checkpointing: bool = False):
     """The base frozen, an adapter added by PEFT; a quantized base prepared for training."""
     problems = target_problems(cfg, model)
     if problems:
@@ -130,13 +133,13 @@ def describe(model) -> str:
     return f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / max(total, 1):.3f}%)"
 
 
-def load_device(cfg, device) -> Optional[str]:
+def load_device(cfg: RunConfig, device) -> Optional[str]:
     """Where the base is loaded: a quantized base straight onto this process's device
     (bitsandbytes quantizes as it places the weights); otherwise the caller's default."""
     return str(device) if cfg.peft.method == "qlora" else None
 
 
-def notes(cfg, model) -> list[str]:
+def notes(cfg: RunConfig, model) -> list[str]:
     """What the run says when it starts: trainable parameters of an adapter run, and whether
     packed chat conversations are kept apart by this model."""
     said = [describe(model)] if enabled(cfg) else []
@@ -149,7 +152,7 @@ def notes(cfg, model) -> list[str]:
     return said
 
 
-def save_final(cfg, accelerator, model, tokenizer, state_dict, out) -> None:
+def save_final(cfg: RunConfig, accelerator, model, tokenizer, state_dict, out) -> None:
     """`<out>/model`: PEFT's adapter directory and the tokenizer (PeftModel.from_pretrained
     loads it onto the base); with `peft.save_merged`, `<out>/merged` too. `state_dict` was
     gathered by every rank (ZeRO-3 and FSDP hold shards); the main process writes."""
@@ -170,7 +173,7 @@ def save_final(cfg, accelerator, model, tokenizer, state_dict, out) -> None:
             hf_logging.enable_progress_bar()
 
 
-def merge(cfg, adapter_dir, target, tokenizer) -> None:
+def merge(cfg: RunConfig, adapter_dir, target, tokenizer) -> None:
     """The base, loaded afresh in full precision (never quantized, never written to), with the
     adapter merged into its weights (`merge_and_unload`), saved as a plain model."""
     from peft import PeftModel

@@ -111,7 +111,7 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
     return result
 
 
-def _answer_signals(stop: "checkpoint.StopRequest", state: "LoopState", cfg, out: Path) -> None:
+def _answer_signals(stop: "checkpoint.StopRequest", state: "LoopState", cfg: RunConfig, out: Path) -> None:
     def kept() -> str:
         found = checkpoint.latest_complete(checkpoint.checkpoints_dir(out), checksums=False).found
         return checkpoint.kept_note(found.path if found else None)

@@ -13,10 +13,13 @@ there and needed everywhere else.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 
-def upcast_trainable(cfg: Any, model: Any) -> int:
+def upcast_trainable(cfg: RunConfig, model: Any) -> int:
     """Trainable fp16/bf16 parameters of an fp16 run made fp32; returns how many were."""
     import torch
 

@@ -14,9 +14,12 @@ import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from overdrive.storage.faults import writing
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 FILE_NAME = "metrics.jsonl"
 # A preference run's own fields (TRL's names; `eval_` before them on eval lines): what its progress
@@ -104,7 +107,7 @@ class MeasuredThroughput:
     same_shape: bool  # measured at this run's world size, micro-batch and sequence length
 
 
-def measured_throughput(cfg, micro_batch: int) -> Optional[MeasuredThroughput]:
+def measured_throughput(cfg: RunConfig, micro_batch: int) -> Optional[MeasuredThroughput]:
     """Median tokens/s of the last logged steps in `<output_dir>/metrics.jsonl`, if any."""
     path = path_in(cfg.output_dir)
     records = [r for r in read(path).records if r.get("tokens_per_s")]

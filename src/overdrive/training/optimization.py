@@ -11,9 +11,12 @@ themselves are built in optimizers.py.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 
 def full_ndim(param: torch.Tensor) -> int:
@@ -126,7 +129,7 @@ def make_scheduler(optimizer, name: str, warmup_steps: int, max_steps: int, min_
         optimizer, lambda step: lr_factor(step, name, warmup_steps, max_steps, min_lr_ratio))
 
 
-def lr_curve(cfg, points: int = 0) -> list[tuple[int, float]]:
+def lr_curve(cfg: RunConfig, points: int = 0) -> list[tuple[int, float]]:
     """(optimizer step, lr) at the schedule's key points: the start, the end of warm-up, where
     the decay starts and ends (wsd), each restart, the middle and the last step; with
     `points`, that many evenly spaced steps instead (a plot). Built with the run's own

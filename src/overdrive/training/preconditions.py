@@ -4,8 +4,13 @@ Read from the model's config alone (no weights)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
-def check_model_layout(cfg) -> None:
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
+
+
+def check_model_layout(cfg: RunConfig) -> None:
     """The model's heads and tensor-parallel plan against parallel.tp_size / sp_size, read
     from its config alone (no weights), and what the loop does not do (sequence parallel),
     before any process starts (launch/job_checks.py, which the cluster writers share)."""
@@ -17,7 +22,7 @@ def check_model_layout(cfg) -> None:
         raise UserError(found)
 
 
-def check_fine_tuning(cfg) -> None:
+def check_fine_tuning(cfg: RunConfig) -> None:
     """`peft.target_modules` against the model's modules (built on the meta device, no weights),
     and chat data's tokenizer has a chat template."""
     from overdrive.training import adapter

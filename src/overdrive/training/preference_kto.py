@@ -11,11 +11,14 @@ ranks and clamped at 0 (TRL's `gather_for_metrics(kl).mean().clamp(min=0)`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from overdrive.training import preference_loss as losses
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 # The summed tensor's slots; metrics.jsonl gets TRL's names (means over the rows of each kind).
 SLOTS = ("chosen_rewards", "rejected_rewards", "chosen_logps", "rejected_logps", "kl", "chosen", "rejected",
@@ -38,7 +41,7 @@ def units(batch: dict) -> torch.Tensor:
 class UnpairedLoss:
     """(model, batch) -> (the mean loss over the batch's rows, the metric sums to add)."""
 
-    def __init__(self, cfg, accelerator, scores: Scores):
+    def __init__(self, cfg: RunConfig, accelerator, scores: Scores):
         p = cfg.preference
         self.beta, self.desirable_weight, self.undesirable_weight = p.beta, p.desirable_weight, p.undesirable_weight
         self.accelerator, self.scores = accelerator, scores

@@ -12,15 +12,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from overdrive.config import batch
 from overdrive.data.mixing import Mixture, SourceTokens, find_mixture
 from overdrive.training.optimizers import set_mode
 
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
+
 
 class Recipe:
-    def __init__(self, cfg: Any, optimizer: Any, train_loader: Any, seq_len: int):
+    def __init__(self, cfg: RunConfig, optimizer: Any, train_loader: Any, seq_len: int):
         self.cfg, self.optimizer = cfg, optimizer
         self.mixture: Optional[Mixture] = find_mixture(getattr(train_loader, "dataset", None))
         self.tokens = SourceTokens(self.mixture, seq_len) if self.mixture is not None else None

@@ -12,17 +12,20 @@ from __future__ import annotations
 import copy
 import hashlib
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
 
 from overdrive.training import preference
 
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
+
 CACHE = "reference_logps.pt"
 
 
-def frozen_copy(cfg, model) -> Optional[torch.nn.Module]:
+def frozen_copy(cfg: RunConfig, model) -> Optional[torch.nn.Module]:
     """Before `prepare`: the starting weights as a frozen model, when the run needs one (full-parameter
     DPO/IPO without precomputed log-probs; the validation keeps sharded strategies off this path)."""
     if not preference.needs_reference(cfg) or cfg.peft.method != "none" or cfg.preference.precompute_reference:
@@ -77,7 +80,7 @@ def precompute(model, dataset, collate, micro_batch: int, accelerator, out: Path
     return table
 
 
-def for_run(cfg, accelerator, model, reference_model, dataset, collate, micro_batch: int, out: Path,
+def for_run(cfg: RunConfig, accelerator, model, reference_model, dataset, collate, micro_batch: int, out: Path,
             validation=None):
     """(reference for training, reference for validation) after `prepare`; (None, None) for
     methods without one."""

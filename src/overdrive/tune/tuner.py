@@ -9,13 +9,16 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from overdrive.tune import cache
 from overdrive.tune.search import Search, SearchSettings
 from overdrive.tune.space import DIMENSIONS, Candidate, Space, build_space, detect_facts
 from overdrive.tune.trials import Outcome, TrialPlan
 from overdrive.tune.trials import Rung  # noqa: F401  (handed on by the package)
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 
 
@@ -78,7 +81,7 @@ def open_starter(job: Job, root: Path):
     return starter_for(job.config, job.plan.runner, root)
 
 
-def starter_for(cfg, runner: str, root: Path):
+def starter_for(cfg: RunConfig, runner: str, root: Path):
     """What starts processes training configs like `cfg`: "fork" (from a warm server under
     `root`) or "spawn" (fresh interpreters). Close it when done."""
     from overdrive.launch import process as launch
