@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from overdrive.config.schema_eval import is_benchmark_metric
 from overdrive.config.keys import flatten
 from overdrive.errors import UserError
 from overdrive.reports import ranks
@@ -64,10 +65,11 @@ def load_run(path: str | Path) -> Run:
     logged = metrics_file.read(metrics)
     run.bad_lines = logged.bad_lines
     for record in logged.records:
-        if _number(record.get("eval_loss")) is not None:
+        evaluated = _number(record.get("eval_loss")) is not None or any(is_benchmark_metric(k) for k in record)
+        if evaluated:
             run.evals.append(record)
         if _number(record.get("loss")) is not None or (
-            "eval_loss" not in record and _number(record.get("step")) is not None
+            "eval_loss" not in record and not evaluated and _number(record.get("step")) is not None
         ):
             run.train.append(record)
     if not run.train and not run.evals:

@@ -33,6 +33,7 @@ from overdrive.config.schema import RunConfig
 from overdrive.storage import faults
 from overdrive.strategies import registry
 from overdrive.training import context_parallel, loss_scale, nonfinite, step_loss, telemetry
+from overdrive.training import benchmark_eval
 from overdrive.training import pipeline as pipeline_training
 from overdrive.training.evaluation import evaluate
 from overdrive.training.loss_tokens import LossTokens
@@ -305,12 +306,17 @@ class Loop:
 
     def eval_due(self) -> bool:
         step, t = self.state.step, self.cfg.training
-        return (self.parts.eval_loader is not None and bool(t.eval_every_steps) and step % t.eval_every_steps == 0
+        return (self._evaluates() and bool(t.eval_every_steps) and step % t.eval_every_steps == 0
                 and step < t.max_steps and not self.outcome.stopped_early)
+
+    def _evaluates(self) -> bool:
+        """A validation split, or benchmarks and sample answers (eval.*), to evaluate on."""
+        return self.parts.eval_loader is not None or benchmark_eval.wanted(self.cfg)
 
     def evaluate(self) -> None:
         self.parts.recipe.eval_mode()  # a schedule-free optimizer is evaluated at its averaged point
-        values = evaluate(self.parts, self.cfg.model.task)
+        values = evaluate(self.parts, self.cfg.model.task) if self.parts.eval_loader is not None else {}
+        values.update(benchmark_eval.at_eval(self.cfg, self.parts, self.state.step, self.progress.print))
         self.parts.recipe.train_mode()
         self.metrics.write({"step": self.state.step, **values, "time": time.time()})
         self.parts.accelerator.log(values, step=self.state.step)
@@ -350,6 +356,6 @@ class Loop:
         if self.after_first is not None and state.step > 1:
             seconds = time.perf_counter() - self.after_first[0]
             outcome.tokens_per_s = (state.tokens_seen - self.after_first[1]) / max(seconds, 1e-9)
-        if self.parts.eval_loader is not None and not outcome.stopped_by:
+        if self._evaluates() and not outcome.stopped_by:
             self.evaluate()
         return outcome

@@ -1,0 +1,194 @@
+"""Benchmarks and sample answers in and after a run (eval.*, `overdrive eval`, `overdrive generate`).
+
+The slow tests train one LoRA run of a 2-layer Llama saved locally on conversations whose answer
+is always "the answer is yes", with a 20-row multiple-choice task of lm-eval (a task YAML on a
+local jsonl, made here) at each evaluation: the task's accuracy in metrics.jsonl is lm-eval's
+own `HFLM` on the saved adapter, `overdrive generate` answers as PeftModel's greedy generation does,
+token for token, and a small sweep selects its trial by the task's accuracy.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+from hf_fixtures import LETTERS, make_chat_data, make_tiny_llama
+
+from overdrive.config.schema import RunConfig
+from overdrive.errors import UserError
+from overdrive.hf import benchmarks, generation
+from overdrive.resolving import resolve
+
+TASK = "tiny_mc"
+ROWS = 20
+STEPS = 20
+PROMPTS = ["a b c", "x y z"]
+
+
+def make_mc_task(directory: Path, rows: int = ROWS, seed: int = 0) -> Path:
+    """An lm-eval multiple-choice task on a local jsonl: a chat prompt and three answers, the
+    first the one the run's data teaches."""
+    rng = random.Random(seed)
+    data = directory / "mc.jsonl"
+    with open(data, "w") as f:
+        for _ in range(rows):
+            letters = " ".join(rng.choice(LETTERS) for _ in range(6))
+            f.write(json.dumps({"question": f"<user> {letters} <eos> <assistant> the answer is",
+                                "choices": ["yes", "ok", rng.choice(LETTERS)], "label": 0}) + "\n")
+    task = directory / "tiny_mc.yaml"
+    task.write_text(f"task: {TASK}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+                    "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
+                    "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\n"
+                    "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+    return task
+
+
+# ------------------------------------------------------------------ without training
+
+
+def test_lm_eval_results_become_eval_task_metric_fields():
+    results = {"tiny_mc": {"alias": "tiny_mc", "sample_len": 20, "acc,none": 0.35, "acc_stderr,none": 0.1,
+                           "acc_norm,none": "N/A"},
+               "gsm8k": {"exact_match,strict-match": 0.5, "exact_match,flexible-extract": 0.25}}
+    table = benchmarks.numbers(results)
+    assert table == {"tiny_mc": {"acc": 0.35, "acc_stderr": 0.1},
+                     "gsm8k": {"exact_match_strict-match": 0.5, "exact_match_flexible-extract": 0.25}}
+    assert benchmarks.as_metrics(table)["eval/tiny_mc/acc"] == 0.35
+
+
+def test_a_benchmark_metric_is_a_sweep_objective_only_with_its_task(tmp_path):
+    task = make_mc_task(tmp_path)
+    resolved = resolve(overrides={"sweep.metric": f"eval/{TASK}/acc", "sweep.direction": "maximize",
+                                  "eval.tasks": [str(task)]})
+    assert not [w for w in resolved.warnings if w.key == "sweep.metric"]
+    assert resolve(overrides={"sweep.metric": "eval/hellaswag/acc_norm", "eval.tasks": ["hellaswag"]})
+    with pytest.raises(UserError) as caught:
+        resolve(overrides={"sweep.metric": f"eval/{TASK}/acc"})
+    assert any(p.key == "sweep.metric" and "eval.tasks" in p.message for p in caught.value.problems)
+    with pytest.raises(UserError) as caught:
+        resolve(overrides={"sweep.metric": "eval/arc_easy/acc", "eval.tasks": ["hellaswag"]})
+    assert any(p.key == "sweep.metric" and "arc_easy" in p.message for p in caught.value.problems)
+
+
+def test_prompts_and_task_files_are_checked_when_the_config_loads(tmp_path):
+    listed = tmp_path / "prompts.txt"
+    listed.write_text("first prompt\n\nsecond prompt\n")
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text(json.dumps({"prompt": "one"}) + "\n" + json.dumps({"prompt": "two"}) + "\n")
+    assert generation.read_prompts(str(listed)) == ["first prompt", "second prompt"]
+    assert generation.read_prompts(str(rows)) == ["one", "two"]
+    assert generation.read_prompts(["a", "b"]) == ["a", "b"]
+    with pytest.raises(UserError) as caught:
+        resolve(overrides={"eval.prompts": str(tmp_path / "missing.txt"), "eval.tasks": [str(tmp_path / "no.yaml")]})
+    keys = {p.key: p.message for p in caught.value.problems}
+    assert "no such file" in keys["eval.prompts"] and "no such task file" in keys["eval.tasks"]
+    with pytest.raises(UserError) as caught:
+        resolve(overrides={"eval.prompts": ["hi"], "model.task": "sequence-classification"})
+    assert any(p.key == "eval.prompts" for p in caught.value.problems)
+    assert RunConfig().eval.tasks == [] and RunConfig().eval.prompts is None
+
+
+def test_greedy_is_the_models_own_greedy_generation(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    make_tiny_llama(tmp_path / "llama")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "llama")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "llama")
+    ids = generation.prompt_ids(tokenizer, "a b c")
+    assert tokenizer.decode(ids) == "<user> a b c <eos> <assistant>"  # the chat template's user turn
+    mine = generation.generated_ids(model, tokenizer, "a b c", generation.Sampling(max_new_tokens=6))
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=6, pad_token_id=0)
+    assert mine == theirs[0, len(ids):].tolist() and len(mine) >= 1
+
+
+# ------------------------------------------------------------------ a run
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("evaluation")
+    make_tiny_llama(root / "base")
+    make_chat_data(root / "chat.jsonl", rows=80)
+    make_mc_task(root)
+    return root
+
+
+def train_items(work: Path, out: str, *extra: str) -> list[str]:
+    return ["train", f"model.name_or_path={work / 'base'}", f"data.source={work / 'chat.jsonl'}",
+            f"data.cache_dir={work / 'cache'}", "data.format=chat", "data.max_length=64",
+            "data.validation_fraction=0.1", "peft.method=lora", "peft.r=4", "peft.alpha=8",
+            "training.micro_batch_size=4", "training.log_every_steps=5", "training.eval_batches=2",
+            "optim.lr=0.02", "scheduler.name=constant", "scheduler.warmup_steps=0", "precision.mixed_precision=no",
+            "launch.use_cpu=true", "logging.trackers=[none]", "logging.progress=false",
+            f"eval.tasks=[{work / 'tiny_mc.yaml'}]", f"output_dir={work / out}", *extra]
+
+
+@pytest.fixture(scope="module")
+def lora_run(work) -> Path:
+    done = run_cli(*train_items(work, "lora", f"training.max_steps={STEPS}", "training.eval_every_steps=10",
+                                f"eval.prompts={json.dumps(PROMPTS)}", "eval.max_new_tokens=5"), cwd=work)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "sample at step 10: a b c ->" in done.stdout + done.stderr
+    return work / "lora"
+
+
+def records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_the_in_run_accuracy_is_lm_evals_own_on_the_saved_adapter(work, lora_run):
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    evals = [r for r in records(lora_run) if f"eval/{TASK}/acc" in r]
+    assert [r["step"] for r in evals] == [10, STEPS]
+    assert all("eval_loss" in r for r in evals)  # one evaluation: the loss and the tasks
+    lm = HFLM(pretrained=str(work / "base"), peft=str(lora_run / "model"), device="cpu", batch_size=8)
+    theirs = simple_evaluate(model=lm, tasks=[load_yaml(str(work / "tiny_mc.yaml"), resolve_func=True)],
+                             task_manager=TaskManager(include_defaults=False), log_samples=False)
+    assert evals[-1][f"eval/{TASK}/acc"] == theirs["results"][TASK]["acc,none"]
+    assert evals[-1][f"eval/{TASK}/acc"] == 1.0  # the trained answer is the first choice of every row
+    # `overdrive eval` of the finished run: the same number, one JSON object.
+    done = run_cli("eval", str(lora_run), "--tasks", str(work / "tiny_mc.yaml"), "--json", cwd=work)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["results"][TASK]["acc"] == evals[-1][f"eval/{TASK}/acc"]
+    # and `overdrive report` draws the task
+    done = run_cli("report", str(lora_run), cwd=work)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (lora_run / "report" / "benchmarks.png").is_file() or any(lora_run.rglob("benchmarks.png"))
+
+
+@pytest.mark.slow
+def test_samples_hold_every_prompts_answer_at_each_evaluation(lora_run):
+    samples = [json.loads(line) for line in (lora_run / "samples.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["prompt"]) for s in samples] == [(step, p) for step in (10, STEPS) for p in PROMPTS]
+    assert all(s["answer"] == "the answer is yes" for s in samples if s["step"] == STEPS), samples
+
+
+@pytest.mark.slow
+def test_generate_answers_as_peft_models_greedy_generation(work, lora_run):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    done = run_cli("generate", str(lora_run), "q r s", "--max-new-tokens", "8", "--json", cwd=work)
+    assert done.returncode == 0, done.stderr[-3000:]
+    answered = json.loads(done.stdout)
+    tokenizer = AutoTokenizer.from_pretrained(lora_run / "model")
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(work / "base"), str(lora_run / "model"))
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "q r s"}], tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(ids, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        theirs = model.generate(input_ids=torch.tensor([ids]), do_sample=False, max_new_tokens=8, pad_token_id=0)
+    assert answered["tokens"] == theirs[0, len(ids):].tolist()
+    assert answered["answer"] == "the answer is yes"  # the trained behaviour, on a prompt it never saw
+    streamed = run_cli("generate", str(lora_run), "q r s", "--max-new-tokens", "8", cwd=work)
+    assert streamed.returncode == 0 and streamed.stdout.strip() == "the answer is yes", streamed.stderr[-2000:]
