@@ -192,3 +192,36 @@ def test_generate_answers_as_peft_models_greedy_generation(work, lora_run):
     assert answered["answer"] == "the answer is yes"  # the trained behaviour, on a prompt it never saw
     streamed = run_cli("generate", str(lora_run), "q r s", "--max-new-tokens", "8", cwd=work)
     assert streamed.returncode == 0 and streamed.stdout.strip() == "the answer is yes", streamed.stderr[-2000:]
+
+
+@pytest.mark.slow  # indexing lm-eval's registry reads its thousands of task files
+def test_a_task_name_lm_eval_does_not_know_is_refused_with_the_nearest(tmp_path):
+    with pytest.raises(UserError) as caught:
+        benchmarks.check_tasks(["arc_easi"], "eval.tasks")
+    problem = caught.value.problems[0]
+    assert problem.key == "eval.tasks" and "'arc_easy'" in problem.message
+    benchmarks.check_tasks(["arc_easy", str(make_mc_task(tmp_path))], "eval.tasks")  # known, and a file
+
+
+@pytest.mark.slow
+def test_a_sweep_judged_by_the_tasks_accuracy_selects_the_trial_that_learned(work):
+    """Two trials (a learning rate that teaches the answer, one too small to), judged by
+    `eval/tiny_mc/acc` at the end of each: the first is the best, valued at its own last accuracy."""
+    import optuna
+    import yaml
+
+    config = work / "sweep.yaml"
+    # The random sampler at seed 0 draws each choice once in two trials.
+    config.write_text(yaml.safe_dump({"sweep": {"trials": 2, "sampler": "random", "seed": 0, "metric": f"eval/{TASK}/acc",
+                                                "direction": "maximize", "space": {"optim.lr": [0.02, 1e-6]}}}))
+    items = [i for i in train_items(work, "sweep", "training.max_steps=12", "training.eval_every_steps=null",
+                                     "checkpoint.save_final_model=false") if i != "train" and not i.startswith("optim.lr")]
+    done = run_cli("sweep", str(config), *items, cwd=work, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    study = optuna.load_study(study_name="sweep", storage=f"sqlite:///{work / 'sweep' / 'sweep.db'}")
+    values = {t.params["optim.lr"]: t.value for t in study.trials}
+    assert values[0.02] == 1.0 and values[1e-6] < 1.0, values
+    assert study.best_trial.params["optim.lr"] == 0.02
+    best_run = Path(study.best_trial.user_attrs["output_dir"])
+    assert [r[f"eval/{TASK}/acc"] for r in records(best_run) if f"eval/{TASK}/acc" in r][-1] == study.best_value
+    assert yaml.safe_load((work / "sweep" / "best.yaml").read_text())["optim"]["lr"] == 0.02

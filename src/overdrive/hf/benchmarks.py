@@ -9,6 +9,7 @@ lm-eval is an optional dependency (the `eval` extra), imported only when a task 
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import os
 import sys
@@ -70,10 +71,8 @@ def task_specs(tasks: list[str], key: str) -> list[Union[str, dict]]:
 def task_manager(specs: list[Union[str, dict]], key: str) -> Any:
     """lm-eval's TaskManager; its built-in registry is indexed only when a task is named from it
     (indexing it reads every task YAML it ships, seconds)."""
-    from lm_eval.tasks import TaskManager
-
     names = [s for s in specs if isinstance(s, str)]
-    manager = TaskManager(include_defaults=bool(names))
+    manager = _task_manager(bool(names))
     unknown = [name for name in names if not manager.match_tasks([name])]
     if unknown:
         close = difflib.get_close_matches(unknown[0], manager.all_tasks, n=1)
@@ -81,6 +80,20 @@ def task_manager(specs: list[Union[str, dict]], key: str) -> Any:
                                 + (f" (did you mean {close[0]!r}?)" if close else ""),
                                 fix="list the tasks with `lm-eval ls tasks`, or give a task YAML file"))
     return manager
+
+
+@functools.lru_cache(maxsize=2)
+def _task_manager(include_defaults: bool) -> Any:
+    """One per process: a run's evaluations reuse the index rather than read the registry again."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_defaults=include_defaults)
+
+
+def check_tasks(tasks: list[str], key: str) -> None:
+    """lm-eval installed, every task file readable, every name in its registry: refused by key."""
+    require(key)
+    task_manager(task_specs(tasks, key), key)
 
 
 def run_tasks(model: Any, tokenizer: Any, tasks: list[str], settings: TaskSettings, *, key: str = "eval.tasks",
@@ -96,7 +109,9 @@ def run_tasks(model: Any, tokenizer: Any, tasks: list[str], settings: TaskSettin
     with _output_to(log):
         # An instance of the model: HFLM evaluates it as it is (device, dtype, adapter applied).
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)
-        results = simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=settings.limit,
+        limit = settings.limit
+        limit = int(limit) if limit is not None and limit >= 1 else limit  # a count, or a fraction below 1
+        results = simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=limit,
                                   num_fewshot=settings.num_fewshot, log_samples=False)
     return numbers(results["results"] if results else {})
 
@@ -154,9 +169,7 @@ def evaluate_saved(target: str, tasks: list[str], settings: TaskSettings, *, dev
     model, or an adapter on its base (hf/saved_model.py), as a run's evaluations score it."""
     from overdrive.hf.saved_model import KEY, load
 
-    require("--tasks")
-    specs_checked = task_specs(tasks, "--tasks")  # a bad task refused before any weights are read
-    task_manager(specs_checked, "--tasks")
+    check_tasks(tasks, "--tasks")  # a bad task refused before any weights are read
     loaded = load(target, dtype=dtype, device=device or default_device(), base=base, key=KEY)
     return loaded.what, run_tasks(loaded.model, loaded.tokenizer, tasks, settings, key="--tasks", log=log)
 

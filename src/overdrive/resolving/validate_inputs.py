@@ -4,6 +4,7 @@ file is written or any process starts."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Callable
 
@@ -49,6 +50,7 @@ def _mixture_kinds(cfg, where) -> list[Problem]:
 
 def _eval_inputs(cfg, where) -> list[Problem]:
     """`eval.*` reads task files and a prompts file, and needs a model that writes text."""
+    from overdrive.hf.benchmarks import INSTALL
     from overdrive.hf.generation import read_prompts
 
     e = cfg.eval
@@ -57,6 +59,9 @@ def _eval_inputs(cfg, where) -> list[Problem]:
         found.append(Problem("eval.tasks" if e.tasks else "eval.prompts", f"benchmarks and sample answers need a "
                              f"model that writes text; model.task is {cfg.model.task}", where("model.task"),
                              "leave eval.tasks and eval.prompts empty for this run"))
+    if e.tasks and importlib.util.find_spec("lm_eval") is None:
+        found.append(Problem("eval.tasks", "the benchmark tasks need lm-evaluation-harness, which is not installed",
+                             where("eval.tasks"), INSTALL))
     missing = [t for t in e.tasks if t.endswith((".yaml", ".yml")) and not os.path.isfile(os.path.expanduser(t))]
     if missing:
         found.append(Problem("eval.tasks", f"{missing[0]}: no such task file", where("eval.tasks"),

@@ -32,6 +32,13 @@ def wanted(cfg: RunConfig) -> bool:
     return bool(cfg.eval.tasks or cfg.eval.prompts)
 
 
+def check(cfg: RunConfig) -> None:
+    """Before the first step, on every rank: lm-eval there and every task known to it, so a bad
+    name stops the run at its start rather than at its first evaluation."""
+    if cfg.eval.tasks:
+        benchmarks.check_tasks(list(cfg.eval.tasks), "eval.tasks")
+
+
 def at_eval(cfg: RunConfig, parts: Any, step: int, say: Callable[[str], None]) -> dict[str, float]:
     """The benchmarks' `eval/<task>/<metric>` values (on the main process; {} elsewhere), and the
     sample answers appended to `<output_dir>/samples.jsonl`, the first few said."""

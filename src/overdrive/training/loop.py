@@ -191,6 +191,7 @@ class Loop:
         self.after_first: Optional[tuple[float, int]] = None  # (time, tokens) at the first log: steady state
         if parts.objective is not None:
             parts.objective.restore(state.preference_pending)
+        benchmark_eval.check(cfg)  # eval.tasks: lm-eval and every task known, before the first step
         note = parts.recipe.check_resumed(state)
         if note:
             progress.print(note)
