@@ -91,6 +91,21 @@ def test_prompts_and_task_files_are_checked_when_the_config_loads(tmp_path):
     assert RunConfig().eval.tasks == [] and RunConfig().eval.prompts is None
 
 
+def test_report_reads_benchmark_lines_as_evaluations_and_draws_them(tmp_path):
+    from overdrive.reports.plots import plot_run
+    from overdrive.reports.summary import load_run, summarize
+
+    lines = [{"step": 5, "loss": 2.0}, {"step": 10, "loss": 1.5},
+             {"step": 10, f"eval/{TASK}/acc": 0.5, f"eval/{TASK}/acc_stderr": 0.1},  # no eval_loss: no split
+             {"step": 20, "loss": 1.0}, {"step": 20, f"eval/{TASK}/acc": 0.9, f"eval/{TASK}/acc_stderr": 0.05}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run = load_run(tmp_path)
+    assert [r["step"] for r in run.train] == [5, 10, 20] and [r["step"] for r in run.evals] == [10, 20]
+    assert summarize(run)["benchmarks"] == {f"eval/{TASK}/acc": 0.9}
+    written = plot_run(run, tmp_path)
+    assert tmp_path / "benchmarks.png" in written
+
+
 def test_greedy_is_the_models_own_greedy_generation(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -163,7 +178,8 @@ def test_the_in_run_accuracy_is_lm_evals_own_on_the_saved_adapter(work, lora_run
     # and `overdrive report` draws the task
     done = run_cli("report", str(lora_run), cwd=work)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert (lora_run / "report" / "benchmarks.png").is_file() or any(lora_run.rglob("benchmarks.png"))
+    assert (lora_run / "report" / "benchmarks.png").is_file()
+    assert f"| final `eval/{TASK}/acc` | 1 |" in (lora_run / "report" / "summary.md").read_text()
 
 
 @pytest.mark.slow

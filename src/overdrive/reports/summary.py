@@ -201,6 +201,9 @@ def summarize(run: Run) -> dict[str, Any]:
         "peak_memory_bytes": max(memory) if memory else None,
         "wall_time_s": max(elapsed) if elapsed else (max(stamps) - min(stamps) if len(stamps) > 1 else None),
         "bad_lines": run.bad_lines,
+        # The last value of each benchmark metric (eval.tasks), its stderr left out.
+        "benchmarks": {k: v for k in sorted({k for r in evals for k in r if is_benchmark_metric(k)})
+                       if not k.endswith("_stderr") and (v := _number(_last(evals, k))) is not None},
     }
 
 
@@ -301,6 +304,8 @@ def summary_markdown(run: Run, summary: dict[str, Any], images: list[Path]) -> s
             out.append(f"| {label} | {fmt(s[key])} (step {fmt(s['min_loss_step'])}) |")
         elif s[key] is not None:
             out.append(f"| {label} | {fmt(s[key], kind)} |")
+    for name, value in s.get("benchmarks", {}).items():
+        out.append(f"| final `{name}` | {fmt(value)} |")
     if s["mean_tokens_per_s"] is not None or s["mean_mfu"] is not None:
         out += ["", "Mean tokens/s and MFU are total tokens over total time of the logged windows, leaving out the "
                 "first (start-up, compilation) when there are three or more."]
