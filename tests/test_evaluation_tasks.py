@@ -42,7 +42,8 @@ def make_mc_task(directory: Path, rows: int = ROWS, seed: int = 0) -> Path:
     task.write_text(f"task: {TASK}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
                     "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
                     "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\n"
-                    "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+                    "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+                    "  - metric: brier_score\n    higher_is_better: false\n")  # continuous: every log-likelihood counts
     return task
 
 
@@ -158,18 +159,14 @@ def records(run: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_the_in_run_accuracy_is_lm_evals_own_on_the_saved_adapter(work, lora_run):
-    from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
-    from lm_eval.tasks._yaml_loader import load_yaml
-
     evals = [r for r in records(lora_run) if f"eval/{TASK}/acc" in r]
     assert [r["step"] for r in evals] == [10, STEPS]
     assert all("eval_loss" in r for r in evals)  # one evaluation: the loss and the tasks
-    lm = HFLM(pretrained=str(work / "base"), peft=str(lora_run / "model"), device="cpu", batch_size=8)
-    theirs = simple_evaluate(model=lm, tasks=[load_yaml(str(work / "tiny_mc.yaml"), resolve_func=True)],
-                             task_manager=TaskManager(include_defaults=False), log_samples=False)
-    assert evals[-1][f"eval/{TASK}/acc"] == theirs["results"][TASK]["acc,none"]
+    acc, brier = lm_eval_scores(work / "base", lora_run / "model", work / "tiny_mc.yaml")
+    assert evals[-1][f"eval/{TASK}/acc"] == acc
+    assert evals[-1][f"eval/{TASK}/brier_score"] == pytest.approx(brier, rel=1e-6, abs=1e-9)
+    print(f"in-run at step {STEPS}: acc {acc}, brier_score {evals[-1][f'eval/{TASK}/brier_score']!r} "
+          f"(lm-eval's own: {brier!r}); at step 10: {evals[0][f'eval/{TASK}/brier_score']!r}")
     assert evals[-1][f"eval/{TASK}/acc"] == 1.0  # the trained answer is the first choice of every row
     # `overdrive eval` of the finished run: the same number, one JSON object.
     done = run_cli("eval", str(lora_run), "--tasks", str(work / "tiny_mc.yaml"), "--json", cwd=work)
@@ -241,3 +238,38 @@ def test_a_sweep_judged_by_the_tasks_accuracy_selects_the_trial_that_learned(wor
     best_run = Path(study.best_trial.user_attrs["output_dir"])
     assert [r[f"eval/{TASK}/acc"] for r in records(best_run) if f"eval/{TASK}/acc" in r][-1] == study.best_value
     assert yaml.safe_load((work / "sweep" / "best.yaml").read_text())["optim"]["lr"] == 0.02
+
+
+def lm_eval_scores(base: Path, adapter: Path, task: Path) -> tuple[float, float]:
+    """lm-eval's own run, as `lm-eval --model hf --model_args pretrained=BASE,peft=ADAPTER` does it."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    lm = HFLM(pretrained=str(base), peft=str(adapter), device="cpu", batch_size=8)
+    theirs = simple_evaluate(model=lm, tasks=[load_yaml(str(task), resolve_func=True)],
+                             task_manager=TaskManager(include_defaults=False), log_samples=False)
+    return theirs["results"][TASK]["acc,none"], theirs["results"][TASK]["brier_score,none"]
+
+
+@pytest.mark.slow
+def test_under_fsdp2_the_shards_are_gathered_and_scored_as_the_saved_adapter(work):
+    """Two processes over gloo, the LoRA model sharded by FSDP2: each evaluation gathers the weights
+    as the final save does and the main process alone scores and answers."""
+    from conftest import free_port
+
+    done = run_cli(*train_items(work, "fsdp2", "training.max_steps=6", "training.eval_every_steps=3",
+                                "parallel.strategy=fsdp", "launch.num_processes=2", "training.micro_batch_size=2",
+                                f"launch.main_process_port={free_port()}", "eval.prompts=[a b c]",
+                                "eval.max_new_tokens=4"), cwd=work, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = work / "fsdp2"
+    evals = [r for r in records(run) if f"eval/{TASK}/acc" in r]
+    assert [r["step"] for r in evals] == [3, 6]
+    acc, brier = lm_eval_scores(work / "base", run / "model", work / "tiny_mc.yaml")
+    assert evals[-1][f"eval/{TASK}/acc"] == acc
+    assert evals[-1][f"eval/{TASK}/brier_score"] == pytest.approx(brier, rel=1e-6, abs=1e-9)
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [3, 6]  # one process answers
+    assert not (run / ".eval-model").exists()
