@@ -273,3 +273,34 @@ def test_under_fsdp2_the_shards_are_gathered_and_scored_as_the_saved_adapter(wor
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [3, 6]  # one process answers
     assert not (run / ".eval-model").exists()
+
+
+@pytest.mark.slow
+def test_generate_on_a_terminal_answers_one_prompt_after_another(tmp_path):
+    """No PROMPT on a terminal: a conversation, each answer streamed, an empty line to leave; the
+    answers are the model's greedy ones."""
+    import os
+    import sys
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    pexpect = pytest.importorskip("pexpect")
+    make_tiny_llama(tmp_path / "llama")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "llama")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "llama")
+    expected = [generation.answers(model, tokenizer, [prompt], generation.Sampling(max_new_tokens=4))[0]
+                for prompt in ("a b", "c d")]
+    assert all(expected)  # a random model still writes tokens
+    child = pexpect.spawn(sys.executable, ["-m", "overdrive.cli", "generate", str(tmp_path / "llama"),
+                                           "--max-new-tokens", "4"], env=dict(os.environ), encoding="utf-8",
+                          timeout=120, dimensions=(40, 140))
+    for prompt, answer in zip(("a b", "c d"), expected):
+        child.expect("> ")
+        child.sendline(prompt)
+        child.expect_exact(prompt)  # the terminal's echo, then the answer
+        child.expect_exact(answer)
+    child.expect("> ")
+    child.sendline("")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
