@@ -55,9 +55,11 @@ def _eval_inputs(cfg, where) -> list[Problem]:
 
     e = cfg.eval
     found = []
-    if (e.tasks or e.prompts) and cfg.model.task != "causal-lm":
+    scorer = ("model.task", cfg.model.task) if cfg.model.task != "causal-lm" else \
+        ("preference.method", "reward") if cfg.preference.method == "reward" else None  # a scalar head, no text
+    if (e.tasks or e.prompts) and scorer:
         found.append(Problem("eval.tasks" if e.tasks else "eval.prompts", f"benchmarks and sample answers need a "
-                             f"model that writes text; model.task is {cfg.model.task}", where("model.task"),
+                             f"model that writes text; {scorer[0]} is {scorer[1]}", where(scorer[0]),
                              "leave eval.tasks and eval.prompts empty for this run"))
     if e.tasks and importlib.util.find_spec("lm_eval") is None:
         found.append(Problem("eval.tasks", "the benchmark tasks need lm-evaluation-harness, which is not installed",
