@@ -304,3 +304,13 @@ def test_generate_on_a_terminal_answers_one_prompt_after_another(tmp_path):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+def test_the_hints_after_a_run_say_how_to_talk_to_the_model(capsys):
+    from types import SimpleNamespace
+
+    from overdrive.commands.train import _summary
+
+    cfg = resolve([], cli=["output_dir=runs/x"], accelerate_default=False).config
+    _summary(SimpleNamespace(output_dir=Path("runs/x"), first_loss=None, eval={}), cfg, ["run.yaml"])
+    assert "overdrive generate runs/x    # talk to the trained model" in capsys.readouterr().out
