@@ -314,3 +314,12 @@ def test_the_hints_after_a_run_say_how_to_talk_to_the_model(capsys):
     cfg = resolve([], cli=["output_dir=runs/x"], accelerate_default=False).config
     _summary(SimpleNamespace(output_dir=Path("runs/x"), first_loss=None, eval={}), cfg, ["run.yaml"])
     assert "overdrive generate runs/x    # talk to the trained model" in capsys.readouterr().out
+
+
+def test_a_resumed_run_answers_again_from_its_checkpoint_without_repeating_lines(tmp_path):
+    from overdrive.training import benchmark_eval
+
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("".join(json.dumps({"step": s, "prompt": "p", "answer": "a"}) + "\n" for s in (10, 20, 30)))
+    benchmark_eval._drop_from(samples, 20)  # the run resumed from step 10's checkpoint evaluates step 20 again
+    assert [json.loads(line)["step"] for line in samples.read_text().splitlines()] == [10]

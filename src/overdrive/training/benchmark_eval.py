@@ -105,10 +105,29 @@ def _samples(cfg: RunConfig, model: Any, tokenizer: Any, step: int, out: Path, s
     now = time.time()
     lines = "".join(json.dumps({"step": step, "prompt": p, "answer": a, "time": now}) + "\n"
                     for p, a in zip(prompts, answered))
+    _drop_from(out / SAMPLES, step)
     with faults.writing(out / SAMPLES, "output_dir"), open(out / SAMPLES, "a") as f:
         f.write(lines)
     for prompt, text in list(zip(prompts, answered))[:cfg.eval.show_samples]:
         say(f"sample at step {step}: {_short(prompt)} -> {_short(text)}")
+
+
+def _drop_from(path: Path, step: int) -> None:
+    """A resumed run answers again from its checkpoint on: the answers it wrote at this step or
+    later before it stopped are left out, as metrics.jsonl leaves out their lines."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if _step_of(line) < step]
+    if len(kept) != len(lines):
+        faults.write_text(path, "".join(kept), "output_dir")
+
+
+def _step_of(line: str) -> float:
+    try:
+        return float(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError, TypeError):
+        return 0.0  # a line cut short by a kill: kept, as a reader skips it
 
 
 def _short(text: str, width: int = 80) -> str:
