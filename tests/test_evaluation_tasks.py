@@ -153,6 +153,19 @@ def lora_run(work) -> Path:
     return work / "lora"
 
 
+def lm_eval_scores(base: Path, adapter: Path, task: Path) -> tuple[float, float]:
+    """lm-eval's own run, as `lm-eval --model hf --model_args pretrained=BASE,peft=ADAPTER` does it."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    lm = HFLM(pretrained=str(base), peft=str(adapter), device="cpu", batch_size=8)
+    theirs = simple_evaluate(model=lm, tasks=[load_yaml(str(task), resolve_func=True)],
+                             task_manager=TaskManager(include_defaults=False), log_samples=False)
+    return theirs["results"][TASK]["acc,none"], theirs["results"][TASK]["brier_score,none"]
+
+
 def records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -238,19 +251,6 @@ def test_a_sweep_judged_by_the_tasks_accuracy_selects_the_trial_that_learned(wor
     best_run = Path(study.best_trial.user_attrs["output_dir"])
     assert [r[f"eval/{TASK}/acc"] for r in records(best_run) if f"eval/{TASK}/acc" in r][-1] == study.best_value
     assert yaml.safe_load((work / "sweep" / "best.yaml").read_text())["optim"]["lr"] == 0.02
-
-
-def lm_eval_scores(base: Path, adapter: Path, task: Path) -> tuple[float, float]:
-    """lm-eval's own run, as `lm-eval --model hf --model_args pretrained=BASE,peft=ADAPTER` does it."""
-    from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
-    from lm_eval.tasks._yaml_loader import load_yaml
-
-    lm = HFLM(pretrained=str(base), peft=str(adapter), device="cpu", batch_size=8)
-    theirs = simple_evaluate(model=lm, tasks=[load_yaml(str(task), resolve_func=True)],
-                             task_manager=TaskManager(include_defaults=False), log_samples=False)
-    return theirs["results"][TASK]["acc,none"], theirs["results"][TASK]["brier_score,none"]
 
 
 @pytest.mark.slow
