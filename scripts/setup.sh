@@ -14,7 +14,7 @@ PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     "${PIP[@]}" install "torch==2.13.0"
 fi
-"${PIP[@]}" install -e ".[test,tensorboard]"
+"${PIP[@]}" install -e ".[test,tensorboard,eval]"  # eval: lm-evaluation-harness (eval.tasks, overdrive eval)
 if ! .venv/bin/python -c "import deepspeed" >/dev/null 2>&1; then
     "${PIP[@]}" install --no-build-isolation "deepspeed>=0.16"
 fi

@@ -26,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("overdrive.commands.launch", "run your own Accelerate script with the configured strategy, on any process count"),
     "export": ("overdrive.commands.export", "write the Accelerate YAML and DeepSpeed JSON for the same run"),
     "import": ("overdrive.commands.import_config", "turn Accelerate, DeepSpeed, Axolotl, LLaMA-Factory and torchtune configs into an overdrive config"),
+    "eval": ("overdrive.commands.eval", "lm-evaluation-harness tasks on a run's model, a saved model or an adapter"),
+    "generate": ("overdrive.commands.generate", "a run's model or adapter answers a prompt (interactive on a terminal)"),
     "merge": ("overdrive.commands.merge", "merge a PEFT adapter into its base model and save it (no run needed)"),
     "slurm": ("overdrive.commands.slurm", "write an sbatch script for the same run"),
     "preflight": ("overdrive.commands.preflight", "check a job before training: rendezvous, bandwidth, shared output_dir, same versions and config"),

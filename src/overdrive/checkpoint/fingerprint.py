@@ -72,6 +72,7 @@ _RULES: dict[str, tuple[str, str]] = {
     "checkpoint.": ("harmless", ""),
     "logging.": ("harmless", ""),
     "sweep.": ("harmless", ""),
+    "eval.": ("harmless", ""),
     "output_dir": ("harmless", ""),
 }
 # The batch size keys are judged together, as the global batch (see `compare`).

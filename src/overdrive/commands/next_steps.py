@@ -73,4 +73,6 @@ def next_lines(cfg: RunConfig, out: Path, items: Sequence[str],
     elif cfg.checkpoint.save_final_model:
         lines.append((command("train", items, [f"model.name_or_path={out / 'model'}", f"output_dir={out}-continued"]),
                       "continue from the trained model"))
+    if cfg.checkpoint.save_final_model and cfg.model.task == "causal-lm" and cfg.preference.method != "reward":
+        lines.append((shlex.join(["overdrive", "generate", str(out)]), "talk to the trained model (docs/evaluation.md)"))
     return [f"  {line}    # {comment}" for line, comment in lines]

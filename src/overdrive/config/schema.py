@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Field
 
+from overdrive.config.schema_eval import EvalConfig
 from overdrive.config.schema_launch import LaunchConfig
 from overdrive.config.schema_parallel import ParallelConfig
 from overdrive.config.schema_peft import PeftConfig
@@ -337,6 +338,7 @@ class RunConfig(Section):
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="Processes and machines.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Benchmark tasks and sample answers at each evaluation.")
     sweep: SweepConfig = Field(default_factory=SweepConfig, description="Hyperparameter search (`overdrive sweep`).")
     output_dir: str = Field("runs/default", description="Where checkpoints, metrics, the resolved config and the final model go.")
 

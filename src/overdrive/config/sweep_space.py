@@ -23,6 +23,7 @@ from pydantic import TypeAdapter, ValidationError
 from overdrive.config import keys
 from overdrive.config.provenance import where
 from overdrive.config.schema import RunConfig
+from overdrive.config.schema_eval import is_benchmark_metric
 from overdrive.config.schema_sweep import KNOWN_FIELDS
 from overdrive.errors import Problem
 
@@ -226,9 +227,26 @@ def sweep_rules(cfg: RunConfig, chains: Optional[Mapping] = None) -> tuple[list[
         elif entries and size is not None and s.trials > size:
             errors.append(Problem("sweep.trials", f"{s.trials} trials, but the grid has {size} points",
                                   where(chains, "sweep.trials"), f"set sweep.trials={size} or widen the grid"))
-    if s.metric not in KNOWN_FIELDS:
+    if is_benchmark_metric(s.metric):
+        errors += _benchmark_metric_problems(cfg, chains)
+    elif s.metric not in KNOWN_FIELDS:
         close = difflib.get_close_matches(s.metric, KNOWN_FIELDS, n=1)
         warnings.append(Problem("sweep.metric", f"{s.metric!r} is not a field overdrive writes to metrics.jsonl"
                                 + (f" (did you mean `{close[0]}`?)" if close else ""), where(chains, "sweep.metric"),
                                 "a trial without it fails; known fields: " + ", ".join(KNOWN_FIELDS)))
     return errors, warnings
+
+
+def _benchmark_metric_problems(cfg: RunConfig, chains: Optional[Mapping] = None) -> list[Problem]:
+    """`sweep.metric: eval/<task>/<metric>` is written only by a run that runs that task: with no
+    `eval.tasks`, or a task named there by neither its name nor a task file, every trial would fail."""
+    task = cfg.sweep.metric.split("/")[1]
+    tasks = cfg.eval.tasks
+    files = [t for t in tasks if t.endswith((".yaml", ".yml"))]  # a file's task name is inside it
+    if not tasks:
+        return [Problem("sweep.metric", f"{cfg.sweep.metric!r} is a benchmark metric, but `eval.tasks` is empty",
+                        where(chains, "sweep.metric"), f"add the task to eval.tasks (eval.tasks=[{task}])")]
+    if task not in tasks and not files:
+        return [Problem("sweep.metric", f"task {task!r} is not in eval.tasks ({', '.join(tasks)})",
+                        where(chains, "sweep.metric"), f"add {task} to eval.tasks, or judge by one of them")]
+    return []

@@ -2,9 +2,10 @@
 
 The base is the adapter's own `base_model_name_or_path` (PEFT writes it into
 adapter_config.json) or the one given; it is loaded in full precision, never quantized and
-never written to; PEFT's `merge_and_unload` folds the adapter into its weights, and the result
-is saved with save_pretrained, loadable by the Auto class of the adapter's task, with the
-tokenizer saved beside the adapter (or the base's).
+never written to (hf/saved_model.load_adapter, the one reader of an adapter on its base); PEFT's
+`merge_and_unload` folds the adapter into its weights, and the result is saved with
+save_pretrained, loadable by the Auto class of the adapter's task, with the tokenizer saved
+beside the adapter (or the base's).
 """
 
 from __future__ import annotations
@@ -12,39 +13,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from overdrive.errors import Problem, UserError
-
-_AUTO = {"CAUSAL_LM": "AutoModelForCausalLM", "SEQ_CLS": "AutoModelForSequenceClassification"}
-
 
 def merge(adapter: Path, target: Path, base: Optional[str] = None, dtype: str = "float32") -> str:
     """Write the merged model to `target`; the base it was merged into is returned."""
-    import torch
-    import transformers
-    from peft import PeftModel
+    from overdrive.hf.saved_model import load_adapter
 
-    from overdrive.hf.lora import adapter_config
-    from overdrive.hub import reading
-
-    try:
-        saved = adapter_config(str(adapter))
-    except ValueError as error:
-        raise UserError(Problem("ADAPTER", str(error), fix="give a PEFT adapter directory (adapter_config.json and "
-                                "its weights)")) from None
-    base = base or saved.get("base_model_name_or_path")
-    if not base:
-        raise UserError(Problem("--base", f"the adapter in {adapter} does not name its base model",
-                                fix="pass --base MODEL (a hub name or a save_pretrained directory)"))
-    task = str(saved.get("task_type") or "CAUSAL_LM")
-    auto = getattr(transformers, _AUTO.get(task, "AutoModelForCausalLM"))
-    with reading("--base", base):
-        model = auto.from_pretrained(base, dtype=getattr(torch, dtype) if dtype != "auto" else "auto")
-    tokenizer_from = adapter if (adapter / "tokenizer_config.json").is_file() else base
-    with reading("--base", str(tokenizer_from)):
-        tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_from)
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer))  # tokens added while the adapter trained
-    merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    model, tokenizer, base_name = load_adapter(adapter, base, dtype, key="ADAPTER")
+    merged = model.merge_and_unload()
     merged.save_pretrained(target)
     tokenizer.save_pretrained(target)
-    return str(base)
+    return base_name

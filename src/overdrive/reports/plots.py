@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from overdrive.config.schema_eval import is_benchmark_metric
 from overdrive.reports.summary import Run, fmt, fmt_bytes, fmt_seconds, series, steady_rate, summarize
 
 
@@ -93,8 +94,25 @@ def _memory(values: list[float]) -> tuple[list[float], str]:
     return [v / 2**20 for v in values], "MiB"
 
 
+def _benchmarks(ax, run: Run) -> bool:
+    """Every `eval/<task>/<metric>` a run's evaluations wrote (lm-eval's tasks), their stderr left out."""
+    names = sorted({k for r in run.evals for k in r if is_benchmark_metric(k) and not k.endswith("_stderr")})
+    drawn = False
+    for index, name in enumerate(names):
+        steps, values = series(run.evals, name)
+        if values:
+            ax.plot(steps, values, color=f"C{index % 10}", marker="o", ms=4, lw=1.5, label=name[len("eval/"):])
+            drawn = True
+    if drawn:
+        ax.set_title("Benchmarks")
+        ax.set_ylabel("score")
+        ax.legend(fontsize=8)
+    return drawn
+
+
 PANELS: list[tuple[str, Callable[[Any, Run], bool]]] = [
     ("loss", _loss),
+    ("benchmarks", _benchmarks),
     ("lr", _simple("lr", "Learning rate", "lr", "C2", from_zero=False)),
     ("throughput", _simple("tokens_per_s", "Throughput", "tokens/s", "C3", mean=True)),
     ("mfu", _simple("mfu", "Model FLOPs utilisation", "%", "C4", scale=_percent, mean=True)),

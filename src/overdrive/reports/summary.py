@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from overdrive.config.schema_eval import is_benchmark_metric
 from overdrive.config.keys import flatten
 from overdrive.errors import UserError
 from overdrive.reports import ranks
@@ -67,10 +68,11 @@ def load_run(path: str | Path) -> Run:
     logged = metrics_file.read(metrics)
     run.bad_lines = logged.bad_lines
     for record in logged.records:
-        if _number(record.get("eval_loss")) is not None:
+        evaluated = _number(record.get("eval_loss")) is not None or any(is_benchmark_metric(k) for k in record)
+        if evaluated:
             run.evals.append(record)
         if _number(record.get("loss")) is not None or (
-            "eval_loss" not in record and _number(record.get("step")) is not None
+            "eval_loss" not in record and not evaluated and _number(record.get("step")) is not None
         ):
             run.train.append(record)
     if not run.train and not run.evals:
@@ -203,6 +205,9 @@ def summarize(run: Run) -> dict[str, Any]:
         "peak_memory_bytes": max(memory) if memory else None,
         "wall_time_s": max(elapsed) if elapsed else (max(stamps) - min(stamps) if len(stamps) > 1 else None),
         "bad_lines": run.bad_lines,
+        # The last value of each benchmark metric (eval.tasks), its stderr left out.
+        "benchmarks": {k: v for k in sorted({k for r in evals for k in r if is_benchmark_metric(k)})
+                       if not k.endswith("_stderr") and (v := _number(_last(evals, k))) is not None},
     }
 
 
@@ -315,6 +320,8 @@ def summary_markdown(run: Run, summary: dict[str, Any], images: list[Path]) -> s
             out.append(f"| {label} | {fmt(s[key])} (step {fmt(s['min_loss_step'])}) |")
         elif s[key] is not None:
             out.append(f"| {label} | {fmt(s[key], kind)} |")
+    for name, value in s.get("benchmarks", {}).items():
+        out.append(f"| final `{name}` | {fmt(value)} |")
     if s["mean_tokens_per_s"] is not None or s["mean_mfu"] is not None:
         out += ["", "Mean tokens/s and MFU are total tokens over total time of the logged windows, leaving out the "
                 "first (start-up, compilation) when there are three or more."]

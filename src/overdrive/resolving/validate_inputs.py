@@ -4,6 +4,7 @@ file is written or any process starts."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import TYPE_CHECKING, Callable
 
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
 
 
 def input_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
-    return _cache_dir(cfg, where) + _mixture_kinds(cfg, where)
+    return _cache_dir(cfg, where) + _mixture_kinds(cfg, where) + _eval_inputs(cfg, where)
 
 
 def _cache_dir(cfg: RunConfig, where) -> list[Problem]:
@@ -48,3 +49,34 @@ def _mixture_kinds(cfg: RunConfig, where) -> list[Problem]:
     return [Problem(key, f"mixes chat and plain sources ({kinds}): one run trains on one kind of sample",
                     where(key) or where("data.sources"),
                     "make every source chat (data.format=chat, or each entry's format), or none")]
+
+
+def _eval_inputs(cfg, where) -> list[Problem]:
+    """`eval.*` reads task files and a prompts file, and needs a model that writes text."""
+    from overdrive.hf.benchmarks import INSTALL
+    from overdrive.hf.generation import read_prompts
+
+    e = cfg.eval
+    found = []
+    scorer = ("model.task", cfg.model.task) if cfg.model.task != "causal-lm" else \
+        ("preference.method", "reward") if cfg.preference.method == "reward" else None  # a scalar head, no text
+    if (e.tasks or e.prompts) and scorer:
+        found.append(Problem("eval.tasks" if e.tasks else "eval.prompts", f"benchmarks and sample answers need a "
+                             f"model that writes text; {scorer[0]} is {scorer[1]}", where(scorer[0]),
+                             "leave eval.tasks and eval.prompts empty for this run"))
+    if e.tasks and importlib.util.find_spec("lm_eval") is None:
+        found.append(Problem("eval.tasks", "the benchmark tasks need lm-evaluation-harness, which is not installed",
+                             where("eval.tasks"), INSTALL))
+    missing = [t for t in e.tasks if t.endswith((".yaml", ".yml")) and not os.path.isfile(os.path.expanduser(t))]
+    if missing:
+        found.append(Problem("eval.tasks", f"{missing[0]}: no such task file", where("eval.tasks"),
+                             "give a path to an lm-eval task YAML, or a task name of its registry (lm-eval ls tasks)"))
+    if e.prompts is not None:
+        try:
+            if not read_prompts(e.prompts):
+                found.append(Problem("eval.prompts", "no prompts in it", where("eval.prompts"),
+                                     "give at least one prompt, or leave eval.prompts empty"))
+        except ValueError as error:
+            found.append(Problem("eval.prompts", str(error), where("eval.prompts"),
+                                 "give a list of prompts, or a file of them (one a line, or .jsonl with `prompt`)"))
+    return found

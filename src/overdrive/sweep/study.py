@@ -163,7 +163,7 @@ def pruner(cfg: RunConfig):
         return optuna.pruners.NopPruner()
     if cfg.sweep.pruner == "hyperband":
         t = cfg.training
-        first = t.eval_every_steps if cfg.sweep.metric.startswith("eval_") and t.eval_every_steps else t.log_every_steps
+        first = t.eval_every_steps if cfg.sweep.metric.startswith(("eval_", "eval/")) and t.eval_every_steps else t.log_every_steps
         return optuna.pruners.HyperbandPruner(min_resource=min(first, t.max_steps), max_resource=t.max_steps)
     return optuna.pruners.MedianPruner()
 

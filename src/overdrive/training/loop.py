@@ -36,6 +36,7 @@ from overdrive.config.schema import RunConfig
 from overdrive.storage import faults
 from overdrive.strategies import registry
 from overdrive.training import context_parallel, loss_scale, nonfinite, step_loss, telemetry
+from overdrive.training import benchmark_eval
 from overdrive.training.loss_tokens import LossTokens
 from overdrive.training.loop_state import LoopState, TrainResult, batches  # noqa: F401  (asked for here too)
 from overdrive.training.parts import Parts, build_parts, save_final
@@ -188,6 +189,7 @@ class Loop:
         self.lr = 0.0
         self.after_first: Optional[tuple[float, int]] = None  # (time, tokens) at the first log: steady state
         parts.objective.restore(state.preference_pending)
+        benchmark_eval.check(cfg)  # eval.tasks: lm-eval and every task known, before the first step
         note = parts.recipe.check_resumed(state)
         if note:
             progress.print(note)
@@ -289,12 +291,18 @@ class Loop:
 
     def eval_due(self) -> bool:
         step, t = self.state.step, self.cfg.training
-        return (self.parts.eval_loader is not None and bool(t.eval_every_steps) and step % t.eval_every_steps == 0
+        return (self._evaluates() and bool(t.eval_every_steps) and step % t.eval_every_steps == 0
                 and step < t.max_steps and not self.outcome.stopped_early)
+
+    def _evaluates(self) -> bool:
+        """A validation split, or benchmarks and sample answers (eval.*), to evaluate on."""
+        return self.parts.eval_loader is not None or benchmark_eval.wanted(self.cfg)
 
     def evaluate(self) -> None:
         self.parts.recipe.eval_mode()  # a schedule-free optimizer is evaluated at its averaged point
-        values = self.parts.objective.evaluate(self.parts.model, self.parts.eval_loader, self.parts.accelerator)
+        values = (self.parts.objective.evaluate(self.parts.model, self.parts.eval_loader, self.parts.accelerator)
+                  if self.parts.eval_loader is not None else {})
+        values.update(benchmark_eval.at_eval(self.cfg, self.parts, self.state.step, self.progress.print))
         self.parts.recipe.train_mode()
         self.metrics.write({"step": self.state.step, **values, "time": time.time()})
         self.parts.accelerator.log(values, step=self.state.step)
@@ -333,6 +341,6 @@ class Loop:
         if self.after_first is not None and state.step > 1:
             seconds = time.perf_counter() - self.after_first[0]
             outcome.tokens_per_s = (state.tokens_seen - self.after_first[1]) / max(seconds, 1e-9)
-        if self.parts.eval_loader is not None and not outcome.stopped_by:
+        if self._evaluates() and not outcome.stopped_by:
             self.evaluate()
         return outcome

@@ -253,6 +253,11 @@ def _format(values: Mapping[str, Any]) -> str:
                      *PREFERENCE_SHOWN, ("lr", "lr {:.2e}"), ("tokens_per_s", "{:,.0f} tok/s"), ("mfu", "mfu {:.1%}")):
         if values.get(key) is not None:
             parts.append(fmt.format(values[key]))
+    # The benchmarks of eval.tasks (`eval/<task>/<metric>`), their stderr left to metrics.jsonl.
+    from overdrive.config.schema_eval import BENCHMARK_PREFIX, is_benchmark_metric
+
+    parts += [f"{key[len(BENCHMARK_PREFIX):]} {value:.4g}" for key, value in values.items()
+              if is_benchmark_metric(key) and not key.endswith("_stderr") and isinstance(value, (int, float))]
     return "  ".join(parts)
 
 
