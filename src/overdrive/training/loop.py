@@ -217,6 +217,9 @@ class Loop:
         # Under context parallel each rank's slice adds its own tokens' losses, and the gradient
         # reduction averages over data-parallel x cp ranks: the slices' sum is scaled back too.
         scale = step_loss.backward_scale(self.split.accumulation, world * self.cp)
+        balance = self.parts.moe  # a mixture of experts: the router's balance term beside (training/moe.py)
+        if balance is not None:
+            balance.begin_step(acc, micro_batches, self.model_parallel, self.split.accumulation, world)
         for micro_batch in micro_batches:
             self.loss_tokens.add(micro_batch)
             tokens = micro_batch["input_ids"].numel() * world  # shapes are host-side: no sync
@@ -228,6 +231,8 @@ class Loop:
                         loss = objective(model, inputs) * objective.units(micro_batch) / count
                     else:
                         loss = step_loss.summed_loss(model, inputs) / count  # this micro-batch's share of the mean
+                        if balance is not None:
+                            loss = loss + balance.share(inputs)
                     self.observe.enter("backward")
                     acc.backward(loss * scale)  # undone by the accumulation and data-parallel averaging
                 self.observe.enter("optimizer")
@@ -273,7 +278,8 @@ class Loop:
         state.nonfinite_in_a_row = counts.in_a_row
         record = {**self._record(loss_value), **counts.record(), "elapsed_s": self.throughput.elapsed(),
                   "loss_tokens": self.loss_tokens.read(acc), **self.observe.fields(),
-                  **(self.parts.objective.read() if self.parts.objective else {})}
+                  **(self.parts.objective.read() if self.parts.objective else {}),
+                  **(self.parts.moe.read(acc, sharing) if self.parts.moe else {})}
         if counts.note(state.step):
             self.progress.print(counts.note(state.step))
         self.metrics.write(record)

@@ -16,7 +16,7 @@ from overdrive.strategies import registry
 import overdrive.config.batch as batch
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
-from overdrive.training import adapter, master_weights
+from overdrive.training import adapter, master_weights, moe
 from overdrive.training import model as model_mod
 from overdrive.training import telemetry
 from overdrive.training import optimizers
@@ -44,6 +44,7 @@ class Parts:
     derived: dict = field(default_factory=dict)  # key -> how the data derived it
     pipeline: Any = None  # training/pipeline.py's Pipeline under parallel.pp_size > 1 (model: this rank's stages)
     objective: Any = None  # preference training's loss step (training/preference.py); None: the model's loss
+    moe: Any = None  # a mixture of experts' router balance loss and load (training/moe.py); None: dense
 
 
 def _micro_batch(cfg: RunConfig) -> int:
@@ -92,10 +93,12 @@ def build_parts(cfg: RunConfig, accelerator, say=None) -> Parts:
                                   special_tokens=special, device=adapter.load_device(cfg, accelerator.device))
     _check_positions(model.config, d.max_length)
     upcast = master_weights.upcast_trainable(cfg, model)
+    balance = moe.attach(cfg, model, accelerator)  # hooked before anything wraps the model
     model = strategies.split_model(model, accelerator, cfg)  # tensor parallel, when the layout has it
     layers, width = model_mod.shape_of(model.config)
-    fpt = telemetry.flops_per_token(model_mod.flop_params(model), layers, width, d.max_length,
-                                    frozen_params=model_mod.flop_params(model, frozen=True))
+    idle = moe.idle_params(model)  # experts a token is not routed to: FLOPs and MFU by the active parameters
+    fpt = telemetry.flops_per_token(model_mod.flop_params(model) - idle[0], layers, width, d.max_length,
+                                    frozen_params=model_mod.flop_params(model, frozen=True) - idle[1])
     notes = adapter.notes(cfg, model) + master_weights.note(upcast)
 
     collate = data_mod.collate_for(data_mod.sample_kind(cfg), tokenizer.pad_token_id)
@@ -130,7 +133,8 @@ def build_parts(cfg: RunConfig, accelerator, say=None) -> Parts:
                                                 split.micro, Path(cfg.output_dir).expanduser(), validation)
         objective = preference.PreferenceObjective(cfg, accelerator, train_ref, eval_ref)
     return Parts(accelerator, model, optimizer, scheduler, train_loader, eval_loader, tokenizer, fpt, peak,
-                 d.max_length, Recipe(cfg, optimizer, train_loader, d.max_length), notes, cfg, derived, objective=objective)
+                 d.max_length, Recipe(cfg, optimizer, train_loader, d.max_length), notes, cfg, derived, objective=objective,
+                 moe=balance)
 
 
 def _counted_from_data(cfg: RunConfig, train, global_batch: int):

@@ -1,0 +1,165 @@
+"""The router's load-balancing loss of a mixture-of-experts model, in the loss the loop optimises,
+and the per-expert load in metrics.jsonl.
+
+What is added. Transformers' `load_balancing_loss_func` (Switch Transformer eq. 4-6): over a
+set of tokens and every MoE layer, E x sum_e f_e x P_e, where f_e is the share of the top-k
+assignments expert e got (no gradient) and P_e its mean router probability. The loss optimised
+is the global token-mean cross entropy (step_loss.py) + coef x that statistic, coef the config's
+`router_aux_loss_coef` or `model.moe.aux_loss_coef`.
+
+How it scales whatever the split. The statistic is a product of two means, so it is not a sum
+over tokens: the cross entropy's rule (sum, then divide by the global count) does not apply, and
+taken per micro-batch (as the model does with `output_router_logits=True`) it changes with the
+micro-batch size. `model.moe.aux_loss_scope`:
+
+    sequence      each row's own statistic; the term is their mean over the global batch's rows:
+                  sum over this micro-batch's rows / the global row count (one all-reduce per
+                  step, beside the token count). Any split (4x1 = 2x2 = 2 ranks x 2) gives the
+                  same loss and gradient. A micro-batch of one row is exactly the model's own.
+    micro_batch   the model's own statistic over each micro-batch's tokens, averaged over the
+                  global batch's micro-batches (/ accumulation x data-parallel ranks). One
+                  micro-batch per step is exactly the model's own loss; other splits differ.
+
+How the statistic is taken. A forward hook on each router module (the class Transformers
+records `router_logits` from, `_can_record_outputs`) keeps its logits; a pre-hook on the model
+clears them and calls it with `output_router_logits=False` (unless the caller passes it), so the
+model adds no balance term of its own to the summed cross entropy, whatever its config says. Gradient checkpointing's recomputation in backward adds
+logits after they were read; the next forward clears them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from overdrive.config.schema import RunConfig
+from overdrive.hf import moe as hf_moe
+from overdrive.training import step_loss
+
+
+def _router_class(module: Any) -> Optional[tuple[type, int]]:
+    recorders = getattr(type(module), "_can_record_outputs", None) or {}
+    recorder = recorders.get("router_logits") if isinstance(recorders, dict) else None
+    target = getattr(recorder, "target_class", None)
+    return (target, int(getattr(recorder, "index", 0) or 0)) if target is not None else None
+
+
+def _causal_lm(model: Any) -> Optional[tuple[Any, type, int]]:
+    """The Transformers model inside `model` (a PEFT wrapper's base too) and its router class."""
+    for module in model.modules():
+        found = _router_class(module)
+        if found is not None:
+            return module, *found
+    return None
+
+
+def attach(cfg: RunConfig, model: Any, accelerator: Any) -> Optional["RouterBalance"]:
+    """The balance loss of a mixture-of-experts causal LM, hooked into `model` (before it is wrapped);
+    None for a dense model or another task."""
+    experts = hf_moe.experts_of(model.config)
+    found = _causal_lm(model)
+    if experts is None or found is None or cfg.model.task != "causal-lm":
+        return None
+    return RouterBalance(found[0], found[1], found[2], experts, cfg.model.moe.aux_loss_scope, accelerator.device)
+
+
+class RouterBalance:
+    """Router logits caught in the forward, turned into this micro-batch's share of the balance term."""
+
+    def __init__(self, model: Any, router: type, index: int, experts: hf_moe.Experts, scope: str,
+                 device: torch.device):
+        self.experts, self.scope, self.coef = experts, scope, experts.aux_loss_coef
+        self.logits: list[torch.Tensor] = []
+        self.routers = [m for m in model.modules() if isinstance(m, router)]
+        for module in self.routers:
+            module.register_forward_hook(lambda _m, _i, out: self.logits.append(out[index] if isinstance(out, tuple)
+                                                                                else out))
+        model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        self.divisor = torch.ones((), device=device)
+        self.aux_sum = torch.zeros((), device=device)  # this rank's shares of each step's statistic, since the log
+        self.load = torch.zeros(len(self.routers), experts.experts, device=device)  # tokens per layer and expert
+        self.steps = 0
+
+    def _before_forward(self, _module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self.logits.clear()
+        return args, {"output_router_logits": False, **kwargs}  # a caller that asks for them still gets them
+
+    def begin_step(self, accelerator: Any, micro_batches: list, model_parallel: int, accumulation: int,
+                   data_parallel: int) -> None:
+        """What this step's shares divide by: the global batch's rows, or its micro-batches."""
+        if self.scope == "sequence":
+            self.divisor = step_loss.global_count(accelerator, micro_batches, model_parallel, _rows)
+        else:
+            self.divisor = torch.full((), float(accumulation * data_parallel), device=self.divisor.device)
+        self.steps += 1
+
+    def share(self, batch: Any) -> torch.Tensor:
+        """coef x this micro-batch's part of the step's balance statistic (read after its forward)."""
+        layers = self.logits[: len(self.routers)]
+        rows = batch["input_ids"].shape[0]
+        mask = batch.get("attention_mask")
+        mask = (torch.ones(batch["input_ids"].shape, device=layers[0].device) if mask is None
+                else mask.to(layers[0].device)).float()
+        statistic = balance_statistic(layers, mask.reshape(rows, -1), self.experts.experts, self.experts.top_k,
+                                      per_row=self.scope == "sequence", load=self.load)
+        part = statistic.sum() / self.divisor
+        self.aux_sum += part.detach()
+        return self.coef * part
+
+    def read(self, accelerator: Any, sharing: int) -> dict[str, Any]:
+        """`aux_loss` (the statistic, unscaled, a step's mean), tokens per expert (summed over layers)
+        and the imbalance (the busiest expert's tokens over the mean, the worst layer) since the last log."""
+        aux = accelerator.reduce(self.aux_sum.clone(), "sum") if accelerator.num_processes > 1 else self.aux_sum
+        load = accelerator.reduce(self.load.clone(), "sum") if accelerator.num_processes > 1 else self.load
+        load = load / max(sharing, 1)
+        mean = load.mean(dim=1).clamp(min=1e-9)
+        record = {"aux_loss": aux.item() / max(sharing, 1) / max(self.steps, 1),
+                  "aux_loss_coef": self.coef,
+                  "expert_tokens": [round(v) for v in load.sum(dim=0).tolist()],
+                  "expert_imbalance": (load.max(dim=1).values / mean).max().item()}
+        self.aux_sum.zero_()
+        self.load.zero_()
+        self.steps = 0
+        return record
+
+
+def _rows(batch: Any) -> torch.Tensor:
+    ids = batch["input_ids"]
+    return torch.full((), ids.shape[0], dtype=torch.long, device=ids.device)
+
+
+def balance_statistic(layers: list[torch.Tensor], mask: torch.Tensor, experts: int, top_k: int,
+                      per_row: bool, load: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Transformers' `load_balancing_loss_func` on router logits ([rows x positions, experts] per
+    layer) with the attention mask ([rows, positions]): one value per row (`per_row`), else one for
+    all of them (exactly the model's). `load` gathers the masked top-k assignments per layer and expert."""
+    rows = mask.shape[0]
+    assigned = torch.zeros(rows, experts, device=mask.device)
+    probability = torch.zeros(rows, experts, device=mask.device)
+    tokens = torch.zeros(rows, device=mask.device)
+    for i, logits in enumerate(layers):
+        weights = torch.softmax(logits.to(mask.device), dim=-1)  # in the logits' dtype, as the model does
+        _, chosen = torch.topk(weights, top_k, dim=-1)
+        counts = torch.nn.functional.one_hot(chosen, experts).sum(dim=-2).float().reshape(rows, -1, experts)
+        counts = counts * mask.unsqueeze(-1)
+        assigned = assigned + counts.sum(dim=1)
+        probability = probability + (weights.float().reshape(rows, -1, experts) * mask.unsqueeze(-1)).sum(dim=1)
+        tokens = tokens + mask.sum(dim=1)
+        if load is not None:
+            load[i] += counts.detach().sum(dim=(0, 1))
+    if not per_row:
+        assigned, probability, tokens = assigned.sum(0, keepdim=True), probability.sum(0, keepdim=True), tokens.sum().reshape(1)
+    tokens = tokens.clamp(min=1.0).unsqueeze(-1)  # a row with no token: 0, not 0/0
+    return experts * ((assigned / tokens) * (probability / tokens)).sum(dim=-1)
+
+
+def idle_params(model: Any) -> tuple[int, int]:
+    """(all, frozen) expert parameters a token is not routed to: taken off N in 6N FLOPs per token."""
+    experts = hf_moe.experts_of(getattr(model, "config", None))
+    if experts is None:
+        return 0, 0
+    named = [(name, getattr(p, "ds_numel", None) or p.numel(), p.requires_grad) for name, p in model.named_parameters()]
+    idle = 1.0 - experts.active_fraction
+    return (round(hf_moe.expert_params((n, k) for n, k, _ in named) * idle),
+            round(hf_moe.expert_params((n, k) for n, k, trained in named if not trained) * idle))

@@ -1,0 +1,120 @@
+"""Mixture-of-experts models: the router's balance loss in the loss optimised (the model's own),
+normalised so the split does not change it, logged apart with the load per expert; `model.moe.*`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from overdrive.config.schema import RunConfig
+from overdrive.errors import UserError
+from overdrive.training import moe, step_loss
+from overdrive.training.metrics import read
+from tests.conftest import free_port, run_cli
+
+ARCH = {"model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+        "num_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 64}
+TINY = [*(f"model.architecture.{k}={v}" for k, v in ARCH.items()), "model.moe.aux_loss_coef=0.1",
+        "tokenizer.vocab_size=512", "data.max_length=32", "data.max_bytes=60000", "training.max_steps=6",
+        "training.log_every_steps=1", "checkpoint.enabled=false", "checkpoint.save_final_model=false",
+        "precision.mixed_precision=no"]
+
+
+class _OneProcess:
+    device = torch.device("cpu")
+    num_processes = 1
+
+
+def _tiny_qwen3_moe(coef: float = 0.5):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    arch = {k: v for k, v in ARCH.items() if k != "model_type"}
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=64, router_aux_loss_coef=coef, **arch))
+
+
+def _batch(rows: int = 3, seed: int = 1) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (rows, 10), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[-1, 6:] = 0  # a padded row: its padding is no token of the router's statistic
+    labels = ids.masked_fill(mask == 0, step_loss.IGNORE)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _optimised(model, balance, batch) -> torch.Tensor:
+    """The loss the loop optimises on one micro-batch that is the whole global batch."""
+    balance.begin_step(_OneProcess(), [batch], 1, 1, 1)
+    return step_loss.summed_loss(model, batch) / step_loss.global_count(_OneProcess(), [batch], 1) + balance.share(batch)
+
+
+def test_the_loss_optimised_is_the_models_own_with_its_router_loss():
+    model = _tiny_qwen3_moe()
+    batch = _batch()
+    own = model(**batch, output_router_logits=True)
+    plain = model(**batch).loss  # the cross entropy alone
+    balance = moe.attach(RunConfig(model={"moe": {"aux_loss_scope": "micro_batch"}}), model, _OneProcess())
+    assert balance is not None and balance.coef == 0.5 and len(balance.routers) == 2
+    loss = _optimised(model, balance, batch)
+    assert torch.allclose(loss, own.loss, rtol=1e-6, atol=0) and loss.item() > plain.item() + 0.5  # the aux term is in
+    record = balance.read(_OneProcess(), 1)
+    assert record["aux_loss"] == pytest.approx(own.aux_loss.item(), rel=1e-6)
+    # 3 rows x 10 positions, 4 padded, each token to 2 experts, in each of the 2 layers
+    assert sum(record["expert_tokens"]) == 26 * 2 * 2 and record["expert_imbalance"] >= 1.0
+    # The gradient is the model's own too.
+    grad = torch.autograd.grad(loss, model.model.layers[0].mlp.gate.weight)[0]
+    own_grad = torch.autograd.grad(model(**batch, output_router_logits=True).loss, model.model.layers[0].mlp.gate.weight)[0]
+    assert torch.allclose(grad, own_grad, rtol=1e-5, atol=1e-8)
+
+
+def test_the_sequence_scope_is_the_mean_of_each_rows_own_statistic():
+    model = _tiny_qwen3_moe()
+    batch = _batch()
+    balance = moe.attach(RunConfig(), model, _OneProcess())  # the default scope: sequence
+    loss = _optimised(model, balance, batch)
+    rows = [{k: v[i:i + 1] for k, v in batch.items()} for i in range(3)]
+    each = [model(**row, output_router_logits=True).aux_loss for row in rows]
+    plain = model(**batch).loss
+    assert torch.allclose(loss, plain + 0.5 * torch.stack(each).mean(), rtol=1e-6)
+    # A micro-batch of one row is exactly the model's own loss.
+    alone = _tiny_qwen3_moe()
+    one_row = _optimised(alone, moe.attach(RunConfig(), alone, _OneProcess()), rows[0])
+    assert torch.allclose(one_row, alone(**rows[0], output_router_logits=True).loss, rtol=1e-6)
+
+
+def test_model_moe_keys_override_the_config_and_are_refused_on_a_dense_model():
+    from overdrive.hf.model_config import model_config
+
+    cfg = RunConfig(model={"architecture": ARCH, "moe": {"top_k": 3, "aux_loss_coef": 0.05}})
+    config = model_config(cfg, 64)
+    assert (config.num_experts_per_tok, config.router_aux_loss_coef) == (3, 0.05)
+    with pytest.raises(UserError) as error:
+        model_config(RunConfig(model={"architecture": ARCH, "moe": {"top_k": 5}}), 64)
+    assert "model.moe.top_k" in error.value.render() and "4 experts" in error.value.render()
+    with pytest.raises(UserError) as error:
+        model_config(RunConfig(model={"moe": {"top_k": 2}}), 512)  # the default GPT-2 has no experts
+    assert "model.moe.top_k" in error.value.render() and "no routed experts" in error.value.render()
+
+
+def _losses(out) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read(out / "metrics.jsonl").records if "loss" in r}
+
+
+@pytest.mark.slow
+def test_any_split_and_two_ddp_processes_give_the_one_process_losses(tmp_path):
+    """4x1 = 2x2 on one process = 2 processes x 2 (DDP), 6 steps, with the balance term in the loss."""
+    common = [*TINY, f"data.cache_dir={tmp_path / 'cache'}", "training.global_batch_size=4"]
+    runs = {"4x1": ["training.micro_batch_size=4"], "2x2": ["training.micro_batch_size=2"],
+            "ddp": ["training.micro_batch_size=2", "launch.num_processes=2", f"launch.main_process_port={free_port()}"]}
+    got = {}
+    for name, items in runs.items():
+        done = run_cli("train", *common, *items, f"output_dir={tmp_path / name}", timeout=600)
+        assert done.returncode == 0, name + done.stdout[-2000:] + done.stderr[-3000:]
+        got[name] = _losses(tmp_path / name)
+        records = [r for r in read(tmp_path / name / "metrics.jsonl").records if "loss" in r]
+        assert all(r["aux_loss"] > 0.5 and len(r["expert_tokens"]) == 4 for r in records)
+    assert sorted(got["4x1"]) == list(range(1, 7))
+    for name in ("2x2", "ddp"):
+        for step, loss in got["4x1"].items():
+            assert abs(got[name][step] - loss) <= 1e-4 * abs(loss), (name, step, got[name][step], loss)
