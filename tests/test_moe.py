@@ -118,3 +118,45 @@ def test_any_split_and_two_ddp_processes_give_the_one_process_losses(tmp_path):
     for name in ("2x2", "ddp"):
         for step, loss in got["4x1"].items():
             assert abs(got[name][step] - loss) <= 1e-4 * abs(loss), (name, step, got[name][step], loss)
+
+
+# Qwen3-30B-A3B as published (its config.json's sizes): 48 layers, 128 experts of width 768, 8 per token.
+QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+                 "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                 "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 151936,
+                 "max_position_embeddings": 40960, "tie_word_embeddings": False, "decoder_sparse_step": 1,
+                 "mlp_only_layers": [], "norm_topk_prob": True, "router_aux_loss_coef": 0.001}
+
+
+def test_the_estimate_of_qwen3_30b_a3b_counts_3_3b_active_parameters_and_experts_per_ep_rank(tmp_path):
+    import json
+
+    from overdrive.memory import estimate
+    from overdrive.memory.model_shape import model_shape, resolve_source
+    from overdrive.memory.report import to_json
+    from overdrive.memory.shape import Setup
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    shape = model_shape(resolve_source(str(tmp_path / "config.json")))
+    assert 30.4e9 < shape.params < 30.6e9 and 3.3e9 < shape.active_params < 3.4e9  # "30B-A3B": 30.5B, 3.3B active
+    assert (shape.experts, shape.top_k) == (128, 8) and shape.intermediate == 8 * 768
+    whole = estimate(shape, Setup(devices=8), ("ddp", "fsdp2"))
+    split = estimate(shape, Setup(devices=8, ep=8), ("ddp", "fsdp2"))
+    data = json.loads(to_json(split))
+    assert data["active_parameters"] == shape.active_params
+    assert data["moe"]["expert_parameters_per_ep_rank"] * 8 == shape.expert_params == 128 * 48 * 3 * 2048 * 768
+    # DDP keeps the parameters whole: expert parallel leaves 16 of the 128 experts on each rank.
+    kept = shape.params - shape.expert_params * 7 // 8
+    assert split.row("ddp").params_bytes == pytest.approx(whole.row("ddp").params_bytes * kept / shape.params, rel=1e-6)
+    # FSDP2 already shards every parameter over the 8 ranks: the experts per rank do not change.
+    assert split.row("fsdp2").params_bytes == whole.row("fsdp2").params_bytes
+
+
+def test_flops_per_token_count_the_experts_a_token_is_routed_to():
+    model = _tiny_qwen3_moe()
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert experts == 2 * 4 * 3 * 32 * 16
+    assert moe.idle_params(model) == (experts // 2, 0)  # 2 of 4 experts idle for each token; nothing frozen
+    for p in model.parameters():
+        p.requires_grad_(False)
+    assert moe.idle_params(model) == (experts // 2, experts // 2)
