@@ -102,11 +102,15 @@ def _losses(out) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_any_split_and_two_ddp_processes_give_the_one_process_losses(tmp_path):
-    """4x1 = 2x2 on one process = 2 processes x 2 (DDP), 6 steps, with the balance term in the loss."""
+def test_any_split_two_ddp_processes_and_expert_parallel_give_the_one_process_losses(tmp_path):
+    """4x1 = 2x2 on one process = 2 processes x 2 (DDP) = the same with the experts split over them
+    (EP 2, all-to-all over gloo), 6 steps, with the balance term in the loss; EP's saved model is whole."""
     common = [*TINY, f"data.cache_dir={tmp_path / 'cache'}", "training.global_batch_size=4"]
-    runs = {"4x1": ["training.micro_batch_size=4"], "2x2": ["training.micro_batch_size=2"],
-            "ddp": ["training.micro_batch_size=2", "launch.num_processes=2", f"launch.main_process_port={free_port()}"]}
+    two = ["training.micro_batch_size=2", "launch.num_processes=2"]
+    runs = {"4x1": ["training.micro_batch_size=4", "checkpoint.save_final_model=true"],
+            "2x2": ["training.micro_batch_size=2"], "ddp": [*two, f"launch.main_process_port={free_port()}"],
+            "ep2": [*two, "parallel.ep_size=2", "checkpoint.save_final_model=true",
+                    f"launch.main_process_port={free_port()}"]}
     got = {}
     for name, items in runs.items():
         done = run_cli("train", *common, *items, f"output_dir={tmp_path / name}", timeout=600)
@@ -115,9 +119,14 @@ def test_any_split_and_two_ddp_processes_give_the_one_process_losses(tmp_path):
         records = [r for r in read(tmp_path / name / "metrics.jsonl").records if "loss" in r]
         assert all(r["aux_loss"] > 0.5 and len(r["expert_tokens"]) == 4 for r in records)
     assert sorted(got["4x1"]) == list(range(1, 7))
-    for name in ("2x2", "ddp"):
+    for name in ("2x2", "ddp", "ep2"):
         for step, loss in got["4x1"].items():
             assert abs(got[name][step] - loss) <= 1e-4 * abs(loss), (name, step, got[name][step], loss)
+    from safetensors.torch import load_file
+
+    one, split = (load_file(tmp_path / name / "model" / "model.safetensors") for name in ("4x1", "ep2"))
+    assert set(one) == set(split) and any(".experts.3." in key for key in split)  # every expert, Transformers' names
+    assert all(torch.allclose(one[key], split[key], atol=1e-5) for key in one)
 
 
 # Qwen3-30B-A3B as published (its config.json's sizes): 48 layers, 128 experts of width 768, 8 per token.
@@ -160,3 +169,55 @@ def test_flops_per_token_count_the_experts_a_token_is_routed_to():
     for p in model.parameters():
         p.requires_grad_(False)
     assert moe.idle_params(model) == (experts // 2, experts // 2)
+
+
+def _resolve(tmp_path, *items, files=()):
+    from overdrive.resolving import resolve
+
+    base = [item for item in TINY if not item.startswith("model.moe.")]  # a file's model.moe.* is not overridden
+    return resolve(files=list(files), cli=[*base, f"output_dir={tmp_path / 'run'}", *items], env={},
+                   accelerate_default=False)
+
+
+@pytest.mark.parametrize("items, key, text", [
+    (["parallel.ep_size=2", "launch.num_processes=3", "checkpoint.enabled=false"], "parallel.ep_size",
+     "does not divide the data-parallel degree 3"),
+    (["parallel.ep_size=2", "launch.num_processes=2", "parallel.strategy=fsdp", "checkpoint.enabled=false"],
+     "parallel.ep_size", "composed with ddp here, not with fsdp"),
+    (["parallel.ep_size=2", "launch.num_processes=2", "checkpoint.enabled=true"], "checkpoint.enabled", "not written yet"),
+    (["parallel.ep_size=2", "launch.num_processes=2", "peft.method=lora", "checkpoint.enabled=false"],
+     "parallel.ep_size", "adapter"),
+])
+def test_each_expert_parallel_rule_names_its_key(tmp_path, items, key, text):
+    with pytest.raises(UserError) as error:
+        _resolve(tmp_path, *items)
+    assert f"{key}: " in error.value.render() and text in error.value.render()
+
+
+def test_the_model_must_have_experts_that_divide_by_ep_size():
+    from overdrive.hf.model_config import model_config
+    from overdrive.strategies import layout
+
+    def problems(arch, ep):
+        cfg = RunConfig(model={"architecture": arch}, parallel={"ep_size": ep}, launch={"num_processes": 4})
+        return [str(p.key) + ": " + p.message for p in layout.model_problems(cfg, model_config(cfg, 64))]
+
+    assert problems(ARCH, 2) == [] and problems(ARCH, 4) == []
+    assert problems({**ARCH, "num_experts": 6}, 4) == ["parallel.ep_size: the model's 6 experts do not divide by 4"]
+    assert "no routed experts" in problems({"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2}, 2)[0]
+
+
+def test_megatrons_expert_parallel_and_moe_arguments_are_read_onto_their_keys(tmp_path):
+    path = tmp_path / "megatron.yaml"
+    path.write_text("distributed_type: MEGATRON_LM\nnum_processes: 2\nmegatron_lm_config:\n"
+                    "  megatron_lm_expert_model_parallel_size: 2\n  other_megatron_args:\n    moe_router_topk: 1\n"
+                    "    moe_aux_loss_coeff: 0.02\n    moe_router_load_balancing_type: aux_loss\n")
+    cfg = _resolve(tmp_path, "checkpoint.enabled=false", files=[path]).config
+    assert (cfg.parallel.ep_size, cfg.model.moe.top_k, cfg.model.moe.aux_loss_coef) == (2, 1, 0.02)
+    assert cfg.model.moe.aux_loss_scope == "micro_batch"  # Megatron's aux_loss is per micro-batch
+    path.write_text(path.read_text() + "    num_moe_experts: 8\n    moe_grouped_gemm: true\n")
+    with pytest.raises(UserError) as error:
+        _resolve(tmp_path, "checkpoint.enabled=false", files=[path])
+    text = error.value.render()
+    assert "other_megatron_args.num_moe_experts" in text and "the model's own config" in text
+    assert "other_megatron_args.moe_grouped_gemm" in text

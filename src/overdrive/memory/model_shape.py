@@ -193,7 +193,7 @@ def _tp_splits(model) -> dict[int, int]:
 def shape_of_model(model, name: str) -> ModelShape:
     import torch
 
-    from overdrive.hf import moe
+    from overdrive.config import experts as moe
 
     config = model.config
     params = list(model.parameters())  # deduplicated: a tied embedding appears once

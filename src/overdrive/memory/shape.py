@@ -62,7 +62,7 @@ class ModelShape:
     block_tp_split_params: int = 0
     """Parameters of one block that the tensor-parallel plan splits."""
     experts: int = 0
-    """Routed experts per MoE layer (hf/moe.py); 0: a dense model."""
+    """Routed experts per MoE layer (config/experts.py); 0: a dense model."""
     top_k: int = 0
     """Experts each token is routed to."""
     expert_params: int = 0

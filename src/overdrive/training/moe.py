@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 
 from overdrive.config.schema import RunConfig
-from overdrive.hf import moe as hf_moe
+from overdrive.config import experts as moe_rules
 from overdrive.training import step_loss
 
 
@@ -57,7 +57,7 @@ def _causal_lm(model: Any) -> Optional[tuple[Any, type, int]]:
 def attach(cfg: RunConfig, model: Any, accelerator: Any) -> Optional["RouterBalance"]:
     """The balance loss of a mixture-of-experts causal LM, hooked into `model` (before it is wrapped);
     None for a dense model or another task."""
-    experts = hf_moe.experts_of(model.config)
+    experts = moe_rules.experts_of(model.config)
     found = _causal_lm(model)
     if experts is None or found is None or cfg.model.task != "causal-lm":
         return None
@@ -67,7 +67,7 @@ def attach(cfg: RunConfig, model: Any, accelerator: Any) -> Optional["RouterBala
 class RouterBalance:
     """Router logits caught in the forward, turned into this micro-batch's share of the balance term."""
 
-    def __init__(self, model: Any, router: type, index: int, experts: hf_moe.Experts, scope: str,
+    def __init__(self, model: Any, router: type, index: int, experts: moe_rules.Experts, scope: str,
                  device: torch.device):
         self.experts, self.scope, self.coef = experts, scope, experts.aux_loss_coef
         self.logits: list[torch.Tensor] = []
@@ -156,10 +156,10 @@ def balance_statistic(layers: list[torch.Tensor], mask: torch.Tensor, experts: i
 
 def idle_params(model: Any) -> tuple[int, int]:
     """(all, frozen) expert parameters a token is not routed to: taken off N in 6N FLOPs per token."""
-    experts = hf_moe.experts_of(getattr(model, "config", None))
+    experts = moe_rules.experts_of(getattr(model, "config", None))
     if experts is None:
         return 0, 0
     named = [(name, getattr(p, "ds_numel", None) or p.numel(), p.requires_grad) for name, p in model.named_parameters()]
     idle = 1.0 - experts.active_fraction
-    return (round(hf_moe.expert_params((n, k) for n, k, _ in named) * idle),
-            round(hf_moe.expert_params((n, k) for n, k, trained in named if not trained) * idle))
+    return (round(moe_rules.expert_params((n, k) for n, k, _ in named) * idle),
+            round(moe_rules.expert_params((n, k) for n, k, trained in named if not trained) * idle))

@@ -94,11 +94,11 @@ def build_parts(cfg: RunConfig, accelerator, say=None) -> Parts:
     _check_positions(model.config, d.max_length)
     upcast = master_weights.upcast_trainable(cfg, model)
     balance = moe.attach(cfg, model, accelerator)  # hooked before anything wraps the model
-    model = strategies.split_model(model, accelerator, cfg)  # tensor parallel, when the layout has it
     layers, width = model_mod.shape_of(model.config)
     idle = moe.idle_params(model)  # experts a token is not routed to: FLOPs and MFU by the active parameters
     fpt = telemetry.flops_per_token(model_mod.flop_params(model) - idle[0], layers, width, d.max_length,
                                     frozen_params=model_mod.flop_params(model, frozen=True) - idle[1])
+    model = strategies.split_model(model, accelerator, cfg)  # tensor and expert parallel, when the layout has them
     notes = adapter.notes(cfg, model) + master_weights.note(upcast)
 
     collate = data_mod.collate_for(data_mod.sample_kind(cfg), tokenizer.pad_token_id)
