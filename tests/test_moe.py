@@ -221,3 +221,37 @@ def test_megatrons_expert_parallel_and_moe_arguments_are_read_onto_their_keys(tm
     text = error.value.render()
     assert "other_megatron_args.num_moe_experts" in text and "the model's own config" in text
     assert "other_megatron_args.moe_grouped_gemm" in text
+
+
+@pytest.mark.parametrize("targets, parts", [
+    ("all-linear", {"attention", "experts", "router"}),
+    (["q_proj", "k_proj", "v_proj", "o_proj"], {"attention"}),
+    (["gate_proj", "up_proj", "down_proj"], {"experts"}),
+    (["gate"], {"router"}),
+])
+def test_lora_on_experts_says_which_parts_it_adapts_and_the_estimator_counts_the_same(targets, parts):
+    from overdrive.config.experts import adapter_group
+    from overdrive.config.schema_peft import PeftConfig
+    from overdrive.memory.adapter import adapter_shape
+    from overdrive.memory.model_shape import build_meta_model
+    from overdrive.training import adapter
+
+    cfg = RunConfig(model={"architecture": ARCH}, peft={"method": "lora", "r": 4, "target_modules": targets})
+    model = adapter.apply(cfg, _tiny_qwen3_moe())
+    trained = {name: p.numel() for name, p in model.named_parameters() if p.requires_grad}
+    assert {adapter_group(name) for name in trained} == parts
+    note = moe.adapter_note(model)[0]
+    assert all(f"{part} " in note for part in parts) and not ({"attention", "experts", "router"} - parts
+                                                              & {p for p in ("attention", "experts", "router") if f"{p} 1" in note})
+    counted = adapter_shape(build_meta_model(_tiny_qwen3_moe().config), PeftConfig(method="lora", r=4, target_modules=targets))
+    assert counted.trainable == sum(trained.values())
+
+
+def test_qlora_of_a_mixture_of_experts_is_refused_by_key(tmp_path):
+    from overdrive.launch.job_checks import layout_problems
+
+    _tiny_qwen3_moe().save_pretrained(tmp_path / "moe")
+    pretrained = f"model.name_or_path={tmp_path / 'moe'}"
+    found = layout_problems(_resolve(tmp_path, pretrained, "peft.method=qlora").config)
+    assert [p.key for p in found] == ["peft.method"] and "stacked tensors bitsandbytes cannot quantize" in found[0].message
+    assert layout_problems(_resolve(tmp_path, pretrained, "peft.method=lora").config) == []

@@ -83,3 +83,27 @@ def apply_overrides(moe: MoeConfig, config: Any) -> None:
         target.num_experts_per_tok = moe.top_k
     if moe.aux_loss_coef is not None:
         target.router_aux_loss_coef = moe.aux_loss_coef
+
+
+def qlora_problems(peft_method: str, config: Any) -> list[Problem]:
+    """QLoRA of a mixture of experts: bitsandbytes quantizes `nn.Linear` layers, and Transformers 5
+    stacks each layer's routed experts in one tensor, which it leaves at full precision; those are
+    most of the weights, so the quantized base would not be the memory QLoRA promises."""
+    if peft_method != "qlora" or experts_of(config) is None:
+        return []
+    return [Problem("peft.method", f"qlora quantizes linear layers only; the {getattr(config, 'model_type', '?')} "
+                    "model's routed experts are stacked tensors bitsandbytes cannot quantize, and they are most of "
+                    "its weights", fix="use peft.method=lora (the base in bf16: model.dtype=bfloat16)")]
+
+
+def adapter_group(name: str) -> str:
+    """Which part of a mixture of experts a LoRA parameter adapts: `experts`, `router`, `attention`, or
+    `other` (dense MLPs, shared experts). PEFT puts `lora_` after the adapted module's own path."""
+    path = name.split(".lora_")[0].replace(".base_layer", "").split(".")
+    if "experts" in path:
+        return "experts"
+    if path[-1] in ("gate", "router") or path[-1].endswith("_router"):
+        return "router"
+    if any(part in ("self_attn", "attention", "attn", "self_attention") for part in path):
+        return "attention"
+    return "other"

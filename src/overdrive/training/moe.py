@@ -163,3 +163,31 @@ def idle_params(model: Any) -> tuple[int, int]:
     idle = 1.0 - experts.active_fraction
     return (round(moe_rules.expert_params((n, k) for n, k, _ in named) * idle),
             round(moe_rules.expert_params((n, k) for n, k, trained in named if not trained) * idle))
+
+
+def adapter_note(model: Any) -> list[str]:
+    """An adapter on a mixture of experts: which parts got one, and their trainable parameters."""
+    base = getattr(model, "get_base_model", lambda: model)()
+    if moe_rules.experts_of(getattr(base, "config", None)) is None:
+        return []
+    counts: dict[str, int] = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad and ".lora_" in name:
+            group = moe_rules.adapter_group(name)
+            counts[group] = counts.get(group, 0) + param.numel()
+    said = ", ".join(f"{group} {counts[group]:,}" for group in ("attention", "experts", "router", "other") if group in counts)
+    return [f"LoRA on a mixture of experts, trainable parameters by part: {said or 'none'}. peft.target_modules "
+            "chooses them (PEFT maps the names onto Transformers' stacked experts): q_proj,k_proj,v_proj,o_proj for "
+            "attention, gate_proj,up_proj,down_proj for the experts, gate for the router; all-linear takes all three"]
+
+
+def mapped_expert_names(model: Any) -> dict[str, str]:
+    """Names `peft.target_modules` may give that are no module of a Transformers 5 mixture of experts:
+    the per-expert projections (and the router's Linear) of the Transformers 4 layout, which PEFT maps
+    onto the stacked experts' parameters (`gate_proj` -> `gate_up_proj`). Empty where PEFT maps none."""
+    try:  # PEFT's table, shared with Transformers' weight conversion
+        from peft.utils.transformers_weight_conversion import _MODEL_TO_CONVERSION_PATTERN, _MOE_TARGET_MODULE_MAPPING
+    except ImportError:
+        return {}
+    base = _MODEL_TO_CONVERSION_PATTERN.get(getattr(getattr(model, "config", None), "model_type", None))
+    return dict(_MOE_TARGET_MODULE_MAPPING.get(base, {}))
