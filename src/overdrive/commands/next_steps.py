@@ -33,11 +33,12 @@ def next_lines(cfg, out: Path, items: Sequence[str]) -> list[str]:
     lines = [
         (shlex.join(["overdrive", "report", str(out)]), "loss curves, throughput, MFU, memory"),
         (command("explain", items, ["lr=3e-4"]), "every effective value and the layer that set it"),
-        (command("train", items, ["parallel.strategy=fsdp", "launch.num_processes=2", sharded]),
-         "the same run, sharded over 2 processes"),
-        (command("train", items, ["parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3",
-                                  "launch.num_processes=2", sharded]), "the same run under DeepSpeed ZeRO-3"),
     ]
+    if cfg.parallel.ep_size == 1:  # expert parallel is composed with ddp alone (strategies/expert_parallel.py)
+        lines += [(command("train", items, ["parallel.strategy=fsdp", "launch.num_processes=2", sharded]),
+                   "the same run, sharded over 2 processes"),
+                  (command("train", items, ["parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3",
+                                            "launch.num_processes=2", sharded]), "the same run under DeepSpeed ZeRO-3")]
     if cfg.checkpoint.save_final_model and cfg.peft.method != "none":
         lines.append((f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({cfg.model.name_or_path!r}), "
                       f"{str(out / 'model')!r})", "the adapter on its base (docs/finetuning.md)"))

@@ -56,10 +56,10 @@ def _causal_lm(model: Any) -> Optional[tuple[Any, type, int]]:
 
 def attach(cfg: RunConfig, model: Any, accelerator: Any) -> Optional["RouterBalance"]:
     """The balance loss of a mixture-of-experts causal LM, hooked into `model` (before it is wrapped);
-    None for a dense model or another task."""
+    None for a dense model, another task, or preference training (whose loss is the method's alone)."""
     experts = moe_rules.experts_of(model.config)
     found = _causal_lm(model)
-    if experts is None or found is None or cfg.model.task != "causal-lm":
+    if experts is None or found is None or cfg.model.task != "causal-lm" or cfg.preference.method != "none":
         return None
     return RouterBalance(found[0], found[1], found[2], experts, cfg.model.moe.aux_loss_scope, accelerator.device)
 
