@@ -184,7 +184,6 @@ def _resolve(tmp_path, *items, files=()):
      "does not divide the data-parallel degree 3"),
     (["parallel.ep_size=2", "launch.num_processes=2", "parallel.strategy=fsdp", "checkpoint.enabled=false"],
      "parallel.ep_size", "composed with ddp here, not with fsdp"),
-    (["parallel.ep_size=2", "launch.num_processes=2", "checkpoint.enabled=true"], "checkpoint.enabled", "not written yet"),
     (["parallel.ep_size=2", "launch.num_processes=2", "peft.method=lora", "checkpoint.enabled=false"],
      "parallel.ep_size", "adapter"),
 ])
@@ -254,3 +253,26 @@ def test_qlora_of_a_mixture_of_experts_is_refused_by_key(tmp_path):
     found = layout_problems(_resolve(tmp_path, pretrained, "peft.method=qlora").config)
     assert [p.key for p in found] == ["peft.method"] and "stacked tensors bitsandbytes cannot quantize" in found[0].message
     assert layout_problems(_resolve(tmp_path, pretrained, "peft.method=lora").config) == []
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_checkpoint_resumes_on_one_process_with_the_same_next_steps(tmp_path):
+    """EP 2 saves at step 3 (experts and their Adam moments gathered whole); killed after it, resumed at
+    ep_size 1 on one process at the same global batch, steps 4-6 are EP 2's own."""
+    import shutil
+
+    out = tmp_path / "run"
+    common = [*TINY, f"data.cache_dir={tmp_path / 'cache'}", "training.global_batch_size=4", "training.micro_batch_size=2",
+              "checkpoint.enabled=true", "checkpoint.every_steps=3", f"output_dir={out}"]
+    done = run_cli("train", *common, "parallel.ep_size=2", "launch.num_processes=2",
+                   f"launch.main_process_port={free_port()}", timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    whole = _losses(out)
+    shutil.rmtree(out / "checkpoints" / "step-00000006")  # as if killed after step 3's checkpoint
+    done = run_cli("train", *common, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "resumed from" in done.stdout + done.stderr
+    resumed = {r["step"]: (r["loss"], r["num_processes"]) for r in read(out / "metrics.jsonl").records if "loss" in r}
+    assert [resumed[s][1] for s in (3, 4, 5, 6)] == [2, 1, 1, 1]
+    for step in (4, 5, 6):
+        assert abs(resumed[step][0] - whole[step]) <= 1e-4 * whole[step], (step, resumed[step], whole[step])

@@ -122,6 +122,13 @@ def split_model(model: Any, accelerator: Any, cfg: RunConfig) -> Any:
     return expert_parallel.split_experts(tensor_parallel.split_model(model, accelerator, cfg), accelerator, cfg)
 
 
+def hook_optimizer(optimizer: Any, model: Any) -> None:
+    """The optimizer of a model whose experts `split_model` split: its state saved whole (a no-op otherwise)."""
+    from overdrive.strategies import expert_parallel
+
+    expert_parallel.hook_optimizer(optimizer, model)
+
+
 def shard_fraction(model: Any) -> float:
     """Fraction of the model's parameter elements held by this rank (after prepare)."""
     from overdrive.strategies import deepspeed, fsdp

@@ -21,9 +21,11 @@ so a group stays within a machine) exchange tokens; groups are replicas of one a
 - The model's state dict gathers the experts whole (Transformers' layout: `save_pretrained`,
   `merge`), and loading one cuts this rank's experts out of it.
 
+- The optimizer's state dict gathers the experts' moments whole too (`hook_optimizer`), so a
+  checkpoint is a plain DDP one and resumes at another ep_size, or none, at the same global batch.
+
 Not composed here (refused by key in `problems`): FSDP2 or ZeRO beside it, tensor, context,
-sequence or pipeline parallel, an adapter, and checkpoints (Accelerate saves one rank's
-optimizer state, and the experts' moments differ by rank).
+sequence or pipeline parallel, an adapter.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def ep_size(cfg: Any) -> int:
 
 def problems(cfg: Any, world: Optional[int] = None) -> list[Problem]:
     """The degrees and the composition, by key: ep within the data-parallel group (dividing its
-    degree), DDP alone beside it, no adapter, no checkpoints (yet)."""
+    degree), DDP alone beside it, no adapter."""
     ep = ep_size(cfg)
     if ep == 1:
         return []
@@ -64,10 +66,6 @@ def problems(cfg: Any, world: Optional[int] = None) -> list[Problem]:
     if str(_get(cfg, "peft.method")) != "none":
         found.append(Problem("parallel.ep_size", "is not composed with an adapter (peft.method) here",
                              fix="set peft.method=none, or parallel.ep_size=1"))
-    if _get(cfg, "checkpoint.enabled"):
-        found.append(Problem("checkpoint.enabled", f"checkpoints of an expert-parallel run (parallel.ep_size={ep}) are "
-                             "not written yet: each rank's experts have their own optimizer state",
-                             fix="set checkpoint.enabled=false (the final model is still saved whole)"))
     return found
 
 
@@ -114,8 +112,9 @@ def split_experts(model: Any, accelerator: Any, cfg: Any) -> Any:
     for _, param in experts:
         param.register_hook(_expert_gradient(world, replicas))
     group = mesh["ep"].get_group()
-    _hook_state_dict(model, {id(p) for _, p in experts}, group, ep, mesh["ep"].get_local_rank())
     expert_ids = {id(p) for _, p in experts}
+    model._expert_shards = (expert_ids, group, ep, mesh["ep"].get_local_rank())  # for hook_optimizer
+    _hook_state_dict(model, *model._expert_shards)
     accelerator.clip_grad_norm_ = lambda parameters, max_norm, norm_type=2: clip_grad_norm(
         parameters, max_norm, expert_ids, group)  # this accelerator only
     return model
@@ -194,3 +193,40 @@ def _hook_state_dict(model: Any, expert_ids: set, group: Any, ep: int, ep_rank: 
 
     model._register_state_dict_hook(gather)
     model._register_load_state_dict_pre_hook(cut)
+
+
+def hook_optimizer(optimizer: Any, model: Any) -> None:
+    """The optimizer's state of the experts (Adam's moments) gathered whole in its state dict, every
+    rank taking part as Accelerate's `save_state` has each rank call `state_dict()`, and cut back to
+    this rank's experts on loading: a checkpoint of an expert-parallel run is a plain DDP one, which
+    resumes at any ep_size or none. A no-op unless `split_experts` split the model's experts."""
+    shards = getattr(model, "_expert_shards", None)
+    if shards is None:
+        return
+    import torch
+    import torch.distributed as dist
+
+    expert_ids, group, ep, rank = shards
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    local = {i: p.shape[0] for i, p in enumerate(params) if id(p) in expert_ids}
+
+    def gather(_optimizer, state_dict):
+        for index in sorted(local):
+            values = state_dict["state"].get(index, {})
+            for name, value in list(values.items()):
+                if torch.is_tensor(value) and value.dim() and value.shape[0] == local[index]:
+                    parts = [torch.empty_like(value) for _ in range(ep)]
+                    dist.all_gather(parts, value.contiguous(), group=group)
+                    values[name] = torch.cat(parts, dim=0)
+        return state_dict
+
+    def cut(_optimizer, state_dict):
+        for index, rows in local.items():
+            values = state_dict["state"].get(index, {})
+            for name, value in list(values.items()):
+                if torch.is_tensor(value) and value.dim() and value.shape[0] == rows * ep:
+                    values[name] = value.chunk(ep, dim=0)[rank].clone()
+        return state_dict
+
+    optimizer.register_state_dict_post_hook(gather)
+    optimizer.register_load_state_dict_pre_hook(cut)

@@ -114,6 +114,7 @@ def build_parts(cfg: RunConfig, accelerator, say=None) -> Parts:
                                            d.num_workers, d.pin_memory, collate)
     reference_model = reference.frozen_copy(cfg, model)  # the starting weights, before anything wraps them
     optimizer = optimizers.build_optimizer(model, cfg, accelerator.device.type)
+    strategies.hook_optimizer(optimizer, model)  # expert parallel: the experts' moments saved whole
     scheduler = optimizers.build_schedule(optimizer, cfg)  # None when DeepSpeed builds the optimizer
     say(f"preparing the model and optimizer ({registry.of(cfg).label(cfg)}, "
         f"{accelerator.num_processes} process{'es' if accelerator.num_processes != 1 else ''})")
