@@ -49,8 +49,19 @@ def _optimised(model, balance, batch) -> torch.Tensor:
     return step_loss.summed_loss(model, batch) / step_loss.global_count(_OneProcess(), [batch], 1) + balance.share(batch)
 
 
-def test_the_loss_optimised_is_the_models_own_with_its_router_loss():
-    model = _tiny_qwen3_moe()
+def _tiny_mixtral(coef: float = 0.5):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    return MixtralForCausalLM(MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                            num_experts_per_tok=2, max_position_embeddings=64,
+                                            router_aux_loss_coef=coef))
+
+
+@pytest.mark.parametrize("build", [_tiny_qwen3_moe, _tiny_mixtral], ids=["qwen3_moe", "mixtral"])
+def test_the_loss_optimised_is_the_models_own_with_its_router_loss(build):
+    model = build()
     batch = _batch()
     own = model(**batch, output_router_logits=True)
     plain = model(**batch).loss  # the cross entropy alone
@@ -63,8 +74,9 @@ def test_the_loss_optimised_is_the_models_own_with_its_router_loss():
     # 3 rows x 10 positions, 4 padded, each token to 2 experts, in each of the 2 layers
     assert sum(record["expert_tokens"]) == 26 * 2 * 2 and record["expert_imbalance"] >= 1.0
     # The gradient is the model's own too.
-    grad = torch.autograd.grad(loss, model.model.layers[0].mlp.gate.weight)[0]
-    own_grad = torch.autograd.grad(model(**batch, output_router_logits=True).loss, model.model.layers[0].mlp.gate.weight)[0]
+    router = balance.routers[0].weight
+    grad = torch.autograd.grad(loss, router)[0]
+    own_grad = torch.autograd.grad(model(**batch, output_router_logits=True).loss, router)[0]
     assert torch.allclose(grad, own_grad, rtol=1e-5, atol=1e-8)
 
 
@@ -154,6 +166,8 @@ def test_the_estimate_of_qwen3_30b_a3b_counts_3_3b_active_parameters_and_experts
     data = json.loads(to_json(split))
     assert data["active_parameters"] == shape.active_params
     assert data["moe"]["expert_parameters_per_ep_rank"] * 8 == shape.expert_params == 128 * 48 * 3 * 2048 * 768
+    # 2048 tokens x 8 experts x 2048 wide x 2 bytes, 7 in 8 pairs off-rank, there and back in both passes, 48 layers
+    assert data["moe"]["all_to_all_bytes_per_micro_batch"] == 4 * 2048 * 8 * 2048 * 2 * 48 * 7 // 8
     # DDP keeps the parameters whole: expert parallel leaves 16 of the 128 experts on each rank.
     kept = shape.params - shape.expert_params * 7 // 8
     assert split.row("ddp").params_bytes == pytest.approx(whole.row("ddp").params_bytes * kept / shape.params, rel=1e-6)

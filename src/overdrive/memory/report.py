@@ -83,10 +83,24 @@ def to_json(est: Estimate, cap: Optional[Capacity] = None, best: Optional[Row] =
 def moe_fields(est: Estimate) -> dict:
     """A mixture of experts: its experts, the parameters a token meets, and the experts' weights one
     expert-parallel rank holds."""
-    shape, ep = est.shape, est.setup.ep
+    shape, s = est.shape, est.setup
+    ep = s.ep
     return {"experts": shape.experts, "top_k": shape.top_k, "expert_parameters": shape.expert_params,
             "active_parameters": shape.active_params, "ep_size": ep,
-            "expert_parameters_per_ep_rank": -(-shape.expert_params // ep)}
+            "expert_parameters_per_ep_rank": -(-shape.expert_params // ep),
+            "all_to_all_bytes_per_micro_batch": all_to_all_bytes(shape, s)}
+
+
+def all_to_all_bytes(shape, s) -> int:
+    """Bytes one rank sends by all-to-all in a micro-batch's forward and backward under expert parallel:
+    each of its tokens' top_k (token, expert) pairs whose expert lives elsewhere ((ep - 1) / ep of them
+    when the router balances) goes out as a hidden-wide vector and comes back, in the forward (dispatch,
+    combine) and again in the backward: 4 x tokens x top_k x hidden x (ep - 1) / ep, per MoE layer (every
+    layer counted as one)."""
+    if s.ep == 1 or not shape.experts:
+        return 0
+    tokens = s.micro_batch * s.seq_len
+    return round(4 * tokens * shape.top_k * shape.hidden * s.half_bytes * shape.layers * (s.ep - 1) / s.ep)
 
 
 def _counted_params(shape) -> str:
