@@ -40,7 +40,11 @@ from overdrive.strategies.registry import of
 
 
 def ep_size(cfg: Any) -> int:
-    return int(_get(cfg, "parallel.ep_size") or 1)
+    """parallel.ep_size; 1 for a checkpoint's saved config from before the key existed."""
+    try:
+        return int(_get(cfg, "parallel.ep_size") or 1)
+    except (KeyError, AttributeError):
+        return 1
 
 
 def problems(cfg: Any, world: Optional[int] = None) -> list[Problem]:
