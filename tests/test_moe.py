@@ -290,3 +290,17 @@ def test_an_expert_parallel_checkpoint_resumes_on_one_process_with_the_same_next
     assert [resumed[s][1] for s in (3, 4, 5, 6)] == [2, 1, 1, 1]
     for step in (4, 5, 6):
         assert abs(resumed[step][0] - whole[step]) <= 1e-4 * whole[step], (step, resumed[step], whole[step])
+
+
+def test_deepspeeds_autoep_is_refused_by_its_key_and_off_asks_for_nothing(tmp_path):
+    import json
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2},
+                                "expert_parallel": {"enabled": True, "autoep_size": 2, "top_k": 2}}))
+    with pytest.raises(UserError) as error:
+        _resolve(tmp_path, files=[path])
+    text = error.value.render()
+    assert "expert_parallel.enabled" in text and "parallel.strategy=ddp parallel.ep_size=2" in text
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "expert_parallel": {"enabled": False}}))
+    assert _resolve(tmp_path, files=[path]).config.parallel.strategy == "deepspeed"
