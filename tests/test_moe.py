@@ -304,3 +304,19 @@ def test_deepspeeds_autoep_is_refused_by_its_key_and_off_asks_for_nothing(tmp_pa
     assert "expert_parallel.enabled" in text and "parallel.strategy=ddp parallel.ep_size=2" in text
     path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "expert_parallel": {"enabled": False}}))
     assert _resolve(tmp_path, files=[path]).config.parallel.strategy == "deepspeed"
+
+
+@pytest.mark.slow
+def test_lora_on_a_pretrained_mixture_of_experts_trains_with_the_balance_term(tmp_path):
+    from tests.hf_fixtures import make_text_data, make_tiny_qwen3_moe
+
+    base = make_tiny_qwen3_moe(tmp_path / "base")
+    done = run_cli("train", f"model.name_or_path={base}", "peft.method=lora", "peft.r=4",
+                   f"data.source={make_text_data(tmp_path / 'text.jsonl')}", "data.max_length=32",
+                   "training.max_steps=3", "training.log_every_steps=1", "training.micro_batch_size=2",
+                   "checkpoint.enabled=false", f"output_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "trainable parameters by part: attention 1,792, experts 5,632, router 288" in done.stdout + done.stderr
+    records = [r for r in read(tmp_path / "run" / "metrics.jsonl").records if "loss" in r]
+    assert len(records) == 3 and all(r["aux_loss"] > 0.5 and r["aux_loss_coef"] == 0.001 for r in records)
+    assert (tmp_path / "run" / "model" / "adapter_model.safetensors").is_file()
