@@ -217,7 +217,7 @@ class Loop:
         # Under context parallel each rank's slice adds its own tokens' losses, and the gradient
         # reduction averages over data-parallel x cp ranks: the slices' sum is scaled back too.
         scale = step_loss.backward_scale(self.split.accumulation, world * self.cp)
-        balance = self.parts.moe  # a mixture of experts: the router's balance term beside (training/moe.py)
+        balance = getattr(self.parts, "moe", None)  # a mixture of experts: the router balance term (training/moe.py)
         if balance is not None:
             balance.begin_step(acc, micro_batches, self.model_parallel, self.split.accumulation, world)
         for micro_batch in micro_batches:
@@ -279,7 +279,7 @@ class Loop:
         record = {**self._record(loss_value), **counts.record(), "elapsed_s": self.throughput.elapsed(),
                   "loss_tokens": self.loss_tokens.read(acc), **self.observe.fields(),
                   **(self.parts.objective.read() if self.parts.objective else {}),
-                  **(self.parts.moe.read(acc, sharing) if self.parts.moe else {})}
+                  **(self.parts.moe.read(acc, sharing) if getattr(self.parts, "moe", None) else {})}
         if counts.note(state.step):
             self.progress.print(counts.note(state.step))
         self.metrics.write(record)
