@@ -320,3 +320,12 @@ def test_lora_on_a_pretrained_mixture_of_experts_trains_with_the_balance_term(tm
     records = [r for r in read(tmp_path / "run" / "metrics.jsonl").records if "loss" in r]
     assert len(records) == 3 and all(r["aux_loss"] > 0.5 and r["aux_loss_coef"] == 0.001 for r in records)
     assert (tmp_path / "run" / "model" / "adapter_model.safetensors").is_file()
+
+
+def test_a_users_script_is_not_launched_with_an_expert_parallel_degree(tmp_path):
+    from overdrive.launch.user_script import launch_script
+
+    run = _resolve(tmp_path, "parallel.ep_size=2", "launch.num_processes=2")
+    with pytest.raises(UserError) as error:
+        launch_script(run, str(tmp_path / "train.py"), [])
+    assert "parallel.ep_size: " in error.value.render() and "overdrive train" in error.value.render()
