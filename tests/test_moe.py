@@ -329,3 +329,13 @@ def test_a_users_script_is_not_launched_with_an_expert_parallel_degree(tmp_path)
     with pytest.raises(UserError) as error:
         launch_script(run, str(tmp_path / "train.py"), [])
     assert "parallel.ep_size: " in error.value.render() and "overdrive train" in error.value.render()
+
+
+def test_model_moe_keys_on_a_dense_model_are_refused_before_anything_launches(tmp_path):
+    from overdrive.training.preconditions import check_model_layout
+
+    cfg = _resolve(tmp_path, "model.architecture.model_type=gpt2", "model.architecture.n_layer=1",
+                   "model.architecture.n_embd=32", "model.architecture.n_head=2", "model.architecture.n_positions=64",
+                   "model.moe.top_k=2").config
+    with pytest.raises(UserError, match="model.moe.top_k: the model \\(gpt2\\) has no routed experts"):
+        check_model_layout(cfg)

@@ -15,7 +15,9 @@ def layout_problems(cfg: Any) -> list[Problem]:
     from overdrive.strategies import layout
 
     lay = layout.layout(cfg)
-    if lay.tp == 1 and lay.sp == 1 and lay.pp == 1 and cfg.parallel.ep_size == 1 and cfg.peft.method != "qlora":
+    moe = cfg.model.moe  # model.moe.top_k / aux_loss_coef are refused on a model without experts (config/experts.py)
+    if (lay.tp == 1 and lay.sp == 1 and lay.pp == 1 and cfg.parallel.ep_size == 1 and cfg.peft.method != "qlora"
+            and moe.top_k is None and moe.aux_loss_coef is None):
         return []
     from overdrive.config.experts import qlora_problems
     from overdrive.memory.model_shape import hf_config_for_run
