@@ -75,6 +75,25 @@ def make_tiny_llama(directory: Path, chat_template: str | None = CHAT_TEMPLATE, 
     return directory
 
 
+def make_tiny_qwen3_moe(directory: Path, seed: int = 0) -> Path:
+    """A 2-layer Qwen3-MoE (hidden size 32, 4 experts of width 16, top-2) with make_tiny_llama's word-level
+    tokenizer, saved with save_pretrained."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    make_tiny_llama(directory, chat_template=None)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    for stale in [*directory.glob("model*.safetensors"), directory / "config.json"]:
+        stale.unlink()
+    torch.manual_seed(seed)
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                       moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                       max_position_embeddings=64, pad_token_id=0, eos_token_id=2,
+                                       bos_token_id=2)).save_pretrained(directory)
+    return directory
+
+
 def make_chat_data(path: Path, rows: int = 64, seed: int = 0, answer: str = "the answer is yes",
                    prompt_letters: int = 12) -> Path:
     """Conversations whose prompts are random letters and whose answer is always the same."""

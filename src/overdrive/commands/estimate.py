@@ -22,6 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sp", type=int, help="sequence parallel degree (parallel.sp_size)")
     parser.add_argument("--dp-replicate", type=int, help="HSDP replicas (parallel.dp_replicate_size); the rest of "
                         "--devices is the shard degree")
+    parser.add_argument("--ep", type=int, help="expert parallel degree of a mixture of experts (parallel.ep_size): "
+                        "the routed experts' weights per rank")
     parser.add_argument("--precision", choices=["no", "fp16", "bf16"], help="default: the YAML's, else bf16")
     parser.add_argument("--micro-batch", type=int, help="samples per device per step (default: the YAML's, else 1)")
     parser.add_argument("--seq-len", type=int, help="tokens per sample (default: the YAML's, else min(2048, max positions))")
@@ -52,7 +54,7 @@ def _positive(name: str, value) -> None:
 
 def build(args: argparse.Namespace):
     """(Estimate, Source) for the parsed arguments; shared with `plan`."""
-    for name in ("--devices", "--micro-batch", "--seq-len", "--nodes", "--tp", "--cp", "--sp", "--dp-replicate"):
+    for name in ("--devices", "--micro-batch", "--seq-len", "--nodes", "--tp", "--cp", "--sp", "--dp-replicate", "--ep"):
         _positive(name, getattr(args, name[2:].replace("-", "_"), None))
     from overdrive.commands.arguments import check_memory_sizes
 
@@ -73,7 +75,7 @@ def build(args: argparse.Namespace):
     target = _target(args)
     changes = dict(devices=args.devices, precision=args.precision, micro_batch=args.micro_batch,
                    seq_len=args.seq_len, checkpointing=args.checkpointing, tp=args.tp, cp=args.cp, sp=args.sp,
-                   dp_replicate=args.dp_replicate)
+                   dp_replicate=args.dp_replicate, ep=getattr(args, "ep", None))
     overridden = getattr(args, "peft", None) is not None or getattr(args, "lora_r", None) is not None
     if source.run is not None:
         setup = run_setup(source.run, target, **changes)  # with the adapter the run trains

@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
             "training.max_steps", "warmup_steps": _warmup(cfg, math_.max_steps), "data_tokens": data.tokens,
             "data_basis": data.basis,
             "data_exact": data.exact, "train_tokens": math_.train_tokens, "steps_per_epoch": math_.steps_per_epoch,
-            "epochs": math_.epochs, "parameters": shape.params, "memory": row.to_dict(),
+            "epochs": math_.epochs, "parameters": shape.params, "active_parameters": shape.active_params,
+            "memory": row.to_dict(),
             "capacity_bytes": cap.device_bytes, "capacity_source": cap.source,
             "tokens_per_s": speed.tokens_per_s if speed else None, "step_time_s": step_s,
             "total_time_s": step_s * math_.max_steps if step_s else None,
@@ -109,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
 
     gib = report.gib
     lines = [
-        f"model        {shape.name}: {shape.params:,} parameters, {shape.layers} layers x {shape.hidden} wide",
+        f"model        {shape.name}: {shape.params:,} parameters{_active(shape)}, {shape.layers} layers x "
+        f"{shape.hidden} wide",
         f"batch        micro {micro} x accumulation {math_.accumulation} x "
         f"{'data-parallel' if layout.layout(cfg).has_axes else 'world'} {math_.world} "
         f"= global batch {math_.global_batch} sequences{micro_note}",
@@ -292,3 +294,10 @@ def _warmup(cfg: RunConfig, max_steps) -> int:
     if s.warmup_ratio is None or cfg.training.num_epochs is None:
         return s.warmup_steps
     return warmup_steps(s.warmup_ratio, max_steps or cfg.training.max_steps)
+
+
+def _active(shape) -> str:
+    """A mixture of experts: the parameters one token meets (what MFU counts)."""
+    if not shape.experts:
+        return ""
+    return f" ({shape.active_params:,} active: {shape.top_k} of {shape.experts} experts per token)"

@@ -16,6 +16,7 @@ from pydantic import Field
 
 from overdrive.config.schema_eval import EvalConfig
 from overdrive.config.schema_launch import LaunchConfig
+from overdrive.config.schema_moe import MoeConfig
 from overdrive.config.schema_parallel import ParallelConfig
 from overdrive.config.schema_peft import PeftConfig
 from overdrive.config.schema_preference import PreferenceConfig
@@ -82,6 +83,8 @@ class ModelConfig(Section):
         description="Storage dtype of the weights when loaded. Keep float32 for mixed-precision "
         "training; `auto` takes the checkpoint's.",
     )
+    moe: MoeConfig = Field(default_factory=MoeConfig, description="A mixture-of-experts model's router: the "
+                           "load-balancing loss's weight and scope, the experts per token.")
 
 
 class TokenizerConfig(Section):

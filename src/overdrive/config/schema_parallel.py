@@ -126,6 +126,11 @@ class ParallelConfig(Section):
         "Empty: data.max_length.")
     sp_attn_implementation: Literal["sdpa", "flash_attention_2", "flash_attention_3"] = Field(
         "sdpa", description="Sequence parallel: the attention kernel DeepSpeed's Ulysses wraps.")
+    ep_size: int = Field(
+        1, ge=1, description="Expert parallel degree: a mixture-of-experts model's routed experts split over this "
+        "many ranks of the data-parallel group (experts / ep_size each), tokens sent to their experts' ranks by "
+        "all-to-all (Transformers' expert-parallel plan). Routed experts and the data-parallel degree must divide "
+        "by it. With parallel.strategy=ddp (each rank its own batch); runs over gloo on CPU processes too.")
     pp_size: int = Field(
         1, ge=1, description="Pipeline parallel degree: the model's decoder layers split into stages, one group of "
         "ranks per stage (torch.distributed.pipelining; the embedding goes with the first stage, the final norm "

@@ -42,11 +42,27 @@ def map_deepspeed(data: Mapping[str, Any], c) -> None:
                 if key == "gradient_clipping" and not value:
                     value = None  # DeepSpeed's 0.0 means no clipping
                 c.set(target, value, *path)
+        elif key == "expert_parallel" and isinstance(value, Mapping):
+            _map_ds_expert_parallel(value, c)
         elif key == "activation_checkpointing":
             c.set("parallel.deepspeed.activation_checkpointing", True, *path)
             c.set(f"{extra_prefix}.{key}", value, *path)
         else:
             c.set(f"{extra_prefix}.{key}", value, *path)
+
+
+def _map_ds_expert_parallel(section: Mapping[str, Any], c) -> None:
+    """DeepSpeed's `expert_parallel` (AutoEP): its own MoE layers put in place of the model's and split
+    over `autoep_size` ranks. Switched on, it is refused by key (expert parallel here is Transformers'
+    plan beside DDP, parallel.ep_size); switched off, it asks for nothing."""
+    if section.get("enabled") is not True:
+        return
+    size = section.get("autoep_size", 1)
+    c.error(("expert_parallel", "enabled"), "DeepSpeed's AutoEP (its own MoE layers in place of the model's) is not "
+            "run: expert parallel here is Transformers' plan beside DDP",
+            f"remove the expert_parallel section; set parallel.strategy=ddp parallel.ep_size={size}"
+            + (" (and model.moe.top_k / model.moe.aux_loss_coef for its top_k / load_balance_coeff)"
+               if "top_k" in section or "load_balance_coeff" in section else ""))
 
 
 def _map_ds_precision(key: str, section: Mapping[str, Any], c) -> None:

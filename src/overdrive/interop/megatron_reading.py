@@ -23,7 +23,20 @@ MEGATRON_KEYS = {
     "megatron_lm_gradient_clipping": "training.gradient_clipping",
     "megatron_lm_recompute_activations": "model.gradient_checkpointing",
     "megatron_lm_context_parallel_size": "parallel.cp_size",
+    "megatron_lm_expert_model_parallel_size": "parallel.ep_size",
 }
+
+# Megatron-LM's own mixture-of-experts arguments, as `other_megatron_args` hands them over: the
+# overdrive key each sets (the rest of other_megatron_args is refused).
+MEGATRON_MOE_ARGS = {
+    "expert_model_parallel_size": "parallel.ep_size",
+    "moe_router_topk": "model.moe.top_k",
+    "moe_aux_loss_coeff": "model.moe.aux_loss_coef",
+    "moe_router_load_balancing_type": "model.moe.aux_loss_scope",
+}
+# Megatron's load-balancing types: `aux_loss` is taken per micro-batch, `seq_aux_loss` per sequence
+# (DeepSeek-V3's); `none` is a coefficient of 0.
+_BALANCING = {"aux_loss": "micro_batch", "seq_aux_loss": "sequence"}
 
 # Keys Accelerate has that ask for what overdrive does not do: why, and the fix.
 MEGATRON_REFUSED = {
@@ -48,11 +61,12 @@ MEGATRON_REFUSED = {
     "megatron_lm_no_save_optim": ("checkpoints here always carry the optimizer", "set it to false"),
     "megatron_lm_eod_mask_loss": ("the loss here covers every token of packed text, end-of-document ones included",
                                   "set it to false"),
-    "other_megatron_args": ("Megatron-LM's own arguments are not read", "remove them"),
+    "other_megatron_args": ("Megatron-LM's own arguments are not read (but for its mixture-of-experts ones: "
+                            + ", ".join(MEGATRON_MOE_ARGS) + ")", "remove them"),
     "megatron_lm_recompute_num_layers": ("recomputation here is of every decoder layer (model.gradient_checkpointing)",
                                          "remove it"),
-    "megatron_lm_expert_model_parallel_size": ("expert parallel is not run here", "remove it (or set it to 1)"),
-    "megatron_lm_expert_tensor_parallel_size": ("expert parallel is not run here", "remove it (or set it to 1)"),
+    "megatron_lm_expert_tensor_parallel_size": ("experts are kept whole on their expert-parallel rank here (no "
+                                                "tensor parallel inside an expert)", "remove it (or set it to 1)"),
     "megatron_lm_attention_backend": ("the attention kernel is the model's (model.attn_implementation)",
                                       "remove it; set model.attn_implementation"),
     "megatron_lm_attention_dropout": ("dropout is the model's own config", "remove it; set it in model.architecture"),
@@ -96,6 +110,9 @@ def map_megatron(data: Mapping[str, Any], c: Any, distributed_type: str) -> None
     c.set("parallel.strategy", "ddp", *path)  # the replicas beside the stages: plain data parallel
     for key, value in block.items():
         where = path + (key,)
+        if key == "other_megatron_args" and isinstance(value, Mapping):
+            _other_args(value, c, where)
+            continue
         if key in MEGATRON_REFUSED:
             if _asks_for(key, value):
                 why, fix = MEGATRON_REFUSED[key]
@@ -120,6 +137,31 @@ def map_megatron(data: Mapping[str, Any], c: Any, distributed_type: str) -> None
             c.set(target, value, *where)
 
 
+def _other_args(args: Mapping[str, Any], c: Any, path: tuple) -> None:
+    """Megatron-LM's own arguments: its mixture-of-experts ones read, any other that asks for
+    something refused (the number of experts is the model's own config)."""
+    for key, value in args.items():
+        where = path + (key,)
+        target = MEGATRON_MOE_ARGS.get(key)
+        if target is None:
+            if key == "num_moe_experts" and value:
+                c.error(where, f"{value!r}: the number of experts is the model's own config",
+                        "remove it; set model.architecture.num_experts (or the config of model.name_or_path)")
+            elif _asks_for(key, value):
+                c.error(where, f"{value!r}: Megatron-LM's own arguments are not read (but for "
+                        + ", ".join(MEGATRON_MOE_ARGS) + ")", "remove it")
+        elif key == "moe_router_load_balancing_type":
+            if value == "none":
+                c.set("model.moe.aux_loss_coef", 0.0, *where)
+            elif value in _BALANCING:
+                c.set(target, _BALANCING[value], *where)
+            else:
+                c.error(where, f"{value!r}: the balance loss here is aux_loss (per micro-batch), seq_aux_loss (per "
+                        "sequence) or none", "use one of them (Megatron's sinkhorn and global_aux_loss are not run)")
+        elif value is not None:
+            c.set(target, value, *where)
+
+
 def megatron_section(cfg: RunConfig) -> dict[str, Any]:
     """The `megatron_lm_config:` block `export` writes for a layout with pipeline stages: the
     keys above that map, read back off the run config (the inverse of `map_megatron`)."""
@@ -130,4 +172,5 @@ def megatron_section(cfg: RunConfig) -> dict[str, Any]:
             "megatron_lm_num_micro_batches": pipeline.microbatches(cfg),
             "megatron_lm_gradient_clipping": t.gradient_clipping or 0.0,
             "megatron_lm_recompute_activations": cfg.model.gradient_checkpointing,
-            "megatron_lm_sequence_parallelism": False, "megatron_lm_use_distributed_optimizer": False}
+            "megatron_lm_sequence_parallelism": False, "megatron_lm_use_distributed_optimizer": False,
+            **({"megatron_lm_expert_model_parallel_size": cfg.parallel.ep_size} if cfg.parallel.ep_size > 1 else {})}

@@ -18,11 +18,16 @@ def layout_problems(cfg: RunConfig) -> list[Problem]:
     from overdrive.strategies import layout
 
     lay = layout.layout(cfg)
-    if lay.tp == 1 and lay.sp == 1 and lay.pp == 1:
+    moe = cfg.model.moe  # model.moe.top_k / aux_loss_coef are refused on a model without experts (config/experts.py)
+    if (lay.tp == 1 and lay.sp == 1 and lay.pp == 1 and cfg.parallel.ep_size == 1 and cfg.peft.method != "qlora"
+            and moe.top_k is None and moe.aux_loss_coef is None):
         return []
+    from overdrive.config.experts import qlora_problems
     from overdrive.memory.model_shape import hf_config_for_run
 
-    return layout.loop_problems(cfg) + layout.model_problems(cfg, hf_config_for_run(cfg))
+    hf_config = hf_config_for_run(cfg)
+    return (layout.loop_problems(cfg) + layout.model_problems(cfg, hf_config)
+            + qlora_problems(cfg.peft.method, hf_config))  # a mixture of experts' stacked experts stay unquantized
 
 
 def cluster_problems(cfg: RunConfig, supplied: Sequence[str] = ()) -> list[Problem]:

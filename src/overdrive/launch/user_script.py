@@ -91,6 +91,13 @@ def launch_script(resolved: Any, script: str, script_args: Sequence[str]) -> int
     """
     cfg: RunConfig = resolved.config
     check(cfg)
+    if cfg.parallel.ep_size > 1:  # the experts are split by overdrive's own loop (strategies/expert_parallel.py)
+        from overdrive.errors import Problem, UserError
+
+        raise UserError(Problem("parallel.ep_size", "splits a mixture of experts' experts in `overdrive train`'s own "
+                                "loop; a user's script gets a plain data-parallel config",
+                                fix="set parallel.ep_size=1 here, and pass DistributedConfig(ep_size=...) to the "
+                                    "script's from_pretrained; or train with `overdrive train`"), title="cannot launch")
     cfg = local_port(cfg)
     files_dir = Path(cfg.output_dir) / "launch"
     env = user_script_env(cfg, files_dir)

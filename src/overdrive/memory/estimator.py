@@ -9,7 +9,7 @@ from overdrive.memory.activations import Activations, estimate_activations
 from overdrive.memory.adapter import model_state_row as adapter_row
 from overdrive.memory.formulas import STRATEGIES, Row, model_state_row, uses_autocast
 from overdrive.memory.formulas import zero_paper_bytes  # noqa: F401  (handed on by the package)
-from overdrive.memory.shape import ModelShape, Setup, tp_slice
+from overdrive.memory.shape import ModelShape, Setup, ep_slice, tp_slice
 
 
 # How running out of memory reads in an error or a log: CUDA's and torch's messages, the
@@ -37,6 +37,8 @@ class Estimate:
 def estimate_row(strategy: str, shape: ModelShape, setup: Setup) -> Row:
     """Model states, buffers and activations of one strategy (of one tensor-parallel slice)."""
     sliced = tp_slice(shape, setup.tp)
+    if strategy == "ddp":  # parameters whole on every rank: expert parallel keeps experts / ep of them
+        sliced = ep_slice(sliced, setup.ep)
     if setup.adapter is None:
         row = model_state_row(strategy, sliced, setup)
     else:  # LoRA/QLoRA: gradients and optimizer states for the adapter only (adapter.py)

@@ -196,8 +196,12 @@ def _tp_splits(model) -> dict[int, int]:
 def shape_of_model(model, name: str) -> ModelShape:
     import torch
 
+    from overdrive.config import experts as moe
+
     config = model.config
     params = list(model.parameters())  # deduplicated: a tied embedding appears once
+    experts = moe.experts_of(config)
+    expert_ids = {id(p) for n, p in model.named_parameters() if moe.is_expert_parameter(n)} if experts else set()
     blocks = _blocks(model)
     block_params = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
@@ -227,7 +231,7 @@ def shape_of_model(model, name: str) -> ModelShape:
         hidden=hidden,
         heads=heads,
         kv_heads=int(_first(config, "num_key_value_heads", default=heads)),
-        intermediate=int(_first(config, "intermediate_size", "n_inner", "ffn_dim", default=None) or 4 * hidden),
+        intermediate=_intermediate(config, experts, hidden),
         vocab=int(_first(config, "vocab_size")),
         block_params=block_params,
         root_params=sum(p.numel() for p in params if id(p) not in in_blocks),
@@ -246,7 +250,19 @@ def shape_of_model(model, name: str) -> ModelShape:
                               for n, m in model.named_modules()),
         tp_split=tuple(splits.get(id(p), -1) for p in params) if splits else (),
         block_tp_split_params=sum(p.numel() for p in blocks[0].parameters() if id(p) in splits) if blocks and splits else 0,
+        experts=experts.experts if experts else 0,
+        top_k=experts.top_k if experts else 0,
+        expert_params=sum(p.numel() for p in params if id(p) in expert_ids),
+        expert_tensors=tuple(id(p) in expert_ids for p in params) if expert_ids else (),
     )
+
+
+def _intermediate(config, experts, hidden: int) -> int:
+    """The MLP width one token's activations take: a mixture of experts' top_k experts side by side."""
+    dense = int(_first(config, "intermediate_size", "n_inner", "ffn_dim", default=None) or 4 * hidden)
+    if experts is None:
+        return dense
+    return experts.top_k * int(_first(config, "moe_intermediate_size", default=dense))
 
 
 def model_shape(source: Source) -> ModelShape:

@@ -61,6 +61,7 @@ def to_json(est: Estimate, cap: Optional[Capacity] = None, best: Optional[Row] =
     data = {
         "model": est.shape.name,
         "parameters": est.shape.params,
+        "active_parameters": est.shape.active_params,
         "devices": s.devices,
         "precision": s.precision,
         "micro_batch": s.micro_batch,
@@ -68,6 +69,7 @@ def to_json(est: Estimate, cap: Optional[Capacity] = None, best: Optional[Row] =
         "activation_checkpointing": s.checkpointing,
         "target": s.target,
         "layout": {"dp_replicate": s.dp_replicate, "tp": s.tp, "cp": s.cp, "sp": s.sp, "shard_ranks": s.shard_ranks},
+        **({"moe": moe_fields(est)} if est.shape.experts else {}),
         "rows": [row.to_dict() for row in est.rows],
         "cheapest_fitting": best.strategy if best else None,
     }
@@ -76,6 +78,36 @@ def to_json(est: Estimate, cap: Optional[Capacity] = None, best: Optional[Row] =
                             "source": cap.source, "headroom": HEADROOM}
     data.update(extra)
     return json.dumps(data, indent=2)
+
+
+def moe_fields(est: Estimate) -> dict:
+    """A mixture of experts: its experts, the parameters a token meets, and the experts' weights one
+    expert-parallel rank holds."""
+    shape, s = est.shape, est.setup
+    ep = s.ep
+    return {"experts": shape.experts, "top_k": shape.top_k, "expert_parameters": shape.expert_params,
+            "active_parameters": shape.active_params, "ep_size": ep,
+            "expert_parameters_per_ep_rank": -(-shape.expert_params // ep),
+            "all_to_all_bytes_per_micro_batch": all_to_all_bytes(shape, s)}
+
+
+def all_to_all_bytes(shape, s) -> int:
+    """Bytes one rank sends by all-to-all in a micro-batch's forward and backward under expert parallel:
+    each of its tokens' top_k (token, expert) pairs whose expert lives elsewhere ((ep - 1) / ep of them
+    when the router balances) goes out as a hidden-wide vector and comes back, in the forward (dispatch,
+    combine) and again in the backward: 4 x tokens x top_k x hidden x (ep - 1) / ep, per MoE layer (every
+    layer counted as one)."""
+    if s.ep == 1 or not shape.experts:
+        return 0
+    tokens = s.micro_batch * s.seq_len
+    return round(4 * tokens * shape.top_k * shape.hidden * s.half_bytes * shape.layers * (s.ep - 1) / s.ep)
+
+
+def _counted_params(shape) -> str:
+    if not shape.experts:
+        return f"{parameter_count(shape.params)} parameters"
+    return (f"{parameter_count(shape.params)} parameters ({parameter_count(shape.active_params)} active: "
+            f"{shape.top_k} of {shape.experts} experts per token)")
 
 
 def parameter_count(params: float) -> str:
@@ -107,7 +139,7 @@ def render(est: Estimate, cap: Capacity, best: Optional[Row], headroom: float = 
     from overdrive.console import print_table
 
     s, shape = est.setup, est.shape
-    title = (f"{shape.name}: {parameter_count(shape.params)} parameters, {counted(s.devices, 'device')}{_layout(s)}, precision {s.precision}, "
+    title = (f"{shape.name}: {_counted_params(shape)}, {counted(s.devices, 'device')}{_layout(s)}, precision {s.precision}, "
              f"micro-batch {s.micro_batch} x {s.seq_len} tokens — GiB per device")
     headers, rows = table_rows(est)
     print_table(headers, rows, title=title, file=file)
@@ -124,7 +156,7 @@ def render(est: Estimate, cap: Capacity, best: Optional[Row], headroom: float = 
 
 def _layout(s) -> str:
     axes = [f"{name} {size}" for name, size in (("dp_replicate", s.dp_replicate), ("tp", s.tp), ("cp", s.cp),
-                                                 ("sp", s.sp)) if size > 1]
+                                                 ("sp", s.sp), ("ep", s.ep)) if size > 1]
     return f" ({' x '.join(axes)}, model states sharded over {s.shard_ranks})" if axes else ""
 
 

@@ -64,6 +64,22 @@ class ModelShape:
     (-1: kept whole on every tp rank). Empty: the model has no plan."""
     block_tp_split_params: int = 0
     """Parameters of one block that the tensor-parallel plan splits."""
+    experts: int = 0
+    """Routed experts per MoE layer (config/experts.py); 0: a dense model."""
+    top_k: int = 0
+    """Experts each token is routed to."""
+    expert_params: int = 0
+    """Parameters of all the routed experts (their stacked or per-expert weights)."""
+    expert_tensors: tuple[bool, ...] = ()
+    """Per entry of `param_shapes`, whether it is a routed expert's tensor (dim 0 the experts when stacked)."""
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token meets: the dense ones and top_k of the experts (6 x this is the
+        training FLOPs per token that MFU counts, not 6 x `params`)."""
+        if not self.experts:
+            return self.params
+        return self.params - round(self.expert_params * (1 - min(self.top_k / self.experts, 1.0)))
 
     @property
     def head_dim(self) -> int:
@@ -102,6 +118,8 @@ class Setup:
     cp: int = 1
     sp: int = 1
     dp_replicate: int = 1
+    ep: int = 1
+    """Expert parallel (parallel.ep_size): each rank of an EP group holds experts / ep of the routed experts."""
     extra_notes: tuple[str, ...] = field(default_factory=tuple)
     adapter: Optional[Any] = None
     """An adapter run (memory/adapter.AdapterShape): frozen base, trained adapter."""
@@ -219,7 +237,7 @@ def _layout_of(cfg: RunConfig, devices: Optional[int]) -> dict:
     from overdrive.strategies import layout
 
     lay = layout.layout(cfg, devices)
-    return dict(tp=lay.tp, cp=lay.cp, sp=lay.sp, dp_replicate=lay.dp_replicate)
+    return dict(tp=lay.tp, cp=lay.cp, sp=lay.sp, dp_replicate=lay.dp_replicate, ep=int(cfg.parallel.ep_size))
 
 
 def tp_slice(shape: ModelShape, tp: int) -> ModelShape:
@@ -244,3 +262,21 @@ def tp_slice(shape: ModelShape, tp: int) -> ModelShape:
 def strategy_of_run(cfg: RunConfig) -> str:
     """The estimator row a run config selects."""
     return registry.of(cfg).estimator_row(cfg)
+
+
+def ep_slice(shape: ModelShape, ep: int) -> ModelShape:
+    """What one expert-parallel rank holds of `shape` when the strategy keeps parameters whole: the
+    routed experts' tensors cut on their expert dimension (dim 0 of a stacked tensor; a per-expert
+    module's tensors are counted whole, as a share of the experts)."""
+    if ep == 1 or not shape.experts or not shape.expert_tensors:
+        return shape
+    import dataclasses
+
+    sliced = tuple((-(-s[0] // ep), *s[1:]) if is_expert and s and s[0] == shape.experts else s
+                   for s, is_expert in zip(shape.param_shapes, shape.expert_tensors))
+    whole_experts = sum(numel(s) for s, e in zip(shape.param_shapes, shape.expert_tensors) if e and s and s[0] != shape.experts)
+    params = sum(numel(s) for s in sliced) - whole_experts + -(-whole_experts // ep)
+    removed = shape.params - params
+    block = shape.block_params - -(-removed // max(shape.layers, 1))
+    return dataclasses.replace(shape, params=params, param_shapes=sliced, expert_params=shape.expert_params - removed,
+                               block_params=block, autocast_params=max(shape.autocast_params - removed, 0))

@@ -15,5 +15,5 @@ so nothing is read from `ACCELERATE_*` environment variables behind the user's b
 
 from overdrive.strategies.accelerator import (  # noqa: F401  (the package's names)
     accelerator_kwargs, construct_accelerator, loss_scaler_owns_overflows, problems,
-    shard_fraction, shards_parameters, split_model, use_split,
+    hook_optimizer, shard_fraction, shards_parameters, split_model, use_split,
 )

@@ -114,10 +114,18 @@ def construct_accelerator(cfg: RunConfig, world_size: int | None = None, **extra
 
 
 def split_model(model: Any, accelerator: Any, cfg: RunConfig) -> Any:
-    """The model split by its tensor-parallel plan when the layout has tp_size > 1 (before prepare)."""
-    from overdrive.strategies import tensor_parallel
+    """The model split by its tensor-parallel plan when the layout has tp_size > 1, and its experts
+    by their expert-parallel plan when ep_size > 1 (before prepare)."""
+    from overdrive.strategies import expert_parallel, tensor_parallel
 
-    return tensor_parallel.split_model(model, accelerator, cfg)
+    return expert_parallel.split_experts(tensor_parallel.split_model(model, accelerator, cfg), accelerator, cfg)
+
+
+def hook_optimizer(optimizer: Any, model: Any) -> None:
+    """The optimizer of a model whose experts `split_model` split: its state saved whole (a no-op otherwise)."""
+    from overdrive.strategies import expert_parallel
+
+    expert_parallel.hook_optimizer(optimizer, model)
 
 
 def shard_fraction(model: Any) -> float:

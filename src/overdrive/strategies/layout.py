@@ -111,7 +111,9 @@ def problems(cfg: ConfigLike, world: Optional[int] = None) -> list[Problem]:
                              fix=f"make it a multiple of {lay.sp}"))
     micro = _get(cfg, "training.micro_batch_size")
     samples = None if micro == "auto" else int(micro) * int(_get(cfg, "training.gradient_accumulation_steps"))
-    return found + pipeline.problems(cfg, world, samples)
+    from overdrive.strategies import expert_parallel
+
+    return found + pipeline.problems(cfg, world, samples) + expert_parallel.problems(cfg, world)
 
 
 def loop_problems(cfg: RunConfig) -> list[Problem]:
@@ -149,7 +151,9 @@ def model_problems(cfg: RunConfig, hf_config: Any) -> list[Problem]:
     if lay.sp > 1 and heads and heads % lay.sp:
         found.append(Problem("parallel.sp_size", f"the model's {heads} attention heads do not divide by {lay.sp}",
                              fix=f"choose an sp_size that divides {heads}"))
-    return found + pipeline.model_problems(cfg, hf_config)
+    from overdrive.strategies import expert_parallel
+
+    return found + pipeline.model_problems(cfg, hf_config) + expert_parallel.model_problems(cfg, hf_config)
 
 
 def parallelism_kwargs(cfg: ConfigLike, world: Optional[int] = None) -> Optional[dict[str, Any]]:

@@ -67,12 +67,16 @@ def _module_names(model) -> tuple[list[str], list[str]]:
 
 def target_problems(cfg: RunConfig, model) -> list[Problem]:
     """Names in `peft.target_modules` and `peft.modules_to_save` that match no module."""
+    from overdrive.training.moe import mapped_expert_names
+
     p, found = cfg.peft, []
     paths, linear = _module_names(model)
+    experts = mapped_expert_names(model)  # a mixture's stacked experts, by the names PEFT maps onto them
     for key, names in (("peft.target_modules", [] if isinstance(p.target_modules, str) else p.target_modules),
                        ("peft.modules_to_save", p.modules_to_save)):
         for name in names:
-            if any(path == name or path.endswith("." + name) for path in paths):
+            if any(path == name or path.endswith("." + name) for path in paths) or (
+                    key == "peft.target_modules" and name in experts):
                 continue
             leaves = sorted({path.rsplit(".", 1)[-1] for path in paths if path})
             close = difflib.get_close_matches(name, leaves, n=1)
@@ -142,7 +146,9 @@ def load_device(cfg: RunConfig, device) -> Optional[str]:
 def notes(cfg: RunConfig, model) -> list[str]:
     """What the run says when it starts: trainable parameters of an adapter run, and whether
     packed chat conversations are kept apart by this model."""
-    said = [describe(model)] if enabled(cfg) else []
+    from overdrive.training.moe import adapter_note
+
+    said = [describe(model), *adapter_note(model)] if enabled(cfg) else []
     if cfg.data.format == "chat" and cfg.data.packing:
         from overdrive.data.chat_samples import packing_note
 

@@ -16,12 +16,12 @@ from overdrive.strategies import registry
 import overdrive.config.batch as batch
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
-from overdrive.training import adapter, master_weights
+from overdrive.training import adapter, master_weights, moe
 from overdrive.training import model as model_mod
 from overdrive.training import telemetry
 from overdrive.training import optimizers
 from overdrive.training.dtypes import matmul_precision
-from overdrive.training import forward_backward, pipeline, preference, reference
+from overdrive.training import context_parallel, forward_backward, pipeline, preference, reference
 from overdrive.training.objective import Objective, TokenObjective
 from overdrive.training.pipeline import Pipeline
 from overdrive.training.recipe import Recipe
@@ -113,6 +113,7 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
                                   special_tokens=special, device=device)
     _check_positions(model.config, d.max_length)
     upcast = master_weights.upcast_trainable(cfg, model)
+    balance = moe.attach(cfg, model, accelerator)  # hooked before anything wraps the model
     layers, width = model_mod.shape_of(model.config)
     # MFU against the peak of the precision the matmuls run in (bf16 weights without autocast: bf16).
     peak = telemetry.DevicePeak(accelerator.device, matmul_precision(cfg.precision.mixed_precision, model), cache_dir)
@@ -131,9 +132,10 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
                      None, tokenizer, fpt, peak, d.max_length, TokenObjective(cfg.model.task),
                      stages.forward_backward, Recipe(cfg, optimizer, train_loader, d.max_length), notes, cfg, derived,
                      pipeline=stages)
-    model = strategies.split_model(model, accelerator, cfg)  # tensor parallel, when the layout has it
-    fpt = telemetry.flops_per_token(model_mod.flop_params(model), layers, width, d.max_length,
-                                    frozen_params=model_mod.flop_params(model, frozen=True))
+    idle = moe.idle_params(model)  # experts a token is not routed to: FLOPs and MFU by the active parameters
+    fpt = telemetry.flops_per_token(model_mod.flop_params(model) - idle[0], layers, width, d.max_length,
+                                    frozen_params=model_mod.flop_params(model, frozen=True) - idle[1])
+    model = strategies.split_model(model, accelerator, cfg)  # tensor and expert parallel, when the layout has them
     notes = adapter.notes(cfg, model) + master_weights.note(upcast)
     eval_loader = None
     if tokens.validation is not None:
@@ -144,6 +146,7 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
                                            d.num_workers, d.pin_memory, collate)
     reference_model = reference.frozen_copy(cfg, model)  # the starting weights, before anything wraps them
     optimizer = optimizers.build_optimizer(model, cfg, accelerator.device.type)
+    strategies.hook_optimizer(optimizer, model)  # expert parallel: the experts' moments saved whole
     scheduler = optimizers.build_schedule(optimizer, cfg)  # None when DeepSpeed builds the optimizer
     say(f"preparing the model and optimizer ({registry.of(cfg).label(cfg)}, "
         f"{accelerator.num_processes} process{'es' if accelerator.num_processes != 1 else ''})")
@@ -160,6 +163,9 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
         train_ref, eval_ref = reference.for_run(cfg, accelerator, model, reference_model, tokens.train, collate,
                                                 split.micro, Path(cfg.output_dir).expanduser(), validation)
         objective = preference.PreferenceObjective(cfg, accelerator, train_ref, eval_ref)
+    if balance is not None:  # a mixture of experts: the router's balance term beside the token loss
+        objective = moe.BalancedObjective(objective, balance, accelerator, sharing=max(accelerator.num_processes // split.data_parallel
+                                                                // context_parallel.cp_size(cfg), 1))
     return Parts(accelerator, model, optimizer, scheduler, train_loader, eval_loader, tokenizer, fpt, peak,
                  d.max_length, objective, recipe=Recipe(cfg, optimizer, train_loader, d.max_length), notes=notes,
                  config=cfg, derived=derived)
