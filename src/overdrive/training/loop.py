@@ -83,6 +83,7 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
     progress = telemetry.ProgressDisplay(cfg.training.max_steps, enabled=main and cfg.logging.level != "quiet",
                                          bar=cfg.logging.progress)
     objective = cfg.model.task if parts.objective is None else f"{cfg.preference.method} on preference pairs"
+    objective = f"{cfg.rl.method} on prompts" if cfg.rl.method != "none" else objective
     progress.print(f"training: {objective}, {counted(cfg.training.max_steps, 'step')}, output in {out}")
     for note in parts.notes:
         progress.print(note)
@@ -212,6 +213,8 @@ class Loop:
         # ahead of the first forward (step_loss.py).
         micro_batches = [next(self.data) for _ in range(self.split.accumulation)]
         objective = self.parts.objective  # preference training counts pairs, not tokens
+        if hasattr(objective, "prepare"):  # RL: the step's prompts become completions (training/grpo.py)
+            micro_batches = objective.prepare(model, micro_batches)
         count = step_loss.global_count(acc, micro_batches, self.model_parallel,
                                        objective.units if objective is not None else step_loss.loss_token_count)
         # Under context parallel each rank's slice adds its own tokens' losses, and the gradient

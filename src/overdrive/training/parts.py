@@ -21,7 +21,7 @@ from overdrive.training import model as model_mod
 from overdrive.training import telemetry
 from overdrive.training import optimizers
 from overdrive.training.dtypes import matmul_precision
-from overdrive.training import preference, reference
+from overdrive.training import grpo, grpo_parts, preference, reference
 from overdrive.training.recipe import Recipe
 from overdrive.training.tokenizer import build_tokenizer
 
@@ -43,7 +43,7 @@ class Parts:
     config: Optional[RunConfig] = None  # the config as it runs: steps counted from the data (training.num_epochs)
     derived: dict = field(default_factory=dict)  # key -> how the data derived it
     pipeline: Any = None  # training/pipeline.py's Pipeline under parallel.pp_size > 1 (model: this rank's stages)
-    objective: Any = None  # preference training's loss step (training/preference.py); None: the model's loss
+    objective: Any = None  # preference training's (training/preference.py) or RL's (grpo.py) loss; None: the model's
 
 
 def _micro_batch(cfg: RunConfig) -> int:
@@ -77,8 +77,11 @@ def build_parts(cfg: RunConfig, accelerator, say=None) -> Parts:
     say("reading the tokenizer and the data (a token cache is filled once, then reused)")
     # One process per machine trains the tokenizer and fills the token cache; the others wait
     # for those files (not in a barrier), then every process memory-maps the same token ids.
-    tokenizer, tokens = data_mod.prepare(cfg, build_tokenizer, build=accelerator.is_local_main_process,
-                                         show=accelerator.is_main_process and cfg.logging.level != "quiet")
+    if grpo.enabled(cfg):  # prompts and completion slots, no token cache (training/grpo_parts.py)
+        tokenizer, tokens = grpo_parts.prepare(cfg, build_tokenizer)
+    else:
+        tokenizer, tokens = data_mod.prepare(cfg, build_tokenizer, build=accelerator.is_local_main_process,
+                                             show=accelerator.is_main_process and cfg.logging.level != "quiet")
     cfg, derived = _counted_from_data(cfg, tokens.train, split.global_batch)
     special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
     if cfg.model.task == "sequence-classification":
@@ -99,9 +102,9 @@ def build_parts(cfg: RunConfig, accelerator, say=None) -> Parts:
     notes = adapter.notes(cfg, model) + master_weights.note(upcast)
 
     collate = data_mod.collate_for(data_mod.sample_kind(cfg), tokenizer.pad_token_id)
-    train_loader = data_mod.train_loader(tokens.train, split.micro, split.accumulation,
-                                         split.data_parallel, t.seed, d.shuffle, d.num_workers,
-                                         d.pin_memory, collate)
+    train_loader = (grpo_parts.loader(tokens) if grpo.enabled(cfg) else
+                    data_mod.train_loader(tokens.train, split.micro, split.accumulation, split.data_parallel, t.seed,
+                                          d.shuffle, d.num_workers, d.pin_memory, collate))
     eval_loader = None
     if tokens.validation is not None:
         # A fixed leading subset: evaluations are comparable across steps, and the loader is
@@ -129,6 +132,8 @@ def build_parts(cfg: RunConfig, accelerator, say=None) -> Parts:
         train_ref, eval_ref = reference.for_run(cfg, accelerator, model, reference_model, tokens.train, collate,
                                                 split.micro, Path(cfg.output_dir).expanduser(), validation)
         objective = preference.PreferenceObjective(cfg, accelerator, train_ref, eval_ref)
+    elif grpo.enabled(cfg):
+        objective = grpo_parts.objective(cfg, accelerator, tokenizer, tokens, reference_model)
     return Parts(accelerator, model, optimizer, scheduler, train_loader, eval_loader, tokenizer, fpt, peak,
                  d.max_length, Recipe(cfg, optimizer, train_loader, d.max_length), notes, cfg, derived, objective=objective)
 

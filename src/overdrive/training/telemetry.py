@@ -243,7 +243,7 @@ class ProgressDisplay:
 
 def _format(values: Mapping[str, Any]) -> str:
     parts = []
-    for key, fmt in (("loss", "loss {:.4f}"), ("eval_loss", "eval_loss {:.4f}"), ("eval_accuracy", "acc {:.3f}"),
+    for key, fmt in (("loss", "loss {:.4f}"), ("reward", "reward {:.3f}"), ("eval_loss", "eval_loss {:.4f}"), ("eval_accuracy", "acc {:.3f}"),
                      ("lr", "lr {:.2e}"), ("tokens_per_s", "{:,.0f} tok/s"), ("mfu", "mfu {:.1%}")):
         if values.get(key) is not None:
             parts.append(fmt.format(values[key]))
