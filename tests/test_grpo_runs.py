@@ -3,8 +3,9 @@ letters (chat turns), and a completion (at most 4 tokens) is rewarded 1 when it 
 built-in regex reward). A random policy says it about one time in eight.
 
 The one-process run is the reference: its mean reward climbs more than half the way to 1 within
-12 steps; the same global batch split into smaller micro-batches, and over 2 DDP processes, logs
-its loss, gradient norm and rewards; killed after a checkpoint, it resumes to the same numbers.
+12 steps; the same global batch split into smaller micro-batches logs its loss, gradient norm and
+rewards, and so do DDP, ZeRO-3 and FSDP2 on 2 processes; killed after a checkpoint, it resumes to
+the same numbers.
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ def test_the_mean_reward_rises_more_than_half_the_way_to_its_maximum(reference):
     start_, end = rewards[0], sum(rewards[-3:]) / 3
     assert start_ < 0.5 and end >= start_ + 0.5 * (1.0 - start_), rewards
     assert steps[1]["completions/mean_length"] <= 4 and steps[1]["rewards/says_yes/mean"] == steps[1]["reward"]
+    kept = [json.loads(line) for line in (reference / "completions.jsonl").read_text().splitlines()]
+    assert len(kept) == 8 * STEPS and {"group", "prompt", "completion", "reward"} <= set(kept[0])
+    assert sum(k["reward"] for k in kept[-8:]) > sum(k["reward"] for k in kept[:8])
 
 
 def _same_steps(got: dict[int, dict], expected: dict[int, dict], steps) -> None:
@@ -92,19 +96,35 @@ def _same_steps(got: dict[int, dict], expected: dict[int, dict], steps) -> None:
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"], (step, a["grad_norm"], b["grad_norm"])
 
 
-def test_the_same_global_batch_split_otherwise_or_over_two_ddp_processes_trains_the_same(work, reference):
+def test_the_same_global_batch_split_otherwise_or_over_two_processes_trains_the_same(work, reference):
+    """A smaller micro-batch, then DDP, ZeRO-3 and FSDP2 on 2 processes (ZeRO-3 and FSDP2 generate with
+    the parameters sharded, every rank taking each forward together)."""
     expected = logged(reference)
     assert expected[1]["grad_norm"] > 0
+    two = ("launch.num_processes=2", "training.micro_batch_size=4", "training.gradient_accumulation_steps=2",
+           "precision.mixed_precision=no")
     for name, extra in (("split", ("training.micro_batch_size=4", "training.gradient_accumulation_steps=4")),
-                        ("ddp", (str(REPO / "configs/ddp.yaml"), "launch.num_processes=2", "training.micro_batch_size=4",
-                                 "training.gradient_accumulation_steps=2", "precision.mixed_precision=no",
-                                 f"launch.main_process_port={free_port()}"))):
+                        ("ddp", (str(REPO / "configs/ddp.yaml"), *two)),
+                        ("zero3", (str(REPO / "configs/zero3.yaml"), *two)),
+                        ("fsdp2", (str(REPO / "configs/fsdp.yaml"), *two))):
         done = run(command(work, name, *extra, "training.max_steps=3", "checkpoint.enabled=false",
-                           "checkpoint.save_final_model=false"), cwd=work, timeout=900)
+                           "checkpoint.save_final_model=false", f"launch.main_process_port={free_port()}"),
+                   cwd=work, timeout=900)
         assert done.returncode == 0, name + done.stdout[-3000:] + done.stderr[-3000:]
         got = logged(work / name)
-        assert sorted(got) == [1, 2, 3] and got[1]["num_processes"] == (2 if name == "ddp" else 1)
+        assert sorted(got) == [1, 2, 3] and got[1]["num_processes"] == (1 if name == "split" else 2)
         _same_steps(got, expected, (1, 2, 3))
+
+
+def test_num_iterations_trains_twice_on_each_generation(work):
+    """rl.num_iterations=2: step 2 updates on step 1's completions (no new rewards logged), its ratio
+    against the generation-time log-probs now off 1 and clipped; step 3 generates again."""
+    done = run(command(work, "iterations", "rl.num_iterations=2", "training.max_steps=3", "checkpoint.enabled=false",
+                       "checkpoint.save_final_model=false"), cwd=work, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    got = logged(work / "iterations")
+    assert "reward" in got[1] and "reward" not in got[2] and "reward" in got[3]
+    assert got[1]["clip_ratio/region_mean"] == 0 and got[2]["clip_ratio/region_mean"] > 0
 
 
 def test_a_killed_grpo_run_resumes_exactly(work, reference):

@@ -19,7 +19,9 @@ The arithmetic is TRL's (grpo_loss.py).
 from __future__ import annotations
 
 import contextlib
+import json
 import time
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -110,7 +112,7 @@ class GRPOObjective:
         self.token_sums = torch.zeros(len(TOKEN_METRICS) + 1, dtype=torch.float64, device=device)
         self.step_sums = [0.0] * (len(self.names) + 1)  # the last counts steps
         self.cached: Optional[tuple[tuple, list]] = None  # (groups, micro-batches) under num_iterations > 1
-        self.samples: list[dict] = []  # a few completions of the last generation, for a look
+        self.samples_path: Optional[Path] = None  # completions.jsonl: one group of each generation, for a look
 
     # -------------------------------------------------------------- generation
 
@@ -148,11 +150,20 @@ class GRPOObjective:
         batches = self._micro_batches(model, prompt_rows, completion_ids, mine)
         self._step_metrics(everyone, adv, completion_ids,
                            (generated - started, scored - generated, time.perf_counter() - scored))
-        if self.accelerator.is_main_process:
-            self.samples = [{"prompt": p, "completion": c, "reward": float(r)}
-                            for p, c, r in zip(prompts[:g], completions[:g], adv.rewards[:g].tolist())]
+        if self.accelerator.is_main_process and self.samples_path is not None:
+            self._keep_samples(groups[0], prompts[:g], completions[:g], adv.rewards[:g].tolist())
         self.cached = (key, batches) if self.rl.num_iterations > 1 else None
         return batches
+
+    def _keep_samples(self, group: int, prompts: list, completions: list, rewards: list[float]) -> None:
+        """One group of completions appended to completions.jsonl beside metrics.jsonl (the main process)."""
+        from overdrive.storage import faults
+
+        lines = "".join(json.dumps({"group": group, "prompt": p, "completion": c, "reward": r}, default=str) + "\n"
+                        for p, c, r in zip(prompts, completions, rewards))
+        with faults.writing(self.samples_path, "output_dir", what="sampled completions"):
+            with open(self.samples_path, "a") as f:
+                f.write(lines)
 
     def _generate(self, model, prompt_ids: list[int], group: int) -> list[list[int]]:
         """One group's completions, cut after the first end-of-sequence token (TRL's)."""
@@ -247,8 +258,9 @@ class GRPOObjective:
         record = {name: value / tokens for name, value in zip(TOKEN_METRICS, totals)}
         if self.rl.beta == 0.0:
             record.pop("kl")
-        steps = max(self.step_sums[-1], 1.0)
-        record.update({name: value / steps for name, value in zip(self.names, self.step_sums)})
+        steps = self.step_sums[-1]
+        if steps:  # none under rl.num_iterations > 1 when every step read trained on earlier completions
+            record.update({name: value / steps for name, value in zip(self.names, self.step_sums)})
         self.step_sums = [0.0] * len(self.step_sums)
         return record
 

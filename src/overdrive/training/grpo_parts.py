@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import overdrive.config.batch as batch
@@ -59,4 +60,6 @@ def objective(cfg: RunConfig, accelerator, tokenizer, data: PromptData, referenc
             frozen = reference_model.to(accelerator.device)
             reference = lambda model: contextlib.nullcontext(frozen)  # noqa: E731
     sharded = not registry.of(cfg).holds_whole_model(cfg)
-    return grpo.GRPOObjective(cfg, accelerator, tokenizer, data.prompts, reference, sharded=sharded)
+    objective = grpo.GRPOObjective(cfg, accelerator, tokenizer, data.prompts, reference, sharded=sharded)
+    objective.samples_path = Path(cfg.output_dir).expanduser() / "completions.jsonl"
+    return objective
