@@ -93,7 +93,10 @@ def completion_logps(model: Any, batch: dict, temperature: float) -> tuple[torch
 
 
 class GRPOObjective:
-    """`objective(model, batch)`, `units(batch)` and `prepare(model, micro_batches)` for the loop."""
+    """`objective(model, batch)`, `units(batch)` and `prepare(model, micro_batches)` for the loop
+    (and `counts` / `sums`, the composed step's names)."""
+
+    name = "grpo on prompts"  # what the run's first line says it trains
 
     def __init__(self, cfg: RunConfig, accelerator, tokenizer, prompts: PromptSet,
                  reference: Optional[Callable[[Any], contextlib.AbstractContextManager]] = None,
@@ -223,7 +226,14 @@ class GRPOObjective:
     def units(self, batch: dict) -> torch.Tensor:
         return grpo_loss.units(self.rl.loss_type, batch["completion_mask"])
 
+    counts = units  # the name the composed step (training/objective.py) asks by
+
     def __call__(self, model, batch: dict) -> torch.Tensor:
+        """The loss type's mean over this micro-batch's units (x units / the global units: the step's share)."""
+        return self.sums(model, batch) / self.units(batch).clamp(min=1)
+
+    def sums(self, model, batch: dict) -> torch.Tensor:
+        """The loss type's sum over this micro-batch's units, forward included."""
         logps, entropy = completion_logps(model, batch, self.rl.temperature)
         mask = batch["completion_mask"]
         token = grpo_loss.per_token_loss(logps, batch.get("old_per_token_logps"), batch.get("ref_per_token_logps"),
@@ -235,7 +245,7 @@ class GRPOObjective:
             values = [kl, (entropy.double() * m).sum(), (token.low_clipped * m).sum(), (token.high_clipped * m).sum(),
                       ((token.low_clipped | token.high_clipped) * m).sum(), m.sum()]
             self.token_sums += torch.stack(values)
-        return summed / self.units(batch).clamp(min=1).to(summed.dtype)
+        return summed
 
     # -------------------------------------------------------------- metrics
 
@@ -264,5 +274,5 @@ class GRPOObjective:
         self.step_sums = [0.0] * len(self.step_sums)
         return record
 
-    def evaluate(self, model, loader) -> dict[str, float]:
-        return {}
+    def evaluate(self, model, loader, accelerator=None) -> dict[str, float]:
+        return {}  # no held-out prompts yet: an RL run has no eval_loader
