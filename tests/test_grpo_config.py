@@ -124,3 +124,24 @@ def test_plan_counts_the_generations_kv_cache_and_the_kl_reference(llama, prompt
     assert not [t for t in row.terms if t[1].startswith("reference model")]
     with_kl = run_estimate(_resolve(llama, prompts, "rl.beta=0.04").config, "cuda", shape).rows[0]
     assert ("params_bytes", "reference model: a frozen copy of the weights (rl.beta)", 4 * shape.params) in with_kl.terms
+
+
+def test_prompts_render_as_text_or_turns_and_one_too_long_is_refused_by_key(llama, prompts, tmp_path):
+    from transformers import AutoTokenizer
+
+    from overdrive.data import prompts as prompts_mod
+
+    tokenizer = AutoTokenizer.from_pretrained(llama)
+    cfg = _resolve(llama, prompts).config
+    text = prompts_mod.encode(cfg, prompts_mod.read(cfg), tokenizer)
+    assert not text.conversational and len(text.rows) == 16 and text.rows[0]["answer"] == "yes"
+    turns = tmp_path / "turns.jsonl"
+    turns.write_text(json.dumps({"prompt": [{"role": "user", "content": "a b"}], "answer": "a"}) + "\n")
+    cfg = _resolve(llama, turns).config
+    chat = prompts_mod.encode(cfg, prompts_mod.read(cfg), tokenizer)
+    assert chat.conversational and tokenizer.decode(chat.prompt_ids[0]).split() == ["<user>", "a", "b", "<eos>",
+                                                                                     "<assistant>"]
+    with pytest.raises(UserError) as error:  # 5 tokens over a bound of 4 (below the schema's floor: set directly)
+        prompts_mod.encode(cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_length": 4})}),
+                           prompts_mod.read(cfg), tokenizer)
+    assert error.value.problems[0].key == "data.max_length" and "row 1" in error.value.render()

@@ -64,6 +64,12 @@ def encode(cfg: RunConfig, rows: list[dict], tokenizer) -> PromptSet:
             ids.append(list(out["input_ids"]))
         else:
             ids.append(list(tokenizer(text=str(prompt))["input_ids"]))
+    longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+    if len(ids[longest]) > cfg.data.max_length:  # bounds the sequences: prompt + rl.max_completion_length
+        over = sum(len(row) > cfg.data.max_length for row in ids)
+        raise UserError(Problem("data.max_length", f"{over} prompt(s) are longer than data.max_length="
+                                f"{cfg.data.max_length} tokens (the longest, row {longest + 1}, has "
+                                f"{len(ids[longest])})", fix="raise data.max_length, or shorten those prompts"))
     return PromptSet(rows, prompts, ids, conversational)
 
 
