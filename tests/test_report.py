@@ -124,3 +124,14 @@ def test_compare(tmp_path):
     data = json.loads(subprocess.run(OVERDRIVE + ["compare", str(a), str(b), "--json"], capture_output=True,
                                      text=True, timeout=60).stdout)
     assert {"key": "parallel.strategy", "a": "ddp", "b": "fsdp"} in data["config"]
+
+
+def test_an_rl_run_gets_its_reward_and_completion_length_drawn(tmp_path):
+    from overdrive.reports.plots import plot_run
+
+    run_dir = tmp_path / "grpo"
+    run_dir.mkdir()
+    lines = [{"step": s, "loss": 0.0, "reward": 0.1 * s, "completions/mean_length": 4.0 - 0.1 * s} for s in range(1, 11)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    written = {p.stem for p in plot_run(load_run(run_dir), tmp_path)}
+    assert {"rl_reward", "rl_completion_length"} <= written and "preference_accuracy" not in written

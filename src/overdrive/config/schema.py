@@ -20,6 +20,7 @@ from overdrive.config.schema_moe import MoeConfig
 from overdrive.config.schema_parallel import ParallelConfig
 from overdrive.config.schema_peft import PeftConfig
 from overdrive.config.schema_preference import PreferenceConfig
+from overdrive.config.schema_rl import RLConfig
 from overdrive.config.schema_recipe import OptimConfig, SchedulerConfig
 from overdrive.config.schema_sweep import SweepConfig
 from overdrive.config.sections import Auto, PositiveInt, Section, admits_bool
@@ -113,12 +114,13 @@ class DataConfig(Section):
         description="`stdlib` (the Python standard library's own .py files), a local file or "
         "directory (text, jsonl, json, csv, parquet), or a hub data set name.",
     )
-    format: Literal["auto", "text", "json", "csv", "parquet", "chat", "preference"] = Field(
+    format: Literal["auto", "text", "json", "csv", "parquet", "chat", "preference", "prompts"] = Field(
         "auto", description="File format; `auto` goes by the file extension. `chat`: rows of conversations "
         "(`data.messages_column`, or prompt/completion columns) in any row format (jsonl, json, csv, parquet, a "
         "saved or hub data set), rendered with the tokenizer's chat template (docs/finetuning.md). `preference`: "
         "rows of a prompt and a chosen and a rejected answer (text, or lists of turns), for `preference.method` "
-        "(docs/preference.md)."
+        "(docs/preference.md). `prompts`: rows of a prompt (`data.prompt_column`: text, or a list of turns rendered "
+        "by the chat template), the other columns passed to the reward functions, for `rl.method` (docs/rl.md)."
     )
     subset: Optional[str] = Field(None, description="Hub data set configuration name.")
     split: str = Field("train", description="Split to train on.")
@@ -337,6 +339,7 @@ class RunConfig(Section):
     peft: PeftConfig = Field(default_factory=PeftConfig, description="Adapter fine-tuning (LoRA, QLoRA).")
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig,
                                          description="Preference training (DPO, IPO, ORPO, SimPO).")
+    rl: RLConfig = Field(default_factory=RLConfig, description="Online RL on prompts (GRPO, DAPO, Dr. GRPO).")
     compile: CompileConfig = Field(default_factory=CompileConfig, description="torch.compile.")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="Processes and machines.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")

@@ -139,6 +139,8 @@ def forecast(cfg: RunConfig, make_tokenizer, train_sample_bpe) -> Forecast:
     from overdrive.data.opening import open_splits
 
     d = cfg.data
+    if d.format == "prompts":  # RL: read whole at the start, nothing cached (data/prompts.py)
+        return Forecast(note="prompts are not tokenized ahead: the completions are generated in the loop")
     if d.source != "stdlib" and not Path(d.source).expanduser().exists():
         return Forecast(note=f"{d.source!r} is not local: measured once downloaded (or bound it with data.max_bytes)")
     splits = open_splits(cfg)

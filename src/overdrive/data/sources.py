@@ -247,8 +247,8 @@ def read_source(cfg: RunConfig, split: str, key: str):
 
         saved = _pick(datasets.load_from_disk(str(path)), split, key)
         return _table(saved, str(path), d.text_column, label)
-    if path.is_file() or (path.is_dir() and d.format not in ("auto", "chat", "preference")):
-        builder = _builder_for(path, "auto" if d.format in ("chat", "preference") else d.format)
+    if path.is_file() or (path.is_dir() and d.format not in ("auto", "chat", "preference", "prompts")):
+        builder = _builder_for(path, "auto" if d.format in ("chat", "preference", "prompts") else d.format)
         files = _files_under(path, builder)
         if not files:
             raise UserError(Problem("data.source", f"no {builder} files under {path}"))

@@ -44,7 +44,14 @@ def estimate_row(strategy: str, shape: ModelShape, setup: Setup) -> Row:
     else:  # LoRA/QLoRA: gradients and optimizer states for the adapter only (adapter.py)
         row = adapter_row(strategy, sliced, setup, setup.adapter)
     if setup.reference_copy and setup.adapter is None:  # the weights as they are loaded, unsharded, no gradients
-        row.add("params_bytes", "reference model: a frozen copy of the weights (preference.method)", 4 * sliced.params)
+        why = "rl.beta" if setup.generation_tokens else "preference.method"
+        row.add("params_bytes", f"reference model: a frozen copy of the weights ({why})", 4 * sliced.params)
+    if setup.generation_tokens:  # keys and values of every layer for one group's sequences (counted on top:
+        # the generation's peak and the update's are not at once, so this is an upper bound)
+        kv_heads = max(sliced.kv_heads, 1)
+        row.add("buffers_bytes", f"generation: KV cache of one group ({setup.generation_tokens:,} tokens, rl.*)",
+                2 * sliced.layers * kv_heads * (sliced.hidden // max(sliced.heads, 1)) * setup.generation_tokens
+                * setup.half_bytes)
     act: Activations = estimate_activations(shape, setup, uses_autocast(strategy, setup))
     row.activations_full_bytes = act.peak
     row.activations_checkpointed_bytes = act.peak_checkpointed

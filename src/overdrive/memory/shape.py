@@ -126,6 +126,9 @@ class Setup:
     reference_copy: bool = False
     """Preference training (DPO, IPO) of every parameter: a frozen copy of the starting weights
     is the reference model, whole on every rank (training/reference.py)."""
+    generation_tokens: int = 0
+    """RL (rl.method): the tokens of one group being generated, num_generations x (data.max_length +
+    rl.max_completion_length) at most, whose KV cache the policy holds while it samples them."""
 
     @property
     def mixed(self) -> bool:
@@ -220,6 +223,7 @@ def setup_for_run(cfg: RunConfig, target: Target = "cuda", **changes) -> Setup:
         optimizer=optimizer_catalog.of(cfg).name,
         momentum=cfg.optim.momentum,
         reference_copy=_reference_copy(cfg),
+        generation_tokens=_generation_tokens(cfg),
         **_layout_of(cfg, changes.get("devices")),
     )
     values.update({k: v for k, v in changes.items() if v is not None})
@@ -230,7 +234,14 @@ def _reference_copy(cfg: RunConfig) -> bool:
     from overdrive.config.schema_preference import WITH_REFERENCE
 
     p = cfg.preference
-    return p.method in WITH_REFERENCE and cfg.peft.method == "none" and not p.precompute_reference
+    rl_reference = cfg.rl.method != "none" and cfg.rl.beta != 0.0  # GRPO's KL term
+    return (p.method in WITH_REFERENCE or rl_reference) and cfg.peft.method == "none" and not p.precompute_reference
+
+
+def _generation_tokens(cfg) -> int:
+    if cfg.rl.method == "none":
+        return 0
+    return cfg.rl.num_generations * (cfg.data.max_length + cfg.rl.max_completion_length)
 
 
 def _layout_of(cfg: RunConfig, devices: Optional[int]) -> dict:

@@ -120,6 +120,9 @@ PANELS: list[tuple[str, Callable[[Any, Run], bool]]] = [
     # Preference training (TRL's names): drawn only for runs that log them.
     ("preference_accuracy", _simple("rewards/accuracies", "Preference accuracy", "rewards/accuracies", "C6")),
     ("preference_margin", _simple("rewards/margins", "Reward margin", "rewards/margins", "C7", from_zero=False)),
+    # Online RL (TRL's GRPO names): the mean reward and how long the completions are.
+    ("rl_reward", _simple("reward", "Mean reward", "reward", "C8", from_zero=False)),
+    ("rl_completion_length", _simple("completions/mean_length", "Completion length", "tokens", "C9")),
 ]
 
 

@@ -25,6 +25,8 @@ OBJECTIVES = {  # name: the keys that ask for it
     "orpo": [*PRETRAINED, "data.format=preference", "preference.method=orpo", "data.packing=false"],
     "simpo": [*PRETRAINED, "data.format=preference", "preference.method=simpo", "data.packing=false"],
     "kto": [*PRETRAINED, "data.format=preference", "preference.method=kto", "data.packing=false"],
+    "grpo": [*PRETRAINED, "data.format=prompts", "rl.method=grpo", "rl.num_generations=2",
+             "rl.reward_funcs=[{function: length, target_length: 8}]"],
     "reward": [*PRETRAINED, "data.format=preference", "preference.method=reward", "data.packing=false",
                "model.task=sequence-classification"],
 }

@@ -161,7 +161,15 @@ def check(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]
     warnings += training_rules(cfg, chains) + sweep_warnings + validate_gpu.warnings(cfg, lambda key: _where(chains, key))
     peft_errors, peft_warnings = _peft_rules(cfg, chains)
     preference_errors, preference_warnings = _preference_rules(cfg, chains)
-    return errors + peft_errors + preference_errors, warnings + peft_warnings + preference_warnings
+    rl_errors, rl_warnings = _rl_rules(cfg, chains)
+    return (errors + peft_errors + preference_errors + rl_errors,
+            warnings + peft_warnings + preference_warnings + rl_warnings)
+
+
+def _rl_rules(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]:
+    from overdrive.resolving.validate_rl import rl_rules
+
+    return rl_rules(cfg, lambda key: _where(chains, key), lambda key: set_by_user(chains, key))
 
 
 def cpu_rules(cfg: RunConfig, chains: Chains) -> list[Problem]:

@@ -21,7 +21,7 @@ from overdrive.training import model as model_mod
 from overdrive.training import telemetry
 from overdrive.training import optimizers
 from overdrive.training.dtypes import matmul_precision
-from overdrive.training import context_parallel, forward_backward, pipeline, preference, reference
+from overdrive.training import context_parallel, forward_backward, grpo, grpo_parts, pipeline, preference, reference
 from overdrive.training.objective import Objective, TokenObjective
 from overdrive.training.pipeline import Pipeline
 from overdrive.training.recipe import Recipe
@@ -96,8 +96,11 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
     say("reading the tokenizer and the data (a token cache is filled once, then reused)")
     # One process per machine trains the tokenizer and fills the token cache; the others wait
     # for those files (not in a barrier), then every process memory-maps the same token ids.
-    tokenizer, tokens = data_mod.prepare(cfg, build_tokenizer, build=accelerator.is_local_main_process,
-                                         show=accelerator.is_main_process and cfg.logging.level != "quiet")
+    if grpo.enabled(cfg):  # prompts and completion slots, no token cache (training/grpo_parts.py)
+        tokenizer, tokens = grpo_parts.prepare(cfg, build_tokenizer)
+    else:
+        tokenizer, tokens = data_mod.prepare(cfg, build_tokenizer, build=accelerator.is_local_main_process,
+                                             show=accelerator.is_main_process and cfg.logging.level != "quiet")
     cfg, derived = _counted_from_data(cfg, tokens.train, split.global_batch)
     special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
     if cfg.model.task == "sequence-classification":
@@ -118,9 +121,9 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
     # MFU against the peak of the precision the matmuls run in (bf16 weights without autocast: bf16).
     peak = telemetry.DevicePeak(accelerator.device, matmul_precision(cfg.precision.mixed_precision, model), cache_dir)
     collate = data_mod.collate_for(data_mod.sample_kind(cfg), tokenizer.pad_token_id, d.max_length)
-    train_loader = data_mod.train_loader(tokens.train, split.micro, split.accumulation,
-                                         split.data_parallel, t.seed, d.shuffle, d.num_workers,
-                                         d.pin_memory, collate)
+    train_loader = (grpo_parts.loader(tokens) if grpo.enabled(cfg) else  # RL: prompts in completion slots
+                    data_mod.train_loader(tokens.train, split.micro, split.accumulation, split.data_parallel, t.seed,
+                                          d.shuffle, d.num_workers, d.pin_memory, collate))
     if staged:
         fpt = telemetry.flops_per_token(model_mod.flop_params(model), layers, width, d.max_length)
         stages = pipeline.Pipeline(cfg, accelerator, model)
@@ -163,9 +166,11 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
         train_ref, eval_ref = reference.for_run(cfg, accelerator, model, reference_model, tokens.train, collate,
                                                 split.micro, Path(cfg.output_dir).expanduser(), validation)
         objective = preference.PreferenceObjective(cfg, accelerator, train_ref, eval_ref)
+    elif grpo.enabled(cfg):
+        objective = grpo_parts.objective(cfg, accelerator, tokenizer, tokens, reference_model)
     if balance is not None:  # a mixture of experts: the router's balance term beside the token loss
-        objective = moe.BalancedObjective(objective, balance, accelerator, sharing=max(accelerator.num_processes // split.data_parallel
-                                                                // context_parallel.cp_size(cfg), 1))
+        sharing = max(accelerator.num_processes // split.data_parallel // context_parallel.cp_size(cfg), 1)
+        objective = moe.BalancedObjective(objective, balance, accelerator, sharing=sharing)
     return Parts(accelerator, model, optimizer, scheduler, train_loader, eval_loader, tokenizer, fpt, peak,
                  d.max_length, objective, recipe=Recipe(cfg, optimizer, train_loader, d.max_length), notes=notes,
                  config=cfg, derived=derived)

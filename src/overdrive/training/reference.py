@@ -28,7 +28,8 @@ CACHE = "reference_logps.pt"
 def frozen_copy(cfg: RunConfig, model) -> Optional[torch.nn.Module]:
     """Before `prepare`: the starting weights as a frozen model, when the run needs one (full-parameter
     DPO/IPO without precomputed log-probs; the validation keeps sharded strategies off this path)."""
-    if not preference.needs_reference(cfg) or cfg.peft.method != "none" or cfg.preference.precompute_reference:
+    needs = preference.needs_reference(cfg) or (cfg.rl.method != "none" and cfg.rl.beta != 0.0)  # GRPO's KL
+    if not needs or cfg.peft.method != "none" or cfg.preference.precompute_reference:
         return None
     reference = copy.deepcopy(model).eval()
     reference.requires_grad_(False)

@@ -249,8 +249,9 @@ PREFERENCE_SHOWN = tuple((f"{prefix}{name}", f"{prefix}{name} {{:.4f}}") for pre
 
 def _format(values: Mapping[str, Any]) -> str:
     parts = []
-    for key, fmt in (("loss", "loss {:.4f}"), ("eval_loss", "eval_loss {:.4f}"), ("eval_accuracy", "acc {:.3f}"),
-                     *PREFERENCE_SHOWN, ("lr", "lr {:.2e}"), ("tokens_per_s", "{:,.0f} tok/s"), ("mfu", "mfu {:.1%}")):
+    for key, fmt in (("loss", "loss {:.4f}"), ("reward", "reward {:.3f}"), ("eval_loss", "eval_loss {:.4f}"),
+                     ("eval_accuracy", "acc {:.3f}"), *PREFERENCE_SHOWN, ("lr", "lr {:.2e}"),
+                     ("tokens_per_s", "{:,.0f} tok/s"), ("mfu", "mfu {:.1%}")):
         if values.get(key) is not None:
             parts.append(fmt.format(values[key]))
     # The benchmarks of eval.tasks (`eval/<task>/<metric>`), their stderr left to metrics.jsonl.

@@ -1,0 +1,89 @@
+"""Rules of online RL (`rl.*` with `data.format: prompts`): what GRPO composes with, refused by key.
+
+GRPO is an objective with a generation phase (training/grpo.py): the policy generates whole
+sequences with `generate`, which pipeline stages (a rank holds some layers) and context parallel
+(a rank holds a slice of every sequence) cannot do, and a tensor-parallel model's generate is not
+rehearsed; those are refused. Each rank generates and normalises whole groups: its micro x
+accumulation completions must hold whole groups.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from overdrive.config.schema import RunConfig
+from overdrive.errors import Problem
+
+_KNOBS = ("rl.num_generations", "rl.max_completion_length", "rl.temperature", "rl.top_p", "rl.top_k", "rl.beta",
+          "rl.epsilon", "rl.epsilon_high", "rl.loss_type", "rl.scale_rewards", "rl.num_iterations",
+          "rl.mask_truncated_completions", "rl.reward_funcs")
+
+# Axes of the layout a generating policy cannot take: (key, why).
+
+
+
+def rl_rules(cfg: RunConfig, where: Callable[[str], str],
+             set_explicitly: Callable[[str], bool]) -> tuple[list[Problem], list[Problem]]:
+    """(errors, warnings): the method, the data and the layout agree."""
+    rl, errors, warnings = cfg.rl, [], []
+    prompts = cfg.data.format == "prompts"
+    if rl.method == "none":
+        if prompts:
+            errors.append(Problem("rl.method", "data.format is prompts, but no RL method is set", where("data.format"),
+                                  "set rl.method=grpo (and rl.reward_funcs)"))
+        stray = [k for k in _KNOBS if set_explicitly(k)]
+        if stray:
+            warnings.append(Problem(stray[0], "applies to RL only (rl.method is none)", where(stray[0]),
+                                    "set rl.method=grpo, or remove the key"))
+        return errors, warnings
+    if not prompts:
+        errors.append(Problem("data.format", f"rl.method={rl.method} generates from prompts, but data.format is "
+                              f"{cfg.data.format}", where("rl.method"), "set data.format=prompts, with a prompt column"))
+    if cfg.preference.method != "none":
+        errors.append(Problem("preference.method", "preference training and RL are two objectives; a run has one",
+                              where("preference.method"), "set preference.method=none, or rl.method=none"))
+    if cfg.model.task != "causal-lm":
+        errors.append(Problem("model.task", f"rl.method={rl.method} trains a causal LM", where("model.task"),
+                              "set model.task=causal-lm"))
+    if not (cfg.model.name_or_path and not cfg.model.from_scratch):
+        errors.append(Problem("model.name_or_path", f"{rl.method} improves a pretrained model, but the model starts "
+                              "from random weights", where("rl.method"),
+                              "set model.name_or_path to a save_pretrained directory or hub name"))
+    if not rl.reward_funcs:
+        errors.append(Problem("rl.reward_funcs", "no reward function: every completion would score the same",
+                              where("rl.method"), "add one, e.g. rl.reward_funcs=[{function: exact_match, column: "
+                              "answer}]"))
+    if cfg.data.sources:
+        errors.append(Problem("data.sources", "RL reads one prompt set", where("data.sources"),
+                              "set data.source to the prompts"))
+    # The layouts it does not compose with: rows of resolving/composition.py's table.
+    micro = cfg.training.micro_batch_size
+    per_rank = micro * cfg.training.gradient_accumulation_steps if micro != "auto" else None
+    if per_rank is None:
+        errors.append(Problem("training.micro_batch_size", f"rl.method={rl.method} needs a fixed micro-batch (the "
+                              "completions of a step are generated before it)", where("training.micro_batch_size"),
+                              "set training.micro_batch_size to an integer"))
+    elif per_rank % rl.num_generations:
+        errors.append(Problem("training.micro_batch_size", f"each rank's {micro} x {cfg.training.gradient_accumulation_steps}"
+                              f" completions per step do not hold whole groups of rl.num_generations="
+                              f"{rl.num_generations}", where("training.micro_batch_size"),
+                              "make micro_batch_size x gradient_accumulation_steps a multiple of rl.num_generations"))
+    return errors + reference_rules(cfg, where), warnings
+def reference_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
+    """A KL term needs a reference: the adapter switched off, or a whole frozen copy per rank (not where the
+    strategy shards the policy)."""
+    from overdrive.strategies import registry
+
+    if cfg.rl.beta == 0.0 or cfg.peft.method != "none":
+        if cfg.rl.beta != 0.0 and cfg.peft.adapter_path:
+            return [Problem("rl.beta", "with the adapter in peft.adapter_path switched off the reference would be the "
+                            "bare base, not the model the run starts from", where("peft.adapter_path"),
+                            "merge the adapter into its base (`overdrive merge`) and train a new one, or set rl.beta=0")]
+        return []
+    strategy = registry.of(cfg)
+    if strategy.holds_whole_model(cfg):
+        return []
+    return [Problem("rl.beta", f"a KL to the reference with every parameter trained needs a frozen copy of the model; "
+                    f"under {strategy.label(cfg)} the policy is sharded and a whole copy would not be",
+                    where("rl.beta"), "set rl.beta=0 (no reference, TRL's default), or peft.method=lora (the base "
+                    "model is the reference)")]

@@ -1,0 +1,280 @@
+"""GRPO as an objective of the loop's step (`rl.method: grpo`), with a generation phase.
+
+    prepare(model, micro_batches)   before the step's units are counted: the step's slots
+                                    (data/prompts.py) become completions. Each group (one prompt,
+                                    `rl.num_generations` completions) is sampled by the policy with
+                                    a seed of its own (training.seed and the group's number), so the
+                                    same global batch gets the same completions on 1 process or N and
+                                    after a resume; rewarded (training/rewards.py); the rewards of
+                                    the whole global batch gathered for the advantages; the reference
+                                    (and, with rl.num_iterations > 1, the generation-time) log-probs
+                                    taken; and the completions cut into micro-batches again.
+    units(batch)                    completions or completion tokens, by the loss type
+    objective(model, batch)         the loss type's mean over this micro-batch's units
+    read() / pending() / restore()  TRL's metrics since the last log point
+
+The arithmetic is TRL's (grpo_loss.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from overdrive.config.schema import RunConfig
+from overdrive.data.prompts import PromptSet
+from overdrive.training import grpo_loss, rewards as rewards_mod
+from overdrive.training.objective import Objective
+
+# Token-level sums of the loss's forward (over every rank at a read): TRL's global masked means.
+TOKEN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+# Step-level values from the gathered batch (the same on every rank): their mean over the steps read.
+STEP_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/min_length",
+                "completions/max_length", "completions/clipped_ratio", "completions/mean_terminated_length",
+                "timing/generation_s", "timing/scoring_s", "timing/reference_s")
+
+
+def enabled(cfg: RunConfig) -> bool:
+    return cfg.rl.method != "none"
+
+
+def group_seed(seed: int, group: int) -> int:
+    """The sampling seed of one group: a function of the run's seed and the group's number alone."""
+    return (seed * 1_000_003 + group) % (2 ** 63 - 1)
+
+
+def _pad(rows: list[list[int]], value: int, left: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), width), value, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            span = slice(width - len(row), width) if left else slice(0, len(row))
+            ids[i, span] = torch.tensor(row, dtype=torch.long)
+            mask[i, span] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _pad_float(rows: list[torch.Tensor], width: int, device) -> torch.Tensor:
+    out = torch.zeros((len(rows), width), dtype=torch.float32, device=device)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row.to(device)
+    return out
+
+
+def completion_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], advantages: torch.Tensor,
+                     pad_id: int, device, old: Optional[list] = None, ref: Optional[list] = None) -> dict:
+    """A micro-batch of completions as the loss reads it (TRL's layout: prompts left-padded,
+    completions right-padded) plus `input_ids`/`labels` for the loop's token counts."""
+    p_ids, p_mask = _pad(prompt_ids, pad_id, True, device)
+    c_ids, c_mask = _pad(completion_ids, pad_id, False, device)
+    input_ids = torch.cat([p_ids, c_ids], dim=1)
+    labels = torch.cat([torch.full_like(p_ids, -100), c_ids.masked_fill(c_mask == 0, -100)], dim=1)
+    batch = {"prompt_ids": p_ids, "prompt_mask": p_mask, "completion_ids": c_ids, "completion_mask": c_mask,
+             "advantages": advantages.to(device), "input_ids": input_ids, "labels": labels,
+             "attention_mask": torch.cat([p_mask, c_mask], dim=1)}
+    if old is not None:
+        batch["old_per_token_logps"] = _pad_float(old, c_ids.shape[1], device)
+    if ref is not None:
+        batch["ref_per_token_logps"] = _pad_float(ref, c_ids.shape[1], device)
+    return batch
+
+
+def completion_logps(model: Any, batch: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (log-probs, entropies) [B, C] of a batch's completions under `model`."""
+    width = batch["completion_ids"].shape[1]
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+                logits_to_keep=width + 1)
+    return grpo_loss.token_scores(out.logits[:, :-1], batch["completion_ids"], temperature)
+
+
+class GRPOObjective(Objective):
+    """GRPO as the composed step's objective (training/objective.py): `prepare` generates and
+    scores the step's completions, `counts` / `sums` are the loss type's units and summed loss."""
+
+    name = "grpo on prompts"  # what the run's first line says it trains
+
+    def __init__(self, cfg: RunConfig, accelerator, tokenizer, prompts: PromptSet,
+                 reference: Optional[Callable[[Any], contextlib.AbstractContextManager]] = None,
+                 sharded: bool = False):
+        self.rl, self.seed, self.micro = cfg.rl, cfg.training.seed, cfg.training.micro_batch_size
+        self.accelerator, self.tokenizer, self.prompts = accelerator, tokenizer, prompts
+        self.rewards = rewards_mod.build(cfg.rl.reward_funcs)
+        self.weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)
+        self.reference = reference  # model -> the context in which it is the reference (beta > 0)
+        self.sharded = sharded  # every rank takes every forward of generate (ZeRO-3, FSDP2)
+        self.eps_low, self.eps_high = cfg.rl.epsilon, cfg.rl.epsilon_high if cfg.rl.epsilon_high else cfg.rl.epsilon
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.eos_ids = {i for i in [tokenizer.eos_token_id, self.pad_id] if i is not None}
+        self.names = STEP_METRICS + tuple(f"rewards/{r.name}/{s}" for r in self.rewards for s in ("mean", "std"))
+        device = accelerator.device
+        self.token_sums = torch.zeros(len(TOKEN_METRICS) + 1, dtype=torch.float64, device=device)
+        self.step_sums = [0.0] * (len(self.names) + 1)  # the last counts steps
+        self.cached: Optional[tuple[tuple, list]] = None  # (groups, micro-batches) under num_iterations > 1
+        self.samples_path: Optional[Path] = None  # completions.jsonl: one group of each generation, for a look
+
+    # -------------------------------------------------------------- generation
+
+    def prepare(self, model, micro_batches: list[dict]) -> list[dict]:
+        slots = torch.cat([b["slot"] for b in micro_batches]).tolist()
+        groups = torch.cat([b["group"] for b in micro_batches]).tolist()
+        prompt_rows = torch.cat([b["prompt_index"] for b in micro_batches]).tolist()
+        order = sorted(range(len(slots)), key=lambda i: slots[i])  # the logical order: groups consecutive
+        groups, prompt_rows = [groups[i] for i in order], [prompt_rows[i] for i in order]
+        key = tuple(groups)
+        if self.cached is not None and self.cached[0] == key:  # the next update on the same completions
+            return self.cached[1]
+        g = self.rl.num_generations
+        firsts = list(range(0, len(groups), g))
+        if any(groups[i:i + g] != [groups[i]] * g for i in firsts):
+            raise RuntimeError("a group of completions is split across ranks or steps: the slot layout is wrong")
+        started = time.perf_counter()
+        completion_ids = []
+        with torch.no_grad():
+            for first in firsts:
+                completion_ids += self._generate(model, self.prompts.prompt_ids[prompt_rows[first]], groups[first])
+        generated = time.perf_counter()
+        rows = [self.prompts.rows[i] for i in prompt_rows]
+        prompts = [self.prompts.prompts[i] for i in prompt_rows]
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if self.prompts.conversational else texts
+        columns = {k: [row[k] for row in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+        local = torch.tensor(rewards_mod.score(self.rewards, prompts, completions, completion_ids, columns),
+                             dtype=torch.float32, device=self.accelerator.device).view(len(completions), -1)
+        everyone = self.accelerator.gather(local) if self.accelerator.num_processes > 1 else local
+        adv = grpo_loss.group_advantages(everyone, self.weights, g, self.rl.scale_rewards)
+        rank = self.accelerator.process_index
+        mine = adv.advantages[rank * len(completions):(rank + 1) * len(completions)]
+        scored = time.perf_counter()
+        batches = self._micro_batches(model, prompt_rows, completion_ids, mine)
+        self._step_metrics(everyone, adv, completion_ids,
+                           (generated - started, scored - generated, time.perf_counter() - scored))
+        if self.accelerator.is_main_process and self.samples_path is not None:
+            self._keep_samples(groups[0], prompts[:g], completions[:g], adv.rewards[:g].tolist())
+        self.cached = (key, batches) if self.rl.num_iterations > 1 else None
+        return batches
+
+    def _keep_samples(self, group: int, prompts: list, completions: list, rewards: list[float]) -> None:
+        """One group of completions appended to completions.jsonl beside metrics.jsonl (the main process)."""
+        from overdrive.storage import faults
+
+        lines = "".join(json.dumps({"group": group, "prompt": p, "completion": c, "reward": r}, default=str) + "\n"
+                        for p, c, r in zip(prompts, completions, rewards))
+        with faults.writing(self.samples_path, "output_dir", what="sampled completions"):
+            with open(self.samples_path, "a") as f:
+                f.write(lines)
+
+    def _generate(self, model, prompt_ids: list[int], group: int) -> list[list[int]]:
+        """One group's completions, cut after the first end-of-sequence token (TRL's)."""
+        acc, rl = self.accelerator, self.rl
+        device = acc.device
+        ids = torch.tensor([prompt_ids] * rl.num_generations, dtype=torch.long, device=device)
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), acc.autocast():  # the training RNG stream is left as it was
+            torch.manual_seed(group_seed(self.seed, group))
+            out = acc.unwrap_model(model).generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=rl.temperature,
+                top_p=rl.top_p, top_k=rl.top_k, max_new_tokens=rl.max_completion_length, pad_token_id=self.pad_id,
+                eos_token_id=self.tokenizer.eos_token_id, synced_gpus=self.sharded and acc.num_processes > 1)
+        completions = []
+        for row in out[:, ids.shape[1]:].tolist():
+            cut = next((i + 1 for i, t in enumerate(row) if t == self.tokenizer.eos_token_id), len(row))
+            completions.append(row[:cut])
+        return completions
+
+    def _micro_batches(self, model, prompt_rows: list[int], completion_ids: list[list[int]],
+                       advantages: torch.Tensor) -> list[dict]:
+        """The step's completions, `micro` to a batch, with the reference's (and the old) log-probs."""
+        truncated = [not ids or ids[-1] not in self.eos_ids for ids in completion_ids]
+        if self.rl.mask_truncated_completions:  # DAPO: a cut completion says nothing about its reward
+            completion_ids = [[] if cut else ids for ids, cut in zip(completion_ids, truncated)]
+        batches = []
+        for start in range(0, len(completion_ids), self.micro):
+            span = slice(start, start + self.micro)
+            batch = completion_batch([self.prompts.prompt_ids[i] for i in prompt_rows[span]], completion_ids[span],
+                                     advantages[span], self.pad_id, self.accelerator.device)
+            with torch.no_grad():
+                if self.rl.num_iterations > 1:  # the policy that sampled them, for the ratio of later updates
+                    batch["old_per_token_logps"] = completion_logps(model, batch, self.rl.temperature)[0]
+                if self.rl.beta != 0.0 and self.reference is not None:
+                    with self.reference(model) as reference_model:
+                        batch["ref_per_token_logps"] = completion_logps(reference_model, batch, self.rl.temperature)[0]
+            batches.append(batch)
+        return batches
+
+    def _step_metrics(self, rewards_per_func: torch.Tensor, adv: "grpo_loss.Advantages",
+                      completion_ids: list[list[int]], seconds: tuple[float, float, float]) -> None:
+        acc = self.accelerator
+        lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float32, device=acc.device)
+        cut = torch.tensor([not c or c[-1] not in self.eos_ids for c in completion_ids], device=acc.device)
+        if acc.num_processes > 1:
+            lengths, cut = acc.gather(lengths), acc.gather(cut)
+        terminated = lengths[~cut] if (~cut).any() else torch.zeros(1, device=acc.device)
+        values = [torch.nanmean(adv.rewards).item(), grpo_loss.nanstd(adv.rewards).item(),
+                  adv.is_std_zero.float().mean().item(), lengths.mean().item(), lengths.min().item(),
+                  lengths.max().item(), cut.float().mean().item(), terminated.mean().item(), *seconds]
+        for j in range(len(self.rewards)):
+            values += [torch.nanmean(rewards_per_func[:, j]).item(), grpo_loss.nanstd(rewards_per_func[:, j]).item()]
+        self.step_sums = [s + v for s, v in zip(self.step_sums, values + [1.0])]
+
+    # -------------------------------------------------------------- the loss
+
+    def units(self, batch: dict) -> torch.Tensor:
+        return grpo_loss.units(self.rl.loss_type, batch["completion_mask"])
+
+    def counts(self, batch: dict) -> torch.Tensor:
+        return self.units(batch)
+
+    def __call__(self, model, batch: dict) -> torch.Tensor:
+        """The loss type's mean over this micro-batch's units (x units / the global units: the step's share)."""
+        return self.sums(model, batch) / self.units(batch).clamp(min=1)
+
+    def sums(self, model, batch: dict) -> torch.Tensor:
+        """The loss type's sum over this micro-batch's units, forward included."""
+        logps, entropy = completion_logps(model, batch, self.rl.temperature)
+        mask = batch["completion_mask"]
+        token = grpo_loss.per_token_loss(logps, batch.get("old_per_token_logps"), batch.get("ref_per_token_logps"),
+                                         batch["advantages"], self.rl.beta, self.eps_low, self.eps_high)
+        summed = grpo_loss.reduce(token.loss, mask, self.rl.loss_type, self.rl.max_completion_length)
+        with torch.no_grad():
+            m = mask.double()
+            kl = (token.kl.double() * m).sum() if token.kl is not None else m.new_zeros(())
+            values = [kl, (entropy.double() * m).sum(), (token.low_clipped * m).sum(), (token.high_clipped * m).sum(),
+                      ((token.low_clipped | token.high_clipped) * m).sum(), m.sum()]
+            self.token_sums += torch.stack(values)
+        return summed
+
+    # -------------------------------------------------------------- metrics
+
+    def pending(self) -> list[float]:
+        """The sums since the last read (token sums over every rank), without resetting: a checkpoint keeps them."""
+        return self.accelerator.reduce(self.token_sums.clone(), "sum").tolist() + list(self.step_sums)
+
+    def restore(self, pending: Optional[list]) -> None:
+        if not pending or len(pending) != len(self.token_sums) + len(self.step_sums):
+            return
+        n = len(self.token_sums)
+        if self.accelerator.is_main_process:  # summed over ranks when read: kept on one
+            self.token_sums += torch.tensor(pending[:n], dtype=torch.float64, device=self.accelerator.device)
+        self.step_sums = list(pending[n:])
+
+    def read(self) -> dict[str, float]:
+        totals = self.accelerator.reduce(self.token_sums.clone(), "sum").tolist()
+        self.token_sums.zero_()
+        tokens = max(totals[-1], 1.0)
+        record = {name: value / tokens for name, value in zip(TOKEN_METRICS, totals)}
+        if self.rl.beta == 0.0:
+            record.pop("kl")
+        steps = self.step_sums[-1]
+        if steps:  # none under rl.num_iterations > 1 when every step read trained on earlier completions
+            record.update({name: value / steps for name, value in zip(self.names, self.step_sums)})
+        self.step_sums = [0.0] * len(self.step_sums)
+        return record
+
+    def evaluate(self, model, loader, accelerator=None) -> dict[str, float]:
+        return {}  # no held-out prompts yet: an RL run has no eval_loader

@@ -1,0 +1,65 @@
+"""What an RL run (`rl.method`) builds in place of the token cache and the preference objective:
+the tokenizer and the prompts (data/prompts.py), the loader of completion slots, and the GRPO
+objective with its reference (training/grpo.py). training/parts.py asks these three builders."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import overdrive.config.batch as batch
+from overdrive.config.schema import RunConfig
+from overdrive.data import prompts as prompts_mod
+from overdrive.strategies import registry
+from overdrive.training import grpo
+
+
+@dataclass
+class PromptData:
+    """The run's data as build_parts reads a token cache's: `train` (the slots), no validation."""
+
+    prompts: prompts_mod.PromptSet
+    layout: prompts_mod.SlotLayout
+    train: Any
+    validation: Optional[Any] = None
+    label_names: Optional[list] = None
+
+
+def prepare(cfg: RunConfig, make_tokenizer) -> tuple[Any, PromptData]:
+    """(tokenizer, the prompts and their slots); every rank reads the (small) prompt set itself."""
+    tokenizer = make_tokenizer(cfg, [], "")
+    prompt_set = prompts_mod.encode(cfg, prompts_mod.read(cfg), tokenizer)
+    split = batch.split(cfg)
+    layout = prompts_mod.SlotLayout(split.micro, split.accumulation, split.data_parallel, cfg.rl.num_generations,
+                                    cfg.rl.num_iterations, len(prompt_set.rows), cfg.training.seed)
+    return tokenizer, PromptData(prompt_set, layout, prompts_mod.Slots(layout))
+
+
+def loader(data: PromptData):
+    return prompts_mod.loader(data.layout)
+
+
+def _lora_reference(accelerator):
+    @contextlib.contextmanager
+    def reference(model):
+        with accelerator.unwrap_model(model).disable_adapter():
+            yield model
+
+    return reference
+
+
+def objective(cfg: RunConfig, accelerator, tokenizer, data: PromptData, reference_model) -> "grpo.GRPOObjective":
+    """The GRPO objective, its reference the adapter switched off (LoRA) or a frozen copy (beta > 0)."""
+    reference = None
+    if cfg.rl.beta != 0.0:
+        if cfg.peft.method != "none":
+            reference = _lora_reference(accelerator)
+        else:
+            frozen = reference_model.to(accelerator.device)
+            reference = lambda model: contextlib.nullcontext(frozen)  # noqa: E731
+    sharded = not registry.of(cfg).holds_whole_model(cfg)
+    objective = grpo.GRPOObjective(cfg, accelerator, tokenizer, data.prompts, reference, sharded=sharded)
+    objective.samples_path = Path(cfg.output_dir).expanduser() / "completions.jsonl"
+    return objective
