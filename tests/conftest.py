@@ -63,6 +63,23 @@ def cfg_of(*cli: str):
     return load_config(cli=list(cli), env={})
 
 
+def run_here(*args: str) -> subprocess.CompletedProcess:
+    """`overdrive ARGS` in this process (cli.main, its stdout and stderr caught): for a test that
+    only reads an exit code or a message, without the second or two a fresh interpreter costs."""
+    import contextlib
+    import io
+
+    from overdrive import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(args))
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 1
+    return subprocess.CompletedProcess(["overdrive", *args], code or 0, out.getvalue(), err.getvalue())
+
+
 def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run `overdrive ARGS` as a user types it, in a fresh interpreter."""
     full_env = dict(os.environ)

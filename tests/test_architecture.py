@@ -122,6 +122,7 @@ def test_a_package_init_only_hands_names_on(package):
     assert defined == [], f"move {defined} into a module of {package}/ and import them in __init__.py"
 
 
+@pytest.mark.slow
 def test_the_config_value_loads_nothing_above_it():
     code = ("import sys, overdrive.config.schema, overdrive.config.batch, overdrive.config.keys; "
             "print(' '.join(m for m in sys.modules if m.startswith('overdrive.')))")
@@ -134,7 +135,9 @@ def test_the_code_is_ruff_clean():
     """The lint rules of pyproject.toml ([tool.ruff.lint]) over src, tests and bench."""
     import shutil
 
-    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
+    import sysconfig
+
+    ruff = shutil.which("ruff") or str(Path(sysconfig.get_path("scripts")) / "ruff")
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([ruff, "check", "src", "tests", "bench"], cwd=root, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
@@ -158,3 +161,30 @@ def test_every_module_path_the_docs_and_docstrings_name_exists():
             if not any(place.exists() for place in places):
                 missing.append(f"{text.relative_to(root)}: {path}")
     assert not missing, "\n".join(missing)
+
+
+def test_every_test_that_starts_an_interpreter_is_marked_slow():
+    """The quick tier (`-m "not slow"`) starts no interpreter: a test calling `run_cli`, naming
+    `sys.executable` or spawning a terminal (or a module helper that does) is marked slow, itself
+    or by its module's `pytestmark`; `run_here` runs a command in this process instead."""
+    tests = Path(__file__).resolve().parent
+    unmarked = []
+    for path in sorted(tests.glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        module_slow = any(isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in n.targets)
+                          and "slow" in ast.unparse(n.value) for n in tree.body)
+        functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+        def starts(function: ast.FunctionDef, seen: frozenset = frozenset()) -> bool:
+            text = ast.unparse(function)
+            if any(mark in text for mark in ("sys.executable", "run_cli(", "pexpect.spawn")):
+                return True
+            called = {c.func.id for c in ast.walk(function) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+            return any(starts(functions[name], seen | {function.name})
+                       for name in called & set(functions) - seen - {function.name})
+
+        for name, function in functions.items():
+            marked = module_slow or any("slow" in ast.unparse(d) for d in function.decorator_list)
+            if name.startswith("test_") and not marked and starts(function):
+                unmarked.append(f"{path.name}::{name}")
+    assert not unmarked, "start an interpreter but are not marked slow:\n" + "\n".join(unmarked)

@@ -92,9 +92,9 @@ def test_the_same_config_gives_the_same_split_in_train_tune_plan_and_a_resumed_r
 
 
 def test_explain_key_shows_the_accumulation_the_run_uses_and_where_it_came_from():
-    from conftest import run_cli
+    from conftest import run_here
 
-    done = run_cli("explain", "training.global_batch_size=64", "training.micro_batch_size=8",
+    done = run_here("explain", "training.global_batch_size=64", "training.micro_batch_size=8",
                    "--key", "training.gradient_accumulation_steps")
     assert done.returncode == 0, done.stderr
     first, *rows = done.stdout.strip().splitlines()

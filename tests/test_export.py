@@ -7,7 +7,7 @@ import json
 
 import pytest
 import yaml
-from conftest import PEER_CONFIGS, REPO, run_cli
+from conftest import PEER_CONFIGS, REPO, run_cli, run_here
 
 from overdrive.interop import writing as export
 from overdrive.resolving import resolve
@@ -152,6 +152,6 @@ def test_import_writes_only_non_defaults_of_a_peer_file(tmp_path):
 
 def test_export_peft_refused_by_key_makes_no_directory(tmp_path):
     target = tmp_path / "adapter" / "config"
-    done = run_cli("export", "peft.method=none", "--peft", str(target))
+    done = run_here("export", "peft.method=none", "--peft", str(target))
     assert done.returncode == 2 and "peft.method" in done.stderr, done.stderr
     assert not (tmp_path / "adapter").exists()

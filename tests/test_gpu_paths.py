@@ -116,6 +116,7 @@ def test_use_cpu_hides_the_gpus_from_every_worker_and_names_gloo():
     assert "CUDA_VISIBLE_DEVICES" not in process_env(cfg_of("launch.num_processes=2"))
 
 
+@pytest.mark.slow
 def test_a_lone_use_cpu_process_hides_the_gpus_before_cuda_starts():
     code = ("import os, sys; from overdrive.resolving import load_config; "
             "from overdrive.launch.process import prepare_this_process; "

@@ -115,6 +115,7 @@ def test_the_patches_are_undone_after_the_script():
             training_args.is_torch_bf16_gpu_available, TrainingArguments.__new__) == before
 
 
+@pytest.mark.slow
 def test_overdrive_options_after_the_script_are_the_scripts_and_a_warning_says_so(tmp_path):
     from overdrive.commands.launch import misplaced_options
 
@@ -152,6 +153,7 @@ def test_a_failed_worker_is_reported_once_with_the_root_cause(tmp_path):
     assert exit_code(error) == 1
 
 
+@pytest.mark.slow
 def test_explain_lists_the_training_arguments_with_their_keys():
     done = subprocess.run([sys.executable, "-m", "overdrive.cli", "explain", str(REPO / "configs" / "zero2.yaml"),
                            "accum=2", "--training-arguments", "--json"], capture_output=True, text=True)

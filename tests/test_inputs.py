@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import run_cli
 
 from overdrive import cli
 
@@ -307,6 +306,7 @@ def _fake_run(path: Path, config: dict | None = None) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("content", [None, "{garbled", '{"config": {"optim": {"lr": "fast"}}}', '["a"]',
                                      b"\xff\xfe"])
 def test_train_resolved_that_is_missing_garbled_or_invalid(content, tmp_path):

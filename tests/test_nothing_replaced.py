@@ -7,7 +7,7 @@ import json
 
 import pytest
 from checkpoint_probe import command, run
-from conftest import run_cli
+from conftest import run_here
 
 
 @pytest.mark.slow
@@ -33,11 +33,11 @@ def test_a_finished_run_rerun_with_another_lr_is_refused_and_its_record_kept(tmp
 def test_docs_keeps_a_file_it_did_not_write_and_check_names_a_missing_file(tmp_path):
     mine = tmp_path / "config.md"
     mine.write_text("my own notes\n")
-    refused = run_cli("docs", "-o", str(mine))
+    refused = run_here("docs", "-o", str(mine))
     assert refused.returncode == 2 and "--force" in refused.stderr and mine.read_text() == "my own notes\n"
-    assert run_cli("docs", "-o", str(mine), "--force").returncode == 0 and "overdrive docs" in mine.read_text()
-    assert run_cli("docs", "-o", str(mine)).returncode == 0  # its own reference: regenerated freely
-    missing = run_cli("docs", "--check", "-o", str(tmp_path / "missing.md"))
+    assert run_here("docs", "-o", str(mine), "--force").returncode == 0 and "overdrive docs" in mine.read_text()
+    assert run_here("docs", "-o", str(mine)).returncode == 0  # its own reference: regenerated freely
+    missing = run_here("docs", "--check", "-o", str(tmp_path / "missing.md"))
     assert missing.returncode == 2 and "missing" in missing.stderr and "stale" not in missing.stderr
 
 
@@ -50,8 +50,8 @@ def test_report_into_a_directory_that_holds_files_is_refused_without_force(tmp_p
     target = tmp_path / "mine"
     target.mkdir()
     (target / "summary.md").write_text("kept\n")
-    refused = run_cli("report", str(run_dir), "-o", str(target))
+    refused = run_here("report", str(run_dir), "-o", str(target))
     assert refused.returncode == 2 and "--force" in refused.stderr, refused.stderr
     assert (target / "summary.md").read_text() == "kept\n"
-    assert run_cli("report", str(run_dir), "-o", str(target), "--force", "-q").returncode == 0
+    assert run_here("report", str(run_dir), "-o", str(target), "--force", "-q").returncode == 0
     assert (target / "summary.md").read_text() != "kept\n"

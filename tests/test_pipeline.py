@@ -9,7 +9,7 @@ import json
 
 import pytest
 from conftest import cfg_of as shared_cfg_of
-from conftest import run_cli
+from conftest import run_here
 
 from overdrive.config import batch
 from overdrive.resolving import resolve
@@ -111,7 +111,7 @@ def test_bubble_fraction_of_the_schedules():
 
 
 def test_plan_json_reports_memory_per_stage():
-    done = run_cli("plan", "model.architecture.model_type=llama", "model.architecture.num_hidden_layers=4",
+    done = run_here("plan", "model.architecture.model_type=llama", "model.architecture.num_hidden_layers=4",
                    "model.architecture.tie_word_embeddings=false", "parallel.pp_size=2", "launch.num_processes=2",
                    "training.gradient_accumulation_steps=4", "checkpoint.enabled=false", "--json")
     assert done.returncode == 0, done.stderr
