@@ -27,12 +27,13 @@ import torch
 from overdrive import checkpoint
 from overdrive.console import counted
 import overdrive.config.batch as batch
+from overdrive.config import fault_injection
 from overdrive.config.provenance import Origin
 from overdrive.config.redact import redact
 from overdrive.config.schema import RunConfig
 from overdrive.storage import faults
 from overdrive.strategies import registry
-from overdrive.training import context_parallel, loss_scale, nonfinite, step_loss, telemetry
+from overdrive.training import context_parallel, loss_scale, loss_spikes, nonfinite, oom_retry, step_loss, telemetry
 from overdrive.training import pipeline as pipeline_training
 from overdrive.training.evaluation import evaluate
 from overdrive.training.loss_tokens import LossTokens
@@ -101,8 +102,9 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
         with checkpoint.StopRequest(checkpoint.cpu_group(), accelerator.num_processes) as stop, watch:
             if main:  # answered at once, not when the step and its checkpoint are done
                 _answer_signals(stop, state, cfg, out)
-            outcome = _steps(Loop(cfg, parts, state, ckpt, stop, progress, metrics, checkpoint=restored.path,
-                                  observe=watch))
+            loop = Loop(cfg, parts, state, ckpt, stop, progress, metrics, checkpoint=restored.path, observe=watch)
+            loop.oom.on_new_config = lambda cfg: _record_split(settled, cfg, out, main)
+            outcome = _steps(loop)
     finally:
         progress.close()
     result = TrainResult(out, state.step, state.first_loss, state.final_loss, is_main_process=main, **vars(outcome))
@@ -110,6 +112,12 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
         (pipeline_training.save_final if parts.pipeline else save_final)(cfg, parts, out)
     accelerator.end_training()
     return result
+
+
+def _record_split(settled, cfg: RunConfig, out: Path, main: bool) -> None:
+    """resolved.json after training.oom_retry changed the split: the config that now runs."""
+    if main:
+        faults.write_text(out / "resolved.json", oom_retry.recorded(settled.resolved, cfg).to_json(), "output_dir")
 
 
 def _answer_signals(stop: "checkpoint.StopRequest", state: "LoopState", cfg, out: Path) -> None:
@@ -185,6 +193,10 @@ class Loop:
         self.guard.restore(state.nonfinite_in_a_row)
         self.scale_watch = loss_scale.ScaleWatch(acc.scaler)  # fp16: skips a fused optimizer hides from Accelerate
         self.outcome = Outcome(checkpoint=checkpoint)
+        # What a long run looks after itself (training.loss_spike, training.oom_retry, their test hooks).
+        self.injection = fault_injection.from_environment()
+        self.spikes = loss_spikes.LossSpikes(cfg, acc, state, self.injection, max(self.model_parallel // self.cp, 1))
+        self.oom = oom_retry.OomRetry(self, self.injection, lambda cfg: None)
         self.grad_norm = None
         self.lr = 0.0
         self.after_first: Optional[tuple[float, int]] = None  # (time, tokens) at the first log: steady state
@@ -200,6 +212,9 @@ class Loop:
         """One optimizer step: `accumulation` micro-batches, then the schedule."""
         if self.parts.pipeline is not None:
             return pipeline_training.optimizer_step(self)  # the stages' schedule over the microbatches
+        self.oom.run(self._optimizer_step)  # training.oom_retry: redone at a smaller micro-batch
+
+    def _optimizer_step(self) -> None:
         acc, model, optimizer, guard, state = (self.parts.accelerator, self.parts.model, self.parts.optimizer,
                                                self.guard, self.state)
         clipping = self.cfg.training.gradient_clipping
@@ -210,7 +225,7 @@ class Loop:
         # The step's micro-batches drawn ahead: the loss is normalised by the global batch's
         # loss tokens, counted (over every rank, before context parallel shards the sequences)
         # ahead of the first forward (step_loss.py).
-        micro_batches = [next(self.data) for _ in range(self.split.accumulation)]
+        micro_batches = self.spikes.injected([next(self.data) for _ in range(self.split.accumulation)], state.step + 1)
         objective = self.parts.objective  # preference training counts pairs, not tokens
         count = step_loss.global_count(acc, micro_batches, self.model_parallel,
                                        objective.units if objective is not None else step_loss.loss_token_count)
@@ -228,14 +243,15 @@ class Loop:
                         loss = objective(model, inputs) * objective.units(micro_batch) / count
                     else:
                         loss = step_loss.summed_loss(model, inputs) / count  # this micro-batch's share of the mean
+                    self.spikes.add(loss)  # judged before the optimizer steps (loss_spikes.py)
                     self.observe.enter("backward")
-                    acc.backward(loss * scale)  # undone by the accumulation and data-parallel averaging
+                    self.oom.backward(acc, loss * scale)  # undone by the accumulation and data-parallel averaging
                 self.observe.enter("optimizer")
                 if acc.sync_gradients and (clipping is not None or guard.needs_norm):
                     # Clipping to infinity measures the norm (over all ranks) and changes nothing.
                     self.grad_norm = acc.clip_grad_norm_(model.parameters(), clipping or math.inf)
                     guard.check(self.grad_norm)  # a non-finite norm: this step will not touch the weights
-                if guard.allows_step():
+                if self.spikes.allows_step() and guard.allows_step():  # loss_spikes.py judges before the step
                     optimizer.step()  # a no-op until the last micro-batch of the accumulation
                 optimizer.zero_grad(set_to_none=True)
             state.loss_sum += loss.detach().float()
@@ -244,11 +260,14 @@ class Loop:
             state.tokens_seen += tokens
         if not acc.sync_gradients:
             raise RuntimeError("accumulation out of step with the data: optimizer did not step")
-        if not self.scale_watch.skipped(acc):  # fp16 overflow skips a step; the schedule waits too
+        if self.spikes.skipped:  # a loss spike: the schedule waits with the weights
+            pass
+        elif not self.scale_watch.skipped(acc):  # fp16 overflow skips a step; the schedule waits too
             self.parts.scheduler.step()
         else:
             guard.scaler_skipped()  # reported as such at the next log, not as a bad loss
         state.step += 1
+        self.spikes.after_step(self)
         self.observe.step_done(state.step)
         self.progress.step(state.step)
 
@@ -271,7 +290,7 @@ class Loop:
         state.micro_steps = 0
         counts = self.guard.read()  # steps skipped since the last log
         state.nonfinite_in_a_row = counts.in_a_row
-        record = {**self._record(loss_value), **counts.record(), "elapsed_s": self.throughput.elapsed(),
+        record = {**self._record(loss_value), **counts.record(), **self.spikes.record(), "elapsed_s": self.throughput.elapsed(),
                   "loss_tokens": self.loss_tokens.read(acc), **self.observe.fields(),
                   **(self.parts.objective.read() if self.parts.objective else {})}
         if counts.note(state.step):
@@ -284,7 +303,7 @@ class Loop:
         if self.after_first is None:
             self.after_first = (time.perf_counter(), state.tokens_seen)
         t = self.cfg.training
-        self.outcome.stopped_early = counts.verdict(t.nonfinite_loss, t.max_nonfinite_in_a_row, loss_value, state.step)
+        self.outcome.stopped_early = self.outcome.stopped_early or counts.verdict(t.nonfinite_loss, t.max_nonfinite_in_a_row, loss_value, state.step)
         if self.outcome.stopped_early:
             self.progress.print(f"stopping: {self.outcome.stopped_early}")
 
