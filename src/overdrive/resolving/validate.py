@@ -160,7 +160,11 @@ def check(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]
     warnings += training_rules(cfg, chains) + sweep_warnings + validate_gpu.warnings(cfg, lambda key: _where(chains, key))
     peft_errors, peft_warnings = _peft_rules(cfg, chains)
     preference_errors, preference_warnings = _preference_rules(cfg, chains)
-    return errors + peft_errors + preference_errors, warnings + peft_warnings + preference_warnings
+    from overdrive.resolving.validate_resilience import resilience_rules
+
+    resilience_errors, resilience_warnings = resilience_rules(cfg, lambda key: _where(chains, key))
+    return (errors + peft_errors + preference_errors + resilience_errors,
+            warnings + peft_warnings + preference_warnings + resilience_warnings)
 
 
 def _preference_rules(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]:

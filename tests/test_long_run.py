@@ -1,0 +1,136 @@
+"""A long run that looks after itself: an out-of-memory step redone at half the micro-batch
+(training.oom_retry), a loss spike skipped (training.loss_spike), both on two CPU processes
+with the OVERDRIVE_FAULT_INJECT test hooks; the rules and hooks themselves without processes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from checkpoint_probe import command, losses, records, run, warm_cache
+from conftest import free_port
+
+from overdrive.config.fault_injection import Injection, parse
+from overdrive.config.schema import RunConfig
+from overdrive.errors import UserError
+from overdrive.resolving.validate_resilience import resilience_rules
+from overdrive.training.oom_retry import smaller_split
+
+# No dropout: runs of different splits are compared loss for loss.
+RUN = ["model.architecture.resid_pdrop=0", "model.architecture.embd_pdrop=0", "model.architecture.attn_pdrop=0",
+       "data.max_bytes=60000", "optim.lr=1e-2", "scheduler.warmup_steps=0", "training.eval_every_steps=null",
+       "launch.num_processes=2"]
+
+
+# ---------------------------------------------------------------- without processes
+
+def test_the_injection_hook_is_read_and_refused_by_name():
+    assert parse("oom:step=3:rank=1,spike:step=6") == Injection(oom_step=3, oom_rank=1, spike_step=6)
+    assert parse("") == Injection()
+    for bad in ("oom:rank=1", "melt:step=2", "spike:step=x", "spike:step=0", "oom:step=2:node=1"):
+        with pytest.raises(UserError, match="OVERDRIVE_FAULT_INJECT"):
+            parse(bad)
+
+
+def test_the_smaller_split_keeps_the_samples_per_step():
+    assert smaller_split(8, 1) == (4, 2)
+    assert smaller_split(3, 2) == (1, 6)
+    assert smaller_split(6, 1) == (3, 2)
+    assert smaller_split(1, 4) is None
+
+
+def test_the_features_are_refused_where_they_cannot_work():
+    def problems(**values):
+        cfg = RunConfig.model_validate(values)
+        errors, warnings = resilience_rules(cfg, lambda key: "")
+        return [p.key for p in errors], [p.key for p in warnings]
+
+    assert problems(training={"oom_retry": True}) == ([], [])
+    assert problems(training={"oom_retry": True}, parallel={"strategy": "fsdp"})[0] == ["training.oom_retry"]
+    assert problems(training={"loss_spike": {"factor": 2}}, parallel={"strategy": "deepspeed"})[0] == [
+        "training.loss_spike.factor"]
+    assert problems(training={"loss_spike": {"factor": 2}}, precision={"mixed_precision": "fp16"})[0] == [
+        "training.loss_spike.factor"]
+    assert problems(checkpoint={"async": True})[1] == ["checkpoint.async"]
+    assert problems(checkpoint={"async": True}, parallel={"strategy": "fsdp"}) == ([], [])
+
+
+# ---------------------------------------------------------------- two processes
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    one = [r for r in RUN if "num_processes" not in r] + ["launch.threads_per_process=1"]
+    return warm_cache(tmp_path_factory.mktemp("long-run-cache"), one)
+
+
+def train(out, cache, *extra, inject: str = ""):
+    env = {**os.environ, "OVERDRIVE_FAULT_INJECT": inject} if inject else None
+    args = command(out, cache, *RUN, f"launch.main_process_port={free_port()}", *extra)
+    proc = run(args, cwd=out.parent) if env is None else _run_with(args, out.parent, env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _run_with(args, cwd, env):
+    import subprocess
+
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.slow
+def test_an_out_of_memory_step_is_redone_at_half_the_micro_batch(tmp_path, cache):
+    proc = train(tmp_path / "oom", cache, "training.micro_batch_size=4", "training.max_steps=5",
+                 "training.oom_retry=true", inject="oom:step=3:rank=1")
+    train(tmp_path / "half", cache, "training.micro_batch_size=2", "training.gradient_accumulation_steps=2",
+          "training.max_steps=5")
+    assert "step 3: out of memory at micro-batch 4; redoing it at micro-batch 2 x accumulation 2" in proc.stdout
+    retried, half = losses(tmp_path / "oom"), losses(tmp_path / "half")
+    assert sorted(retried) == [1, 2, 3, 4, 5]  # step 3 logged once, redone
+    for step in (3, 4, 5):  # every step from the redone one on: the run started at micro-batch 2
+        assert abs(retried[step] - half[step]) <= 1e-6 * abs(half[step]), (step, retried[step], half[step])
+    events = [r for r in records(tmp_path / "oom") if "oom_retry" in r]
+    assert [(e["step"], e["micro_batch_size"], e["gradient_accumulation_steps"]) for e in events] == [(3, 2, 2)]
+    logged = {r["step"]: r for r in records(tmp_path / "oom") if "loss" in r}
+    assert [logged[s]["micro_batch_size"] for s in (1, 2, 3, 4, 5)] == [4, 4, 2, 2, 2]
+    resolved = json.loads((tmp_path / "oom" / "resolved.json").read_text())
+    assert resolved["config"]["training"]["micro_batch_size"] == 2
+    assert str(resolved["origins"]["training.micro_batch_size"]).startswith("oom_retry")
+    saved = json.loads((tmp_path / "oom" / "checkpoints" / "step-00000005" / "trainer_state.json").read_text())
+    assert (saved["micro_batch_size"], saved["gradient_accumulation_steps"]) == (2, 2)
+
+    # The split that fit resumes: the same command, two more steps (--force: the run had finished), at micro-batch 2.
+    proc = train(tmp_path / "oom", cache, "training.micro_batch_size=4", "training.max_steps=7",
+                 "training.oom_retry=true", "--force")
+    assert "resuming at micro-batch 2 x accumulation 2" in proc.stdout
+    assert [r["micro_batch_size"] for r in records(tmp_path / "oom") if r.get("step") in (6, 7) and "loss" in r] == [2, 2]
+
+
+@pytest.mark.slow
+def test_a_loss_spike_is_skipped_on_every_rank(tmp_path, cache):
+    # A tiny model from scratch: its loss falls a few percent in four steps, and scrambled labels
+    # put it back near ln(vocabulary), 5% above the mean of the two steps before (measured).
+    spike = ["training.loss_spike.factor=1.03", "training.loss_spike.window=2", "training.micro_batch_size=4",
+             "scheduler.name=constant"]  # the same lr at every step, however long the run
+    proc = train(tmp_path / "spike", cache, *spike, "training.max_steps=6", "checkpoint.every_steps=5",
+                 inject="spike:step=5")
+    train(tmp_path / "clean", cache, *spike, "training.max_steps=4")
+    assert "step 5: loss" in proc.stdout and "skipped, the weights untouched" in proc.stdout
+    logged = {r["step"]: r for r in records(tmp_path / "spike") if "loss" in r}
+    assert [logged[s]["loss_spikes_skipped"] for s in range(1, 7)] == [0, 0, 0, 0, 1, 0]
+
+    # Step 5 changed nothing: its checkpoint holds the weights and optimizer state of a run that
+    # stopped after step 4, and the data position moved past the scrambled batch.
+    from safetensors.torch import load_file
+
+    spiked = tmp_path / "spike" / "checkpoints" / "step-00000005"
+    clean = tmp_path / "clean" / "checkpoints" / "step-00000004"
+    a, b = load_file(str(spiked / "model.safetensors")), load_file(str(clean / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    opt_a, opt_b = (torch.load(p / "optimizer.bin", weights_only=False) for p in (spiked, clean))
+    for index, values in opt_b["state"].items():
+        assert all(torch.equal(values[k], opt_a["state"][index][k]) for k in values)
+    state_a, state_b = (json.loads((p / "trainer_state.json").read_text()) for p in (spiked, clean))
+    assert state_a["samples_in_epoch"] == state_b["samples_in_epoch"] + 2 * 4  # one global batch further
+    assert logged[6]["loss"] < logged[4]["loss"]  # and training went on
