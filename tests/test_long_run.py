@@ -134,3 +134,67 @@ def test_a_loss_spike_is_skipped_on_every_rank(tmp_path, cache):
     state_a, state_b = (json.loads((p / "trainer_state.json").read_text()) for p in (spiked, clean))
     assert state_a["samples_in_epoch"] == state_b["samples_in_epoch"] + 2 * 4  # one global batch further
     assert logged[6]["loss"] < logged[4]["loss"]  # and training went on
+
+
+# ---------------------------------------------------------------- checkpoint.async (FSDP2: saves through DCP)
+
+FSDP = ["parallel.strategy=fsdp", "checkpoint.every_steps=2", "training.micro_batch_size=4"]
+
+
+def blocked_seconds(stdout: str) -> list[float]:
+    import re
+
+    return [float(s) for s in re.findall(r"training blocked ([0-9.]+) s", stdout)]
+
+
+@pytest.mark.slow
+def test_async_checkpoints_block_training_a_fraction_of_a_synchronous_save(tmp_path, cache):
+    # A model whose checkpoint is 330 MB (weights and two Adam moments): the write, not the fixed
+    # cost of a save, is what a background save takes off the training thread. Saves 4 steps apart:
+    # the first is written before the second begins (else the second waits for it, and says so).
+    # One thread per process: two ranks and the writers share two cores.
+    wide = ["model.architecture.n_layer=4", "model.architecture.n_embd=768", "model.architecture.n_head=8",
+            "optim.lr=1e-3", "training.max_steps=8", "checkpoint.every_steps=4", "training.micro_batch_size=2",
+            "launch.threads_per_process=1"]
+    synchronous = train(tmp_path / "sync", cache, *FSDP, *wide)
+    background = train(tmp_path / "async", cache, *FSDP, *wide, "checkpoint.async=true")
+    waited, staged = blocked_seconds(synchronous.stdout), blocked_seconds(background.stdout)
+    assert len(waited) == len(staged) == 2 and "written in the background" in background.stdout
+    assert sum(staged) <= 0.3 * sum(waited), (staged, waited, background.stdout[-3000:])
+    for step in (4, 8):
+        assert (tmp_path / "async" / "checkpoints" / f"step-{step:08d}" / "manifest.json").exists()
+
+
+@pytest.mark.slow
+def test_a_kill_during_the_background_write_leaves_the_previous_checkpoint(tmp_path, cache):
+    from checkpoint_probe import kill_group, wait_for
+
+    from overdrive.checkpoint import store
+
+    steps = ["training.max_steps=6"]
+    train(tmp_path / "reference", cache, *FSDP, *steps)  # uninterrupted, synchronous saves
+    out = tmp_path / "run"
+    args = command(out, cache, *RUN, f"launch.main_process_port={free_port()}", *FSDP, *steps, "checkpoint.async=true")
+    proc = start_with(args, tmp_path, {**os.environ, "OVERDRIVE_FAULT_INJECT": "stall:step=4"})
+    tmp = out / "checkpoints" / ".tmp-step-00000004"
+    written = lambda: all((tmp / part / ".metadata").exists() for part in ("pytorch_model_fsdp_0", "optimizer_0"))  # noqa: E731
+    wait_for(written, proc, what="step 4's checkpoint written in the background")
+    kill_group(proc)  # the whole job, as losing the machine would, before step 4's checkpoint is sealed
+    proc.communicate()
+    root = out / "checkpoints"
+    assert store.verify(root / "step-00000002").ok and not (root / "step-00000004").exists()
+    assert store.latest_complete(root).found.step == 2
+
+    resumed = train(out, cache, *FSDP, *steps, "checkpoint.async=true")
+    assert "resumed from" in resumed.stdout and "step-00000002" in resumed.stdout
+    reference, after = losses(tmp_path / "reference"), losses(out)
+    for step in range(3, 7):  # resumed from an async checkpoint: the uninterrupted losses
+        assert abs(after[step] - reference[step]) <= 1e-6 * abs(reference[step]), (step, after[step], reference[step])
+    assert store.verify(root / "step-00000006").ok
+
+
+def start_with(args, cwd, env):
+    import subprocess
+
+    return subprocess.Popen(args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=env)

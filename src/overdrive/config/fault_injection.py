@@ -5,6 +5,7 @@ set the variable on the launcher, the workers inherit it.
 
     OVERDRIVE_FAULT_INJECT=oom:step=K:rank=R     rank R raises an out-of-memory error inside step K
     OVERDRIVE_FAULT_INJECT=spike:step=K          step K's labels scrambled on every rank (a loss spike)
+    OVERDRIVE_FAULT_INJECT=stall:step=K          checkpoint.async: step K's checkpoint written, never sealed
     OVERDRIVE_FAULT_INJECT=oom:step=3:rank=1,spike:step=6   several, comma-separated
 
 Each fires once per process: a redone step is not failed again.
@@ -19,7 +20,7 @@ from overdrive.config.env_report import process_environment
 from overdrive.errors import Problem, UserError
 
 VARIABLE = "OVERDRIVE_FAULT_INJECT"
-_FIELDS = {"oom": {"step", "rank"}, "spike": {"step"}}
+_FIELDS = {"oom": {"step", "rank"}, "spike": {"step"}, "stall": {"step"}}
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class Injection:
     oom_step: Optional[int] = None
     oom_rank: int = 0
     spike_step: Optional[int] = None
+    stall_step: Optional[int] = None  # the background write of this step's checkpoint holds before its seal
 
 
 def parse(text: str) -> Injection:
@@ -48,7 +50,8 @@ def parse(text: str) -> Injection:
             raise _bad(text, f"{kind} needs step=K (K >= 1, an optimizer step)")
         found[kind] = values
     oom, spike = found.get("oom", {}), found.get("spike", {})
-    return Injection(oom_step=oom.get("step"), oom_rank=oom.get("rank", 0), spike_step=spike.get("step"))
+    return Injection(oom_step=oom.get("step"), oom_rank=oom.get("rank", 0), spike_step=spike.get("step"),
+                     stall_step=found.get("stall", {}).get("step"))
 
 
 def _bad(text: str, why: str) -> UserError:

@@ -166,6 +166,7 @@ def _steps(loop: "Loop") -> Outcome:
             loop.stopped_by(signum)
         if signum or loop.outcome.stopped_early:
             break
+    loop.ckpt.wait()  # checkpoint.async: the last save sealed before the run ends
     return loop.finish()
 
 
@@ -197,6 +198,7 @@ class Loop:
         self.injection = fault_injection.from_environment()
         self.spikes = loss_spikes.LossSpikes(cfg, acc, state, self.injection, max(self.model_parallel // self.cp, 1))
         self.oom = oom_retry.OomRetry(self, self.injection, lambda cfg: None)
+        ckpt.stall_at = self.injection.stall_step
         self.grad_norm = None
         self.lr = 0.0
         self.after_first: Optional[tuple[float, int]] = None  # (time, tokens) at the first log: steady state
