@@ -56,7 +56,7 @@ def parse(text: str) -> Injection:
 
 def _bad(text: str, why: str) -> UserError:
     return UserError(Problem(VARIABLE, f"{text!r}: {why}",
-                             fix="e.g. OVERDRIVE_FAULT_INJECT=oom:step=3:rank=1 or spike:step=5 (docs/faults.md)"))
+                             fix="e.g. OVERDRIVE_FAULT_INJECT=oom:step=3:rank=1 or spike:step=5 (docs/checkpoints.md, fault hooks)"))
 
 
 def from_environment(environ: Optional[Mapping[str, str]] = None) -> Injection:
