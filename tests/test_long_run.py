@@ -198,3 +198,32 @@ def start_with(args, cwd, env):
 
     return subprocess.Popen(args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=env)
+
+
+@pytest.mark.slow
+def test_spikes_in_a_row_stop_the_run_with_the_weights_from_before(tmp_path, monkeypatch):
+    """One process: max_in_a_row=1 stops at the first spike, its checkpoint untouched by it."""
+    from safetensors.torch import load_file
+
+    from overdrive.training import loop as trainer
+
+    def config(out, steps):
+        return RunConfig.model_validate({
+            "model": {"architecture": {"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 32, "n_positions": 64,
+                                       "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}},
+            "tokenizer": {"vocab_size": 512}, "optim": {"lr": 1e-2}, "scheduler": {"name": "constant", "warmup_steps": 0},
+            "data": {"max_bytes": 60000, "max_length": 32, "cache_dir": str(tmp_path / "cache"),
+                     "validation_fraction": 0.0},
+            "training": {"micro_batch_size": 8, "max_steps": steps, "log_every_steps": 1, "eval_every_steps": None,
+                         "loss_spike": {"factor": 1.02, "window": 2, "max_in_a_row": 1}},
+            "checkpoint": {"save_final_model": False},
+            "logging": {"trackers": ["none"], "progress": False, "level": "quiet"}, "output_dir": str(out)})
+
+    trainer.train(config(tmp_path / "warm", 1))  # the caches filled: both runs below draw the same RNG
+    trainer.train(config(tmp_path / "clean", 4))
+    monkeypatch.setenv("OVERDRIVE_FAULT_INJECT", "spike:step=5")
+    result = trainer.train(config(tmp_path / "run", 8))
+    assert result.steps == 5 and "1 loss spikes in a row up to step 5" in result.stopped_early
+    before = load_file(str(tmp_path / "clean" / "checkpoints" / "step-00000004" / "model.safetensors"))
+    after = load_file(str(tmp_path / "run" / "checkpoints" / "step-00000005" / "model.safetensors"))
+    assert all(torch.equal(before[k], after[k]) for k in before)
