@@ -173,6 +173,7 @@ class OomRetry:
         state.batch_in_epoch = mark.batch_in_epoch * (before // micro)  # the same samples, in the new units
         state.loss_sum.copy_(mark.loss_sum)
         loop.loss_tokens.count.copy_(mark.loss_tokens)
+        loop.spikes.step_loss = None  # training.loss_spike sums the step's loss afresh
         self._new_loader(micro)
         acc = loop.parts.accelerator
         acc.gradient_accumulation_steps = accumulation
