@@ -227,3 +227,21 @@ def test_spikes_in_a_row_stop_the_run_with_the_weights_from_before(tmp_path, mon
     before = load_file(str(tmp_path / "clean" / "checkpoints" / "step-00000004" / "model.safetensors"))
     after = load_file(str(tmp_path / "run" / "checkpoints" / "step-00000005" / "model.safetensors"))
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.slow
+def test_out_of_memory_at_micro_batch_one_ends_the_run_by_key(tmp_path, monkeypatch):
+    from overdrive.training import loop as trainer
+
+    cfg = RunConfig.model_validate({
+        "model": {"architecture": {"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 32, "n_positions": 64}},
+        "tokenizer": {"vocab_size": 512},
+        "data": {"max_bytes": 20000, "max_length": 32, "cache_dir": str(tmp_path / "cache"), "validation_fraction": 0.0},
+        "training": {"micro_batch_size": 1, "max_steps": 3, "eval_every_steps": None, "oom_retry": True},
+        "checkpoint": {"save_final_model": False},
+        "logging": {"trackers": ["none"], "progress": False, "level": "quiet"}, "output_dir": str(tmp_path / "run")})
+    monkeypatch.setenv("OVERDRIVE_FAULT_INJECT", "oom:step=2:rank=0")
+    with pytest.raises(UserError) as caught:
+        trainer.train(cfg)
+    assert caught.value.problems[0].key == "training.micro_batch_size"
+    assert "step 2 ran out of memory at micro-batch 1" in caught.value.problems[0].message
