@@ -20,6 +20,16 @@ def cfg_of(*cli: str):
 # ------------------------------------------------------------------ context parallel in the loop
 
 
+def _resilience_off(loop) -> None:
+    """The loop's oom retry and loss-spike guard, as a run without training.oom_retry and
+    training.loss_spike has them (they pass the step through)."""
+    from overdrive.config.fault_injection import Injection
+    from overdrive.training import loss_spikes, oom_retry
+
+    loop.spikes = loss_spikes.LossSpikes(loop.cfg, loop.parts.accelerator, loop.state, Injection(), 1)
+    loop.oom = oom_retry.OomRetry(loop, Injection(), lambda cfg: None)
+
+
 class _RecordingAccelerator:
     """What the loop asks of Accelerate in one optimizer step, with context parallel recorded."""
 
@@ -87,6 +97,7 @@ def _one_step(cfg):
     loop.scale_watch = loss_scale.ScaleWatch(None)
     loop.state.loss_sum = torch.zeros(())
     loop.grad_norm = None
+    _resilience_off(loop)
     loop.optimizer_step()
     return acc, ids
 
@@ -199,6 +210,7 @@ def test_a_fused_adamw_step_skipped_by_the_fp16_scaler_holds_the_schedule_and_is
     loop.scale_watch = loss_scale.ScaleWatch(scaler)
     loop.state.loss_sum = torch.zeros(())
     loop.grad_norm = None
+    _resilience_off(loop)
     weights = model.linear.weight.detach().clone()
     loop.optimizer_step()  # overflows: the kernel leaves the weights, the scaler halves its scale
     assert torch.equal(model.linear.weight, weights) and not optimizer.step_was_skipped  # what Accelerate says

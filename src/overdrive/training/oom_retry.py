@@ -91,7 +91,8 @@ class OomRetry:
         self.loop, self.on_new_config = loop, on_new_config
         self.enabled = loop.cfg.training.oom_retry
         acc = loop.parts.accelerator
-        self.rank, self.world = acc.process_index, acc.num_processes
+        # Off, it neither agrees nor injects: the step runs as it would without it.
+        self.rank, self.world = (acc.process_index, acc.num_processes) if self.enabled else (0, 1)
         self.inject_at = injection.oom_step if injection.oom_rank == self.rank else None
         self.backward_failed = False  # this attempt's error came out of a backward
         self.retries = 0
