@@ -11,7 +11,8 @@ named steps, each with its own "due":
     save             checkpoint/: every `checkpoint.every_steps`, at the end, before any stop
 
 Where the loop is lives in one `LoopState`, which the checkpoint saves and restores whole;
-a non-finite step is kept out of the weights by nonfinite.py.
+a non-finite step is kept out of the weights by nonfinite.py, a loss spike by loss_spikes.py, and
+an out-of-memory step is redone at a smaller micro-batch by oom_retry.py.
 """
 
 from __future__ import annotations
