@@ -17,6 +17,16 @@ import torch
 # ------------------------------------------------------------------ context parallel in the loop
 
 
+def _resilience_off(loop) -> None:
+    """The loop's oom retry and loss-spike guard, as a run without training.oom_retry and
+    training.loss_spike has them (they pass the step through)."""
+    from overdrive.config.fault_injection import Injection
+    from overdrive.training import loss_spikes, oom_retry
+
+    loop.spikes = loss_spikes.LossSpikes(loop.cfg, loop.parts.accelerator, loop.state, Injection(), 1)
+    loop.oom = oom_retry.OomRetry(loop, Injection(), lambda cfg: None)
+
+
 class _RecordingAccelerator:
     """What the loop asks of Accelerate in one optimizer step, with context parallel recorded."""
 
@@ -72,6 +82,7 @@ def _bare_loop(cfg, acc, model, optimizer, scheduler, data, scaler=None):
     loop.scale_watch = loss_scale.ScaleWatch(scaler)
     loop.state.loss_sum = torch.zeros(())
     loop.grad_norm = None
+    _resilience_off(loop)
     return loop
 
 

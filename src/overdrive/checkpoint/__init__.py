@@ -12,6 +12,7 @@
     resume.py       what a run resumes, judged once: the typed plan, handed to the workers whole
     reshard.py      that move: DeepSpeed's universal checkpoint, DCP, set_state_dict
     session.py      save_state / load_state and the trainer's own state
+    background.py   checkpoint.async: staged to host memory, written by DCP in the background, sealed atomically
     signals.py      SIGTERM / SIGINT: stop after the step every rank agrees on
 
 The trainer calls these; none of them reads the environment.

@@ -24,6 +24,7 @@ from overdrive.checkpoint import fingerprint as fp
 from overdrive.checkpoint import reshard, store
 from overdrive.checkpoint.routes import Route
 from overdrive.config import Origin
+import overdrive.config.batch as batch
 from overdrive.resolving import Resolved
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
@@ -185,7 +186,28 @@ def plan_resume(cfg: RunConfig, force: bool = False) -> ResumePlan:
     if comparison.accumulation is not None:
         t = cfg.training.model_copy(update={"gradient_accumulation_steps": comparison.accumulation})
         plan.config = cfg.model_copy(update={"training": t})
+    smaller = _split_that_fit(plan.config, saved)
+    if smaller is not None:
+        t = plan.config.training.model_copy(update={"micro_batch_size": smaller[0],
+                                                    "gradient_accumulation_steps": smaller[1]})
+        plan.config = plan.config.model_copy(update={"training": t})
+        plan.notes.append(f"training.oom_retry: resuming at micro-batch {smaller[0]} x accumulation {smaller[1]}, "
+                          f"the split {path.name} was saved at after an out-of-memory step")
     return plan
+
+
+def _split_that_fit(cfg: RunConfig, saved: dict[str, Any]) -> Optional[tuple[int, int]]:
+    """With training.oom_retry, a checkpoint saved at a smaller micro-batch than this config's (the
+    same global batch and data-parallel degree) resumes at its split: the larger one ran out of memory."""
+    micro, accumulation = saved.get("micro_batch_size"), saved.get("gradient_accumulation_steps")
+    current = cfg.training.micro_batch_size
+    if not cfg.training.oom_retry or not isinstance(micro, int) or not isinstance(current, int) or micro >= current:
+        return None
+    config = cfg.model_dump(mode="json")
+    same_world = batch.data_parallel_degree(saved["config"]) == batch.data_parallel_degree(config)
+    if not same_world or saved.get("global_batch") != fp.global_batch(config):
+        return None
+    return micro, int(accumulation)
 
 
 def describe_resume(cfg: RunConfig) -> Optional[dict[str, Any]]:
@@ -228,6 +250,9 @@ def with_plan(resolved: Resolved, plan: ResumePlan) -> Resolved:
     origins = dict(resolved.origins)
     if resolved.config is not plan.config:
         origins["training.gradient_accumulation_steps"] = Origin("resume", f"global batch of {plan.checkpoint}")
+    if resolved.config.training.micro_batch_size != plan.config.training.micro_batch_size:
+        why = Origin("oom_retry", f"the split {plan.checkpoint} was saved at after an out-of-memory step")
+        origins["training.micro_batch_size"] = origins["training.gradient_accumulation_steps"] = why
     return dataclasses.replace(resolved, config=plan.config, origins=origins, resume=plan.record())
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from overdrive.checkpoint import adapter_state
+from overdrive.checkpoint import adapter_state, background
 from overdrive.checkpoint import fingerprint as fp
 from overdrive.checkpoint import pipeline_state, reshard, store
 from overdrive.checkpoint.room import CheckpointRoom
@@ -89,6 +89,11 @@ class Checkpointer:
         # An adapter run saves what is trained, not the frozen base (adapter_state.py).
         self.save_kwargs, self.load_kwargs = adapter_state.attach(cfg, accelerator)
         self.room = CheckpointRoom(cfg, self.root, accelerator._models, plan.checkpoint)
+        self.in_background = background.wanted(cfg)  # checkpoint.async (background.py)
+        if self.in_background and cfg.checkpoint.enabled:
+            background.prepare(len(accelerator._models) + len(accelerator._optimizers))  # before any step is timed
+        self.pending: Optional[background.Pending] = None
+        self.stall_at: Optional[int] = None  # the test hook's step (OVERDRIVE_FAULT_INJECT=stall:step=K)
         if self.main and cfg.checkpoint.enabled:
             self.room.warn_early(say)
 
@@ -200,10 +205,15 @@ class Checkpointer:
         `loss_sum` gathered from every rank. A part that fails on any rank stops every rank
         there, the partial save removed (agreed.py); the previous checkpoints stay."""
         acc, step = self.acc, state.step
+        started = time.perf_counter()
+        self.wait()  # the save still in flight first: one at a time, each agreed on
+        waited = time.perf_counter() - started
         tmp = store.temp_dir_for(self.root, step)
         losses = acc.gather(state.loss_sum.detach().float().reshape(1)).tolist()
         parts = self.room.save_parts(acc, tmp, step)
         parts.part(lambda: self.main and self.room.check_then_begin(step, self.say))
+        if self.in_background:
+            return self._save_in_background(state, tmp, losses, parts, started, waited)
         with _quiet_tied_weights():
             parts.part(lambda: pipeline_state.save_state(acc, tmp, *self.stages, **self.save_kwargs))
         # every rank's files are written (the part agreed) before the manifest lists them
@@ -211,7 +221,35 @@ class Checkpointer:
         final = self.root / store.name_for(step)
         parts.part(lambda: self.main and self._commit(tmp, step))
         self.last_saved = step
+        self.say(f"checkpoint: step {step}: training blocked {time.perf_counter() - started:.3f} s")
         return final
+
+    def _save_in_background(self, state: Any, tmp: Path, losses: list, parts: Any, started: float,
+                            waited: float) -> Path:
+        """checkpoint.async: staged now, written and sealed by a background thread (background.py)."""
+        step, futures = state.step, []
+        with _quiet_tied_weights():
+            parts.part(lambda: futures.extend(background.stage(self.acc, tmp)))
+        parts.part(lambda: self.main and self._write_trainer_state(tmp, state, losses))
+        seal = (lambda: self._commit(tmp, step)) if self.main else None
+        self.pending = background.Pending(step, tmp, futures, seal, stall=self.stall_at == step)
+        self.last_saved = step
+        still = f", {waited:.3f} s of it for the previous save to be written" if waited >= 0.001 else ""
+        self.say(f"checkpoint: step {step}: training blocked {time.perf_counter() - started:.3f} s "
+                 f"(staged; written in the background{still})")
+        return self.root / store.name_for(step)
+
+    def wait(self) -> None:
+        """The background save in flight, finished on every rank and agreed on (agreed.py): a
+        failure on any rank removes its temporary directory and ends the run, the previous
+        checkpoints kept. Called before the next save and before the run ends."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        self.room.save_parts(self.acc, pending.tmp, pending.step).part(pending.wait)
+        if self.main and pending.seconds is not None:
+            self.say(f"checkpoint: {store.name_for(pending.step)} complete, written in the background in "
+                     f"{pending.seconds:.2f} s")
 
     def _commit(self, tmp: Path, step: int) -> None:
         final = store.commit(tmp, step)

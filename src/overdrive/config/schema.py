@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import Field, create_model
 
 from overdrive.config.schema_eval import EvalConfig
 from overdrive.config.schema_launch import LaunchConfig
@@ -22,6 +22,7 @@ from overdrive.config.schema_peft import PeftConfig
 from overdrive.config.schema_preference import PreferenceConfig
 from overdrive.config.schema_rl import RLConfig
 from overdrive.config.schema_recipe import OptimConfig, SchedulerConfig
+from overdrive.config.schema_resilience import LossSpikeConfig
 from overdrive.config.schema_sweep import SweepConfig
 from overdrive.config.sections import Auto, PositiveInt, Section, admits_bool
 
@@ -258,6 +259,12 @@ class TrainingConfig(Section):
         "skip", description="On a NaN/inf loss: skip the step, stop the run, or ignore it."
     )
     max_nonfinite_in_a_row: int = Field(5, ge=1, description="Stop after this many non-finite steps in a row.")
+    oom_retry: bool = Field(
+        False, description="On an out-of-memory error inside a step: every rank halves the micro-batch, doubles the "
+        "accumulation (the global batch, data order and loss unchanged) and redoes the step; the new split is "
+        "kept (origin `oom_retry`) and resumes. At micro-batch 1 the run ends.")
+    loss_spike: LossSpikeConfig = Field(default_factory=LossSpikeConfig,
+                                        description="Loss spikes skipped (off unless `factor` is set).")
 
 
 class Fp8Config(Section):
@@ -298,7 +305,7 @@ class CompileConfig(Section):
     regional: bool = Field(False, description="Compile each repeated block once instead of the whole model.")
 
 
-class CheckpointConfig(Section):
+class _CheckpointKeys(Section):
     """Saving and resuming."""
 
     enabled: bool = Field(
@@ -312,6 +319,15 @@ class CheckpointConfig(Section):
     keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are pruned after a successful save.")
     resume: Literal["auto", "never"] = Field("auto", description="`auto`: continue from the newest complete checkpoint in output_dir.")
     save_final_model: bool = Field(True, description="Write the trained model and tokenizer with save_pretrained at the end.")
+
+
+# `async` is a Python keyword: the field is added by name (read it with `getattr(section, "async")`,
+# or checkpoint/background.py's `wanted(cfg)`).
+CheckpointConfig = create_model(
+    "CheckpointConfig", __base__=_CheckpointKeys, __doc__="Saving and resuming.",
+    **{"async": (bool, Field(False, description="Save through DCP's async_save where the strategy saves through DCP "
+                             "(FSDP2 sharded): the state staged to host memory, written in the background; training "
+                             "waits only for the staging. The checkpoint still appears whole or not at all."))})
 
 
 class LoggingConfig(Section):

@@ -95,6 +95,11 @@ class Strategy:
         """True when the checkpoint's optimizer state (or weights) is written as one shard per rank."""
         return self._checkpoint_per_rank(cfg)
 
+    def saves_through_dcp(self, cfg: ConfigLike) -> bool:
+        """True when Accelerate writes the model and optimizer through torch.distributed.checkpoint
+        (FSDP's sharded state dict): what `checkpoint.async` can hand to DCP's async_save."""
+        return self.name == "fsdp" and _get(cfg, "parallel.fsdp.state_dict_type") == "sharded_state_dict"
+
     def estimator_row(self, cfg: RunConfig) -> str:
         """The memory estimator's row (overdrive.memory.formulas.STRATEGIES) this run selects."""
         return self._estimator_row(cfg)

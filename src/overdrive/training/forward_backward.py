@@ -37,8 +37,11 @@ def plain(loop: "Loop", micro_batches: list, totals: torch.Tensor) -> torch.Tens
             with sequences:  # cp_size > 1: this rank's slice of every sequence, forward and backward
                 loop.observe.enter("forward")
                 share = step_loss.share(objective.sums(model, inputs), totals)  # its share of the step's mean
+                loop.spikes.add(share)  # judged before the optimizer steps (loss_spikes.py)
                 loop.observe.enter("backward")
-                acc.backward(share * scale)  # undone by the accumulation and data-parallel averaging
+                # undone by the accumulation and data-parallel averaging; an out-of-memory error
+                # agreed over the ranks (oom_retry.py)
+                loop.oom.backward(acc, share * scale)
             loop.observe.enter("optimizer")
             if acc.sync_gradients:
                 loop.optimizer_update()

@@ -14,7 +14,8 @@ named steps, each with its own "due":
     save             checkpoint/: every `checkpoint.every_steps`, at the end, before any stop
 
 Where the loop is lives in one `LoopState`, which the checkpoint saves and restores whole;
-a non-finite step is kept out of the weights by nonfinite.py.
+a non-finite step is kept out of the weights by nonfinite.py, a loss spike by loss_spikes.py, and
+an out-of-memory step is redone at a smaller micro-batch by oom_retry.py.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ import torch
 from overdrive import checkpoint
 from overdrive.console import counted
 import overdrive.config.batch as batch
+from overdrive.config import fault_injection
 from overdrive.config.provenance import Origin
 from overdrive.config.redact import redact
 from overdrive.config.schema import RunConfig
 from overdrive.storage import faults
 from overdrive.strategies import registry
-from overdrive.training import context_parallel, loss_scale, nonfinite, step_loss, telemetry
+from overdrive.training import context_parallel, loss_scale, loss_spikes, nonfinite, oom_retry, step_loss, telemetry
 from overdrive.training import benchmark_eval
 from overdrive.training.loss_tokens import LossTokens
 from overdrive.training.loop_state import LoopState, TrainResult, batches  # noqa: F401  (asked for here too)
@@ -101,8 +103,9 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
         with checkpoint.StopRequest(checkpoint.cpu_group(), accelerator.num_processes) as stop, watch:
             if main:  # answered at once, not when the step and its checkpoint are done
                 _answer_signals(stop, state, cfg, out)
-            outcome = _steps(Loop(cfg, parts, state, ckpt, stop, progress, metrics, checkpoint=restored.path,
-                                  observe=watch))
+            loop = Loop(cfg, parts, state, ckpt, stop, progress, metrics, checkpoint=restored.path, observe=watch)
+            loop.oom.on_new_config = lambda cfg: _record_split(settled, cfg, out, main)
+            outcome = _steps(loop)
     finally:
         progress.close()
     result = TrainResult(out, state.step, state.first_loss, state.final_loss, is_main_process=main, **vars(outcome))
@@ -110,6 +113,12 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
         save_final(cfg, parts, out)
     accelerator.end_training()
     return result
+
+
+def _record_split(settled, cfg: RunConfig, out: Path, main: bool) -> None:
+    """resolved.json after training.oom_retry changed the split: the config that now runs."""
+    if main:
+        faults.write_text(out / "resolved.json", oom_retry.recorded(settled.resolved, cfg).to_json(), "output_dir")
 
 
 def _answer_signals(stop: "checkpoint.StopRequest", state: "LoopState", cfg: RunConfig, out: Path) -> None:
@@ -158,6 +167,7 @@ def _steps(loop: "Loop") -> Outcome:
             loop.stopped_by(signum)
         if signum or loop.outcome.stopped_early:
             break
+    loop.ckpt.wait()  # checkpoint.async: the last save sealed before the run ends
     return loop.finish()
 
 
@@ -185,6 +195,11 @@ class Loop:
         self.guard.restore(state.nonfinite_in_a_row)
         self.scale_watch = loss_scale.ScaleWatch(acc.scaler)  # fp16: skips a fused optimizer hides from Accelerate
         self.outcome = Outcome(checkpoint=checkpoint)
+        # What a long run looks after itself (training.loss_spike, training.oom_retry, their test hooks).
+        self.injection = fault_injection.from_environment()
+        self.spikes = loss_spikes.LossSpikes(cfg, acc, state, self.injection, max(self.model_parallel // self.cp, 1))
+        self.oom = oom_retry.OomRetry(self, self.injection, lambda cfg: None)
+        ckpt.stall_at = self.injection.stall_step
         self.grad_norm = None
         self.lr = 0.0
         self.after_first: Optional[tuple[float, int]] = None  # (time, tokens) at the first log: steady state
@@ -198,7 +213,11 @@ class Loop:
 
     def optimizer_step(self) -> None:
         """One optimizer step: the objective's loss of the step's micro-batches, run by the
-        forward-backward, then the books (the optimizer update at the last micro-batch, the schedule)."""
+        forward-backward, then the books (the optimizer update at the last micro-batch, the schedule);
+        redone at a smaller micro-batch when it runs out of memory (training.oom_retry)."""
+        self.oom.run(self._optimizer_step)
+
+    def _optimizer_step(self) -> None:
         acc, state = self.parts.accelerator, self.state
         self.lr = self.parts.scheduler.get_last_lr()[0]  # the lr this optimizer step uses
         self.scale_watch.before_step()
@@ -207,7 +226,8 @@ class Loop:
         # (loss tokens, pairs), counted over every rank before context parallel shards the
         # sequences, ahead of the first forward (step_loss.py).
         objective = self.parts.objective
-        micro_batches = objective.prepare(self.parts.model, [next(self.data) for _ in range(self.split.accumulation)])
+        drawn = self.spikes.injected([next(self.data) for _ in range(self.split.accumulation)], state.step + 1)
+        micro_batches = objective.prepare(self.parts.model, drawn)
         totals = step_loss.global_counts(acc, micro_batches, self.model_parallel, objective.counts)
         loss = self.parts.forward_backward(self, micro_batches, totals)
         state.loss_sum += loss
@@ -218,11 +238,14 @@ class Loop:
                 self.loss_tokens.add(micro_batch)
         self.throughput.add(tokens)
         state.tokens_seen += tokens
-        if not self.scale_watch.skipped(acc):  # fp16 overflow skips a step; the schedule waits too
+        if self.spikes.skipped:  # a loss spike (loss_spikes.py): the schedule waits with the weights
+            pass
+        elif not self.scale_watch.skipped(acc):  # fp16 overflow skips a step; the schedule waits too
             self.parts.scheduler.step()
         else:
             self.guard.scaler_skipped()  # reported as such at the next log, not as a bad loss
         state.step += 1
+        self.spikes.after_step(self)
         self.observe.step_done(state.step)
         self.progress.step(state.step)
 
@@ -234,7 +257,7 @@ class Loop:
             # Clipping to infinity measures the norm (over all ranks) and changes nothing.
             self.grad_norm = self.parts.clip_grad_norm(clipping or math.inf)
             self.guard.check(self.grad_norm)  # a non-finite norm: this step will not touch the weights
-        if self.guard.allows_step():
+        if self.spikes.allows_step() and self.guard.allows_step():  # loss_spikes.py judges before the step
             self.parts.optimizer.step()
         self.parts.optimizer.zero_grad(set_to_none=True)
 
@@ -257,7 +280,8 @@ class Loop:
         state.micro_steps = 0
         counts = self.guard.read()  # steps skipped since the last log
         state.nonfinite_in_a_row = counts.in_a_row
-        record = {**self._record(loss_value), **counts.record(), "elapsed_s": self.throughput.elapsed(),
+        record = {**self._record(loss_value), **counts.record(), **self.spikes.record(),
+                  "elapsed_s": self.throughput.elapsed(),
                   "loss_tokens": self.loss_tokens.read(acc), **self.observe.fields(),
                   **self.parts.objective.read()}
         if counts.note(state.step):
@@ -270,7 +294,8 @@ class Loop:
         if self.after_first is None:
             self.after_first = (time.perf_counter(), state.tokens_seen)
         t = self.cfg.training
-        self.outcome.stopped_early = counts.verdict(t.nonfinite_loss, t.max_nonfinite_in_a_row, loss_value, state.step)
+        self.outcome.stopped_early = self.outcome.stopped_early or counts.verdict(
+            t.nonfinite_loss, t.max_nonfinite_in_a_row, loss_value, state.step)
         if self.outcome.stopped_early:
             self.progress.print(f"stopping: {self.outcome.stopped_early}")
 

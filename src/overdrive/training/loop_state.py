@@ -29,6 +29,8 @@ class LoopState:
     final_loss: Optional[float] = None
     source_positions: Optional[dict] = None  # a data mixture: where each source is (data/mixing.py)
     preference_pending: Optional[list] = None  # preference metrics summed since the last log point, all ranks
+    loss_window: Optional[list] = None  # training.loss_spike: the last trained steps' losses (loss_spikes.py)
+    spikes_in_a_row: int = 0
 
     def state_dict(self) -> dict[str, Any]:
         """Every field but the loss sum, which lives on the device (the checkpoint gathers it)."""

@@ -2,7 +2,9 @@
 
 One JSON object per line, appended by the main process: train lines carry `step`, `loss`,
 `lr`, `tokens_per_s`, `seq_len`, `micro_batch_size`, `mixed_precision`, `mfu` (and more);
-eval lines carry `eval_loss`. A run killed mid-write can leave a last line cut short, and a
+eval lines carry `eval_loss`; with `training.loss_spike` train lines add `loss_spikes_skipped`; a step
+redone by `training.oom_retry` adds a line of its own (`step`, `oom_retry`, `micro_batch_size`,
+`gradient_accumulation_steps`). A run killed mid-write can leave a last line cut short, and a
 file another process is still appending to can end in a partial line: readers skip both.
 
 Pure (json and files only): `overdrive report`, `plan`, the tuner and bench read it without torch.
