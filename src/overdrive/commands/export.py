@@ -40,6 +40,10 @@ def run(args: argparse.Namespace) -> int:
                                 "overwrite the other", fix="give the two files different names"))
     # The config first: a refusal by key leaves no directory made for a file never written.
     cfg = resolved_from(args).config
+    from overdrive.storage.overlap import local_input, refuse_overlap
+
+    refuse_overlap({"--accelerate": args.accelerate, "--deepspeed": args.deepspeed, "--peft": args.peft},
+                   {f"FILE {item}": local_input(item) for item in args.items if "=" not in item})
     peft = None
     if args.peft:
         from overdrive.hf import peft_config

@@ -17,30 +17,51 @@ from overdrive.errors import Problem, UserError
 _AUTO = {"CAUSAL_LM": "AutoModelForCausalLM", "SEQ_CLS": "AutoModelForSequenceClassification"}
 
 
+def read_adapter(adapter: Path) -> dict:
+    """The adapter's adapter_config.json, or a refusal by ADAPTER."""
+    from overdrive.hf.lora import adapter_config
+
+    try:
+        return adapter_config(str(adapter))
+    except ValueError as error:
+        raise UserError(Problem("ADAPTER", str(error), fix="give a PEFT adapter directory (adapter_config.json and "
+                                "its weights)")) from None
+
+
+def base_of(adapter: Path, given: Optional[str]) -> tuple[str, str]:
+    """The base to merge into and the key that named it: --base, or the adapter's own
+    base_model_name_or_path (a relative path read from the adapter's directory)."""
+    from overdrive.hf.adapter_fit import stored_base
+
+    if given:
+        return given, "--base"
+    base, how = stored_base(adapter, read_adapter(adapter))
+    if not base:
+        raise UserError(Problem("--base", f"the adapter in {adapter} does not name its base model",
+                                fix="pass --base MODEL (a hub name or a save_pretrained directory)"))
+    return base, f"base_model_name_or_path in {adapter / 'adapter_config.json'}" + (f" ({how})" if how else "")
+
+
 def merge(adapter: Path, target: Path, base: Optional[str] = None, dtype: str = "float32") -> str:
     """Write the merged model to `target`; the base it was merged into is returned."""
     import torch
     import transformers
     from peft import PeftModel
 
-    from overdrive.hf.lora import adapter_config
+    from overdrive.hf.adapter_fit import fit_problems
     from overdrive.hub import reading
 
-    try:
-        saved = adapter_config(str(adapter))
-    except ValueError as error:
-        raise UserError(Problem("ADAPTER", str(error), fix="give a PEFT adapter directory (adapter_config.json and "
-                                "its weights)")) from None
-    base = base or saved.get("base_model_name_or_path")
-    if not base:
-        raise UserError(Problem("--base", f"the adapter in {adapter} does not name its base model",
-                                fix="pass --base MODEL (a hub name or a save_pretrained directory)"))
+    saved = read_adapter(adapter)
+    base, key = base_of(adapter, base)
     task = str(saved.get("task_type") or "CAUSAL_LM")
     auto = getattr(transformers, _AUTO.get(task, "AutoModelForCausalLM"))
-    with reading("--base", base):
+    with reading(key, base):
         model = auto.from_pretrained(base, dtype=getattr(torch, dtype) if dtype != "auto" else "auto")
+    problems = fit_problems(model, adapter, "--base" if key == "--base" else "ADAPTER", f"{base} (from {key})")
+    if problems:
+        raise UserError(problems)
     tokenizer_from = adapter if (adapter / "tokenizer_config.json").is_file() else base
-    with reading("--base", str(tokenizer_from)):
+    with reading(key, str(tokenizer_from)):
         tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_from)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # tokens added while the adapter trained

@@ -109,7 +109,13 @@ def apply(cfg, model, gradient_checkpointing: bool = False):
     if cfg.peft.adapter_path:  # an adapter that exists, trained on (its config checked by config/validate_adapter.py)
         from peft import PeftModel
 
-        return PeftModel.from_pretrained(model, str(Path(cfg.peft.adapter_path).expanduser()), is_trainable=True)
+        from overdrive.hf.adapter_fit import fit_problems
+
+        adapter = Path(cfg.peft.adapter_path).expanduser()
+        misfit = fit_problems(model, adapter, "peft.adapter_path", f"{cfg.model.name_or_path} (model.name_or_path)")
+        if misfit:
+            raise UserError(misfit)
+        return PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
     return get_peft_model(model, lora_config(cfg))
 
 

@@ -1,0 +1,107 @@
+"""Nothing lost, nothing guessed: no command writes over or into what it reads; an adapter
+merged into a base it does not fit is refused by key, naming both; a relative base stored in
+adapter_config.json is read from the adapter's directory."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+from hf_fixtures import make_tiny_llama
+
+from overdrive.errors import UserError
+from overdrive.storage.overlap import refuse_overlap, relation
+
+
+def _digest(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory) -> Path:
+    """A LoRA adapter of a tiny Llama (hidden 32), saved by PEFT with a relative base path."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("merge")
+    make_tiny_llama(root / "base")
+    make_tiny_llama(root / "wide", hidden_size=64)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(root / "base"),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    model.save_pretrained(root / "adapter")
+    config = root / "adapter" / "adapter_config.json"
+    saved = json.loads(config.read_text())
+    saved["base_model_name_or_path"] = "../base"  # relative to the adapter's own directory
+    config.write_text(json.dumps(saved))
+    return root / "adapter"
+
+
+def test_the_relation_of_an_output_to_an_input(tmp_path):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    assert relation(tmp_path / "a", tmp_path / "a" / "." ) == "is"
+    assert relation(tmp_path, tmp_path / "a" / "b") == "contains"
+    assert relation(tmp_path / "a" / "b" / "c", tmp_path / "a") == "lies inside"
+    assert relation(tmp_path / "a" / "x", tmp_path / "a" / "b") is None
+    with pytest.raises(UserError) as error:
+        refuse_overlap({"--output": tmp_path / "a" / ".." / "a"}, {"ADAPTER": tmp_path / "a"})
+    assert error.value.problems[0].key == "--output"
+
+
+@pytest.mark.slow
+def test_merge_into_its_own_adapter_is_refused_even_with_force(adapter):
+    before = _digest(adapter)
+    for extra in ([], ["--force"]):
+        for output in (adapter, adapter / "merged", adapter.parent):
+            result = run_cli("merge", str(adapter), "-o", str(output), *extra)
+            assert result.returncode == 2, result.stderr[-2000:]
+            assert "--output" in result.stderr and "ADAPTER" in result.stderr and "Traceback" not in result.stderr
+    assert _digest(adapter) == before
+
+
+@pytest.mark.slow
+def test_merge_reads_a_relative_base_from_the_adapters_directory(adapter, tmp_path):
+    result = run_cli("merge", str(adapter), "-o", str(tmp_path / "merged"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "merged" / "config.json").is_file()
+    assert str(adapter.parent / "base") in result.stderr
+
+
+@pytest.mark.slow
+def test_merge_into_a_base_it_does_not_fit_names_both(adapter, tmp_path):
+    wide = adapter.parent / "wide"
+    result = run_cli("merge", str(adapter), "-o", str(tmp_path / "merged"), "--base", str(wide))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "--base" in result.stderr and str(adapter) in result.stderr and str(wide) in result.stderr
+    assert "q_proj" in result.stderr and "state_dict" not in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "merged").exists()
+
+
+def test_import_export_docs_and_report_never_write_over_their_input(tmp_path):
+    source = tmp_path / "acc.yaml"
+    source.write_text("distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: bf16\n")
+    kept = source.read_bytes()
+    imported = run_cli("import", str(source), "-o", str(source), "--force")
+    assert imported.returncode == 2 and "--output" in imported.stderr, imported.stderr
+    assert source.read_bytes() == kept
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text("optim:\n  lr: 0.001\n")
+    exported = run_cli("export", str(run_yaml), "--accelerate", str(run_yaml), "--force")
+    assert exported.returncode == 2 and "--accelerate" in exported.stderr, exported.stderr
+    assert run_yaml.read_text() == "optim:\n  lr: 0.001\n"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0, "time": 1.0}) + "\n")
+    report = run_cli("report", str(run_dir), "-o", str(run_dir), "--force")
+    assert report.returncode == 2 and "-o/--out" in report.stderr, report.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
+    import overdrive.config.schema as schema
+
+    code = Path(schema.__file__)
+    text = code.read_bytes()
+    docs = run_cli("docs", "-o", str(code), "--force")
+    assert docs.returncode == 2 and "-o/--output" in docs.stderr, docs.stderr
+    assert code.read_bytes() == text
