@@ -105,3 +105,21 @@ def test_import_export_docs_and_report_never_write_over_their_input(tmp_path):
     docs = run_cli("docs", "-o", str(code), "--force")
     assert docs.returncode == 2 and "-o/--output" in docs.stderr, docs.stderr
     assert code.read_bytes() == text
+
+
+def test_a_run_never_writes_over_the_model_or_data_it_reads(tmp_path):
+    from overdrive.resolving import resolve
+
+    (tmp_path / "prev" / "model").mkdir(parents=True)
+    (tmp_path / "prev" / "model" / "config.json").write_text("{}")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("hello\n")
+    cases = [[f"model.name_or_path={tmp_path / 'prev' / 'model'}", f"output_dir={tmp_path / 'prev'}"],
+             [f"data.source={data}", f"output_dir={data / 'run'}"],
+             [f"data.source={data}", f"output_dir={data}"]]
+    for items in cases:
+        with pytest.raises(UserError) as error:
+            resolve([], cli=items, env={}, accelerate_default=False)
+        assert [p.key for p in error.value.problems] == ["output_dir"], error.value.render()
+    resolve([], cli=[f"data.source={data}", f"output_dir={tmp_path / 'run'}"], env={}, accelerate_default=False)
