@@ -31,14 +31,19 @@ class ToolReader:
         self.used: set[str] = set()
         self.blocks = Blocks()
 
+    def _reading(self, key: str) -> None:
+        """The key being read, for a value of the wrong type met while converting it (tool_reading.py)."""
+        self.used.add(key)
+        self.c.reading = (key,)
+
     def get(self, key: str, default: Any = None) -> Any:
         """The file's value (marked as read), or `default` when absent or null."""
-        self.used.add(key)
+        self._reading(key)
         value = self.data.get(key)
         return default if value is None else value
 
     def given(self, key: str) -> bool:
-        self.used.add(key)
+        self._reading(key)
         return self.data.get(key) is not None
 
     def put(self, target: str, value: Any, *path: str) -> None:
