@@ -44,3 +44,23 @@ def test_an_axolotl_value_of_the_wrong_type_is_refused_by_its_key(tmp_path):
     bad = tmp_path / "lora.yml"
     bad.write_text("base_model: m\nadapter: lora\nlora_r: sixteen\n")
     assert refusal(bad) == [("lora_r", f"{bad}:3")]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["train", "--epochs", "2"], "training.num_epochs=2"),
+    (["train", "--num_train_epochs=3"], "training.num_epochs=3"),
+    (["train", "--warmup", "10"], "scheduler.warmup_steps=10"),
+    (["train", "--per-device-train-batch-size", "4"], "training.micro_batch_size=4"),
+    (["train", "--grad-accum", "8"], "training.gradient_accumulation_steps=8"),
+    (["plan", "--max-seq-length", "512"], "data.max_length=512"),
+    (["train", "--bf16"], "precision.mixed_precision=bf16"),
+    (["train", "--lora-r", "16"], "peft.r=16"),
+    (["train", "--beta", "0.1"], "preference.beta=0.1"),
+    (["train", "--steps", "5"], "training.max_steps=5"),
+])
+def test_the_flags_other_tools_taught_get_the_key_value_hint(capsys, argv, expected):
+    from overdrive.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "usage:" not in err, err
