@@ -23,6 +23,7 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
+from overdrive.data import row_checks
 from overdrive.data.chat import KINDS
 from overdrive.data.layouts import checked as _checked
 from overdrive.data.sources import Batch, Rows, _columns, row_batches
@@ -55,6 +56,7 @@ class PreferenceRows(Rows):
                 raise UserError(Problem(key, f"no column {column!r} in {cfg.data.source}; the data has {names}",
                                         fix=f"set {key} to the column holding that answer"))
         prompt = d.prompt_column if d.prompt_column in names else None
+        self.cfg_prompt = d.prompt_column
         self.names = {"prompt": prompt, "chosen": d.chosen_column, "rejected": d.rejected_column}
         self.columns = tuple(c for c in self.names.values() if c)
         self.key = f"preference|{'|'.join(self.columns)}|{rows.key}"
@@ -85,6 +87,16 @@ class PreferenceRows(Rows):
                                         "carry no prompt of their own", fix="set data.prompt_column to the prompt"))
             n = _shared_prefix(cells["chosen"], cells["rejected"])
             cells = {"prompt": cells["chosen"][:n], "chosen": cells["chosen"][n:], "rejected": cells["rejected"][n:]}
+            if not cells["prompt"]:
+                raise UserError(Problem("data.prompt_column", f"row {index}: no prompt: the data has no column "
+                                        f"{self.cfg_prompt!r} and chosen and rejected share no turns to take it "
+                                        "from", fix="set data.prompt_column to the column holding the prompt"))
+        if conversational:
+            for part in ("chosen", "rejected"):
+                if cells[part]:
+                    row_checks.answer(cells[part], index, _KEYS[part])
+        if cells["chosen"] == cells["rejected"]:  # nothing to prefer: dropped and counted (PreferenceEncoder)
+            cells["identical_row"] = index
         return cells
 
     def batches(self, start: Optional[dict] = None, batch_bytes: int = 1 << 20) -> Iterator[Batch]:
@@ -146,8 +158,12 @@ class PreferenceEncoder:
         return prompt_ids[:n], with_chosen[n:], with_rejected[n:]
 
     def encode(self, pair: dict) -> Optional[tuple[Side, Side]]:
-        prompt, chosen, rejected = self.render(pair)
         self.counts["pairs"] += 1
+        if pair.get("identical_row") is not None:  # chosen == rejected: a loss of ln 2 that teaches nothing
+            self.counts["identical"] = self.counts.get("identical", 0) + 1
+            self.counts.setdefault("first_identical_row", pair["identical_row"])
+            return None
+        prompt, chosen, rejected = self.render(pair)
         if len(prompt) >= self.max_length:  # nothing of either answer would be left
             self.counts["dropped"] += 1
             return None
@@ -171,6 +187,12 @@ class PreferenceEncoder:
                       mask=np.concatenate([np.asarray(m, dtype=np.uint8) for _, m in kept]))
 
     def summary(self) -> dict:
+        identical = self.counts.get("identical", 0)
+        if identical and identical == self.counts["pairs"]:
+            raise UserError(Problem("data.rejected_column", f"every pair ({identical:,}) has a rejected answer equal "
+                                    f"to its chosen one (row {self.counts['first_identical_row']} first): nothing to "
+                                    "prefer", fix="point data.chosen_column and data.rejected_column at the two "
+                                    "different answers"))
         return {"preference": {**self.counts, "max_length": self.max_length}}
 
 
@@ -181,4 +203,7 @@ def describe_counts(counts: dict) -> str:
     if counts["dropped"]:
         text += (f"; {counts['dropped']:,} dropped: the prompt alone fills {counts['max_length']} tokens "
                  "(data.max_length)")
+    if counts.get("identical"):
+        text += (f"; {counts['identical']:,} dropped: chosen equals rejected, nothing to prefer (row "
+                 f"{counts['first_identical_row']} first)")
     return text
