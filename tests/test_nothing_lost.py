@@ -68,6 +68,8 @@ def test_merge_reads_a_relative_base_from_the_adapters_directory(adapter, tmp_pa
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "merged" / "config.json").is_file()
     assert str(adapter.parent / "base") in result.stderr
+    # Library noise naming nothing the user can change is not passed on.
+    assert "kernels-community" not in result.stderr and "FutureWarning" not in result.stderr
 
 
 @pytest.mark.slow
@@ -123,3 +125,20 @@ def test_a_run_never_writes_over_the_model_or_data_it_reads(tmp_path):
             resolve([], cli=items, env={}, accelerate_default=False)
         assert [p.key for p in error.value.problems] == ["output_dir"], error.value.render()
     resolve([], cli=[f"data.source={data}", f"output_dir={tmp_path / 'run'}"], env={}, accelerate_default=False)
+
+
+@pytest.mark.slow
+def test_a_finished_run_rerun_unchanged_says_it_is_complete_and_where_its_model_is(tmp_path):
+    from checkpoint_probe import command, run
+
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    args = ["training.max_steps=2", "checkpoint.every_steps=2", "checkpoint.save_final_model=true"]
+    first = run(command(out, cache, *args), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = (out / "metrics.jsonl").read_bytes()
+    again = run(command(out, cache, *args), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    said = again.stdout + again.stderr
+    assert "is complete: step 2 of 2" in said and str(out / "model") in said, said[-2000:]
+    assert "resumed from" not in said and "tokens/s" not in said
+    assert (out / "metrics.jsonl").read_bytes() == before

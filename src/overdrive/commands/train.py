@@ -139,6 +139,12 @@ def _start(resolved, force: bool) -> int:
     from overdrive.launch import workers
 
     resolved = judge_resume(resolved, force)
+    from overdrive.checkpoint.finished import finished
+
+    done = finished(resolved)
+    if done:
+        print(f"overdrive: {done}")
+        return 0
     code = workers.run_on_ranks(resolved, "train", lambda here: _train_here(here, force, in_worker=False),
                                 *(["--force"] if force else []))
     if code and workers.needs_launcher(resolved.config):
