@@ -136,6 +136,8 @@ def test_a_finished_run_rerun_unchanged_says_it_is_complete_and_where_its_model_
     first = run(command(out, cache, *args), cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     before = (out / "metrics.jsonl").read_bytes()
+    trained = [json.loads(line) for line in before.decode().splitlines() if '"loss"' in line]
+    assert all(r["loss_tokens_per_s"] > 0 and r["peak_flops_source"] in ("measured", "cached") for r in trained)
     again = run(command(out, cache, *args), cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     said = again.stdout + again.stderr
