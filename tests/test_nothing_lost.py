@@ -144,3 +144,15 @@ def test_a_finished_run_rerun_unchanged_says_it_is_complete_and_where_its_model_
     assert "is complete: step 2 of 2" in said and str(out / "model") in said, said[-2000:]
     assert "resumed from" not in said and "tokens/s" not in said
     assert (out / "metrics.jsonl").read_bytes() == before
+
+
+@pytest.mark.parametrize("out", ["../usr", "/usr/local/out", "/opt", "../bin", "."])
+def test_k8s_never_mounts_the_output_volume_over_the_images_own_directories(capsys, out):
+    from overdrive.cli import main
+
+    job = ["launch.num_machines=2", "launch.num_processes=2", "launch.gpus_per_machine=1",
+           "launch.image=ghcr.io/example/overdrive:1", f"output_dir={out}"]
+    assert main(["k8s", *job]) == 2
+    err = capsys.readouterr().err
+    assert "- output_dir:" in err and "Traceback" not in err, err
+    assert main(["k8s", *job[:-1], "output_dir=runs/mine"]) == 0
