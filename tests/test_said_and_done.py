@@ -24,3 +24,29 @@ def test_plan_of_a_pipeline_gives_the_verdict_of_its_stages(capsys):
     assert json.loads(capsys.readouterr().out)["pipeline"]["fits"] is True
     assert main(["plan", *PIPELINE, "--gpu-memory", "9"]) == 0
     assert "does NOT fit in 9 GiB" in capsys.readouterr().out
+
+
+def test_a_max_steps_that_makes_many_epochs_of_the_data_is_said():
+    from overdrive.config.length import passes_note
+    from overdrive.resolving import load_config
+
+    cfg = load_config(cli=["training.max_steps=500"], env={})
+    said = passes_note(cfg, samples=1200, global_batch=1200)
+    assert len(said) == 1 and "500 epochs" in said[0] and "training.num_epochs" in said[0]
+    assert passes_note(cfg, samples=1_000_000, global_batch=8) == []  # 0.004 epochs: nothing to say
+    epochs = load_config(cli=["training.num_epochs=300"], env={})
+    assert passes_note(epochs, samples=1200, global_batch=8) == []  # the user counted in epochs
+
+
+def test_the_end_of_run_listing_names_every_folder_the_run_wrote(tmp_path):
+    from overdrive.commands.run_listing import listing
+    from overdrive.resolving import load_config
+
+    for name in ("checkpoints", "model", "observe", "overdrive"):
+        (tmp_path / name).mkdir()
+    for name in ("metrics.jsonl", "resolved.json", ".overdrive-lock"):
+        (tmp_path / name).write_text("")
+    said = listing(load_config(cli=[], env={}), tmp_path)
+    assert said.startswith("metrics.jsonl, resolved.json")
+    assert "checkpoints/" in said and "model/ (save_pretrained)" in said and "observe/" in said
+    assert "overdrive/ (the tracker's logs)" in said and ".overdrive-lock" not in said

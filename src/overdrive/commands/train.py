@@ -169,16 +169,9 @@ def _how_to_resume(path, signum: int, in_worker: bool) -> None:
         print(f"overdrive: {why}; {where}. To resume, run the same command again:\n  {command}", file=sys.stderr)
 
 
-def _final_files(cfg) -> str:
-    if not cfg.checkpoint.save_final_model:
-        return ""
-    if cfg.peft.method == "none":
-        return ", model/ (save_pretrained)"
-    return ", model/ (the adapter: PEFT's directory)" + (", merged/ (save_pretrained)" if cfg.peft.save_merged else "")
-
-
 def _summary(result, cfg, items=None) -> None:
     from overdrive.commands.next_steps import next_lines
+    from overdrive.commands.run_listing import listing
 
     out = result.output_dir
     lines = [""]
@@ -189,7 +182,7 @@ def _summary(result, cfg, items=None) -> None:
         lines.append("eval: " + "  ".join(f"{k} {v:.4g}" for k, v in result.eval.items()))
     lines += [
         f"run directory: {out}",
-        f"  metrics.jsonl, resolved.json{_final_files(cfg)}",
+        f"  {listing(cfg, out)}",
         "next:",
         *next_lines(cfg, out, items or []),
     ]

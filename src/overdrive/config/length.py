@@ -43,7 +43,7 @@ def settle(config, chains, order: dict[int, int]):
         if steps is None or order.get(id(other), 0) > order.get(id(steps), -1):
             continue  # the alternative wins
         warnings.append(Problem(other_key, f"not used: {steps_key} is set later ({steps.origin}), and the later one "
-                                "wins", str(other.origin), f"remove one of them to silence this"))
+                                "wins", str(other.origin), "remove one of them to silence this"))
         cleared.setdefault(section, {})[name] = None
     for section, values in cleared.items():
         config = config.model_copy(update={section: getattr(config, section).model_copy(update=values)})
@@ -97,3 +97,21 @@ def derived(cfg, samples: int, global_batch: int):
         if values:
             update[section] = getattr(cfg, section).model_copy(update=values)
     return (cfg.model_copy(update=update) if update else cfg), notes
+
+
+MANY_EPOCHS = 10  # passes over the data a max_steps makes before the run says so
+
+
+def passes_note(cfg, samples: int, global_batch: int) -> list[str]:
+    """A run whose training.max_steps (not num_epochs) makes many passes over its data, said at
+    its start: 500 steps over 1,200 rows of a global batch of 1,200 is 500 epochs, which a user
+    counting steps does not see (and the model learns the rows by heart)."""
+    t = cfg.training
+    if t.num_epochs is not None or not samples or not t.max_steps:
+        return []
+    epochs = t.max_steps * global_batch / samples
+    if epochs < MANY_EPOCHS:
+        return []
+    return [f"note: training.max_steps={t.max_steps:,} x global batch {global_batch:,} = {epochs:,.0f} epochs of "
+            f"the {samples:,} training samples: each is seen about {epochs:,.0f} times (set training.num_epochs to "
+            "count the length in passes over the data, or give more data)"]

@@ -96,7 +96,7 @@ def build_parts(cfg: RunConfig, accelerator, say=None) -> Parts:
     layers, width = model_mod.shape_of(model.config)
     fpt = telemetry.flops_per_token(model_mod.flop_params(model), layers, width, d.max_length,
                                     frozen_params=model_mod.flop_params(model, frozen=True))
-    notes = adapter.notes(cfg, model) + master_weights.note(upcast)
+    notes = adapter.notes(cfg, model) + master_weights.note(upcast) + _passes(cfg, tokens.train, split.global_batch)
 
     collate = data_mod.collate_for(data_mod.sample_kind(cfg), tokenizer.pad_token_id)
     train_loader = data_mod.train_loader(tokens.train, split.micro, split.accumulation,
@@ -144,6 +144,12 @@ def _counted_from_data(cfg: RunConfig, train, global_batch: int):
     except ValueError as error:
         raise UserError(Problem("training.num_epochs", str(error), fix="give more data, or lower "
                                 "training.micro_batch_size / gradient_accumulation_steps")) from None
+
+
+def _passes(cfg: RunConfig, train, global_batch: int) -> list[str]:
+    from overdrive.config.length import passes_note
+
+    return passes_note(cfg, sum(train.sizes) if hasattr(train, "sizes") else len(train), global_batch)
 
 
 def _maybe_compile(model, cfg: RunConfig, accelerator):
