@@ -156,3 +156,20 @@ def test_k8s_never_mounts_the_output_volume_over_the_images_own_directories(caps
     err = capsys.readouterr().err
     assert "- output_dir:" in err and "Traceback" not in err, err
     assert main(["k8s", *job[:-1], "output_dir=runs/mine"]) == 0
+
+
+@pytest.mark.slow
+def test_a_base_from_adapter_config_that_is_nowhere_says_where_it_came_from(adapter, tmp_path):
+    import shutil
+
+    moved = tmp_path / "adapter"
+    shutil.copytree(adapter, moved)
+    config = moved / "adapter_config.json"
+    saved = json.loads(config.read_text())
+    saved["base_model_name_or_path"] = "models/base"  # relative to where training ran, elsewhere
+    config.write_text(json.dumps(saved))
+    result = run_cli("merge", str(moved), "-o", str(tmp_path / "merged"), cwd=tmp_path,
+                     env={"HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "adapter_config.json" in result.stderr and "--base DIR" in result.stderr, result.stderr
+    assert "- --base:" not in result.stderr  # no --base was given

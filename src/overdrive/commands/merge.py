@@ -37,6 +37,6 @@ def run(args: argparse.Namespace) -> int:
                                 fix="pass --force to replace it, or write to another directory"))
     faults.writable_target(target.parent, "--output", directory=True)
     with atomic.directory(target, "--output", "the merged model") as partial:
-        base = merge(adapter, partial, base, args.dtype)
+        base = merge(adapter, partial, args.base, args.dtype)
     print(f"wrote {target}: {base} with the adapter {args.adapter} merged in", file=sys.stderr)
     return 0

@@ -35,7 +35,9 @@ def stored_base(adapter: Path, saved: dict) -> tuple[Optional[str], str]:
         return str(beside), f"relative to the adapter's directory {adapter}"
     if path.exists():
         return str(path.resolve()), "relative to the working directory"
-    return str(base), ""
+    if len(path.parts) > 2 or str(base).startswith("."):  # no hub name: a path that is nowhere here
+        return str(base), f"a relative path found neither in the adapter's directory {adapter} nor here"
+    return str(base), f"not in the adapter's directory {adapter} nor here, so read as a hub name"
 
 
 def _adapter_shapes(adapter: Path) -> dict[str, tuple[int, ...]]:

@@ -9,6 +9,7 @@ tokenizer saved beside the adapter (or the base's).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -55,8 +56,15 @@ def merge(adapter: Path, target: Path, base: Optional[str] = None, dtype: str = 
     base, key = base_of(adapter, base)
     task = str(saved.get("task_type") or "CAUSAL_LM")
     auto = getattr(transformers, _AUTO.get(task, "AutoModelForCausalLM"))
-    with reading(key, base):
-        model = auto.from_pretrained(base, dtype=getattr(torch, dtype) if dtype != "auto" else "auto")
+    try:
+        with reading(key, base):
+            model = auto.from_pretrained(base, dtype=getattr(torch, dtype) if dtype != "auto" else "auto")
+    except UserError as error:
+        if key == "--base":
+            raise
+        # The base came from adapter_config.json: the way out the user has is --base.
+        raise UserError([replace(p, fix=f"pass --base DIR (the base the adapter was trained on); or {p.fix}")
+                         for p in error.problems], title=error.title) from None
     problems = fit_problems(model, adapter, "--base" if key == "--base" else "ADAPTER", f"{base} (from {key})")
     if problems:
         raise UserError(problems)
