@@ -101,3 +101,11 @@ def test_a_sharegpt_function_call_without_a_name_is_refused(llama, tmp_path):
                                {"from": "observation", "value": "b"}, {"from": "gpt", "value": "yes"}]}]
     error = refused(llama, tmp_path, rows, "data.format=chat")
     assert [p.key for p in error.problems] == ["data.layout"] and "without a function name" in error.render()
+
+
+def test_a_from_scratch_preference_run_is_refused_by_model_from_scratch(llama):
+    with pytest.raises(UserError) as error:
+        resolve([], cli=[f"model.name_or_path={llama}", "model.from_scratch=true", *PREFERENCE], env={},
+                accelerate_default=False)
+    assert "model.from_scratch" in [p.key for p in error.value.problems]
+    assert "model.name_or_path" not in [p.key for p in error.value.problems]
