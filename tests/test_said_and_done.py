@@ -50,3 +50,16 @@ def test_the_end_of_run_listing_names_every_folder_the_run_wrote(tmp_path):
     assert said.startswith("metrics.jsonl, resolved.json")
     assert "checkpoints/" in said and "model/ (save_pretrained)" in said and "observe/" in said
     assert "overdrive/ (the tracker's logs)" in said and ".overdrive-lock" not in said
+
+
+def test_the_next_lines_offer_no_run_the_rules_refuse():
+    from pathlib import Path
+
+    from overdrive.commands.next_steps import next_lines
+    from overdrive.resolving import load_config
+
+    items = [*PIPELINE[:-1], "launch.use_cpu=true"]
+    said = "\n".join(next_lines(load_config(cli=items, env={}), Path("runs/p"), items))
+    assert "deepspeed" not in said  # DeepSpeed beside pipeline stages is refused by key
+    plain = "\n".join(next_lines(load_config(cli=[], env={}), Path("runs/x"), []))
+    assert "parallel.strategy=deepspeed" in plain and "parallel.strategy=fsdp" in plain

@@ -27,17 +27,33 @@ def command(verb: str, items: Sequence[str], changes: Sequence[str] = ()) -> str
     return shlex.join(["overdrive", verb, *kept, *changes])
 
 
+def accepted(items: Sequence[str], changes: Sequence[str]) -> bool:
+    """Whether the config resolves with `changes` over the user's items: a suggestion the run's
+    own rules would refuse (DeepSpeed beside pipeline stages) is not offered."""
+    from overdrive.errors import UserError
+    from overdrive.resolving.inputs import resolve_items
+
+    here = [item for item in items if "=" in item or Path(item).expanduser().exists()]  # a file since moved: left out
+    try:
+        resolve_items([*here, *changes], tell=False)
+    except (UserError, OSError, ValueError):
+        return False
+    return True
+
+
 def next_lines(cfg, out: Path, items: Sequence[str]) -> list[str]:
     """What to run next, each line a command that keeps the user's config, then a comment."""
     sharded = f"output_dir={out}-sharded"  # a new directory: the finished run's would be resumed, and is done
     lines = [
         (shlex.join(["overdrive", "report", str(out)]), "loss curves, throughput, MFU, memory"),
         (command("explain", items, ["lr=3e-4"]), "every effective value and the layer that set it"),
-        (command("train", items, ["parallel.strategy=fsdp", "launch.num_processes=2", sharded]),
-         "the same run, sharded over 2 processes"),
-        (command("train", items, ["parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3",
-                                  "launch.num_processes=2", sharded]), "the same run under DeepSpeed ZeRO-3"),
     ]
+    for changes, comment in ((["parallel.strategy=fsdp", "launch.num_processes=2", sharded],
+                              "the same run, sharded over 2 processes"),
+                             (["parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3", "launch.num_processes=2",
+                               sharded], "the same run under DeepSpeed ZeRO-3")):
+        if accepted(items, changes):
+            lines.append((command("train", items, changes), comment))
     if cfg.checkpoint.save_final_model and cfg.peft.method != "none":
         lines.append((f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({cfg.model.name_or_path!r}), "
                       f"{str(out / 'model')!r})", "the adapter on its base (docs/finetuning.md)"))
