@@ -173,3 +173,23 @@ def test_a_base_from_adapter_config_that_is_nowhere_says_where_it_came_from(adap
     assert result.returncode == 2, result.stderr[-2000:]
     assert "adapter_config.json" in result.stderr and "--base DIR" in result.stderr, result.stderr
     assert "- --base:" not in result.stderr  # no --base was given
+
+
+def test_cluster_writers_tune_and_compare_never_write_over_what_they_read(tmp_path, capsys):
+    from overdrive.cli import main
+
+    run_yaml = tmp_path / "run.yaml"
+    text = "launch:\n  num_machines: 2\n  num_processes: 2\n  gpus_per_machine: 1\n  image: ghcr.io/example/o:1\n"
+    run_yaml.write_text(text)
+    for argv in (["slurm", str(run_yaml), "-o", str(run_yaml), "--force"],
+                 ["k8s", str(run_yaml), "-o", str(run_yaml), "--force"],
+                 ["tune", str(run_yaml), "-o", str(run_yaml), "--force"]):
+        assert main(argv) == 2, argv
+        assert "- --output:" in capsys.readouterr().err and run_yaml.read_text() == text
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    metrics = run_dir / "metrics.jsonl"
+    metrics.write_text(json.dumps({"step": 1, "loss": 2.0, "time": 1.0}) + "\n")
+    kept = metrics.read_bytes()
+    assert main(["compare", str(run_dir), str(run_dir), "--plot", str(metrics), "--force"]) == 2
+    assert "- --plot:" in capsys.readouterr().err and metrics.read_bytes() == kept
