@@ -64,3 +64,12 @@ def test_the_flags_other_tools_taught_get_the_key_value_hint(capsys, argv, expec
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert expected in err and "usage:" not in err, err
+
+
+def test_a_missing_local_data_file_is_refused_by_key_when_the_config_loads(tmp_path):
+    for items in (["data.source=missing.jsonl"], [f"data.source={tmp_path / 'nope' / 'rows.csv'}"]):
+        with pytest.raises(UserError) as error:
+            resolve([], cli=items, env={}, accelerate_default=False)
+        assert [p.key for p in error.value.problems] == ["data.source"]
+        assert "does not exist" in error.value.render() and "hf download" not in error.value.render()
+    resolve([], cli=["data.source=owner/name"], env={}, accelerate_default=False)  # a hub name: read when it runs
