@@ -66,10 +66,14 @@ def test_the_flags_other_tools_taught_get_the_key_value_hint(capsys, argv, expec
     assert expected in err and "usage:" not in err, err
 
 
-def test_a_missing_local_data_file_is_refused_by_key_when_the_config_loads(tmp_path):
-    for items in (["data.source=missing.jsonl"], [f"data.source={tmp_path / 'nope' / 'rows.csv'}"]):
+def test_a_missing_local_data_file_is_refused_by_key_before_the_libraries_load(tmp_path):
+    from overdrive.hub import refuse_missing_data
+    from overdrive.resolving import load_config
+
+    for source in ("missing.jsonl", str(tmp_path / "nope" / "rows.csv")):
+        cfg = load_config(cli=[f"data.source={source}"], env={})  # explain, plan and export still read it
         with pytest.raises(UserError) as error:
-            resolve([], cli=items, env={}, accelerate_default=False)
+            refuse_missing_data(cfg)
         assert [p.key for p in error.value.problems] == ["data.source"]
         assert "does not exist" in error.value.render() and "hf download" not in error.value.render()
-    resolve([], cli=["data.source=owner/name"], env={}, accelerate_default=False)  # a hub name: read when it runs
+    refuse_missing_data(load_config(cli=["data.source=https://example.org/rows.jsonl"], env={}))

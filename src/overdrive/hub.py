@@ -203,6 +203,14 @@ def refuse_unreadable_names(cfg) -> None:
     refuse_if_unreadable("tokenizer.name_or_path", cfg.tokenizer.name_or_path, "tokenizer")
 
 
+def refuse_missing_data(cfg) -> None:
+    """A data file the run reads that is not here: said before the libraries load, never as hub
+    advice (`train`; explain, plan and export take a config meant for another machine)."""
+    refuse_missing_local("data.source", cfg.data.source, "data set")
+    for index, entry in enumerate(cfg.data.sources):
+        refuse_missing_local(f"data.sources.{index}.source", entry.source, "data set")
+
+
 @contextmanager
 def reading(key: str, name: Optional[str], *, what: str = "model", revision: Optional[str] = None,
             revision_key: str = "model.revision", cache: Optional[str] = None) -> Iterator[None]:

@@ -93,6 +93,7 @@ def _run(args: argparse.Namespace, resolved, in_worker: bool) -> int:
         from overdrive.storage.faults import writable_target
 
         hub.refuse_unreadable_names(cfg)  # in a second without a network, before torch is imported
+        hub.refuse_missing_data(cfg)
 
         writable_target(cfg.output_dir, "output_dir", directory=True)
         from overdrive.storage import lock

@@ -11,21 +11,7 @@ from overdrive.errors import Problem
 
 
 def input_rules(cfg, where: Callable[[str], str]) -> list[Problem]:
-    return _cache_dir(cfg, where) + _mixture_kinds(cfg, where) + _output_over_inputs(cfg, where) + _missing_data(cfg, where)
-
-
-def _missing_data(cfg, where) -> list[Problem]:
-    """A data file that is not there, said by its key when the config loads (not after the
-    libraries have loaded, and never as hub advice)."""
-    from pathlib import Path
-
-    from overdrive.hub import missing_local
-
-    named = [("data.source", cfg.data.source)] + [(f"data.sources.{i}.source", e.source)
-                                                    for i, e in enumerate(cfg.data.sources)]
-    return [Problem(key, f"{value} does not exist (a local data file: nothing was looked up on the hub)",
-                    where(key) or where("data.sources"), f"check the path (from {Path.cwd()})")
-            for key, value in named if isinstance(value, str) and missing_local(value, "data set")]
+    return _cache_dir(cfg, where) + _mixture_kinds(cfg, where) + _output_over_inputs(cfg, where)
 
 
 # What a run replaces whole inside output_dir: an input in one of them is gone at the run's end.
