@@ -152,3 +152,9 @@ def test_loss_tokens_per_second_are_over_the_window_the_last_read_closed():
     now[0] = 104.0
     meter.read()
     assert meter.rate_of(200) == pytest.approx(50.0) and meter.rate_of(None) is None
+
+
+def test_the_progress_line_says_the_tokens_in_the_loss_when_far_fewer_than_the_input():
+    line = telemetry._format({"loss": 1.0, "tokens_per_s": 10000.0, "loss_tokens_per_s": 1200.0})
+    assert "10,000 tok/s (1,200 in the loss)" in line
+    assert "in the loss" not in telemetry._format({"tokens_per_s": 10000.0, "loss_tokens_per_s": 9990.0})

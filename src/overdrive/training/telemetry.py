@@ -273,7 +273,16 @@ def _format(values: Mapping[str, Any]) -> str:
                      ("lr", "lr {:.2e}"), ("tokens_per_s", "{:,.0f} tok/s"), ("mfu", "mfu {:.1%}")):
         if values.get(key) is not None:
             parts.append(fmt.format(values[key]))
+            if key == "tokens_per_s" and _few_in_the_loss(values):
+                # tok/s counts every input token, padding and prompts included: a chat run with short
+                # answers looks busy. The rate of what trains, beside it, when it is much lower.
+                parts[-1] += f" ({values['loss_tokens_per_s']:,.0f} in the loss)"
     return "  ".join(parts)
+
+
+def _few_in_the_loss(values: Mapping[str, Any]) -> bool:
+    rate, total = values.get("loss_tokens_per_s"), values.get("tokens_per_s")
+    return rate is not None and bool(total) and rate < 0.9 * total
 
 
 def resolve_trackers(requested: list[str]) -> list[str]:
