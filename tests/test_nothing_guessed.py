@@ -77,3 +77,10 @@ def test_a_missing_local_data_file_is_refused_by_key_before_the_libraries_load(t
         assert [p.key for p in error.value.problems] == ["data.source"]
         assert "does not exist" in error.value.render() and "hf download" not in error.value.render()
     refuse_missing_data(load_config(cli=["data.source=https://example.org/rows.jsonl"], env={}))
+
+
+@pytest.mark.parametrize("value", ["true", "16.5", "[8]", "sixteen"])
+def test_an_axolotl_lora_r_that_is_no_whole_number_is_refused_by_its_key(tmp_path, value):
+    bad = tmp_path / "lora.yml"
+    bad.write_text(f"base_model: m\nadapter: lora\nlora_r: {value}\n")
+    assert refusal(bad) == [("lora_r", f"{bad}:3")]
