@@ -42,7 +42,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = resolved_from(args).config
     from overdrive.storage.overlap import local_input, refuse_overlap
 
-    refuse_overlap({"--accelerate": args.accelerate, "--deepspeed": args.deepspeed, "--peft": args.peft},
+    # --peft DIR adds one file to DIR: that file is what must not be an input.
+    refuse_overlap({"--accelerate": args.accelerate, "--deepspeed": args.deepspeed,
+                    "--peft": str(Path(args.peft) / "adapter_config.json") if args.peft else None},
                    {f"FILE {item}": local_input(item) for item in args.items if "=" not in item})
     peft = None
     if args.peft:
