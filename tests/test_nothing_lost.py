@@ -193,3 +193,18 @@ def test_cluster_writers_tune_and_compare_never_write_over_what_they_read(tmp_pa
     kept = metrics.read_bytes()
     assert main(["compare", str(run_dir), str(run_dir), "--plot", str(metrics), "--force"]) == 2
     assert "- --plot:" in capsys.readouterr().err and metrics.read_bytes() == kept
+
+
+@pytest.mark.slow
+def test_a_run_continuing_an_adapter_of_another_base_is_refused_by_peft_adapter_path(adapter, tmp_path):
+    from hf_fixtures import make_chat_data
+
+    wide = adapter.parent / "wide"
+    chat = make_chat_data(tmp_path / "chat.jsonl", rows=16)
+    result = run_cli("train", f"model.name_or_path={wide}", f"peft.adapter_path={adapter}", "peft.method=lora",
+                     "peft.r=4", "peft.alpha=8", f"data.source={chat}", "data.format=chat", "data.max_length=32",
+                     "training.max_steps=1", "launch.use_cpu=true", "logging.trackers=[none]",
+                     f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "peft.adapter_path" in result.stderr and str(adapter) in result.stderr and str(wide) in result.stderr
+    assert "state_dict" not in result.stderr and "Traceback" not in result.stderr
