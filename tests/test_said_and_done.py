@@ -63,3 +63,18 @@ def test_the_next_lines_offer_no_run_the_rules_refuse():
     assert "deepspeed" not in said  # DeepSpeed beside pipeline stages is refused by key
     plain = "\n".join(next_lines(load_config(cli=[], env={}), Path("runs/x"), []))
     assert "parallel.strategy=deepspeed" in plain and "parallel.strategy=fsdp" in plain
+
+
+def test_a_final_checkpoint_cut_short_is_not_called_complete(tmp_path):
+    from dataclasses import replace
+
+    from overdrive.checkpoint.finished import finished
+    from overdrive.resolving import resolve
+
+    step = tmp_path / "run" / "checkpoints" / "step-00000002"
+    step.mkdir(parents=True)
+    (tmp_path / "run" / "model").mkdir()
+    (step / "trainer_state.json").write_text(json.dumps({"step": 2, "config": {"training": {"max_steps": 2}}}))
+    resolved = resolve([], cli=["training.max_steps=2", f"output_dir={tmp_path / 'run'}"], env={},
+                       accelerate_default=False)
+    assert finished(replace(resolved, resume={"checkpoint": str(step)})) is None  # no manifest: not whole

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from overdrive.checkpoint import store
 from overdrive.checkpoint.resume import read_state
 from overdrive.resolving import Resolved
 
@@ -17,6 +18,8 @@ def finished(resolved: Resolved) -> Optional[str]:
     if not record.get("checkpoint"):
         return None
     path = Path(record["checkpoint"])
+    if not store.verify(path, checksums=False).ok:
+        return None  # cut short since: the run sets it aside and resumes from the one before
     try:
         saved = read_state(path)
         step, training = int(saved["step"]), saved["config"]["training"]
