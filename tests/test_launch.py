@@ -223,3 +223,24 @@ def test_slurm_script(tmp_path):
     cfg = Resolved.from_json(embedded).config
     assert cfg.launch.num_processes == 16 and cfg.parallel.deepspeed.zero_stage == 2
     assert json.loads(embedded)["origins"]["launch.num_machines"].startswith("file")
+
+
+def test_a_worker_that_failed_in_the_rendezvous_is_one_line_naming_the_port_and_key(tmp_path):
+    import argparse
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from overdrive.launch.elastic import worker_rendezvous_failure
+
+    def failed(message: str) -> ChildFailedError:
+        path = tmp_path / f"error{abs(hash(message))}.json"
+        path.write_text(json.dumps({"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                                                        "timestamp": "1"}}}))
+        return ChildFailedError("overdrive.cli", {0: ProcessFailure(0, 100, 1, str(path))})
+
+    args = argparse.Namespace(rdzv_endpoint="", master_port=29511)
+    said = worker_rendezvous_failure(failed("DistNetworkError: The server socket has failed to listen on any local "
+                                            "network address. port: 29511, code: -98, name: EADDRINUSE"), args)
+    assert said is not None and "port 29511" in said and "launch.main_process_port" in said
+    # A peer that died in a collective is that peer's story, not the rendezvous'.
+    assert worker_rendezvous_failure(failed("DistNetworkError: Connection closed by peer [127.0.0.1]:4242"), args) is None
