@@ -208,3 +208,21 @@ def test_a_run_continuing_an_adapter_of_another_base_is_refused_by_peft_adapter_
     assert result.returncode == 2, result.stderr[-3000:]
     assert "peft.adapter_path" in result.stderr and str(adapter) in result.stderr and str(wide) in result.stderr
     assert "state_dict" not in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_merge_into_a_base_of_another_family_with_the_same_shapes_is_refused(adapter, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, MistralConfig
+
+    llama = AutoModelForCausalLM.from_pretrained(adapter.parent / "base")
+    c = llama.config
+    mistral = AutoModelForCausalLM.from_config(MistralConfig(
+        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        vocab_size=c.vocab_size, tie_word_embeddings=False))
+    mistral.save_pretrained(tmp_path / "mistral")
+    AutoTokenizer.from_pretrained(adapter.parent / "base").save_pretrained(tmp_path / "mistral")
+    result = run_cli("merge", str(adapter), "-o", str(tmp_path / "merged"), "--base", str(tmp_path / "mistral"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "- --base:" in result.stderr and "llama" in result.stderr and "mistral" in result.stderr, result.stderr
+    assert not (tmp_path / "merged").exists()

@@ -106,3 +106,22 @@ def fit_problems(model, adapter: Path, key: str, base: str) -> list[Problem]:
                                                                  if len(wrong) > SHOWN else ""),
                                 fix="give the base model the adapter was trained on"))
     return problems
+
+
+def model_type_problems(model, adapter: Path, saved: dict, key: str, base: str) -> list[Problem]:
+    """The base's model type against the one the adapter was trained on, when the base the
+    adapter names is a directory here (its config.json says): shapes can agree across families
+    (a Llama and a Mistral of one size) whose weights mean different things."""
+    trained_on, _ = stored_base(adapter, saved)
+    config = Path(trained_on) / "config.json" if trained_on else None
+    if config is None or not config.is_file():
+        return []
+    try:
+        theirs = json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError):
+        return []
+    ours = getattr(getattr(model, "config", None), "model_type", None)
+    if not theirs or not ours or theirs == ours:
+        return []
+    return [Problem(key, f"the adapter in {adapter} was trained on a {theirs} ({trained_on}, from adapter_config.json); "
+                    f"the base {base} is a {ours}", fix="give the base model the adapter was trained on")]

@@ -49,7 +49,7 @@ def merge(adapter: Path, target: Path, base: Optional[str] = None, dtype: str = 
     import transformers
     from peft import PeftModel
 
-    from overdrive.hf.adapter_fit import fit_problems
+    from overdrive.hf.adapter_fit import fit_problems, model_type_problems
     from overdrive.hub import reading
 
     saved = read_adapter(adapter)
@@ -65,7 +65,9 @@ def merge(adapter: Path, target: Path, base: Optional[str] = None, dtype: str = 
         # The base came from adapter_config.json: the way out the user has is --base.
         raise UserError([replace(p, fix=f"pass --base DIR (the base the adapter was trained on); or {p.fix}")
                          for p in error.problems], title=error.title) from None
-    problems = fit_problems(model, adapter, "--base" if key == "--base" else "ADAPTER", f"{base} (from {key})")
+    named = "--base" if key == "--base" else "ADAPTER"
+    problems = model_type_problems(model, adapter, saved, named, base) or \
+        fit_problems(model, adapter, named, f"{base} (from {key})")
     if problems:
         raise UserError(problems)
     tokenizer_from = adapter if (adapter / "tokenizer_config.json").is_file() else base

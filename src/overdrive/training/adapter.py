@@ -109,10 +109,12 @@ def apply(cfg, model, gradient_checkpointing: bool = False):
     if cfg.peft.adapter_path:  # an adapter that exists, trained on (its config checked by config/validate_adapter.py)
         from peft import PeftModel
 
-        from overdrive.hf.adapter_fit import fit_problems
+        from overdrive.hf.adapter_fit import fit_problems, model_type_problems
 
         adapter = Path(cfg.peft.adapter_path).expanduser()
-        misfit = fit_problems(model, adapter, "peft.adapter_path", f"{cfg.model.name_or_path} (model.name_or_path)")
+        base = f"{cfg.model.name_or_path} (model.name_or_path)"
+        misfit = model_type_problems(model, adapter, lora.adapter_config(str(adapter)), "peft.adapter_path", base) or \
+            fit_problems(model, adapter, "peft.adapter_path", base)
         if misfit:
             raise UserError(misfit)
         return PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
