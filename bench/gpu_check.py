@@ -8,7 +8,8 @@ Each row runs `overdrive train` (or `overdrive profile`, `overdrive plan`) as a 
 models and data made here with save_pretrained (no network), and judges what the run wrote:
 
     qlora          QLoRA under FSDP2 (world 1, bf16) against QLoRA in one plain process (the
-                   first 10 losses within 1e-2), and against LoRA
+                   first 10 losses within bf16's precision: 4 x eps x |loss| x sqrt(step),
+                   gpu_check_rows.within_precision), and against LoRA
     fp16_weights   fp16 mixed precision on fp16-loaded weights, 20 steps
     fp16_overflow  an fp16 run whose loss scale overflows at the start: the skips counted, the
                    learning-rate schedule not advanced on them

@@ -29,3 +29,19 @@ def test_the_gpu_check_runs_on_the_cpu_to_the_end(tmp_path):
     for name in ("fp16_weights", "fp16_overflow", "memory", "mfu", "profile", "compile"):
         assert "needs a GPU" in rows[name], table
     assert rows["phases"].split()[1] == "pass", table
+
+
+def test_the_checks_bar_comes_from_the_precision_and_still_catches_a_defect():
+    import sys as _sys
+
+    _sys.path.insert(0, str(REPO / "bench"))
+    from gpu_check_rows import within_precision
+
+    plain = [3.5 - 0.2 * i for i in range(10)]
+    # What the CPU measured between FSDP2 and one process in bf16: 2.5e-2 apart by step 10.
+    sharded = [x + 0.025 * i / 9 for i, x in enumerate(plain)]
+    assert within_precision(sharded, plain, "bf16")[0]
+    assert not within_precision(sharded, plain, "no")[0]  # the same parting in fp32 is a defect
+    untrained = [plain[0]] * 10  # the adapter never updated under one of the two
+    assert not within_precision(untrained, plain, "bf16")[0]
+    assert not within_precision(plain[:9], plain, "bf16")[0]  # a run that stopped early

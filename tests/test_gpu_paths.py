@@ -274,7 +274,7 @@ def test_zero3_placeholders_keep_weight_decay_and_flops(tmp_path):
 
 
 def _free_port() -> int:
-    from overdrive.launch.process import free_port
+    from conftest import free_port
 
     return free_port()
 

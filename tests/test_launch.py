@@ -64,33 +64,62 @@ def test_the_printed_torchrun_line_of_an_elastic_job_regroups_by_itself(tmp_path
     assert "--nnodes 2 " in lines.launch_lines(fixed)["torchrun"]
 
 
-def test_a_busy_port_on_one_machine_is_swapped_for_a_free_one():
+def test_a_busy_port_the_user_chose_is_refused_by_its_key_and_one_nobody_chose_is_the_stores_own():
     import socket
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        cfg = workers.local_port(cfg_of("launch.num_processes=2", f"launch.main_process_port={port}"))
-        assert cfg.launch.main_process_port != port
-        # Several machines agreed on the port: it is kept (and torchrun reports a clash).
+        chosen = resolve([], cli=["launch.num_processes=2", f"launch.main_process_port={port}"], env={},
+                         accelerate_default=False)
+        assert workers.port_chosen(chosen)
+        with pytest.raises(UserError) as error:
+            workers.refuse_busy_port(chosen.config, True)
+        assert [p.key for p in error.value.problems] == ["launch.main_process_port"]
+        assert str(port) in error.value.render()
+        # Several machines agreed on the port: it is kept (and the rendezvous says a clash by its key).
         multi = cfg_of("launch.num_processes=2", "launch.num_machines=2", "launch.main_process_ip=127.0.0.1",
                        f"launch.main_process_port={port}")
-        assert workers.local_port(multi).launch.main_process_port == port
+        workers.refuse_busy_port(multi, True)
+        assert not workers.own_port(multi, False)
+    default = resolve([], cli=["launch.num_processes=2"], env={}, accelerate_default=False)
+    assert not workers.port_chosen(default) and workers.own_port(default.config, False)
+    args = workers.torchrun_args(default.config, own=True)
+    assert args[args.index("--rdzv-endpoint") + 1] == "127.0.0.1:0" and args[args.index("--rdzv-backend") + 1] == "c10d"
+    other = workers.torchrun_args(default.config, own=True)
+    assert args[args.index("--rdzv-id") + 1] != other[other.index("--rdzv-id") + 1]
 
 
 def test_a_port_still_bound_by_a_stopped_job_is_busy_though_nothing_accepts_there():
     """A socket bound and not listening (what a stopped job can leave) refuses connections, yet
-    the rendezvous store cannot bind it: the check binds, as torchrun's standalone mode does."""
+    the rendezvous store cannot bind it: the check binds, as the store would."""
     import socket
 
     with socket.socket() as left:
         left.bind(("0.0.0.0", 0))
         port = left.getsockname()[1]
         assert workers.port_in_use(port)
-        assert workers.local_port(cfg_of("launch.num_processes=2", f"launch.main_process_port={port}")
-                                  ).launch.main_process_port != port
+        with pytest.raises(UserError):
+            workers.refuse_busy_port(cfg_of("launch.num_processes=2", f"launch.main_process_port={port}"), True)
     assert not workers.port_in_use(port)
+
+
+@pytest.mark.slow
+def test_a_rendezvous_whose_port_is_taken_says_the_port_and_key_not_a_traceback():
+    import socket
+    import sys
+
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        agent = subprocess.run([sys.executable, "-m", "overdrive.launch.elastic", "--nnodes", "1", "--nproc-per-node",
+                                "1", "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "json.tool",
+                                "/dev/null"], capture_output=True, text=True, timeout=120)
+    assert agent.returncode == 2, agent.stderr[-2000:]
+    assert f"port {port}" in agent.stderr and "launch.main_process_port" in agent.stderr
+    assert "Traceback" not in agent.stderr and "DistNetworkError" not in agent.stderr
 
 
 # --------------------------------------------------------------------------- worker environment
@@ -191,3 +220,24 @@ def test_slurm_script(tmp_path):
     cfg = Resolved.from_json(embedded).config
     assert cfg.launch.num_processes == 16 and cfg.parallel.deepspeed.zero_stage == 2
     assert json.loads(embedded)["origins"]["launch.num_machines"].startswith("file")
+
+
+def test_a_worker_that_failed_in_the_rendezvous_is_one_line_naming_the_port_and_key(tmp_path):
+    import argparse
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from overdrive.launch.elastic import worker_rendezvous_failure
+
+    def failed(message: str) -> ChildFailedError:
+        path = tmp_path / f"error{abs(hash(message))}.json"
+        path.write_text(json.dumps({"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                                                        "timestamp": "1"}}}))
+        return ChildFailedError("overdrive.cli", {0: ProcessFailure(0, 100, 1, str(path))})
+
+    args = argparse.Namespace(rdzv_endpoint="", master_port=29511)
+    said = worker_rendezvous_failure(failed("DistNetworkError: The server socket has failed to listen on any local "
+                                            "network address. port: 29511, code: -98, name: EADDRINUSE"), args)
+    assert said is not None and "port 29511" in said and "launch.main_process_port" in said
+    # A peer that died in a collective is that peer's story, not the rendezvous'.
+    assert worker_rendezvous_failure(failed("DistNetworkError: Connection closed by peer [127.0.0.1]:4242"), args) is None

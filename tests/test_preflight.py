@@ -27,11 +27,14 @@ def test_bandwidth_a_busy_port_and_machines_that_disagree(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        one = preflight("launch.num_processes=2", f"launch.main_process_port={port}", f"output_dir={tmp_path / 'one'}",
-                        cwd=tmp_path)
+        chosen = preflight("launch.num_processes=2", f"launch.main_process_port={port}",
+                           f"output_dir={tmp_path / 'chosen'}", cwd=tmp_path)
+        _, err = chosen.communicate(timeout=120)
+        assert chosen.returncode == 2 and "launch.main_process_port" in err and f"port {port}" in err, err[-2000:]
+        # Nobody chose the port: the rendezvous takes one of its own.
+        one = preflight("launch.num_processes=2", f"output_dir={tmp_path / 'one'}", cwd=tmp_path)
         out, err = one.communicate(timeout=300)
         assert one.returncode == 0, err[-3000:]
-        assert f"port {port} is in use; rendezvous on" in err
         assert "all-reduce" in out and "bus bandwidth" in out and ("GB/s" in out or "MB/s" in out), out
         # Several machines: the port is everyone's meeting point, so machine 0 refuses instead.
         several = ["launch.num_processes=2", "launch.num_machines=2", "launch.main_process_ip=127.0.0.1"]

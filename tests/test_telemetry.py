@@ -133,3 +133,28 @@ def test_measuring_the_peak_leaves_the_global_random_stream_alone():
     torch.manual_seed(3)
     telemetry.measure_matmul_flops(sizes=(64,), repeats=1)
     assert torch.equal(torch.rand(4), expected)
+
+
+def test_the_peak_says_whether_this_run_measured_it_or_an_earlier_run_did(tmp_path, monkeypatch):
+    measurements = iter([2e10, 1e10])  # the second run's probe is taken under load: the cache wins
+    monkeypatch.setattr(telemetry, "measure_matmul_flops", lambda *a, **k: next(measurements))
+    first = telemetry.DevicePeak(torch.device("cpu"), "no", tmp_path)
+    assert first.fields() == {"peak_flops": 2e10, "peak_flops_source": "measured"}
+    second = telemetry.DevicePeak(torch.device("cpu"), "no", tmp_path)
+    assert second.fields() == {"peak_flops": 2e10, "peak_flops_source": "cached"}
+
+
+def test_loss_tokens_per_second_are_over_the_window_the_last_read_closed():
+    now = [100.0]
+    meter = telemetry.Throughput(clock=lambda: now[0])
+    assert meter.rate_of(10) is None  # no window closed yet
+    meter.add(1000)
+    now[0] = 104.0
+    meter.read()
+    assert meter.rate_of(200) == pytest.approx(50.0) and meter.rate_of(None) is None
+
+
+def test_the_progress_line_says_the_tokens_in_the_loss_when_far_fewer_than_the_input():
+    line = telemetry._format({"loss": 1.0, "tokens_per_s": 10000.0, "loss_tokens_per_s": 1200.0})
+    assert "10,000 tok/s (1,200 in the loss)" in line
+    assert "in the loss" not in telemetry._format({"tokens_per_s": 10000.0, "loss_tokens_per_s": 9990.0})

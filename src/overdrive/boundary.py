@@ -58,12 +58,40 @@ def render_user_error(error: "UserError") -> str:
     return redact_text(error.render())
 
 
+# Library messages that name nothing the user can change: a kernel of a package overdrive does not
+# use (bitsandbytes' CPU 4-bit kernel from the `kernels` hub package, said by every command that
+# imports PEFT, even with no 4-bit layer), and deprecations of calls made inside the libraries.
+QUIET_LOGS = {"bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward from kernels-community"}
+QUIET_WARNINGS = (r"`is_gradient_checkpointing` is deprecated",)
+
+
+def _starts_otherwise(prefix: str) -> Callable:
+    return lambda record: not str(record.msg).startswith(prefix)
+
+
+def quiet_library_noise() -> None:
+    """Filters for QUIET_LOGS and QUIET_WARNINGS, in this process (a command, or a worker: each
+    enters through the boundary). Installed before the libraries load: a logger exists by name."""
+    import logging
+    import warnings
+
+    for name, prefix in QUIET_LOGS.items():
+        logger = logging.getLogger(name)
+        if not any(getattr(f, "overdrive_quiet", False) for f in logger.filters):
+            quiet = _starts_otherwise(prefix)
+            quiet.overdrive_quiet = True  # type: ignore[attr-defined]
+            logger.addFilter(quiet)
+    for message in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+
+
 def run_reporting_errors(function: Callable, *args, command: str = "overdrive",
                          translate: Optional[Callable[[BaseException], Optional["UserError"]]] = None) -> int:
     """Run a command. UserError: its message on stderr and exit code 2. Anything unforeseen:
     one line naming the command and the file holding the traceback, exit code 1. A
     traceback on the terminal only with OVERDRIVE_DEBUG=1. `translate` turns an unforeseen
     error the user can fix (a full disk) into a UserError."""
+    quiet_library_noise()
     try:
         return int(function(*args) or 0)
     except UserError as error:

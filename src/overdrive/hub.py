@@ -43,9 +43,20 @@ def looks_local(name: str) -> bool:
     return str(parent) not in ("", ".") and parent.is_dir()
 
 
+# A data set named like a file of rows: a local file (the hub's data sets are named owner/name).
+DATA_FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".tsv", ".parquet", ".txt", ".arrow", ".jsonl.gz", ".json.gz")
+
+
+def missing_local(name: Optional[str], what: str = "model") -> bool:
+    """A name written as a local path (or, for a data set, as a data file) that does not exist."""
+    if not name or "://" in name or is_local(name):  # a URL is read as one
+        return False
+    return looks_local(name) or (what == "data set" and name.lower().endswith(DATA_FILE_SUFFIXES))
+
+
 def refuse_missing_local(key: str, name: Optional[str], what: str = "model") -> None:
     """A local-looking path that does not exist is called that, before any hub lookup."""
-    if name and looks_local(name) and not is_local(name):
+    if missing_local(name, what):
         raise UserError(Problem(key, f"{name} does not exist (a local {what} path: nothing was looked up on the hub)",
                                 fix=f"check the path (from {Path.cwd()}); a hub name is written owner/name"))
 
@@ -193,6 +204,14 @@ def refuse_unreadable_names(cfg: RunConfig) -> None:
     """The run's model and tokenizer names, checked as `refuse_if_unreadable` says."""
     refuse_if_unreadable("model.name_or_path", cfg.model.name_or_path)
     refuse_if_unreadable("tokenizer.name_or_path", cfg.tokenizer.name_or_path, "tokenizer")
+
+
+def refuse_missing_data(cfg) -> None:
+    """A data file the run reads that is not here: said before the libraries load, never as hub
+    advice (`train`; explain, plan and export take a config meant for another machine)."""
+    refuse_missing_local("data.source", cfg.data.source, "data set")
+    for index, entry in enumerate(cfg.data.sources):
+        refuse_missing_local(f"data.sources.{index}.source", entry.source, "data set")
 
 
 @contextmanager

@@ -60,11 +60,21 @@ def add_output_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--force", action="store_true", help="overwrite the -o file if it exists")
 
 
+def not_over_items(outputs: dict, items) -> None:
+    """No output of a command is, holds or lies inside a FILE it was given (storage/overlap.py),
+    with or without --force."""
+    from overdrive.storage.overlap import local_input, refuse_overlap
+
+    refuse_overlap(outputs, {f"FILE {item}": local_input(item) for item in items or [] if "=" not in item})
+
+
 def checked_output(args: argparse.Namespace) -> None:
-    """Before any work: an -o file that exists (without --force) or cannot be written is refused."""
+    """Before any work: an -o file that is one of the command's files, exists (without --force)
+    or cannot be written is refused."""
     from overdrive.storage import faults
 
     if args.output:
+        not_over_items({"--output": args.output}, getattr(args, "items", None))
         args.output = str(faults.output_file(args.output, "--output", args.force))
 
 

@@ -25,9 +25,14 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.storage.faults import output_file
     from overdrive.reports.summary import config_differences, load_run, metric_rows, summarize
 
+    from overdrive.commands.report import READS, run_directory
+    from overdrive.storage.overlap import refuse_overlap
+
     if args.plot:
+        read = {f"{name} of {run}": Path(run_directory(run)) / name for run in (args.run_a, args.run_b) for name in READS
+                if (Path(run_directory(run)) / name).exists()}
+        refuse_overlap({"--plot": args.plot}, read)
         args.plot = str(output_file(args.plot, "--plot", args.force, suffix=".png"))
-    from overdrive.commands.report import run_directory
 
     a, b = load_run(run_directory(args.run_a)), load_run(run_directory(args.run_b))
     sa, sb = summarize(a), summarize(b)

@@ -32,7 +32,12 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.config.reference import render
     from overdrive.storage import faults
 
+    import overdrive
+    from overdrive.storage.overlap import refuse_overlap
+
     text, path = render(), Path(args.output).expanduser()
+    if not args.check:  # the reference is read from the package's schema: never written into it
+        refuse_overlap({"-o/--output": path}, {"the overdrive package": Path(overdrive.__file__).parent})
     current = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else None
     if args.check:
         if current is None:

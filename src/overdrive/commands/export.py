@@ -40,6 +40,12 @@ def run(args: argparse.Namespace) -> int:
                                 "overwrite the other", fix="give the two files different names"))
     # The config first: a refusal by key leaves no directory made for a file never written.
     cfg = resolved_from(args).config
+    from overdrive.storage.overlap import local_input, refuse_overlap
+
+    # --peft DIR adds one file to DIR: that file is what must not be an input.
+    refuse_overlap({"--accelerate": args.accelerate, "--deepspeed": args.deepspeed,
+                    "--peft": str(Path(args.peft) / "adapter_config.json") if args.peft else None},
+                   {f"FILE {item}": local_input(item) for item in args.items if "=" not in item})
     peft = None
     if args.peft:
         from overdrive.hf import peft_config

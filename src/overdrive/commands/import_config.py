@@ -27,7 +27,10 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.resolving.inputs import tell_warnings
     from overdrive.storage import faults
 
+    from overdrive.storage.overlap import refuse_overlap
+
     if args.output:
+        refuse_overlap({"--output": args.output}, {f"FILE {i + 1}": f for i, f in enumerate(args.files)})
         args.output = str(faults.output_file(args.output, "--output", args.force))
     # Only the files: neither Accelerate's default config nor this shell's variables.
     resolved = resolve(args.files, env={}, accelerate_default=False)

@@ -1,7 +1,8 @@
 """`overdrive merge ADAPTER -o DIR [--base MODEL]`: a PEFT adapter merged into its base model
 (PEFT's merge_and_unload), written with save_pretrained; no run, no config. The base is the
 adapter's own (adapter_config.json) unless --base names another. DIR is written whole or not at
-all, and an existing DIR is refused without --force."""
+all, and an existing DIR is refused without --force; a DIR that is, holds or lies inside the adapter
+or a local base is refused always."""
 
 from __future__ import annotations
 
@@ -24,12 +25,18 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.hf.merging import merge
     from overdrive.storage import atomic, faults
 
-    target = Path(args.output).expanduser()
+    from overdrive.hf.saved_model import adapter_base
+    from overdrive.storage.overlap import local_input, refuse_overlap
+
+    target, adapter = Path(args.output).expanduser(), Path(args.adapter).expanduser()
+    base, _, _ = adapter_base(adapter, args.base, key="ADAPTER")
+    # Before --force is looked at: --force replaces what the user had, never what merge reads.
+    refuse_overlap({"--output": target}, {"ADAPTER": adapter, "the base": local_input(base)})
     if target.exists() and not args.force and (not target.is_dir() or any(target.iterdir())):
         raise UserError(Problem("--output", f"{target} exists and would be replaced",
                                 fix="pass --force to replace it, or write to another directory"))
     faults.writable_target(target.parent, "--output", directory=True)
     with atomic.directory(target, "--output", "the merged model") as partial:
-        base = merge(Path(args.adapter).expanduser(), partial, args.base, args.dtype)
+        base = merge(adapter, partial, args.base, args.dtype)
     print(f"wrote {target}: {base} with the adapter {args.adapter} merged in", file=sys.stderr)
     return 0

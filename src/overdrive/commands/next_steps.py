@@ -48,9 +48,10 @@ def _accepted(items: Sequence[str], changes: Sequence[str]) -> Optional[RunConfi
     from overdrive.resolving.inputs import resolve_items
 
     kept = shlex.split(command("explain", items, changes))[2:]
+    # a file since moved or deleted: the hint is not offered (it would not run as printed)
     try:
         return resolve_items(kept, tell=False).config
-    except UserError:
+    except (UserError, OSError, ValueError):
         return None
 
 

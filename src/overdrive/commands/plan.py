@@ -80,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.memory import pipeline as stage_memory
 
     stages = stage_memory.stages(cfg, shape, target) if cfg.parallel.pp_size > 1 else None
+    if stages:  # the verdict of the layout asked: each stage rank against one device
+        stages["fits"] = stage_memory.fits(stages, cap, report.HEADROOM, cfg.launch.num_processes // cfg.launch.num_machines)
     from overdrive.checkpoint.resume import describe_resume
 
     resume = describe_resume(cfg)  # what train does with output_dir's checkpoint, as train decides it
@@ -134,13 +136,21 @@ def run(args: argparse.Namespace) -> int:
                      f"({source['data_basis']}); {draws}{epochs}")
     lines.append(f"optimizer    {_optimizer(cfg)['title']}; optimizer state {_optimizer(cfg)['state']}")
     lines.append(f"lr           {cfg.scheduler.name}: " + ", ".join(f"step {step + 1}: {lr:.3g}" for step, lr in curve))
-    lines.append(
-        f"memory       {row.label} on {counted(cfg.launch.num_processes, 'device')}: {gib(row.total_bytes)} GiB per device "
-        f"(params {gib(row.params_bytes)}, grads {gib(row.grads_bytes)}, optim {gib(row.optimizer_bytes)}, "
-        f"master {gib(row.master_weights_bytes)}, activations {gib(row.activations_bytes)}, "
-        f"buffers {gib(row.buffers_bytes)})" + (f" + {gib(row.host_bytes)} GiB host RAM" if row.host_bytes else ""))
-    lines.append(f"             {'fits' if row.fits else 'does NOT fit'} in {cap.source} with 10% headroom"
-                 f"{'' if row.fits else ' — see `overdrive estimate` for the strategies that do'}")
+    if stages:
+        largest = max(stages["ranks"], key=lambda r: r["total_bytes"])
+        lines.append(f"memory       pipeline of {stages['pp_size']} stage ranks on "
+                     f"{counted(cfg.launch.num_processes, 'device')}: the largest, pp rank {largest['pp_rank']}, "
+                     f"{gib(largest['total_bytes'])} GiB per device (below)")
+        lines.append(f"             {'fits' if stages['fits'] else 'does NOT fit'} in {cap.source} with 10% headroom"
+                     f"{'' if stages['fits'] else ' — more stages (parallel.pp_size) or a smaller micro-batch'}")
+    else:
+        lines.append(
+            f"memory       {row.label} on {counted(cfg.launch.num_processes, 'device')}: {gib(row.total_bytes)} GiB per "
+            f"device (params {gib(row.params_bytes)}, grads {gib(row.grads_bytes)}, optim {gib(row.optimizer_bytes)}, "
+            f"master {gib(row.master_weights_bytes)}, activations {gib(row.activations_bytes)}, "
+            f"buffers {gib(row.buffers_bytes)})" + (f" + {gib(row.host_bytes)} GiB host RAM" if row.host_bytes else ""))
+        lines.append(f"             {'fits' if row.fits else 'does NOT fit'} in {cap.source} with 10% headroom"
+                     f"{'' if row.fits else ' — see `overdrive estimate` for the strategies that do'}")
     lines.extend(_stage_lines(stages, gib) if stages else [])
     if cfg.checkpoint.enabled:
         lines.append(f"disk         {room.summary()}")

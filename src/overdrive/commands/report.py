@@ -17,7 +17,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     verbosity.add_argument("-v", "--verbose", action="store_true", help="print the summary and every file written")
 
 
+READS = ("metrics.jsonl", "resolved.json", "sweep.json")
+
+
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from overdrive.console import get_console, is_interactive, print_table
     from overdrive.reports.summary import METRICS, fmt
     from overdrive.reports.write import write_report
@@ -26,6 +31,11 @@ def run(args: argparse.Namespace) -> int:
     args.run_dir = run_directory(args.run_dir)
     from overdrive.sweep.outputs import is_sweep_dir
 
+    from overdrive.storage.overlap import refuse_overlap
+
+    # The files a report reads: --force may replace the user's files, never the run's record.
+    refuse_overlap({"-o/--out": args.out}, {name: Path(args.run_dir) / name for name in READS
+                                            if (Path(args.run_dir) / name).exists()})
     _keep_out_dir(args.out, args.force)
 
     if is_sweep_dir(args.run_dir):

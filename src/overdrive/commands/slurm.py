@@ -29,8 +29,9 @@ def run(args: argparse.Namespace) -> int:
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", args.job_name):
         raise UserError(Problem("--job-name", f"{args.job_name!r} is not a plain job name",
                                 fix="use letters, digits, '.', '_' and '-' only (at most 128 characters)"))
-    if args.output:
-        args.output = str(faults.output_file(args.output, "--output", args.force))
+    from overdrive.commands.arguments import checked_output
+
+    checked_output(args)
     resolved = resolved_from(args)
     from overdrive.launch.job_checks import cluster_problems
 

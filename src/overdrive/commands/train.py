@@ -98,6 +98,7 @@ def _run(args: argparse.Namespace, resolved, in_worker: bool) -> int:
         from overdrive.storage.faults import writable_target
 
         hub.refuse_unreadable_names(cfg)  # in a second without a network, before torch is imported
+        hub.refuse_missing_data(cfg)
 
         writable_target(cfg.output_dir, "output_dir", directory=True)
         from overdrive.storage import lock
@@ -144,6 +145,12 @@ def _start(resolved, force: bool) -> int:
     from overdrive.launch import workers
 
     resolved = judge_resume(resolved, force)
+    from overdrive.checkpoint.finished import finished
+
+    done = finished(resolved)
+    if done:
+        print(f"overdrive: {done}")
+        return 0
     code = workers.run_on_ranks(resolved, "train", lambda here: _train_here(here, force, in_worker=False),
                                 *(["--force"] if force else []))
     if code and workers.needs_launcher(resolved.config):
@@ -168,14 +175,6 @@ def _how_to_resume(path, signum: int, in_worker: bool) -> None:
         print(f"overdrive: {why}; {where}. To resume, run the same command again:\n  {command}", file=sys.stderr)
 
 
-def _final_files(cfg: RunConfig) -> str:
-    if not cfg.checkpoint.save_final_model:
-        return ""
-    if cfg.peft.method == "none":
-        return ", model/ (save_pretrained)"
-    return ", model/ (the adapter: PEFT's directory)" + (", merged/ (save_pretrained)" if cfg.peft.save_merged else "")
-
-
 def _preference_lines(out) -> list[str]:
     """A preference run's rewards at its first and last log points (TRL's names), from metrics.jsonl."""
     from overdrive.training import metrics
@@ -191,6 +190,7 @@ def _preference_lines(out) -> list[str]:
 
 def _summary(result, cfg: RunConfig, items=None) -> None:
     from overdrive.commands.next_steps import next_lines
+    from overdrive.commands.run_listing import listing
 
     out = result.output_dir
     lines = [""]
@@ -203,7 +203,7 @@ def _summary(result, cfg: RunConfig, items=None) -> None:
         lines.append("eval: " + "  ".join(f"{k} {v:.4g}" for k, v in result.eval.items()))
     lines += [
         f"run directory: {out}",
-        f"  metrics.jsonl, resolved.json{_final_files(cfg)}",
+        f"  {listing(cfg, out)}",
         "next:",
         *next_lines(cfg, out, items or []),
     ]

@@ -62,6 +62,9 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.tune import TuneOptions, TrialPlan, lookup, make_job
     from overdrive.tune import output
 
+    from overdrive.commands.arguments import not_over_items
+
+    not_over_items({"--output": args.output}, args.items)  # tuned.yaml never written over a config it read
     resolved = resolve_items(args.items, accelerate_default=not args.no_accelerate_default)
     plan = TrialPlan.measuring(args.measure, startup_timeout_s=args.trial_timeout, runner=args.runner)
     options = TuneOptions(budget_minutes=args.budget, mode="grid" if args.grid else "staged", only=_only(args.only),

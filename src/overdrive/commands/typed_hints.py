@@ -35,11 +35,38 @@ def unknown_command(name: str, commands: Sequence[str]) -> UserError:
     return UserError(Problem("", f"unknown command {name!r}", fix=("did you mean " if close else "") + fix))
 
 
+# Flags other tools (Transformers' Trainer, TRL, torchrun, Axolotl, LLaMA-Factory) taught people,
+# named like no overdrive key: the key each one means. Only hints: never accepted as aliases.
+HABITS = {
+    "epochs": "training.num_epochs", "num_train_epochs": "training.num_epochs", "epoch": "training.num_epochs",
+    "warmup": "scheduler.warmup_steps", "bs": "training.micro_batch_size",
+    "per_device_train_batch_size": "training.micro_batch_size", "train_batch_size": "training.micro_batch_size",
+    "grad_accum": "training.gradient_accumulation_steps", "gradient_accumulation": "training.gradient_accumulation_steps",
+    "grad_acc": "training.gradient_accumulation_steps", "max_seq_len": "data.max_length",
+    "max_seq_length": "data.max_length", "seq_length": "data.max_length", "block_size": "data.max_length",
+    "cutoff_len": "data.max_length", "sequence_len": "data.max_length", "model_name_or_path": "model.name_or_path",
+    "model_name": "model.name_or_path", "base_model": "model.name_or_path", "dataset": "data.source",
+    "dataset_name": "data.source", "train_file": "data.source", "output": "output_dir", "nproc_per_node": "launch.num_processes",
+    "num_gpus": "launch.num_processes", "gpus": "launch.num_processes", "max_grad_norm": "training.gradient_clipping",
+    "lora_r": "peft.r", "lora_rank": "peft.r", "rank": "peft.r", "lora_alpha": "peft.alpha", "lora_dropout": "peft.dropout",
+    "dpo_beta": "preference.beta", "beta": "preference.beta", "loss_type": "preference.method", "dpo_loss": "preference.method", "lr_scheduler_type": "scheduler.name",
+    "scheduler": "scheduler.name", "optim": "optim.name", "optimizer": "optim.name", "logging_steps":
+    "training.log_every_steps", "save_steps": "checkpoint.every_steps", "eval_steps": "training.eval_every_steps",
+}
+# Switches with no value: the item each one means.
+SWITCHES = {"bf16": "precision.mixed_precision=bf16", "fp16": "precision.mixed_precision=fp16",
+            "gradient_checkpointing": "model.gradient_checkpointing=true", "cpu": "launch.use_cpu=true",
+            "use_cpu": "launch.use_cpu=true", "packing": "data.packing=true"}
+
+
 def key_for_flag(flag: str) -> Optional[str]:
-    """The config key a `--flag` names: `--max_steps`, `--max-steps`, `--training.max_steps`, `--lr`."""
+    """The config key a `--flag` names: `--max_steps`, `--max-steps`, `--training.max_steps`, `--lr`,
+    and the flags other tools taught (`--epochs`, `--per_device_train_batch_size`)."""
     from overdrive.config.keys import ALIASES, expand_alias, is_known, leaf_annotations
 
     name = flag.lstrip("-").replace("-", "_")
+    if name in HABITS and is_known(HABITS[name]):
+        return HABITS[name]
     if is_known(expand_alias(name)):
         return expand_alias(name)
     by_last = [key for key in leaf_annotations() if key.rpartition(".")[2] == name]
@@ -61,6 +88,9 @@ def flag_hint(argv: Sequence[str], parser: argparse.ArgumentParser) -> Optional[
             return UserError(Problem(flag, "is not an option", fix=RESUME))
         if flag == "--force":
             return UserError(Problem(flag, "is not an option of this command", fix=FORCE))
+        switch = SWITCHES.get(flag.lstrip("-").replace("-", "_"))
+        if switch is not None and not eq:
+            return UserError(Problem(flag, "config keys are KEY=VALUE items, not options", fix=f"write it as {switch}"))
         key = key_for_flag(flag)
         if key is None:
             continue

@@ -117,3 +117,21 @@ def derived(cfg: RunConfig, samples: int, global_batch: int):
         if values:
             update[section] = getattr(cfg, section).model_copy(update=values)
     return (cfg.model_copy(update=update) if update else cfg), notes
+
+
+MANY_EPOCHS = 10  # passes over the data a max_steps makes before the run says so
+
+
+def passes_note(cfg, samples: int, global_batch: int) -> list[str]:
+    """A run whose training.max_steps (not num_epochs) makes many passes over its data, said at
+    its start: 500 steps over 1,200 rows of a global batch of 1,200 is 500 epochs, which a user
+    counting steps does not see (and the model learns the rows by heart)."""
+    t = cfg.training
+    if t.num_epochs is not None or not samples or not t.max_steps:
+        return []
+    epochs = t.max_steps * global_batch / samples
+    if epochs < MANY_EPOCHS:
+        return []
+    return [f"note: training.max_steps={t.max_steps:,} x global batch {global_batch:,} = {epochs:,.0f} epochs of "
+            f"the {samples:,} training samples: each is seen about {epochs:,.0f} times (set training.num_epochs to "
+            "count the length in passes over the data, or give more data)"]

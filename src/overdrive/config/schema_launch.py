@@ -21,7 +21,9 @@ class LaunchConfig(Section):
         "Empty: launch.num_machines (every machine is needed)."
     )
     main_process_ip: Optional[str] = Field(None, description="Address of machine 0 (required with several machines).")
-    main_process_port: int = Field(29500, ge=1, le=65535, description="Rendezvous port on machine 0.")
+    main_process_port: int = Field(29500, ge=1, le=65535, description="Rendezvous port on machine 0. Left unset, "
+                                   "a one-machine job's rendezvous takes a port of its own that no other job can "
+                                   "take; set, a port another job holds is refused before launch.")
     rdzv_backend: Literal["static", "c10d"] = Field("static", description="Rendezvous: static ranks, or c10d (elastic).")
     rdzv_id: str = Field("overdrive", description="Job id shared by all machines (c10d rendezvous).")
     same_network: bool = Field(True, description="Machines share a network (informational, as in Accelerate).")

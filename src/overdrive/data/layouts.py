@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
+from overdrive.data import row_checks
 from overdrive.errors import Problem, UserError
 
 SHAREGPT_COLUMN = "conversations"
@@ -90,8 +91,9 @@ def turns_of(layout: str, columns: tuple[str, ...], row: dict, index: int, d) ->
     if layout == "messages":
         turns = checked(row[columns[0]], index, "data.messages_column")
     elif layout == "prompt-completion":
+        answer = _as_turns(row[columns[1]], "assistant", index, "data.completion_column")
         turns = (_as_turns(row[columns[0]], "user", index, "data.prompt_column")
-                 + _as_turns(row[columns[1]], "assistant", index, "data.completion_column"))
+                 + row_checks.answer(answer, index, "data.completion_column"))
     elif layout == "sharegpt":
         turns = sharegpt_turns(row[columns[0]], index)
     else:
@@ -112,7 +114,7 @@ def tools_of(row: dict, index: int, d) -> Optional[list]:
         except ValueError:
             raise UserError(Problem("data.tools_column", f"row {index}: not a JSON list of tools: {tools[:80]}",
                                     fix="write the tools as a JSON list of {type, function} descriptions")) from None
-    return tools if isinstance(tools, list) else [tools]
+    return row_checks.tools(tools if isinstance(tools, list) else [tools], index)
 
 
 def checked(turns: Any, row: int, key: str) -> list[dict]:
@@ -132,6 +134,8 @@ def checked(turns: Any, row: int, key: str) -> list[dict]:
         if not isinstance(role, str) or role not in ROLES:
             raise UserError(Problem(key, f"row {row}: a turn with role {str(role)[:40]!r}",
                                     fix=f"use one of {', '.join(ROLES)}"))
+        if turn.get("tool_calls") is not None:
+            row_checks.tool_calls(turn["tool_calls"], row, key)
         kept = {"role": role, "content": _content(turn.get("content"), row, key)}
         kept.update({k: turn[k] for k in _PASSED if turn.get(k) is not None})
         out.append(kept)
@@ -190,8 +194,10 @@ def _calls(value: str, row: int) -> list[dict]:
         raise UserError(Problem("data.layout", f"row {row}: a function_call turn whose value is not JSON: {value[:80]}",
                                 fix='write the call as {"name": ..., "arguments": {...}}')) from None
     calls = calls if isinstance(calls, list) else [calls]
+    for call in calls:  # a call that is no mapping, or names no function: refused, never dropped
+        row_checks.tool_calls([call], row, "data.layout")
     return [{"type": "function", "function": {"name": c.get("name"), "arguments": c.get("arguments", {})}}
-            for c in calls if isinstance(c, dict)]
+            for c in calls]
 
 
 def alpaca_turns(row: dict, columns: tuple[str, ...], index: int, d) -> list[dict]:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 
 import numpy as np
 
+from overdrive.data import row_checks
 from overdrive.data.chat import KINDS
 from overdrive.data import preference_layouts as layouts
 from overdrive.data.sources import Batch, Rows, _columns, row_batches
@@ -70,6 +71,17 @@ class PreferenceRows(Rows):
         if self.unpaired:  # TRL's unpair_preference_dataset: the chosen answer desirable, the rejected one not
             return [{"prompt": cells["prompt"], "completion": cells[part], "desirable": part == "chosen"}
                     for part in ("chosen", "rejected")]
+        conversational = isinstance(cells["chosen"], list)
+        if conversational:
+            if not cells["prompt"]:
+                raise UserError(Problem("data.prompt_column", f"row {index}: no prompt: the data has no column "
+                                        f"{self.data.prompt_column!r} and chosen and rejected share no turns to take "
+                                        "it from", fix="set data.prompt_column to the column holding the prompt"))
+            for part in ("chosen", "rejected"):
+                if cells[part]:
+                    row_checks.answer(cells[part], index, layouts.KEYS[part])
+        if cells["chosen"] == cells["rejected"]:  # nothing to prefer: dropped and counted (PreferenceEncoder)
+            cells["identical_row"] = index
         return cells
 
     def batches(self, start: Optional[dict] = None, batch_bytes: int = 1 << 20) -> Iterator[Batch]:
@@ -131,8 +143,12 @@ class PreferenceEncoder:
         return prompt_ids[:n], with_chosen[n:], with_rejected[n:]
 
     def encode(self, pair: dict) -> Optional[tuple[Side, Side]]:
-        prompt, chosen, rejected = self.render(pair)
         self.counts["pairs"] += 1
+        if pair.get("identical_row") is not None:  # chosen == rejected: a loss of ln 2 that teaches nothing
+            self.counts["identical"] = self.counts.get("identical", 0) + 1
+            self.counts.setdefault("first_identical_row", pair["identical_row"])
+            return None
+        prompt, chosen, rejected = self.render(pair)
         if len(prompt) >= self.max_length:  # nothing of either answer would be left
             self.counts["dropped"] += 1
             return None
@@ -156,6 +172,12 @@ class PreferenceEncoder:
                       mask=np.concatenate([np.asarray(m, dtype=np.uint8) for _, m in kept]))
 
     def summary(self) -> dict:
+        identical = self.counts.get("identical", 0)
+        if identical and identical == self.counts["pairs"]:
+            raise UserError(Problem("data.rejected_column", f"every pair ({identical:,}) has a rejected answer equal "
+                                    f"to its chosen one (row {self.counts['first_identical_row']} first): nothing to "
+                                    "prefer", fix="point data.chosen_column and data.rejected_column at the two "
+                                    "different answers"))
         return {"preference": {**self.counts, "max_length": self.max_length}}
 
 
@@ -166,4 +188,7 @@ def describe_counts(counts: dict) -> str:
     if counts["dropped"]:
         text += (f"; {counts['dropped']:,} dropped: the prompt alone fills {counts['max_length']} tokens "
                  "(data.max_length)")
+    if counts.get("identical"):
+        text += (f"; {counts['identical']:,} dropped: chosen equals rejected, nothing to prefer (row "
+                 f"{counts['first_identical_row']} first)")
     return text

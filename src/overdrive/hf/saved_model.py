@@ -7,6 +7,8 @@ included), else from the base.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -66,6 +68,26 @@ def load(target: str, *, dtype: str = "float32", device: Optional[str] = None, b
     return Loaded(model, tokenizer, what)
 
 
+def adapter_base(path: Path, given: Optional[str] = None, key: str = KEY) -> tuple[str, str, dict]:
+    """(the base, what named it, adapter_config.json) of an adapter: `given` (--base), or the
+    adapter's own base_model_name_or_path, a relative path read from the adapter's directory."""
+    from overdrive.hf.adapter_fit import stored_base
+    from overdrive.hf.lora import adapter_config
+
+    try:
+        saved = adapter_config(str(path))
+    except ValueError as error:
+        raise UserError(Problem(key, str(error), fix="give a PEFT adapter directory (adapter_config.json and its "
+                                "weights)")) from None
+    if given:
+        return given, "--base", saved
+    base, how = stored_base(path, saved)
+    if not base:
+        raise UserError(Problem("--base", f"the adapter in {path} does not name its base model",
+                                fix="pass --base MODEL (a hub name or a save_pretrained directory)"))
+    return base, f"base_model_name_or_path in {path / 'adapter_config.json'}" + (f" ({how})" if how else ""), saved
+
+
 def load_adapter(path: Path, base: Optional[str] = None, dtype: str = "float32", key: str = KEY
                  ) -> tuple[Any, Any, str]:
     """(PeftModel, tokenizer, base name): PEFT's adapter on its base (the one adapter_config.json
@@ -74,20 +96,25 @@ def load_adapter(path: Path, base: Optional[str] = None, dtype: str = "float32",
     from peft import PeftModel
 
     from overdrive import hub
-    from overdrive.hf.lora import adapter_config
+    from overdrive.hf.adapter_fit import fit_problems, model_type_problems
 
-    try:
-        saved = adapter_config(str(path))
-    except ValueError as error:
-        raise UserError(Problem(key, str(error), fix="give a PEFT adapter directory (adapter_config.json and its "
-                                "weights)")) from None
-    base = base or saved.get("base_model_name_or_path")
-    if not base:
-        raise UserError(Problem("--base", f"the adapter in {path} does not name its base model",
-                                fix="pass --base MODEL (a hub name or a save_pretrained directory)"))
+    base, named_by, saved = adapter_base(path, base, key)
+    given = named_by == "--base"
     auto = getattr(transformers, _AUTO.get(str(saved.get("task_type") or "CAUSAL_LM"), "AutoModelForCausalLM"))
-    with hub.reading("--base", base):
-        model = auto.from_pretrained(base, dtype=_dtype(dtype))
+    try:
+        with hub.reading(named_by, base):
+            model = auto.from_pretrained(base, dtype=_dtype(dtype))
+    except UserError as error:
+        if given:
+            raise
+        # The base came from adapter_config.json: the way out the user has is --base.
+        raise UserError([replace(p, fix=f"pass --base DIR (the base the adapter was trained on); or {p.fix}")
+                         for p in error.problems], title=error.title) from None
+    named = "--base" if given else key
+    problems = (model_type_problems(model, path, saved, named, base)
+                or fit_problems(model, path, named, f"{base} (from {named_by})"))
+    if problems:  # an adapter of another base: refused naming both, not PEFT's state-dict error
+        raise UserError(problems)
     tokenizer_from = str(path) if (path / "tokenizer_config.json").is_file() else base
     with hub.reading("--base", tokenizer_from, what="tokenizer"):
         tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_from)

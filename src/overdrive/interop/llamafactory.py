@@ -173,9 +173,12 @@ def _data(r: ToolReader, stage: str) -> None:
     info, folder = _dataset_info(r)
     entries = []
     for name in names:
-        if name not in info:
-            r.c.warn(("dataset",), f"{name!r} is not in {folder / 'dataset_info.json'}: its file and layout are "
-                     "unknown", "set data.source (and data.layout) to the data set")
+        if name not in info:  # refused, never left to the default data: the run trains on what the file names
+            why = (f"it is not in {folder / 'dataset_info.json'}" if info else f"there is no dataset_info.json in "
+                   f"{folder} (looked in the working directory and beside {r.source})")
+            r.refuse(("dataset",), f"{name!r} cannot be found: {why}, so its file and layout are unknown",
+                     "run the import where LLaMA-Factory ran (or set dataset_dir), or set data.source (and "
+                     "data.layout) to the data set after importing")
             continue
         entries.append(_entry(r, name, info[name], folder, stage))
     entries = [e for e in entries if e]
@@ -212,6 +215,10 @@ def _entry(r: ToolReader, name: str, spec: dict, folder: Path, stage: str) -> di
     if not source:
         r.refuse(("dataset",), f"{name!r}: neither file_name nor hf_hub_url in dataset_info.json",
                  "give the data set a file_name or an hf_hub_url")
+        return {}
+    if spec.get("file_name") and not Path(source).exists():
+        r.refuse(("dataset",), f"{name!r}: its file_name {spec['file_name']} is not in {folder} ({source} does not exist)",
+                 f"put the file in {folder}, or correct file_name in {folder / 'dataset_info.json'}")
         return {}
     entry = {"name": name, "source": source}
     for key, target in (("subset", "subset"), ("split", "split")):

@@ -31,23 +31,35 @@ class ToolReader:
         self.used: set[str] = set()
         self.blocks = Blocks()
 
+    def _reading(self, key: str) -> None:
+        """The key being read, for a value of the wrong type met while converting it (tool_reading.py)."""
+        self.used.add(key)
+        self.c.reading = (key,)
+
     def get(self, key: str, default: Any = None) -> Any:
         """The file's value (marked as read), or `default` when absent or null."""
-        self.used.add(key)
+        self._reading(key)
         value = self.data.get(key)
         return default if value is None else value
 
     def given(self, key: str) -> bool:
-        self.used.add(key)
+        self._reading(key)
         return self.data.get(key) is not None
 
     def put(self, target: str, value: Any, *path: str) -> None:
         self.c.set(target, value, *path)
 
     def put_key(self, key: str, target: str, convert=lambda v: v) -> None:
-        """The file's `key`, when set, as `target` (converted)."""
-        if self.given(key):
-            self.put(target, convert(self.data[key]), key)
+        """The file's `key`, when set, as `target` (converted). A number Python would convert
+        wrongly without a word (`true` as 1, 16.5 as 16) is refused by the file's key."""
+        if not self.given(key):
+            return
+        value = self.data[key]
+        if convert in (int, float) and isinstance(value, bool):
+            return self.refuse((key,), f"{value!r} is not a number", f"give {key} a number")
+        if convert is int and isinstance(value, float) and not value.is_integer():
+            return self.refuse((key,), f"{value!r} is not a whole number", f"give {key} a whole number")
+        self.put(target, convert(value), key)
 
     def default(self, target: str, value: Any, why: str) -> None:
         """A value the tool takes when its file is silent, and overdrive's default differs: carried explicitly."""

@@ -20,6 +20,36 @@ from overdrive.interop.tool_common import Blocks
 TOOLS = {"axolotl": axolotl, "llamafactory": llamafactory, "torchtune": torchtune}
 
 
+# Keys one tool writes and the others do not: a file holding two tools' keys is refused, never read
+# as one of them with the other's keys set aside as "no counterpart".
+OWN_KEYS = {
+    "axolotl": {"base_model", "datasets", "sequence_len", "sample_packing", "lora_r", "lora_target_linear",
+                "pretraining_dataset", "val_set_size", "lora_model_dir"},
+    "llamafactory": {"model_name_or_path", "finetuning_type", "cutoff_len", "lora_rank", "lora_target",
+                     "dataset_dir", "quantization_bit", "stage"},
+}
+
+
+def _tools_in(data: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Each tool whose own keys the file holds, with those keys (torchtune: its _component_ blocks)."""
+    found = {kind: sorted(keys & set(data)) for kind, keys in OWN_KEYS.items()}
+    found["torchtune"] = sorted(k for k, v in data.items() if isinstance(v, Mapping) and "_component_" in v)
+    return {kind: keys for kind, keys in found.items() if keys}
+
+
+def _mixed(loaded: LoadedFile, kind: str, c) -> bool:
+    """A file of `kind` that also holds another tool's own keys: refused by the first of them."""
+    others = {k: keys for k, keys in _tools_in(loaded.data).items() if k != kind}
+    if not others:
+        return False
+    mine = _tools_in(loaded.data).get(kind, [])
+    for other, keys in others.items():
+        c.error((keys[0],), f"this file holds keys of two tools: {TOOLS[kind].TOOL} ({', '.join(mine[:4]) or kind}) "
+                f"and {TOOLS[other].TOOL} ({', '.join(keys[:4])}); overdrive will not guess which one it is",
+                f"keep one tool's keys: the {TOOLS[kind].TOOL} ones or the {TOOLS[other].TOOL} ones")
+    return True
+
+
 def detect_kind(data: Mapping[str, Any]) -> str:
     """`axolotl`, `llamafactory`, `torchtune`, else what interop/reading.detect_kind says."""
     for kind, module in TOOLS.items():
@@ -36,7 +66,16 @@ def map_file(loaded: LoadedFile, kind: str, layer: str):
         return reading.Origin(layer, str(loaded.path), loaded.line(*path) or None)
 
     collector = reading._Collector(origin_for, lambda path: loaded.where(*path), native=kind)
-    blocks = TOOLS[kind].read(loaded.data, collector, str(loaded.path))
+    if _mixed(loaded, kind, collector):
+        return collector.out
+    try:
+        blocks = TOOLS[kind].read(loaded.data, collector, str(loaded.path))
+    except (ValueError, TypeError, AttributeError) as error:  # a value of another type than the tool's
+        key = getattr(collector, "reading", ())
+        value = loaded.data.get(key[0]) if key else None
+        collector.error(key, f"{value!r} is not a value {TOOLS[kind].TOOL} accepts here ({error})",
+                        f"give {'.'.join(key) or 'the key'} a value of the type {TOOLS[kind].TOOL} documents")
+        return collector.out
     _fsdp(blocks, collector)
     _deepspeed(blocks, collector, loaded, layer)
     return collector.out

@@ -108,6 +108,49 @@ def exit_code(error: Any) -> int:
     return 2 if error.failures[first_failure(error.failures)].exitcode == 2 else 1
 
 
+_RENDEZVOUS_ERRORS = ("DistNetworkError", "DistStoreError", "RendezvousError", "RendezvousConnectionError",
+                      "RendezvousTimeoutError", "RendezvousClosedError", "RendezvousStateError")
+
+
+def rendezvous_failure(error: BaseException, args: Any) -> Optional[str]:
+    """A failure of the rendezvous (the store's port taken, the store unreachable) as one line
+    naming the port and launch.main_process_port, or None for any other error."""
+    chain, seen = [], error
+    while seen is not None and len(chain) < 8:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    if not any(type(e).__name__ in _RENDEZVOUS_ERRORS for e in chain):
+        return None
+    return _rendezvous_line(next((str(e) for e in chain if "EADDRINUSE" in str(e)), str(chain[-1])), args)
+
+
+def worker_rendezvous_failure(error: Any, args: Any) -> Optional[str]:
+    """A worker that failed in the rendezvous (its process group's store): the same one line,
+    instead of its traceback."""
+    message, callstack = _error_text(error.failures[first_failure(error.failures)])
+    text = message + "\n" + callstack
+    # Not a bare DistNetworkError: gloo raises it too when a peer dies in a collective, whose
+    # cause is that peer, said by describe().
+    marks = ("EADDRINUSE", "TCPStore", "DistStoreError", "RendezvousError", "RendezvousConnectionError",
+             "RendezvousTimeoutError")
+    if not any(mark in text for mark in marks):
+        return None
+    lines = [line for line in text.splitlines() if any(mark in line for mark in marks)]
+    return _rendezvous_line(lines[-1].split(":", 1)[-1] if lines else message, args)
+
+
+def _rendezvous_line(reason: str, args: Any) -> str:
+    endpoint = getattr(args, "rdzv_endpoint", "") or ""
+    port = endpoint.rpartition(":")[2] if endpoint else str(getattr(args, "master_port", "") or "")
+    where = f"port {port}" if port not in ("", "0") else "the port the rendezvous took for itself"
+    busy = "EADDRINUSE" in reason
+    what = (f"{where} was taken by another job before the rendezvous could bind it" if busy
+            else f"the rendezvous on {where} failed: {(reason.strip().splitlines() or [''])[0][:200]}")
+    fix = ("choose a free port, or remove launch.main_process_port: a one-machine job then takes a port no other "
+           "job can take" if busy else "check launch.main_process_ip and launch.main_process_port on every machine")
+    return f"overdrive: launch.main_process_port: {what}\n    fix: {fix}"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from overdrive.launch import lifetime
 
@@ -120,13 +163,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         run(args)
     except ChildFailedError as error:
-        print(describe(error, _local_world(args)), file=sys.stderr, flush=True)
-        return exit_code(error)
+        said = worker_rendezvous_failure(error, args)
+        print(said or describe(error, _local_world(args)), file=sys.stderr, flush=True)
+        return 2 if said else exit_code(error)
     except SignalException as stop:
         # The agent has already passed the signal on to the workers and waited for them.
         return 128 + int(stop.sigval)
+    except Exception as error:  # a rendezvous failure said by its port and key, never torch's traceback
+        said = rendezvous_failure(error, args)
+        if said is None:
+            raise
+        print(said, file=sys.stderr, flush=True)
+        return 2
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -46,14 +46,25 @@ def _output_mount(job: Job) -> str:
     return posixpath.normpath(str(out if out.is_absolute() else PurePosixPath(WORKDIR) / out))
 
 
+# The image's own directories: a volume mounted over one (or over a folder that holds one) hides what
+# the container runs (Python, its libraries, the shell), and the job dies before it starts.
+SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/opt", "/proc", "/root", "/run",
+               "/sbin", "/sys", "/usr", "/var")
+
+
 def problems(job: Job) -> list[Problem]:
-    """An output_dir the volume claim cannot be mounted at: the root, or on the config's own mount."""
+    """An output_dir the volume claim cannot be mounted at: the root, the config's own mount, the
+    image's system directories, or the working directory itself."""
     mount = _output_mount(job)
     inside = lambda a, b: a == b or a.startswith(b.rstrip("/") + "/")  # noqa: E731
-    if mount == "/" or inside(mount, CONFIG_DIR) or inside(CONFIG_DIR, mount):
-        return [Problem("output_dir", f"{job.config.output_dir} is mounted at {mount}, which "
-                        + ("is the container's root" if mount == "/" else f"overlaps the config's mount {CONFIG_DIR}"),
-                        fix=f"use a directory of its own, e.g. output_dir=/data/run or a relative path (under {WORKDIR})")]
+    system = next((d for d in SYSTEM_DIRS if inside(mount, d)), None)
+    if mount == "/" or inside(mount, CONFIG_DIR) or inside(CONFIG_DIR, mount) or system or mount == WORKDIR:
+        why = ("is the container's root" if mount == "/" else f"is the image's {system}" if system
+               else f"is the working directory {WORKDIR}" if mount == WORKDIR
+               else f"overlaps the config's mount {CONFIG_DIR}")
+        return [Problem("output_dir", f"{job.config.output_dir} is mounted at {mount}, which {why}: the volume "
+                        "would hide what is there", fix=f"use a directory of its own, e.g. output_dir=/data/run or "
+                        f"a relative path under {WORKDIR} (runs/my-run)")]
     return []
 
 

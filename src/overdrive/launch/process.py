@@ -8,7 +8,6 @@ notebook) the way the launcher prepares a worker.
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any, Mapping, Optional
 
 from overdrive.config.schema import RunConfig
@@ -46,12 +45,6 @@ def needs_launcher(cfg: RunConfig) -> bool:
 def inside_worker() -> bool:
     """True in a process started by torch.distributed.run (or any launcher setting ranks)."""
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def process_env(cfg: RunConfig, elsewhere: bool = False) -> dict[str, str]:
@@ -124,8 +117,10 @@ def prepare_this_process(cfg: RunConfig) -> None:
     for key, value in cpu.worker_env(cfg).items():
         os.environ.setdefault(key, value)
     if registry.of(cfg).always_grouped and not inside_worker() and "RANK" not in os.environ:
+        # Port 0: the group's store binds a port of its own and keeps it (a port checked free and
+        # bound later can be taken by another job in between); nobody else needs to find it.
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
 
 
 def build_accelerator(cfg: RunConfig, world_size: Optional[int] = None, **extra_kwargs: Any):

@@ -19,7 +19,8 @@ from typing import Any, Sequence
 
 from overdrive.config.schema import RunConfig
 from overdrive.launch.process import secrets_env, STRIPPED_PREFIXES, process_env
-from overdrive.launch.workers import agent_command, check, local_port, resolved_path, run_agent, worker_command
+from overdrive.launch.workers import (agent_command, check, own_port, port_chosen, refuse_busy_port, resolved_path,
+                                     run_agent, worker_command)
 from overdrive.strategies import registry
 
 
@@ -60,7 +61,7 @@ def user_script_env(cfg: RunConfig, files_dir: Path) -> dict[str, str]:
         args, defaults, _ = _validate_launch_command(args)
         # Only ever started by us, on a port chosen by the config: skip their port probe.
         args.main_process_port = cfg.launch.main_process_port
-        with warnings.catch_warnings():  # the launcher picks a free port itself (workers.local_port)
+        with warnings.catch_warnings():  # the launcher's rendezvous takes its own port (workers.own_port)
             warnings.filterwarnings("ignore", message=r"Port `\d+` is already in use")
             if args.use_deepspeed:
                 args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config) if defaults else ""
@@ -98,13 +99,15 @@ def launch_script(resolved: Any, script: str, script_args: Sequence[str]) -> int
                                 "loop; a user's script gets a plain data-parallel config",
                                 fix="set parallel.ep_size=1 here, and pass DistributedConfig(ep_size=...) to the "
                                     "script's from_pretrained; or train with `overdrive train`"), title="cannot launch")
-    cfg = local_port(cfg)
+    chosen = port_chosen(resolved)
+    refuse_busy_port(cfg, chosen)
     files_dir = Path(cfg.output_dir) / "launch"
     env = user_script_env(cfg, files_dir)
     env.update(secrets_env(cfg))  # the resolved file below holds them masked
     path = files_dir / resolved_path(cfg).name
     path.write_text(resolved.to_json())
-    return run_agent(agent_command(cfg, worker_command("launch", path, script, *script_args)), env)
+    return run_agent(agent_command(cfg, worker_command("launch", path, script, *script_args), own=own_port(cfg, chosen)),
+                     env)
 
 
 def run_user_script(resolved_file: str, script: str, script_args: Sequence[str]) -> int:

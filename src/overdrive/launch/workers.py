@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -28,7 +29,7 @@ from overdrive.config.schema import RunConfig
 from overdrive.resolving.validate import launch_rules  # the same rules `overdrive explain` applies
 from overdrive.errors import Problem, UserError
 from overdrive.launch import lifetime, membership
-from overdrive.launch.process import free_port, local_processes, needs_launcher, secrets_env, worker_environment
+from overdrive.launch.process import local_processes, needs_launcher, secrets_env, worker_environment
 
 
 # --------------------------------------------------------------------------- checks
@@ -61,27 +62,47 @@ def port_in_use(port: int) -> bool:
     return False
 
 
-def local_port(cfg: RunConfig) -> RunConfig:
-    """One machine: nobody else needs to know the rendezvous port, so a busy one (another
-    run on this machine) is swapped for a free one instead of failing inside torchrun."""
+def port_chosen(resolved: Any) -> bool:
+    """Whether launch.main_process_port was set by someone (a file, a variable, a key=value),
+    rather than left at its default."""
+    origin = (getattr(resolved, "origins", None) or {}).get("launch.main_process_port")
+    return origin is not None and origin.layer != "default"
+
+
+def own_port(cfg: RunConfig, chosen: bool) -> bool:
+    """One machine, a port nobody chose: the rendezvous store binds port 0 and holds the port
+    the system gives it, and the workers learn it from the agent (torchrun's standalone mode).
+    Checking a port free and binding it later lets another job take it in between."""
+    return cfg.launch.num_machines == 1 and not chosen and not membership.is_elastic(cfg)
+
+
+def refuse_busy_port(cfg: RunConfig, chosen: bool) -> None:
+    """A port the user chose on one machine that another job holds: refused by its key before
+    anything starts, rather than inside torchrun."""
     launch = cfg.launch
-    if launch.num_machines > 1 or not port_in_use(launch.main_process_port):
-        return cfg
-    port = free_port()
-    print(f"overdrive: port {launch.main_process_port} is in use; rendezvous on {port} instead "
-          "(set launch.main_process_port to choose)", file=sys.stderr)
-    return cfg.model_copy(update={"launch": launch.model_copy(update={"main_process_port": port})})
+    if launch.num_machines == 1 and chosen and port_in_use(launch.main_process_port):
+        raise UserError(Problem("launch.main_process_port", f"port {launch.main_process_port} is in use on this "
+                                "machine (another job holds it)", fix="choose another port, or remove the key: "
+                                "a one-machine job then takes a port no other job can take"), title="cannot launch")
 
 
-def torchrun_args(cfg: RunConfig, rendezvous: Optional[str] = None, regrouping: bool = False) -> list[str]:
+def torchrun_args(cfg: RunConfig, rendezvous: Optional[str] = None, regrouping: bool = False,
+                  own: bool = False) -> list[str]:
     """Arguments for torch.distributed.run (before the worker command). `regrouping`: a new
-    rendezvous of the machines still there, after one left (launch.min_machines)."""
+    rendezvous of the machines still there, after one left (launch.min_machines). `own`: the
+    rendezvous takes a port of its own (`own_port`)."""
     launch = cfg.launch
     backend = "c10d" if membership.is_elastic(cfg) else (rendezvous or launch.rdzv_backend)
     args = ["--nnodes", membership.nnodes(cfg, regrouping), "--nproc-per-node", str(local_processes(cfg)),
             "--max-restarts", str(launch.max_restarts), "--monitor-interval", str(launch.monitor_interval)]
     address = launch.main_process_ip or "127.0.0.1"
-    if backend == "c10d":
+    if own:
+        # Port 0: the store binds whatever port the system gives it and keeps it; the agent hands
+        # that port (its shared store's) to the workers as MASTER_PORT. A run id of its own, so
+        # no two jobs on this machine can meet in one rendezvous.
+        args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id",
+                 f"overdrive-{uuid.uuid4().hex[:12]}", "--local-addr", "127.0.0.1"]
+    elif backend == "c10d":
         # Elastic: ranks are assigned by the rendezvous, so no machine needs to know its own.
         args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{address}:{launch.main_process_port}",
                  "--rdzv-id", launch.rdzv_id]
@@ -109,10 +130,11 @@ def train_worker(resolved_path: str | Path) -> list[str]:
     return worker_command("train", resolved_path)
 
 
-def agent_command(cfg: RunConfig, worker: Sequence[str], regrouping: bool = False) -> list[str]:
+def agent_command(cfg: RunConfig, worker: Sequence[str], regrouping: bool = False, own: bool = False) -> list[str]:
     """overdrive.launch.elastic (torch.distributed.run ending with one line naming a failed rank)
-    starting `worker` on this machine's ranks."""
-    return [sys.executable, "-m", "overdrive.launch.elastic", *torchrun_args(cfg, regrouping=regrouping), *worker]
+    starting `worker` on this machine's ranks (`own`: on a port of the rendezvous' own)."""
+    return [sys.executable, "-m", "overdrive.launch.elastic", *torchrun_args(cfg, regrouping=regrouping, own=own),
+            *worker]
 
 
 def run_on_ranks(resolved: Any, entry: str, here: Callable[[Any], int], *args: str) -> int:
@@ -139,6 +161,8 @@ def launch_workers(resolved: Any, worker: Optional[Sequence[str]] = None,
     """
     cfg: RunConfig = resolved.config
     check(cfg)
+    chosen = port_chosen(resolved)
+    refuse_busy_port(cfg, chosen)
     path = resolved_path(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(resolved.to_json())  # secrets masked: the workers get them in their environment
@@ -154,7 +178,8 @@ def launch_workers(resolved: Any, worker: Optional[Sequence[str]] = None,
     allowed = membership.regroups_allowed(cfg)
     regrouping = False
     for attempt in range(allowed + 1):
-        command = agent_command(local_port(once), worker if worker is not None else train_worker(path), regrouping)
+        command = agent_command(once, worker if worker is not None else train_worker(path), regrouping,
+                                own=own_port(cfg, chosen))
         code, hang = watched(cfg, lambda: run_agent(command, env))
         if hang:
             code = code if code >= 128 else 1

@@ -70,3 +70,13 @@ def stages(cfg: ConfigLike, shape: ModelShape, target: str = "cuda") -> dict[str
     return {"pp_size": pp, "schedule": name, "microbatches": m, "stages_per_rank": per_rank,
             "samples_per_microbatch": samples, "bubble_fraction": rules.bubble_fraction(pp, m, per_rank),
             "ranks": ranks}
+
+
+def fits(stages: dict[str, Any], cap: Any, headroom: float, local_processes: int) -> bool:
+    """The pipeline layout's own verdict (not a data-parallel row's): each stage rank's memory
+    against one device with `headroom` left; on the CPU every local rank draws on one RAM."""
+    totals = [r["total_bytes"] for r in stages["ranks"]]
+    if cap.kind == "host":
+        share = sum(totals) / max(len(totals), 1) * max(local_processes, 1)
+        return share <= cap.host_bytes * (1 - headroom)
+    return max(totals) <= cap.device_bytes * (1 - headroom)

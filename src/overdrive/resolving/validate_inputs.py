@@ -13,9 +13,36 @@ from overdrive.errors import Problem
 if TYPE_CHECKING:
     from overdrive.config.schema import RunConfig
 
+# What a run replaces whole inside output_dir: an input in one of them is gone at the run's end.
+REPLACED = ("model", "merged", "checkpoints")
+
+
+def _output_over_inputs(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
+    """output_dir never is, nor lies inside, a place the run reads (the base model, the adapter
+    continued, a local data set), and no input lies in the folders the run replaces whole:
+    the run would write over what it trains from (storage/overlap.py, every writer's rule)."""
+    from pathlib import Path
+
+    from overdrive.storage.overlap import local_input, relation
+
+    inputs = {"model.name_or_path": cfg.model.name_or_path, "peft.adapter_path": cfg.peft.adapter_path,
+              "data.source": cfg.data.source}
+    problems = []
+    for key, value in inputs.items():
+        given = local_input(value) if isinstance(value, str) else None
+        if given is None:
+            continue
+        how = relation(cfg.output_dir, given)
+        replaced = next((name for name in REPLACED if relation(Path(cfg.output_dir) / name, given)), None)
+        if how in ("is", "lies inside") or replaced:
+            said = f"{how} {key}" if how in ("is", "lies inside") else f"holds {key} in {replaced}/, which the run replaces"
+            problems.append(Problem("output_dir", f"{cfg.output_dir} {said} ({value}): the run would write over "
+                                    "what it reads", where("output_dir"), f"give a new output_dir, or move {key}"))
+    return problems
+
 
 def input_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
-    return _cache_dir(cfg, where) + _mixture_kinds(cfg, where) + _eval_inputs(cfg, where)
+    return _cache_dir(cfg, where) + _mixture_kinds(cfg, where) + _eval_inputs(cfg, where) + _output_over_inputs(cfg, where)
 
 
 def _cache_dir(cfg: RunConfig, where) -> list[Problem]:

@@ -37,7 +37,11 @@ def preference_rules(cfg: RunConfig, where: Callable[[str], str],
         errors.append(Problem("model.task", f"preference.method={p.method} trains a "
                               f"{'scalar head' if p.method == 'reward' else 'causal LM'}", where("model.task"),
                               f"set model.task={task}"))
-    if not (cfg.model.name_or_path and not cfg.model.from_scratch):
+    if cfg.model.name_or_path and cfg.model.from_scratch:  # the model is named: the key to change is from_scratch
+        errors.append(Problem("model.from_scratch", f"{p.method} aligns a pretrained model, but model.from_scratch "
+                              f"builds {cfg.model.name_or_path}'s architecture with random weights",
+                              where("model.from_scratch"), "set model.from_scratch=false to load its weights"))
+    elif not cfg.model.name_or_path:
         errors.append(Problem("model.name_or_path", f"{p.method} aligns a pretrained model, but the model starts "
                               "from random weights", where("preference.method"),
                               "set model.name_or_path to a save_pretrained directory or hub name"))

@@ -116,7 +116,15 @@ def apply(cfg: RunConfig, model, gradient_checkpointing: bool = False):
     if cfg.peft.adapter_path:  # an adapter that exists, trained on (its config checked by resolving/validate_adapter.py)
         from peft import PeftModel
 
-        return PeftModel.from_pretrained(model, str(Path(cfg.peft.adapter_path).expanduser()), is_trainable=True)
+        from overdrive.hf.adapter_fit import fit_problems, model_type_problems
+
+        adapter = Path(cfg.peft.adapter_path).expanduser()
+        base = f"{cfg.model.name_or_path} (model.name_or_path)"
+        misfit = model_type_problems(model, adapter, lora.adapter_config(str(adapter)), "peft.adapter_path", base) or \
+            fit_problems(model, adapter, "peft.adapter_path", base)
+        if misfit:
+            raise UserError(misfit)
+        return PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
     return get_peft_model(model, lora_config(cfg))
 
 

@@ -281,9 +281,9 @@ class Loop:
         counts = self.guard.read()  # steps skipped since the last log
         state.nonfinite_in_a_row = counts.in_a_row
         record = {**self._record(loss_value), **counts.record(), **self.spikes.record(),
-                  "elapsed_s": self.throughput.elapsed(),
-                  "loss_tokens": self.loss_tokens.read(acc), **self.observe.fields(),
-                  **self.parts.objective.read()}
+                  "elapsed_s": self.throughput.elapsed(), "loss_tokens": self.loss_tokens.read(acc),
+                  **self.observe.fields(), **self.parts.peak.fields(), **self.parts.objective.read()}
+        record["loss_tokens_per_s"] = self.throughput.rate_of(record["loss_tokens"])
         if counts.note(state.step):
             self.progress.print(counts.note(state.step))
         self.metrics.write(record)

@@ -139,7 +139,7 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
     fpt = telemetry.flops_per_token(model_mod.flop_params(model) - idle[0], layers, width, d.max_length,
                                     frozen_params=model_mod.flop_params(model, frozen=True) - idle[1])
     model = strategies.split_model(model, accelerator, cfg)  # tensor and expert parallel, when the layout has them
-    notes = adapter.notes(cfg, model) + master_weights.note(upcast)
+    notes = adapter.notes(cfg, model) + master_weights.note(upcast) + _passes(cfg, tokens.train, split.global_batch)
     eval_loader = None
     if tokens.validation is not None:
         # A fixed leading subset: evaluations are comparable across steps, and the loader is
@@ -187,6 +187,12 @@ def _counted_from_data(cfg: RunConfig, train, global_batch: int):
     except ValueError as error:
         raise UserError(Problem("training.num_epochs", str(error), fix="give more data, or lower "
                                 "training.micro_batch_size / gradient_accumulation_steps")) from None
+
+
+def _passes(cfg: RunConfig, train, global_batch: int) -> list[str]:
+    from overdrive.config.length import passes_note
+
+    return passes_note(cfg, sum(train.sizes) if hasattr(train, "sizes") else len(train), global_batch)
 
 
 def _maybe_compile(model, cfg: RunConfig, accelerator):

@@ -101,6 +101,10 @@ def measure_matmul_flops(dtype: torch.dtype = torch.float32, sizes=(512, 1024, 2
 
 
 def cpu_peak_flops(dtype: torch.dtype, cache_dir: Optional[Path]) -> float:
+    return cpu_peak(dtype, cache_dir)[0]
+
+
+def cpu_peak(dtype: torch.dtype, cache_dir: Optional[Path]) -> tuple[float, str]:
     """Measured CPU matmul peak, cached per (CPU, threads, dtype, torch) in `cache_dir`.
 
     A measurement taken while other processes share the cores comes out low (and MFU then
@@ -122,19 +126,27 @@ def cpu_peak_flops(dtype: torch.dtype, cache_dir: Optional[Path]) -> float:
         if path:
             with contextlib.suppress(OSError):  # a read-only or full cache: the measurement is only not kept
                 replace_whole(path, json.dumps(cache, indent=1))
-    return cache[key]
+        return cache[key], "measured"
+    return cache[key], "cached"  # an earlier run measured more than this run's probe
 
 
 def device_peak_flops(device: torch.device, mixed_precision: str, cache_dir: Optional[Path]) -> Optional[float]:
     """Peak FLOPs/s of one device, or None when unknown (MFU is then not reported)."""
+    return device_peak(device, mixed_precision, cache_dir)[0]
+
+
+def device_peak(device: torch.device, mixed_precision: str, cache_dir: Optional[Path]) -> tuple[Optional[float], str]:
+    """(peak FLOPs/s, where it came from: "data sheet", "measured" by this run, "cached" from an
+    earlier run's measurement), or (None, "") when unknown."""
     if device.type == "cuda":
-        return gpu_peak_flops(torch.cuda.get_device_name(device), mixed_precision)
+        flops = gpu_peak_flops(torch.cuda.get_device_name(device), mixed_precision)
+        return flops, "data sheet" if flops else ""
     if device.type == "cpu":
         from overdrive.training.model import autocast_dtype
 
         dtype = autocast_dtype(mixed_precision) or torch.float32
-        return cpu_peak_flops(dtype, cache_dir)
-    return None
+        return cpu_peak(dtype, cache_dir)
+    return None, ""
 
 
 class DevicePeak:
@@ -149,7 +161,7 @@ class DevicePeak:
 
     def __init__(self, device: torch.device, mixed_precision: str, cache_dir: Optional[Path]):
         self.device, self.mixed_precision, self.cache_dir = device, mixed_precision, cache_dir
-        self.flops = device_peak_flops(device, mixed_precision, cache_dir)
+        self.flops, self.source = device_peak(device, mixed_precision, cache_dir)
         self.may_remeasure = device.type == "cpu"
 
     def mfu(self, achieved_flops: float) -> Optional[float]:
@@ -157,8 +169,15 @@ class DevicePeak:
             return None
         if achieved_flops > self.flops and self.may_remeasure:
             self.may_remeasure = False
-            self.flops = max(self.flops, device_peak_flops(self.device, self.mixed_precision, self.cache_dir) or 0.0)
+            again, source = device_peak(self.device, self.mixed_precision, self.cache_dir)
+            if again is not None and again > self.flops:
+                self.flops, self.source = again, source
         return achieved_flops / self.flops
+
+    def fields(self) -> dict:
+        """metrics.jsonl's record of the peak MFU is taken against: its FLOPs/s and its source
+        (a CPU's peak measured under another job's load reads low, and MFU high)."""
+        return {"peak_flops": self.flops, "peak_flops_source": self.source or None}
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -186,9 +205,16 @@ class Throughput:
     def read(self) -> float:
         """Tokens/s since the previous read. Call after a sync point (e.g. loss.item())."""
         now = self.clock()
-        rate = self.window_tokens / max(now - self.window_start, 1e-9)
+        self.window_s = max(now - self.window_start, 1e-9)
+        rate = self.window_tokens / self.window_s
         self.window_start, self.window_tokens = now, 0
         return rate
+
+    def rate_of(self, count: Optional[float]) -> Optional[float]:
+        """`count` (tokens in the loss, all ranks) per second over the window the last read closed:
+        beside tokens_per_s, which counts every input token, padding included."""
+        seconds = getattr(self, "window_s", None)
+        return None if count is None or not seconds else count / seconds
 
     def elapsed(self) -> float:
         return self.clock() - self.start
@@ -254,12 +280,21 @@ def _format(values: Mapping[str, Any]) -> str:
                      ("tokens_per_s", "{:,.0f} tok/s"), ("mfu", "mfu {:.1%}")):
         if values.get(key) is not None:
             parts.append(fmt.format(values[key]))
+            if key == "tokens_per_s" and _few_in_the_loss(values):
+                # tok/s counts every input token, padding and prompts included: a chat run with short
+                # answers looks busy. The rate of what trains, beside it, when it is much lower.
+                parts[-1] += f" ({values['loss_tokens_per_s']:,.0f} in the loss)"
     # The benchmarks of eval.tasks (`eval/<task>/<metric>`), their stderr left to metrics.jsonl.
     from overdrive.config.schema_eval import BENCHMARK_PREFIX, is_benchmark_metric
 
     parts += [f"{key[len(BENCHMARK_PREFIX):]} {value:.4g}" for key, value in values.items()
               if is_benchmark_metric(key) and not key.endswith("_stderr") and isinstance(value, (int, float))]
     return "  ".join(parts)
+
+
+def _few_in_the_loss(values: Mapping[str, Any]) -> bool:
+    rate, total = values.get("loss_tokens_per_s"), values.get("tokens_per_s")
+    return rate is not None and bool(total) and rate < 0.9 * total
 
 
 def resolve_trackers(requested: list[str]) -> list[str]:
