@@ -168,3 +168,23 @@ def test_context_parallel_explained_on_a_machine_that_cannot_run_it_is_refused_a
     assert cli.main(["explain", *items]) == 2
     assert "parallel.cp_size:" in capsys.readouterr().err
     assert cli.main(["explain", *items, "launch.gpus_per_machine=2"]) == 0  # explained for GPU machines
+
+
+def test_a_pipeline_step_padded_to_one_length_gives_the_token_mean_of_the_unpadded_micro_batches():
+    """The pipeline's forward-backward pads each micro-batch to data.max_length (one tensor to split,
+    stage messages of one size) and its last stage's loss of each microbatch is the summed token loss
+    over the step's tokens: the shares add up to the one-process step loss of the unpadded rows."""
+    from overdrive.training.pipeline import Pipeline, StepTokenMean
+
+    model = _tiny()
+    batch = _rows("chat")
+    micro_batches = [{k: v[i:i + 2, : 6 + i] for k, v in batch.items()} for i in range(0, ROWS, 2)]  # ragged lengths
+    expected = _step_loss(TokenObjective("causal-lm"), model, micro_batches)
+    stage = SimpleNamespace(length=LENGTH + 4, pad_id=0)
+    input_ids, labels = Pipeline.padded(stage, micro_batches)
+    assert input_ids.shape == (ROWS, LENGTH + 4)
+    loss = StepTokenMean()
+    loss.tokens = sum(step_loss.loss_token_count(b) for b in micro_batches)
+    with torch.no_grad():
+        got = sum(loss(model(input_ids=input_ids[i:i + 2]).logits, labels[i:i + 2]) for i in range(0, ROWS, 2))
+    assert float(got) == pytest.approx(expected, rel=1e-5)
