@@ -123,3 +123,11 @@ def make_preference_data(path: Path, rows: int = 64, seed: int = 0, prompt_lette
                 row = {"prompt": prompt + " ", "chosen": chosen, "rejected": rejected}
             f.write(json.dumps(row) + "\n")
     return path
+
+
+def tree_hash(directory: Path) -> dict[str, str]:
+    """Each file under `directory` by its sha256: what "left byte for byte" is checked against."""
+    import hashlib
+
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}

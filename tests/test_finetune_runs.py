@@ -9,13 +9,12 @@ processes at the same global batch, the prompt trained on, a run killed and resu
 
 from __future__ import annotations
 
-import hashlib
 import math
 from pathlib import Path
 
 import pytest
 from checkpoint_probe import checkpoint_then, finish, kill_group, losses, records, run, start, wait_for
-from hf_fixtures import make_chat_data, make_tiny_llama
+from hf_fixtures import make_chat_data, make_tiny_llama, tree_hash
 from strategy_probe import REPO, free_port
 
 pytestmark = pytest.mark.slow  # every test here starts processes and trains
@@ -29,10 +28,6 @@ RUN = ["data.format=chat", "data.max_length=64", "data.validation_fraction=0.1",
        "scheduler.warmup_steps=0", "precision.mixed_precision=no", "launch.use_cpu=true", "logging.trackers=[none]",
        "logging.progress=false"]
 
-
-def tree_hash(directory: Path) -> dict[str, str]:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")

@@ -4,21 +4,16 @@ adapter_config.json is read from the adapter's directory."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import pytest
 from conftest import run_cli, run_here
-from hf_fixtures import make_tiny_llama
+from hf_fixtures import make_tiny_llama, tree_hash
 
 from overdrive.errors import UserError
 from overdrive.storage.overlap import refuse_overlap, relation
 
-
-def _digest(folder: Path) -> dict:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +48,13 @@ def test_the_relation_of_an_output_to_an_input(tmp_path):
 
 @pytest.mark.slow
 def test_merge_into_its_own_adapter_is_refused_even_with_force(adapter):
-    before = _digest(adapter)
+    before = tree_hash(adapter)
     for extra in ([], ["--force"]):
         for output in (adapter, adapter / "merged", adapter.parent):
             result = run_cli("merge", str(adapter), "-o", str(output), *extra)
             assert result.returncode == 2, result.stderr[-2000:]
             assert "--output" in result.stderr and "ADAPTER" in result.stderr and "Traceback" not in result.stderr
-    assert _digest(adapter) == before
+    assert tree_hash(adapter) == before
 
 
 @pytest.mark.slow
