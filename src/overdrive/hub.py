@@ -206,7 +206,7 @@ def refuse_unreadable_names(cfg: RunConfig) -> None:
     refuse_if_unreadable("tokenizer.name_or_path", cfg.tokenizer.name_or_path, "tokenizer")
 
 
-def refuse_missing_data(cfg) -> None:
+def refuse_missing_data(cfg: RunConfig) -> None:
     """A data file the run reads that is not here: said before the libraries load, never as hub
     advice (`train`; explain, plan and export take a config meant for another machine)."""
     refuse_missing_local("data.source", cfg.data.source, "data set")

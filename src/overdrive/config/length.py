@@ -122,7 +122,7 @@ def derived(cfg: RunConfig, samples: int, global_batch: int):
 MANY_EPOCHS = 10  # passes over the data a max_steps makes before the run says so
 
 
-def passes_note(cfg, samples: int, global_batch: int) -> list[str]:
+def passes_note(cfg: RunConfig, samples: int, global_batch: int) -> list[str]:
     """A run whose training.max_steps (not num_epochs) makes many passes over its data, said at
     its start: 500 steps over 1,200 rows of a global batch of 1,200 is 500 epochs, which a user
     counting steps does not see (and the model learns the rows by heart)."""

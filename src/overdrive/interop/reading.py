@@ -242,9 +242,7 @@ def _map_accelerate_deepspeed(ds: Mapping[str, Any], c: _Collector, base_dir: Pa
             if value not in (None, "standard"):
                 c.warn(path + (key,), f"{value} ignored: overdrive launches with torch.distributed.run")
         elif key == "deepspeed_moe_layer_cls_names":
-            c.warn(path + (key,), "ignored: ZeRO-3 leaf modules keep a layer's experts gathered together when only "
-                   "some run; Transformers 5 stacks each layer's experts in one module, which ZeRO-3 gathers whole "
-                   "anyway (expert parallel itself is parallel.ep_size, with ddp)")
+            c.warn(path + (key,), "ignored: ZeRO-3 gathers Transformers 5's stacked experts whole (parallel.ep_size)")
         elif key == "deepspeed_config_file":
             continue
         elif target is None:

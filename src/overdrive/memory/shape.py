@@ -238,7 +238,7 @@ def _reference_copy(cfg: RunConfig) -> bool:
     return (p.method in WITH_REFERENCE or rl_reference) and cfg.peft.method == "none" and not p.precompute_reference
 
 
-def _generation_tokens(cfg) -> int:
+def _generation_tokens(cfg: RunConfig) -> int:
     if cfg.rl.method == "none":
         return 0
     return cfg.rl.num_generations * (cfg.data.max_length + cfg.rl.max_completion_length)

@@ -78,7 +78,7 @@ def _mixture_kinds(cfg: RunConfig, where) -> list[Problem]:
                     "make every source chat (data.format=chat, or each entry's format), or none")]
 
 
-def _eval_inputs(cfg, where) -> list[Problem]:
+def _eval_inputs(cfg: RunConfig, where) -> list[Problem]:
     """`eval.*` reads task files and a prompts file, and needs a model that writes text."""
     from overdrive.hf.benchmarks import INSTALL
     from overdrive.hf.generation import read_prompts

@@ -31,15 +31,19 @@ sequence or pipeline parallel, an adapter.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from overdrive.config.keys import dotted_value as _get
 from overdrive.config.mesh import layout as _mesh_layout
 from overdrive.errors import Problem
 from overdrive.strategies.registry import of
 
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
+    from overdrive.config.keys import ConfigLike
 
-def ep_size(cfg: Any) -> int:
+
+def ep_size(cfg: ConfigLike) -> int:
     """parallel.ep_size; 1 for a checkpoint's saved config from before the key existed."""
     try:
         return int(_get(cfg, "parallel.ep_size") or 1)
@@ -47,7 +51,7 @@ def ep_size(cfg: Any) -> int:
         return 1
 
 
-def problems(cfg: Any, world: Optional[int] = None) -> list[Problem]:
+def problems(cfg: ConfigLike, world: Optional[int] = None) -> list[Problem]:
     """The degrees and the composition, by key: ep within the data-parallel group (dividing its
     degree), DDP alone beside it, no adapter."""
     ep = ep_size(cfg)
@@ -73,7 +77,7 @@ def problems(cfg: Any, world: Optional[int] = None) -> list[Problem]:
     return found
 
 
-def model_problems(cfg: Any, hf_config: Any) -> list[Problem]:
+def model_problems(cfg: RunConfig, hf_config: Any) -> list[Problem]:
     """The model against ep_size: routed experts that divide by it, and an expert-parallel plan."""
     from overdrive.config.experts import experts_of
 
@@ -96,7 +100,7 @@ def model_problems(cfg: Any, hf_config: Any) -> list[Problem]:
     return found
 
 
-def split_experts(model: Any, accelerator: Any, cfg: Any) -> Any:
+def split_experts(model: Any, accelerator: Any, cfg: RunConfig) -> Any:
     """Each rank keeps its experts / ep_size of every MoE layer, reached by all-to-all (a no-op at ep_size 1)."""
     ep = ep_size(cfg)
     if ep == 1:

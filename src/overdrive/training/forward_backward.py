@@ -13,17 +13,30 @@ included, with the step's global unit counts `totals` (step_loss.py); the loop k
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
+from overdrive.config.batch import BatchSplit
+from overdrive.config.schema import RunConfig
 from overdrive.training import context_parallel, step_loss
 
-if TYPE_CHECKING:
-    from overdrive.training.loop import Loop
+
+class Books(Protocol):
+    """What a forward-backward asks of the loop that keeps the books (training/loop.py's Loop)."""
+
+    cfg: RunConfig
+    parts: Any  # training/parts.py's Parts: the accelerator, the model, the objective
+    split: BatchSplit
+    cp: int  # ranks that each take a slice of every sequence
+    observe: Any  # observe.RunObserver: where the step's time goes
+    spikes: Any  # training/loss_spikes.py: the step's loss, judged before the optimizer steps
+    oom: Any  # training/oom_retry.py: backward, with an out-of-memory error agreed over the ranks
+
+    def optimizer_update(self) -> None: ...
 
 
-def plain(loop: "Loop", micro_batches: list, totals: torch.Tensor) -> torch.Tensor:
+def plain(loop: Books, micro_batches: list, totals: torch.Tensor) -> torch.Tensor:
     """Forward and backward of each micro-batch; the optimizer steps at the last one (Accelerate's
     accumulation: its `optimizer.step` is a no-op until the gradients are synchronised)."""
     acc, model, objective = loop.parts.accelerator, loop.parts.model, loop.parts.objective

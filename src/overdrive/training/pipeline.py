@@ -23,7 +23,7 @@ Which rules the layout keeps: strategies/pipeline.py.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,11 +33,8 @@ from overdrive.strategies import pipeline as rules
 from overdrive.strategies import shards_parameters
 from overdrive.training import model as model_mod
 from overdrive.training import step_loss
+from overdrive.training.forward_backward import Books
 from overdrive.training.pipeline_stage import cut
-
-if TYPE_CHECKING:
-    from overdrive.training.loop import Loop
-
 
 def enabled(cfg: RunConfig) -> bool:
     return rules.pp_size(cfg) > 1
@@ -150,7 +147,7 @@ class Pipeline:
             labels.append(torch.nn.functional.pad(micro_batch["labels"], (0, short), value=step_loss.IGNORE))
         return torch.cat(ids), torch.cat(labels)
 
-    def forward_backward(self, loop: "Loop", micro_batches: list, totals: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, loop: Books, micro_batches: list, totals: torch.Tensor) -> torch.Tensor:
         """The step's forward-backward under stages (training/forward_backward.py's contract): the
         schedule over the microbatches, then the optimizer update; this replica's share of the loss."""
         input_ids, labels = self.padded(micro_batches)
