@@ -28,7 +28,7 @@ import torch
 from overdrive.config.fault_injection import Injection
 from overdrive.config.schema import RunConfig
 
-IGNORE = -100
+from overdrive.training.step_loss import IGNORE
 
 
 class LossSpikes:
