@@ -68,7 +68,7 @@ def test_every_layout_problem_at_once():
 def test_model_shape_rules_name_tp_and_sp():
     from transformers import GPT2Config, LlamaConfig
 
-    cfg = cfg_of("parallel.strategy=fsdp", "parallel.tp_size=4", "launch.num_processes=4")
+    cfg = cfg_of("parallel.strategy=ddp", "parallel.tp_size=4", "launch.num_processes=4")
     found = layout.model_problems(cfg, LlamaConfig(num_attention_heads=8, num_key_value_heads=2))
     assert [p.key for p in found] == ["parallel.tp_size"] and "2 KV heads" in found[0].message
     no_plan = layout.model_problems(cfg_of("parallel.tp_size=2", "launch.num_processes=2"), GPT2Config(n_head=4))
@@ -300,4 +300,4 @@ def test_sequence_parallel_is_refused_for_overdrives_own_loop():
     sp = cfg_of("parallel.strategy=deepspeed", "parallel.sp_size=2", "launch.num_processes=2")
     found = layout.loop_problems(sp)
     assert [p.key for p in found] == ["parallel.sp_size"] and "overdrive launch" in found[0].fix
-    assert layout.loop_problems(cfg_of("parallel.strategy=fsdp", "parallel.tp_size=2", "launch.num_processes=2")) == []
+    assert layout.loop_problems(cfg_of("parallel.strategy=ddp", "parallel.tp_size=2", "launch.num_processes=2")) == []

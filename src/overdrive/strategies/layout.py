@@ -90,6 +90,12 @@ def problems(cfg: ConfigLike, world: Optional[int] = None) -> list[Problem]:
         if lay.dp_replicate > 1 and lay.dp_shard == 1:
             found.append(Problem("parallel.dp_replicate_size", "replicas without shards are plain data parallel",
                                  fix="set parallel.strategy=ddp, or parallel.dp_shard_size > 1 for HSDP"))
+        elif lay.tp > 1 and lay.cp == 1 and lay.pp == 1 and world == given and p("dp_shard_size") in (None, 1):
+            # Accelerate raises inside prepare: "FSDP is enabled but the parallelism config has no dimension
+            # for FSDP to shard across".
+            found.append(Problem("parallel.tp_size", f"every one of the {world} processes is in the tensor-parallel "
+                                 "group, so FSDP2 has no ranks left to shard over", fix=f"set parallel.strategy=ddp "
+                                 f"for tensor parallel alone, or launch.num_processes={2 * world} (FSDP2 x TP)"))
     if lay.sp > 1 and strategy != "deepspeed":
         found.append(Problem("parallel.sp_size", f"sequence parallel (Ulysses/ALST) needs parallel.strategy=deepspeed, "
                              f"as Accelerate rules; it is {strategy}",
