@@ -34,6 +34,7 @@ from overdrive.storage import faults
 from overdrive.strategies import registry
 from overdrive.training import context_parallel, loss_scale, nonfinite, step_loss, telemetry
 from overdrive.training import pipeline as pipeline_training
+from overdrive.training import activation_offload, loss_kernels
 from overdrive.training.evaluation import evaluate
 from overdrive.training.loss_tokens import LossTokens
 from overdrive.training.loop_state import LoopState, TrainResult, batches  # noqa: F401  (asked for here too)
@@ -185,6 +186,8 @@ class Loop:
         self.guard.restore(state.nonfinite_in_a_row)
         self.scale_watch = loss_scale.ScaleWatch(acc.scaler)  # fp16: skips a fused optimizer hides from Accelerate
         self.outcome = Outcome(checkpoint=checkpoint)
+        self.loss_kernel = loss_kernels.for_run(cfg, acc.device)  # training.loss_kernel, auto settled
+        activation_offload.attach(parts.model, t.activation_offloading)
         self.grad_norm = None
         self.lr = 0.0
         self.after_first: Optional[tuple[float, int]] = None  # (time, tokens) at the first log: steady state
@@ -227,7 +230,7 @@ class Loop:
                     if objective is not None:  # preference pairs: the method's mean over this micro-batch's pairs
                         loss = objective(model, inputs) * objective.units(micro_batch) / count
                     else:
-                        loss = step_loss.summed_loss(model, inputs) / count  # this micro-batch's share of the mean
+                        loss = step_loss.summed_loss(model, inputs, self.loss_kernel) / count  # this micro-batch's share of the mean
                     self.observe.enter("backward")
                     acc.backward(loss * scale)  # undone by the accumulation and data-parallel averaging
                 self.observe.enter("optimizer")
@@ -310,7 +313,7 @@ class Loop:
 
     def evaluate(self) -> None:
         self.parts.recipe.eval_mode()  # a schedule-free optimizer is evaluated at its averaged point
-        values = evaluate(self.parts, self.cfg.model.task)
+        values = evaluate(self.parts, self.cfg.model.task, self.loss_kernel)
         self.parts.recipe.train_mode()
         self.metrics.write({"step": self.state.step, **values, "time": time.time()})
         self.parts.accelerator.log(values, step=self.state.step)
