@@ -54,9 +54,9 @@ def test_full_is_the_models_own_summed_loss():
 
 @pytest.mark.parametrize("kernel", ["chunked", "fused"])
 def test_kernel_gives_the_full_loss_and_gradients(kernel, monkeypatch):
-    from overdrive.training import loss_kernels
+    from overdrive.config import loss_kernel
 
-    monkeypatch.setattr(loss_kernels, "CHUNK_LOGITS_BYTES", 4 * VOCAB * 64)  # 64-token slices: several per row
+    monkeypatch.setattr(loss_kernel, "CHUNK_LOGITS_BYTES", 4 * VOCAB * 64)  # 64-token slices: several per row
     model, batch = _llama(), _batch()
     _assert_same(_loss_and_grads(model, batch, kernel), _loss_and_grads(model, batch, "full"))
 
@@ -120,3 +120,34 @@ def test_auto_keeps_the_models_own_loss_on_cpu():
     assert loss_kernel.chosen("auto", "cpu") == "full"
     assert loss_kernel.chosen("auto", "cuda") == ("fused" if loss_kernel.liger_installed() else "full")
     assert loss_kernel.chosen("chunked", "cpu") == "chunked"
+
+
+def test_estimate_counts_each_kernels_loss(tmp_path):
+    """At a 128k vocabulary the loss dominates `full`'s activations; `chunked` and `fused` count a
+    slice and the head's weight gradient (bench/bench_loss_kernel.py measures them within 10%)."""
+    import json
+    from dataclasses import replace
+
+    from overdrive.memory import estimate_row
+    from overdrive.memory.model_shape import model_shape, resolve_source
+    from overdrive.memory.shape import Setup
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": 256,
+        "intermediate_size": 688, "max_position_embeddings": 2048, "num_attention_heads": 4, "num_hidden_layers": 2,
+        "num_key_value_heads": 4, "tie_word_embeddings": False, "vocab_size": 128_256}))
+    shape = model_shape(resolve_source(str(tmp_path / "config.json"), []))
+    setup = Setup(precision="no", micro_batch=1, seq_len=2048, target="cpu")
+    rows = {k: estimate_row("ddp", shape, replace(setup, loss_kernel=k)) for k in ("full", "chunked", "fused")}
+    full = rows["full"].activations_bytes
+    assert full > 2047 * 128_256 * 12  # log-softmax, its gradient, the logits' gradient: fp32 each
+    for kernel in ("chunked", "fused"):
+        assert rows[kernel].activations_bytes < 0.15 * full
+        assert any(kernel in what for _, what, _ in rows[kernel].terms)
+    held = estimate_row("ddp", shape, replace(setup, logits_held=True)).activations_bytes
+    assert held - full == 2048 * 128_256 * 4  # a caller that holds the logits (preference methods)
+    # Offloading moves saved layers to the host on CUDA; on a CPU they are there already.
+    gpu = replace(setup, target="cuda", loss_kernel="chunked")
+    offloaded = estimate_row("ddp", shape, replace(gpu, activation_offloading=True))
+    assert offloaded.activations_bytes < estimate_row("ddp", shape, gpu).activations_bytes and offloaded.host_bytes > 0
+    assert estimate_row("ddp", shape, replace(setup, activation_offloading=True)).total_bytes == rows["full"].total_bytes

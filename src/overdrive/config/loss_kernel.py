@@ -14,6 +14,12 @@ from typing import Literal
 
 LossKernel = Literal["auto", "full", "chunked", "fused"]
 KERNELS: tuple[str, ...] = ("auto", "full", "chunked", "fused")
+CHUNK_LOGITS_BYTES = 64 * 2**20  # one slice's fp32 logits under `chunked`: 130 tokens at a 128k vocabulary
+
+
+def chunk_tokens(vocab: int) -> int:
+    """Tokens per slice of the chunked loss: one slice's fp32 logits take CHUNK_LOGITS_BYTES."""
+    return max(1, CHUNK_LOGITS_BYTES // (4 * vocab))
 
 
 def liger_installed() -> bool:

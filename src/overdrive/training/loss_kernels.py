@@ -32,14 +32,6 @@ from overdrive.resolving import validate_loss
 
 IGNORE = -100
 KEY = "training.loss_kernel"
-CHUNK_LOGITS_BYTES = 64 * 2**20  # one slice's fp32 logits: 130 tokens at a 128k vocabulary
-
-
-def chunk_tokens(vocab: int) -> int:
-    """Tokens per slice of the chunked loss: one slice's fp32 logits take CHUNK_LOGITS_BYTES."""
-    return max(1, CHUNK_LOGITS_BYTES // (4 * vocab))
-
-
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     """The Transformers model under DDP / DeepSpeed's engine (`.module`), torch.compile and PEFT."""
     while True:
@@ -101,7 +93,7 @@ def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """Summed cross entropy of (tokens, hidden) against (tokens,), one checkpointed slice at a time."""
     from torch.utils.checkpoint import checkpoint
 
-    step = chunk_tokens(weight.shape[0])
+    step = rule.chunk_tokens(weight.shape[0])
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], step):
         total = total + checkpoint(_slice_loss, hidden[start:start + step], weight, bias,
