@@ -15,14 +15,14 @@ its high-water mark (VmHWM, reset through /proc/self/clear_refs before the step)
   that allocates the optimizer state moves nothing).
 - estimate: `overdrive estimate`'s total for the same model and kernel (target cpu, fp32, 1 device).
 
-    python bench/bench_loss_kernel.py            # writes bench/results/loss_kernel.md
+    python bench/bench_loss_kernel.py            # writes bench/results/loss_kernel.md (and .json)
+    python bench/bench_loss_kernel.py --table    # the table again from the .json, estimates recomputed
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "loss_kernel.md"
+RAW = ROOT / "bench" / "results" / "loss_kernel.json"  # the measured rows: `--table` rebuilds the table from them
 VOCAB, HIDDEN, TOKENS, LAYERS = 128_256, 256, 2048, 2
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": HIDDEN,
           "intermediate_size": 688, "max_position_embeddings": TOKENS, "num_attention_heads": 4,
@@ -42,9 +43,8 @@ ROWS = [  # (label, kernel, activation offloading, gradient checkpointing)
     ("fused", "fused", False, False),
     ("full, activation offloading", "full", True, False),
     ("chunked, gradient checkpointing", "chunked", False, True),
-    ("chunked, checkpointing + offloading", "chunked", True, True),
+    ("chunked, checkpointing and offloading", "chunked", True, True),
 ]
-TIMED_STEPS = 3
 GIB = 2**30
 
 
@@ -92,20 +92,18 @@ def child(kernel: str, offload: bool, checkpointing: bool, grads_out: str) -> di
         optimizer.step()
         return loss.detach()
 
-    step()  # warm-up: the optimizer state allocated (lr 0: the weights stay)
+    for p in model.parameters():  # the optimizer state allocated by a step on zero gradients (lr 0)
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     resting = _rss()
     _reset_hwm()
+    start = time.perf_counter()
     loss = step()
+    seconds = time.perf_counter() - start
     peak = _hwm()
     torch.save({n: p.grad for n, p in model.named_parameters()}, grads_out)
     optimizer.zero_grad(set_to_none=True)
-    times = []
-    for _ in range(TIMED_STEPS):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-        optimizer.zero_grad(set_to_none=True)
     # The loss path alone: head and cross entropy from the final hidden states, forward and backward.
     hidden = torch.randn(TOKENS - 1, HIDDEN, requires_grad=True)
     targets = ids[0, 1:].clone()
@@ -119,7 +117,7 @@ def child(kernel: str, offload: bool, checkpointing: bool, grads_out: str) -> di
         loss_kernels.LOSSES[kernel](hidden, weight, None, targets).backward()
     loss_path = _hwm() - before
     return {"loss": float(loss), "step_peak": peak - floor, "step_above_resting": peak - resting,
-            "resting": resting - floor, "loss_path": loss_path, "seconds": statistics.median(times)}
+            "resting": resting - floor, "loss_path": loss_path, "seconds": seconds}
 
 
 def estimate_total(kernel: str, offload: bool, checkpointing: bool) -> int:
@@ -143,6 +141,13 @@ def _grad_error(got: dict, want: dict) -> float:
 
 
 def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--table":  # estimates again, over the measured rows
+        raw = json.loads(RAW.read_text())
+        for row, (_, kernel, offload, checkpointing) in zip(raw["rows"], ROWS):
+            row["estimate"] = estimate_total(kernel, offload, checkpointing)
+        RAW.write_text(json.dumps(raw, indent=1))
+        write(raw["rows"], raw["load"])
+        return 0
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         kernel, offload, checkpointing, grads_out = sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1", sys.argv[5]
         print(json.dumps(child(kernel, offload, checkpointing, grads_out)))
@@ -165,19 +170,21 @@ def main() -> int:
         want = torch.load(reference["grads"])
         for row in results:
             row["loss_error"] = abs(row["loss"] - reference["loss"]) / abs(reference["loss"])
-            row["grad_error"] = _grad_error(torch.load(row["grads"]), want)
+            row["grad_error"] = _grad_error(torch.load(row.pop("grads")), want)
+    RAW.write_text(json.dumps({"load": os.getloadavg()[0], "rows": results}, indent=1))
     write(results)
     return 0
 
 
-def write(results: list[dict]) -> None:
+def write(results: list[dict], load: float | None = None) -> None:
     full = results[0]
     lines = [
         "# The loss without the logits: peak memory and time per `training.loss_kernel`", "",
         f"Small Llama ({LAYERS} layers, hidden {HIDDEN}, vocabulary {VOCAB:,}, untied head, fp32, "
-        f"{sum(1 for _ in [0]) * TOKENS:,} tokens in one micro-batch), one AdamW step on CPU, "
+        f"{TOKENS:,} tokens in one micro-batch), one AdamW step on CPU, "
         f"by `bench/bench_loss_kernel.py`; {os.cpu_count()} CPU cores, load average "
-        f"{os.getloadavg()[0]:.2f}. Peaks are resident-set high-water marks (VmHWM) in a fresh interpreter per row; "
+        f"{load if load is not None else os.getloadavg()[0]:.2f} (other work shared the cores: times are "
+        "relative). Peaks are resident-set high-water marks (VmHWM) in a fresh interpreter per row; "
         "errors are relative to `full` at the same weights. On a CPU the activations are in host memory "
         "already, so offloading moves nothing: its rows show that it changes no number.", "",
         "| row | step peak GiB | estimate GiB | estimate / peak | loss path peak MiB | loss path / full's | "

@@ -37,8 +37,8 @@ The same accounting, term by term, adapted to what Transformers and PyTorch actu
   bench/bench_loss_kernel.py): `full` keeps the fp32 log-softmax and adds its gradient and the
   logits' in backward (12 bytes x vocabulary per token with the log-softmax, the logits themselves
   dropped once the loss is taken unless the caller holds them); `chunked` holds one slice's fp32
-  logits and log-softmax at a time plus that slice's gradient of the head's weight before it is
-  added (vocabulary x hidden x 4); `fused` (torch's chunked op, Liger) computes the gradients in
+  logits and log-softmax at a time, and in backward adds each slice's share into the head's
+  weight gradient in place; `fused` (torch's chunked op, Liger) computes the gradients in
   forward and keeps them: the hidden states' (4 bytes x hidden per token) and the weight's.
 - Activation offloading (on CUDA) moves the saved tensors to host memory as they are saved: the
   device keeps about one layer's at a time, the host holds the rest.
@@ -223,8 +223,9 @@ def loss_terms(shape: ModelShape, setup: Setup, d: Dtypes, tokens: int) -> tuple
     h, v = shape.hidden, shape.vocab
     head_input = tokens * (_norm(shape, d) + d.e * h + LABEL_BYTES)  # final norm, LM-head input, labels
     if setup.loss_kernel == "chunked":
-        # One slice's logits (fp32 after the up-cast) and their gradient, and the slice's weight gradient.
-        return head_input, 0, min(tokens, chunk_tokens(v)) * (d.e + 4) * v + 4 * v * h
+        # One slice's logits (and their fp32 up-cast) and log-softmax in forward; in backward one
+        # slice's fp32 logits turned into their gradient in place; the hidden states' gradient.
+        return head_input, 0, min(tokens, chunk_tokens(v)) * (8 + (d.e if d.e != 4 else 0)) * v + 4 * tokens * h
     if setup.loss_kernel == "fused":
         # The gradients computed in forward (hidden states', weight's), and a slice's fp32 logits.
         return head_input + 4 * tokens * h + 4 * v * h, 0, min(tokens, chunk_tokens(v)) * 4 * v

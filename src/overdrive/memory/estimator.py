@@ -72,7 +72,7 @@ def _add_loss_terms(row: Row, act: Activations, kernel: str) -> None:
         row.add("activations_bytes", "fp32 loss gradients at the start of backward", act.loss_backward)
     elif kernel == "chunked":
         row.add("activations_bytes", "final norm, LM-head input, labels (no logits: chunked loss)", act.head)
-        row.add("activations_bytes", "one slice's logits and gradients, its LM-head weight gradient (chunked loss)",
+        row.add("activations_bytes", "one slice's logits and log-softmax, the hidden states' gradient (chunked loss)",
                 act.loss_backward)
     else:
         row.add("activations_bytes", "final norm, LM-head input, labels, gradients computed in forward (fused loss)",

@@ -7,9 +7,10 @@ a small model. Here the model runs through its own forward (whatever wraps it: D
 engine, PEFT) asked for no logits at all (`logits_to_keep`: an empty index), the final hidden
 states are taken from its decoder by a forward hook, and the LM head's weight and the labels go to
 
-- `chunked`: the loop over slices of the sequence, each slice's logits and cross entropy under
-  activation checkpointing, so backward recomputes one slice at a time (torchtune's and
-  torchtitan's chunked loss). Plain autograd: composes with everything autograd does;
+- `chunked`: a loop over slices of the sequence, each slice's logits and cross entropy computed
+  and dropped; backward recomputes one slice at a time and adds its share into the head's weight
+  gradient in place (torchtune's and torchtitan's chunked loss, without a slice's separate weight
+  gradient). An autograd Function: composes with what autograd does (not double backward);
 - `fused`: Liger's fused linear cross entropy on CUDA when installed, else torch's own
   `F.linear_cross_entropy` with its chunked path (torch >= 2.13), which computes the gradients in
   forward and keeps only them (the weight's gradient, vocabulary x hidden, from forward to backward).
@@ -82,23 +83,61 @@ def final_hidden_states(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     return caught[-1]
 
 
-def _slice_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor) -> torch.Tensor:
-    logits = F.linear(hidden, weight, bias).float()  # up-cast as Transformers' loss does
-    return F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Summed cross entropy of linear(hidden, weight, bias) against targets, a slice of tokens at a
+    time. Forward keeps only its inputs; backward recomputes each slice's logits, turns them into
+    their gradient in place (softmax minus the one-hot target) and adds the slice's share straight
+    into the weight's gradient, so one slice's fp32 logits are the only vocabulary-wide tensor."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, step):
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.step = step
+        device = hidden.device.type
+        ctx.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], step):
+            logits = F.linear(hidden[start:start + step], weight, bias).float()  # up-cast as Transformers' loss does
+            total += F.cross_entropy(logits, targets[start:start + step], ignore_index=IGNORE, reduction="sum")
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        dtype, step = ctx.dtype, ctx.step
+        w = weight.to(dtype)
+        b = bias.to(dtype) if bias is not None else None
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, hidden.shape[0], step):
+                h = hidden[start:start + step].to(dtype)
+                t = targets[start:start + step]
+                grad = F.linear(h, w, b).float()
+                grad.sub_(grad.logsumexp(-1, keepdim=True)).exp_()  # softmax, in place
+                kept = t != IGNORE
+                rows = torch.arange(len(t), device=t.device)
+                grad[rows, t.clamp(min=0)] -= kept.to(grad.dtype)  # minus the one-hot target
+                grad.mul_((kept.to(grad.dtype) * grad_total).unsqueeze(-1))  # ignored tokens: no gradient
+                g = grad.to(dtype)
+                del grad
+                if grad_hidden is not None:
+                    grad_hidden[start:start + step] = (g @ w).to(hidden.dtype)
+                if grad_weight is not None:
+                    grad_weight.addmm_(g.t().float() if dtype != torch.float32 else g.t(),
+                                       h.float() if dtype != torch.float32 else h)
+                if grad_bias is not None:
+                    grad_bias += g.float().sum(0)
+        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
+        grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else None
+        return grad_hidden, grad_weight, grad_bias, None, None
 
 
 def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross entropy of (tokens, hidden) against (tokens,), one checkpointed slice at a time."""
-    from torch.utils.checkpoint import checkpoint
-
-    step = rule.chunk_tokens(weight.shape[0])
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, hidden.shape[0], step):
-        total = total + checkpoint(_slice_loss, hidden[start:start + step], weight, bias,
-                                   targets[start:start + step], use_reentrant=False)
-    return total
+    """Summed cross entropy of (tokens, hidden) against (tokens,), one slice at a time (no logits kept)."""
+    return _ChunkedCrossEntropy.apply(hidden, weight, bias, targets, rule.chunk_tokens(weight.shape[0]))
 
 
 def fused_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
