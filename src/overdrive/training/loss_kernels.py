@@ -146,7 +146,10 @@ def fused_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if hidden.is_cuda and rule.liger_installed():
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 
-        return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum")(weight, hidden, targets, bias)
+        # Liger's Triton kernels take one dtype: autocast's, as the model's own head would run in.
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else weight.dtype
+        return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum")(
+            weight.to(dtype), hidden.to(dtype), targets, bias.to(dtype) if bias is not None else None).float()
     if not hasattr(F, "linear_cross_entropy"):
         raise UserError(Problem(KEY, "`fused` needs Liger on CUDA (pip install overdrive[liger]) or torch >= 2.13",
                                 fix=f"set {KEY}=chunked"))
