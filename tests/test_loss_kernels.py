@@ -151,3 +151,11 @@ def test_estimate_counts_each_kernels_loss(tmp_path):
     offloaded = estimate_row("ddp", shape, replace(gpu, activation_offloading=True))
     assert offloaded.activations_bytes < estimate_row("ddp", shape, gpu).activations_bytes and offloaded.host_bytes > 0
     assert estimate_row("ddp", shape, replace(setup, activation_offloading=True)).total_bytes == rows["full"].total_bytes
+
+
+def test_evaluation_without_gradients_gives_the_same_sum():
+    model, batch = _llama().eval(), _batch()
+    with torch.no_grad():
+        full = step_loss.summed_loss(model, batch)
+        chunked = step_loss.summed_loss(model, batch, "chunked")
+    assert abs(chunked - full) <= 1e-5 * abs(full)
