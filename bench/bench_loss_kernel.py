@@ -98,9 +98,9 @@ def child(kernel: str, offload: bool, checkpointing: bool, grads_out: str) -> di
     optimizer.zero_grad(set_to_none=True)
     resting = _rss()
     _reset_hwm()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     loss = step()
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
     peak = _hwm()
     torch.save({n: p.grad for n, p in model.named_parameters()}, grads_out)
     optimizer.zero_grad(set_to_none=True)
@@ -117,7 +117,8 @@ def child(kernel: str, offload: bool, checkpointing: bool, grads_out: str) -> di
         loss_kernels.LOSSES[kernel](hidden, weight, None, targets).backward()
     loss_path = _hwm() - before
     return {"loss": float(loss), "step_peak": peak - floor, "step_above_resting": peak - resting,
-            "resting": resting - floor, "loss_path": loss_path, "seconds": seconds}
+            "resting": resting - floor, "loss_path": loss_path, "seconds": seconds,
+            "cpu_seconds": cpu_seconds}
 
 
 def estimate_total(kernel: str, offload: bool, checkpointing: bool) -> int:
@@ -182,19 +183,19 @@ def write(results: list[dict], load: float | None = None) -> bool:
         f"Small Llama ({LAYERS} layers, hidden {HIDDEN}, vocabulary {VOCAB:,}, untied head, fp32, "
         f"{TOKENS:,} tokens in one micro-batch), one AdamW step on CPU, "
         f"by `bench/bench_loss_kernel.py`; {os.cpu_count()} CPU cores, load average "
-        f"{load if load is not None else os.getloadavg()[0]:.2f} (other work shared the cores: times are "
-        "relative). Peaks are resident-set high-water marks (VmHWM) in a fresh interpreter per row; "
+        f"{load if load is not None else os.getloadavg()[0]:.2f} (other work shared the cores: wall "
+        "times vary with it; CPU seconds, summed over the threads, do not). Peaks are resident-set high-water marks (VmHWM) in a fresh interpreter per row; "
         "errors are relative to `full` at the same weights. On a CPU the activations are in host memory "
         "already, so offloading moves nothing: its rows show that it changes no number.", "",
         "| row | step peak GiB | estimate GiB | estimate / peak | loss path peak MiB | loss path / full's | "
-        "loss rel. error | grad rel. error | s / step |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "loss rel. error | grad rel. error | s / step | CPU s / step |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         lines.append(f"| {r['label']} | {r['step_peak'] / GIB:.2f} | {r['estimate'] / GIB:.2f} | "
                      f"{r['estimate'] / r['step_peak']:.3f} | {r['loss_path'] / 2**20:,.0f} | "
                      f"{r['loss_path'] / full['loss_path']:.1%} | {r['loss_error']:.1e} | {r['grad_error']:.1e} | "
-                     f"{r['seconds']:.2f} |")
+                     f"{r['seconds']:.1f} | {r.get('cpu_seconds', float('nan')):.1f} |")
     missed = targets_missed(results)
     lines += ["", f"Targets (loss path at most 15% of full's for chunked and fused; loss and gradients within 1e-5 of "
               f"full's; estimate within 10% of the step peak): {'met' if not missed else 'missed: ' + '; '.join(missed)}."]

@@ -115,7 +115,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 h = hidden[start:start + step].to(dtype)
                 t = targets[start:start + step]
                 grad = F.linear(h, w, b).float()
-                grad.sub_(grad.logsumexp(-1, keepdim=True)).exp_()  # softmax, in place
+                # softmax in place (logsumexp would allocate a slice-sized temporary)
+                grad.sub_(grad.amax(-1, keepdim=True)).exp_()
+                grad.div_(grad.sum(-1, keepdim=True))
                 kept = t != IGNORE
                 rows = torch.arange(len(t), device=t.device)
                 grad[rows, t.clamp(min=0)] -= kept.to(grad.dtype)  # minus the one-hot target
