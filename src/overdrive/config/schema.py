@@ -262,7 +262,7 @@ class TrainingConfig(Section):
     loss_kernel: Literal["auto", "full", "chunked", "fused"] = Field(
         "auto", description="How a causal LM's token loss is computed. `full`: the model's own loss, from the whole "
         "logits (tokens x vocabulary, fp32). `chunked`: the LM head and cross entropy a slice of the sequence at a "
-        "time under checkpointing, no logits held. `fused`: a fused kernel (Liger on CUDA, `pip install "
+        "time, recomputed slice by slice in backward, no logits held. `fused`: a fused kernel (Liger on CUDA, `pip install "
         "overdrive[liger]`; else torch's `F.linear_cross_entropy`). `auto`: `fused` where Liger is installed on "
         "CUDA, else `full`. The same sum of token losses each (docs/memory.md has the memory and time)."
     )
