@@ -186,7 +186,6 @@ class Loop:
         self.guard.restore(state.nonfinite_in_a_row)
         self.scale_watch = loss_scale.ScaleWatch(acc.scaler)  # fp16: skips a fused optimizer hides from Accelerate
         self.outcome = Outcome(checkpoint=checkpoint)
-        self.loss_kernel = loss_kernels.for_run(cfg, acc.device)  # training.loss_kernel, auto settled
         activation_offload.attach(parts.model, t.activation_offloading)
         self.grad_norm = None
         self.lr = 0.0
@@ -207,6 +206,7 @@ class Loop:
                                                self.guard, self.state)
         clipping = self.cfg.training.gradient_clipping
         world = self.split.data_parallel
+        kernel = loss_kernels.for_run(self.cfg, acc.device)  # training.loss_kernel, auto settled
         self.lr = self.parts.scheduler.get_last_lr()[0]  # the lr this optimizer step uses
         self.scale_watch.before_step()
         self.observe.enter("data")
@@ -230,7 +230,7 @@ class Loop:
                     if objective is not None:  # preference pairs: the method's mean over this micro-batch's pairs
                         loss = objective(model, inputs) * objective.units(micro_batch) / count
                     else:
-                        loss = step_loss.summed_loss(model, inputs, self.loss_kernel) / count  # this micro-batch's share of the mean
+                        loss = step_loss.summed_loss(model, inputs, kernel) / count  # this micro-batch's share of the mean
                     self.observe.enter("backward")
                     acc.backward(loss * scale)  # undone by the accumulation and data-parallel averaging
                 self.observe.enter("optimizer")
@@ -313,7 +313,7 @@ class Loop:
 
     def evaluate(self) -> None:
         self.parts.recipe.eval_mode()  # a schedule-free optimizer is evaluated at its averaged point
-        values = evaluate(self.parts, self.cfg.model.task, self.loss_kernel)
+        values = evaluate(self.parts, self.cfg.model.task, loss_kernels.for_run(self.cfg, self.parts.accelerator.device))
         self.parts.recipe.train_mode()
         self.metrics.write({"step": self.state.step, **values, "time": time.time()})
         self.parts.accelerator.log(values, step=self.state.step)
