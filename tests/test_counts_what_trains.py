@@ -37,7 +37,7 @@ def test_profile_throughput_counts_each_data_parallel_replicas_tokens_once(tmp_p
     from overdrive.resolving import resolve
     from overdrive.observe import profile_report
 
-    cfg = resolve(cli=["launch.num_processes=2", "parallel.strategy=fsdp", "parallel.tp_size=2",
+    cfg = resolve(cli=["launch.num_processes=2", "parallel.strategy=ddp", "parallel.tp_size=2",
                        "training.micro_batch_size=4", "training.gradient_accumulation_steps=2",
                        "data.max_length=128"]).config
     monkeypatch.setattr(profile_report, "device_facts", lambda *a: (None, False, False))

@@ -31,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ckpt.add_argument("--checkpointing", dest="checkpointing", action="store_true", default=None,
                       help="count the total with activation checkpointing")
     ckpt.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    parser.add_argument("--loss-kernel", choices=["auto", "full", "chunked", "fused"],
+                        help="the token loss's kernel (training.loss_kernel; default: the YAML's, else auto)")
+    parser.add_argument("--activation-offloading", action="store_true", default=None,
+                        help="count saved activations in host memory (training.activation_offloading)")
     parser.add_argument("--gpu-memory", type=float, metavar="GIB",
                         help="plan for GPUs of this size (default: the GPU found, else host RAM)")
     parser.add_argument("--host-memory", type=float, metavar="GIB", help="host RAM per node (default: this machine's)")
@@ -75,7 +79,12 @@ def build(args: argparse.Namespace):
     target = _target(args)
     changes = dict(devices=args.devices, precision=args.precision, micro_batch=args.micro_batch,
                    seq_len=args.seq_len, checkpointing=args.checkpointing, tp=args.tp, cp=args.cp, sp=args.sp,
-                   dp_replicate=args.dp_replicate, ep=getattr(args, "ep", None))
+                   dp_replicate=args.dp_replicate, ep=getattr(args, "ep", None),
+                   activation_offloading=getattr(args, "activation_offloading", None))
+    if getattr(args, "loss_kernel", None):
+        from overdrive.config.loss_kernel import chosen
+
+        changes["loss_kernel"] = chosen(args.loss_kernel, target)
     overridden = getattr(args, "peft", None) is not None or getattr(args, "lora_r", None) is not None
     if source.run is not None:
         setup = run_setup(source.run, target, **changes)  # with the adapter the run trains

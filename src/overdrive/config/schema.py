@@ -174,6 +174,13 @@ class DataConfig(Section):
     max_length: int = Field(
         256, ge=8, description="Tokens per sequence: packed blocks (causal-lm) or truncation (classification)."
     )
+    document_mask: bool = Field(
+        False, description="Packed text (causal-lm): the documents joined with EOS into a block attend only to "
+        "themselves (position ids restart after each EOS, from which Transformers masks sdpa, eager and flex "
+        "attention and flash-attention takes its varlen path) and the first token after an EOS is not predicted "
+        "from the document before it. Off: every token attends to the whole block before it, as GPT-2 was trained "
+        "(docs/memory.md says why off is the default)."
+    )
     max_bytes: Optional[int] = Field(
         None, ge=1, description="Read at most this much raw text (handy for quick runs on big sources)."
     )
@@ -265,6 +272,18 @@ class TrainingConfig(Section):
         "kept (origin `oom_retry`) and resumes. At micro-batch 1 the run ends.")
     loss_spike: LossSpikeConfig = Field(default_factory=LossSpikeConfig,
                                         description="Loss spikes skipped (off unless `factor` is set).")
+    loss_kernel: Literal["auto", "full", "chunked", "fused"] = Field(
+        "auto", description="How a causal LM's token loss is computed. `full`: the model's own loss, from the whole "
+        "logits (tokens x vocabulary, fp32). `chunked`: the LM head and cross entropy a slice of the sequence at a "
+        "time, recomputed slice by slice in backward, no logits held. `fused`: a fused kernel (Liger on CUDA, `pip install "
+        "overdrive[liger]`; else torch's `F.linear_cross_entropy`). `auto`: `fused` where Liger is installed on "
+        "CUDA, else `full`. The same sum of token losses each (docs/memory.md has the memory and time)."
+    )
+    activation_offloading: bool = Field(
+        False, description="Keep the activations the forward pass saves for backward in pinned host memory "
+        "instead of on the GPU (copied back as backward needs them); composes with "
+        "`model.gradient_checkpointing`. On a CPU run they are in host memory already: no change."
+    )
 
 
 class Fp8Config(Section):

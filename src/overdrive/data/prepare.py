@@ -132,6 +132,17 @@ def _summary(progress: TokenizeProgress, meta: dict, entry: Path) -> None:
         progress.console.print("kto: " + describe_counts(meta["unpaired"]))
 
 
+def _document_end(cfg: RunConfig, tokenizer) -> Optional[int]:
+    """The id text documents are joined with (tokens.Encoder's), when `data.document_mask` keeps them apart."""
+    if not cfg.data.document_mask or chat.sample_kind(cfg) != "causal-lm":
+        return None
+    end = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    if end is None:
+        raise UserError(Problem("data.document_mask", "the tokenizer has no EOS (or SEP) token, so the documents "
+                                "of a packed block cannot be told apart", fix="set data.document_mask=false"))
+    return end
+
+
 def tokenize(cfg: RunConfig, splits: Splits, tokenizer, build: bool = True, show: bool = False
              ) -> tokens.TokenizedSplits:
     """Token datasets for the splits, from the cache (filled first when `build`)."""
@@ -139,7 +150,7 @@ def tokenize(cfg: RunConfig, splits: Splits, tokenizer, build: bool = True, show
     names = splits.train.label_names if task != "causal-lm" else None
     entry, meta = _one(cfg, splits.train, tokenizer, splits.holdout, names, build, show)
     reading = dict(task=chat.sample_kind(cfg), max_length=length, packing=cfg.data.packing,
-                   pad_id=tokenizer.pad_token_id or 0)
+                   pad_id=tokenizer.pad_token_id or 0, document_end=_document_end(cfg, tokenizer))
     parts = tokens.open_entry(entry, **reading)
     label_names = meta.get("label_names") or []
     validation = parts["validation"]

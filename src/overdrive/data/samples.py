@@ -8,6 +8,8 @@ again on the other side, instead of being copied whole.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 
@@ -30,10 +32,16 @@ def _restore(value) -> np.ndarray:
 
 
 class PackedBlocks(torch.utils.data.Dataset):
-    """Non-overlapping blocks of `block` tokens; labels are the inputs (the model shifts)."""
+    """Non-overlapping blocks of `block` tokens; labels are the inputs (the model shifts).
 
-    def __init__(self, tokens: np.ndarray, block: int):
-        self.tokens, self.block = tokens, block
+    With `document_end` (`data.document_mask`: the id the documents were joined with), each block
+    also carries `position_ids` restarting at 0 after every such id, from which Transformers builds
+    a block-diagonal causal mask (as for packed chat rows), and the first token of each document
+    after the first is not predicted from the one before it (label -100): every token's loss is
+    the one it has when its document is alone."""
+
+    def __init__(self, tokens: np.ndarray, block: int, document_end: Optional[int] = None):
+        self.tokens, self.block, self.document_end = tokens, block, document_end
 
     def __len__(self) -> int:
         return len(self.tokens) // self.block
@@ -42,13 +50,28 @@ class PackedBlocks(torch.utils.data.Dataset):
         if not 0 <= i < len(self):
             raise IndexError(f"block {i} of {len(self)}")
         ids = torch.from_numpy(self.tokens[i * self.block:(i + 1) * self.block].astype(np.int64))
-        return {"input_ids": ids, "labels": ids}
+        if self.document_end is None:
+            return {"input_ids": ids, "labels": ids}
+        return {"input_ids": ids, **document_positions(ids, self.document_end)}
 
     def __getstate__(self):
-        return {"tokens": _portable(self.tokens), "block": self.block}
+        return {"tokens": _portable(self.tokens), "block": self.block, "document_end": self.document_end}
 
     def __setstate__(self, state):
         self.tokens, self.block = _restore(state["tokens"]), state["block"]
+        self.document_end = state.get("document_end")
+
+
+def document_positions(ids: torch.Tensor, document_end: int) -> dict[str, torch.Tensor]:
+    """Position ids restarting after each `document_end` in `ids`, and labels with -100 at each
+    document's first token after the first (its predecessor ends another document)."""
+    starts = torch.zeros_like(ids, dtype=torch.bool)
+    starts[1:] = ids[:-1] == document_end
+    index = torch.arange(len(ids))
+    # Each position minus the index of the latest document start at or before it.
+    latest = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=0).values
+    labels = ids.masked_fill(starts, IGNORE)
+    return {"labels": labels, "position_ids": index - latest}
 
 
 class LabeledTexts(torch.utils.data.Dataset):

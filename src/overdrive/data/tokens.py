@@ -221,9 +221,10 @@ def _renumber(entry: Path, writer: cache.EntryWriter, remap: np.ndarray, chunk: 
 
 
 def open_entry(entry: Path, task: str, max_length: int, packing: bool = False,
-               pad_id: int = 0) -> dict[str, Optional[torch.utils.data.Dataset]]:
+               pad_id: int = 0, document_end: Optional[int] = None) -> dict[str, Optional[torch.utils.data.Dataset]]:
     """The entry's parts as datasets over memory maps; raises cache.NotReady until it is complete.
-    `task` is `chat` for chat data (data/chat.py), whose conversations are packed with `packing`."""
+    `task` is `chat` for chat data (data/chat.py), whose conversations are packed with `packing`.
+    `document_end`: the id text documents were joined with, set under `data.document_mask` (samples.py)."""
     meta = cache.done(entry)
     if meta is None:
         raise cache.NotReady(str(entry))
@@ -232,7 +233,7 @@ def open_entry(entry: Path, task: str, max_length: int, packing: bool = False,
     for part in cache.PARTS:
         ids = cache.open_array(entry, f"{part}.ids", dtype, counts[f"{part}.ids"])
         if task == "causal-lm":
-            blocks = PackedBlocks(ids, max_length)
+            blocks = PackedBlocks(ids, max_length, document_end)
             result[part] = blocks if len(blocks) else None
         elif task == "preference":  # pairs: two conversations each (preference_samples.py)
             from overdrive.data.preference_samples import open_pairs

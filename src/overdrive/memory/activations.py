@@ -33,6 +33,15 @@ The same accounting, term by term, adapted to what Transformers and PyTorch actu
   logits the caller holds, the fp32 log-softmax output cross-entropy saves (Transformers
   up-casts logits before the loss), and the int64 shifted labels. At an 8k-128k vocabulary
   the head is often larger than several layers.
+- The loss's peak depends on its kernel (`training.loss_kernel`, measured by
+  bench/bench_loss_kernel.py): `full` keeps the fp32 log-softmax and adds its gradient and the
+  logits' in backward (12 bytes x vocabulary per token with the log-softmax, the logits themselves
+  dropped once the loss is taken unless the caller holds them); `chunked` holds one slice's fp32
+  logits and log-softmax at a time, and in backward adds each slice's share into the head's
+  weight gradient in place; `fused` (torch's chunked op, Liger) computes the gradients in
+  forward and keeps them: the hidden states' (4 bytes x hidden per token) and the weight's.
+- Activation offloading (on CUDA) moves the saved tensors to host memory as they are saved: the
+  device keeps about one layer's at a time, the host holds the rest.
 """
 
 from __future__ import annotations
@@ -100,9 +109,20 @@ class Activations:
     embeddings: int
     head: int  # final norm, LM-head input, log-softmax output, labels
     logits: int  # held by the caller until backward
-    loss_backward: int  # fp32 gradients of the loss, live at the start of backward
+    loss_backward: int  # the loss's own peak in backward (its gradients; a slice's, under chunked)
     layers: int
     kernel: AttentionKernel
+    logits_held: bool = True  # the caller keeps the logits until backward (the saved figures assume it)
+    layers_on_device: int = 0  # under activation offloading, the layers whose saved tensors stay; 0: all
+
+    @property
+    def resident_layers(self) -> int:
+        """Layers whose saved tensors are on the device at once."""
+        return self.layers_on_device or self.layers
+
+    @property
+    def logits_at_peak(self) -> int:
+        return self.logits if self.logits_held else 0
 
     @property
     def saved(self) -> int:
@@ -116,13 +136,15 @@ class Activations:
 
     @property
     def peak(self) -> int:
-        """Peak without checkpointing: everything saved, plus the loss gradients."""
-        return self.saved + self.loss_backward
+        """Peak without checkpointing: the saved tensors on the device, plus the loss's own peak."""
+        return (self.resident_layers * self.layer + self.embeddings + self.head + self.logits_at_peak
+                + self.loss_backward)
 
     @property
     def peak_checkpointed(self) -> int:
         """Peak with checkpointing: inputs kept, plus one layer recomputed in backward."""
-        return self.saved_checkpointed + self.layer + self.loss_backward
+        return (self.resident_layers * self.layer_input + self.embeddings + self.head + self.logits_at_peak
+                + self.layer + self.loss_backward)
 
 
 def _norm(shape: ModelShape, d: Dtypes) -> int:
@@ -173,20 +195,38 @@ def estimate_activations(shape: ModelShape, setup: Setup, autocast: bool) -> Act
     d = Dtypes.of(setup, autocast)
     kernel = attention_kernel(shape, setup)
     tokens = setup.micro_batch * setup.local_seq_len  # context / sequence parallel split the sequence
-    h, v = shape.hidden, shape.vocab
+    h = shape.hidden
     embeddings = tokens * (d.mask * h if shape.embd_dropout > 0 else 0)
     if shape.learned_positions:
         embeddings += 8 * setup.seq_len  # int64 position ids, kept by the lookup
     if shape.rotary:
         embeddings += 2 * setup.seq_len * shape.head_dim * d.r  # cos and sin, shared by the layers
-    head = tokens * (_norm(shape, d) + d.e * h + 4 * v + LABEL_BYTES)
+    head, logits, loss_peak = loss_terms(shape, setup, d, tokens)
     return Activations(
         layer=round(tokens * layer_bytes_per_token(shape, setup, d, kernel)),
         layer_input=tokens * d.r * h,
         embeddings=embeddings,
         head=head,
-        logits=tokens * d.e * v,
-        loss_backward=tokens * LOSS_BACKWARD_FP32 * v,
+        logits=logits,
+        loss_backward=loss_peak,
         layers=shape.layers,
         kernel=kernel,
+        logits_held=setup.logits_held,
+        layers_on_device=1 if setup.activation_offloading and setup.target == "cuda" else 0,
     )
+
+
+def loss_terms(shape: ModelShape, setup: Setup, d: Dtypes, tokens: int) -> tuple[int, int, int]:
+    """(head, logits, the loss's peak in backward) for the run's loss kernel."""
+    from overdrive.config.loss_kernel import chunk_tokens
+
+    h, v = shape.hidden, shape.vocab
+    head_input = tokens * (_norm(shape, d) + d.e * h + LABEL_BYTES)  # final norm, LM-head input, labels
+    if setup.loss_kernel == "chunked":
+        # One slice's logits (and their fp32 up-cast) and log-softmax in forward; in backward one
+        # slice's fp32 logits turned into their gradient in place; the hidden states' gradient.
+        return head_input, 0, min(tokens, chunk_tokens(v)) * (8 + (d.e if d.e != 4 else 0)) * v + 4 * tokens * h
+    if setup.loss_kernel == "fused":
+        # The gradients computed in forward (hidden states', weight's), and a slice's fp32 logits.
+        return head_input + 4 * tokens * h + 4 * v * h, 0, min(tokens, chunk_tokens(v)) * 4 * v
+    return head_input + tokens * 4 * v, tokens * d.e * v, tokens * LOSS_BACKWARD_FP32 * v

@@ -56,17 +56,38 @@ def estimate_row(strategy: str, shape: ModelShape, setup: Setup) -> Row:
     row.activations_full_bytes = act.peak
     row.activations_checkpointed_bytes = act.peak_checkpointed
     row.activations_saved_bytes = act.saved_checkpointed if setup.checkpointing else act.saved
+    kept = act.resident_layers
+    offloaded = act.layers - kept
     if setup.checkpointing:
-        row.add("activations_bytes", "layer inputs kept by checkpointing", act.layers * act.layer_input)
+        row.add("activations_bytes", "layer inputs kept by checkpointing", kept * act.layer_input)
         row.add("activations_bytes", "one layer recomputed in backward", act.layer)
+        if offloaded:
+            row.add("host", "layer inputs offloaded to host (training.activation_offloading)", offloaded * act.layer_input)
     else:
-        row.add("activations_bytes", f"{act.layers} layers' saved tensors ({act.kernel} attention)",
-                act.layers * act.layer)
+        row.add("activations_bytes", f"{kept} layers' saved tensors ({act.kernel} attention)", kept * act.layer)
+        if offloaded:
+            row.add("host", "layers' saved tensors offloaded to host (training.activation_offloading)",
+                    offloaded * act.layer)
     row.add("activations_bytes", "embedding dropout mask, position ids", act.embeddings)
-    row.add("activations_bytes", "final norm, LM-head input, fp32 log-softmax, labels", act.head)
-    row.add("activations_bytes", "logits held until backward", act.logits)
-    row.add("activations_bytes", "fp32 loss gradients at the start of backward", act.loss_backward)
+    _add_loss_terms(row, act, setup.loss_kernel)
     return row
+
+
+def _add_loss_terms(row: Row, act: Activations, kernel: str) -> None:
+    """The output layer's terms, named for the loss kernel that runs (training.loss_kernel)."""
+    if kernel == "full":
+        row.add("activations_bytes", "final norm, LM-head input, fp32 log-softmax, labels", act.head)
+        if act.logits_held:
+            row.add("activations_bytes", "logits held until backward", act.logits)
+        row.add("activations_bytes", "fp32 loss gradients at the start of backward", act.loss_backward)
+    elif kernel == "chunked":
+        row.add("activations_bytes", "final norm, LM-head input, labels (no logits: chunked loss)", act.head)
+        row.add("activations_bytes", "one slice's logits and log-softmax, the hidden states' gradient (chunked loss)",
+                act.loss_backward)
+    else:
+        row.add("activations_bytes", "final norm, LM-head input, labels, gradients computed in forward (fused loss)",
+                act.head)
+        row.add("activations_bytes", "one slice's fp32 logits (fused loss)", act.loss_backward)
 
 
 def estimate(shape: ModelShape, setup: Setup, strategies: tuple[str, ...] = STRATEGIES) -> Estimate:

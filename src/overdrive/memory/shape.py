@@ -129,6 +129,13 @@ class Setup:
     generation_tokens: int = 0
     """RL (rl.method): the tokens of one group being generated, num_generations x (data.max_length +
     rl.max_completion_length) at most, whose KV cache the policy holds while it samples them."""
+    loss_kernel: str = "full"
+    """The token loss's kernel as it runs (`training.loss_kernel`, `auto` settled): full, chunked or fused."""
+    logits_held: bool = False
+    """The loss step keeps the model's logits until backward (preference methods' log-probabilities);
+    a causal LM's own loss drops them once the loss is taken."""
+    activation_offloading: bool = False
+    """`training.activation_offloading`: saved activations in host memory between forward and backward."""
 
     @property
     def mixed(self) -> bool:
@@ -224,10 +231,19 @@ def setup_for_run(cfg: RunConfig, target: Target = "cuda", **changes) -> Setup:
         momentum=cfg.optim.momentum,
         reference_copy=_reference_copy(cfg),
         generation_tokens=_generation_tokens(cfg),
+        loss_kernel=_loss_kernel(cfg, target),
+        logits_held=cfg.preference.method != "none",
+        activation_offloading=cfg.training.activation_offloading,
         **_layout_of(cfg, changes.get("devices")),
     )
     values.update({k: v for k, v in changes.items() if v is not None})
     return Setup(**values)
+
+
+def _loss_kernel(cfg: RunConfig, target: Target) -> str:
+    from overdrive.resolving.validate_loss import kernel_runs  # the one rule train asks too
+
+    return kernel_runs(cfg, target)
 
 
 def _reference_copy(cfg: RunConfig) -> bool:

@@ -158,6 +158,9 @@ def check(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]
 
     errors += validate_gpu.check(cfg, lambda key: _where(chains, key)) + input_rules(cfg, lambda key: _where(chains, key))
     errors += composition.problems(cfg, lambda key: _where(chains, key)) + cpu_rules(cfg, chains)
+    from overdrive.resolving.validate_loss import loss_rules
+
+    errors += loss_rules(cfg, lambda key: _where(chains, key))
     warnings += training_rules(cfg, chains) + sweep_warnings + validate_gpu.warnings(cfg, lambda key: _where(chains, key))
     peft_errors, peft_warnings = _peft_rules(cfg, chains)
     preference_errors, preference_warnings = _preference_rules(cfg, chains)

@@ -203,6 +203,9 @@ def make_probe(cfg: RunConfig, device, device_bytes: Optional[int] = None, shape
     net.train()
     dtype = model_mod.autocast_dtype(cfg.precision.mixed_precision)
     vocab_size, seq_len = config.vocab_size, cfg.data.max_length
+    from overdrive.training import loss_kernels, step_loss
+
+    kernel = loss_kernels.for_run(cfg, device)  # the loss's memory as the run will hold it
 
     def probe(m: int) -> Optional[str]:
         loss = None
@@ -214,7 +217,7 @@ def make_probe(cfg: RunConfig, device, device_bytes: Optional[int] = None, shape
             ids = torch.randint(0, vocab_size, (m, seq_len), device=device)
             labels = ids if cfg.model.task == "causal-lm" else torch.zeros(m, dtype=torch.long, device=device)
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                loss = net(input_ids=ids, labels=labels).loss
+                loss = step_loss.summed_loss(net, {"input_ids": ids, "labels": labels}, kernel)
             loss.backward()
             if on_gpu:
                 terms = probe_terms(cfg, m, torch.cuda.max_memory_allocated(device) - before, device_bytes, shape)

@@ -59,23 +59,26 @@ class Objective:
 class TokenObjective(Objective):
     """The model's own loss: next-token cross entropy (causal LM, chat), or a class per row."""
 
-    def __init__(self, task: str):
+    def __init__(self, task: str, kernel: str = "full"):
         self.task = self.name = task
+        self.kernel = kernel  # training.loss_kernel as it runs (training/loss_kernels.py): full, chunked or fused
 
     def sums(self, model: Any, batch: dict) -> torch.Tensor:
-        return step_loss.summed_loss(model, batch)
+        return step_loss.summed_loss(model, batch, self.kernel)
 
     def evaluate(self, model: Any, loader: Any, accelerator: Any) -> dict[str, float]:
         """Mean loss (and accuracy for classification) over the validation subset."""
         acc = accelerator
         loss_sum, tokens = torch.zeros((), device=acc.device), torch.zeros((), device=acc.device)
         correct, seen = torch.zeros((), device=acc.device), 0
+        # No gradients here: the chunked loop is the kernel that keeps no logits without them.
+        kernel = "full" if self.kernel == "full" else "chunked"
         model.eval()
         with torch.no_grad():
             for batch in loader:
                 tokens += step_loss.loss_token_count(batch)
                 if self.task != "sequence-classification":
-                    loss_sum += self.sums(model, batch).detach().float()
+                    loss_sum += step_loss.summed_loss(model, batch, kernel).detach().float()
                 else:
                     out = model(**batch)
                     loss_sum += out.loss.detach().float() * batch["labels"].shape[0]

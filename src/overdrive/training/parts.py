@@ -21,6 +21,7 @@ from overdrive.training import model as model_mod
 from overdrive.training import telemetry
 from overdrive.training import optimizers
 from overdrive.training.dtypes import matmul_precision
+from overdrive.training import activation_offload, loss_kernels
 from overdrive.training import context_parallel, forward_backward, grpo, grpo_parts, pipeline, preference, reference
 from overdrive.training.objective import Objective, TokenObjective
 from overdrive.training.pipeline import Pipeline
@@ -160,7 +161,8 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
     if cfg.compile.backend:
         say(f"compiling with torch.compile ({cfg.compile.backend}): the first step compiles the kernels")
     model = _maybe_compile(model, cfg, accelerator)
-    objective: Objective = TokenObjective(cfg.model.task)
+    activation_offload.attach(model, t.activation_offloading)  # saved activations in host memory, when asked
+    objective: Objective = TokenObjective(cfg.model.task, loss_kernels.for_run(cfg, accelerator.device))
     if preference.enabled(cfg):
         validation = tokens.validation if eval_loader is not None else None
         train_ref, eval_ref = reference.for_run(cfg, accelerator, model, reference_model, tokens.train, collate,

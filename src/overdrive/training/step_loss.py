@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 
 from overdrive.data.samples import IGNORE
+from overdrive.training import loss_kernels
 
 __all__ = ["IGNORE", "backward_scale", "global_counts", "loss_token_count", "share", "shifted_labels",
            "summed_loss"]
@@ -49,15 +50,18 @@ def loss_token_count(batch: Any) -> torch.Tensor:
     return (labels[..., 1:] != IGNORE).sum()
 
 
-def summed_loss(model: Any, batch: Any) -> torch.Tensor:
+def summed_loss(model: Any, batch: Any, kernel: str = "full") -> torch.Tensor:
     """The sum (not the mean) of this micro-batch's per-token losses, so an empty micro-batch
     adds 0 and not 0/0. The model's own causal-LM loss (its shift, or context parallel's
     `shift_labels`), reduced by sum: Transformers' `num_items_in_batch` divides a summed cross
     entropy by the count it is given, here 1 (the global count divides in the loop). Taken this way
-    rather than recomputed from the logits, whose own cross entropy measured 10% slower per step."""
+    rather than recomputed from the logits, whose own cross entropy measured 10% slower per step.
+    `kernel` other than "full" (`training.loss_kernel`): the same sum without the logits (loss_kernels.py)."""
     labels = batch["labels"]
     if labels.dim() < 2:  # a label per row: the model's mean x the rows
         return model(**batch).loss * labels.shape[0]
+    if kernel != "full":
+        return loss_kernels.summed_token_loss(model, batch, kernel)
     return model(**batch, num_items_in_batch=1).loss
 
 

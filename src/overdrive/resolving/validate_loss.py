@@ -1,0 +1,76 @@
+"""Rules of the memory keys around the loss: `training.loss_kernel`, `training.activation_offloading`,
+`data.document_mask`. What does not compose is refused here by key, before anything launches.
+
+The loss kernels take the LM head's weight as the rank holds it, outside the model's forward: a
+head sharded at rest (FSDP, ZeRO-3) is whole only inside that forward, a tensor-parallel head holds
+a slice of the vocabulary, a pipeline's last stage computes its own loss, and context parallel's
+shards carry pre-shifted labels. Those runs keep the model's own loss (`auto` settles on `full`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from overdrive.config import loss_kernel as kernels
+from overdrive.config import mesh
+from overdrive.config.schema import RunConfig
+from overdrive.errors import Problem
+from overdrive.strategies import registry
+
+KEY = "training.loss_kernel"
+
+
+def kernel_blocker(cfg: RunConfig) -> Optional[tuple[str, str]]:
+    """(key, why) when a loss kernel other than `full` cannot run in this config; None when it can."""
+    if cfg.model.task != "causal-lm" or cfg.data.format == "preference" or cfg.preference.method != "none":
+        return ("model.task", "the loss kernels compute a causal LM's token loss; preference methods and "
+                "classification take the model's own outputs")
+    if not registry.of(cfg).holds_whole_model(cfg):
+        return ("parallel.strategy", "the LM head is sharded at rest (FSDP, ZeRO-3) and whole only inside the "
+                "model's forward, where the loss kernels do not reach")
+    lay = mesh.layout(cfg)
+    for axis, key, why in (("tp", "parallel.tp_size", "a tensor-parallel LM head holds a slice of the vocabulary"),
+                           ("pp", "parallel.pp_size", "the pipeline's last stage computes the model's own loss"),
+                           ("cp", "parallel.cp_size", "context parallel's shards carry pre-shifted labels"),
+                           ("sp", "parallel.sp_size", "sequence parallel's shards carry pre-shifted labels")):
+        if getattr(lay, axis) > 1:
+            return (key, why)
+    return None
+
+
+def kernel_runs(cfg: RunConfig, device_type: str) -> str:
+    """The kernel this run computes its token loss with: the one rule train, plan and estimate ask."""
+    if cfg.training.loss_kernel == "auto" and kernel_blocker(cfg) is not None:
+        return "full"
+    return kernels.chosen(cfg.training.loss_kernel, device_type)
+
+
+def loss_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
+    errors: list[Problem] = []
+    kernel = cfg.training.loss_kernel
+    if kernel in ("chunked", "fused"):
+        blocker = kernel_blocker(cfg)
+        if blocker is not None:
+            key, why = blocker
+            errors.append(Problem(KEY, f"{kernel} does not compose with this run ({key}): {why}", where(KEY),
+                                  f"set {KEY}=full (or auto)"))
+        elif kernel == "fused" and not (kernels.liger_installed() or kernels.torch_has_linear_cross_entropy()):
+            errors.append(Problem(KEY, "fused needs Liger (on CUDA) or torch >= 2.13's F.linear_cross_entropy",
+                                  where(KEY), "pip install 'overdrive[liger]', or set training.loss_kernel=chunked"))
+    lay = mesh.layout(cfg)
+    if cfg.data.document_mask:
+        if cfg.model.task != "causal-lm" or cfg.data.format in ("chat", "preference"):
+            errors.append(Problem("data.document_mask", "applies to packed text of a causal LM (packed chat rows "
+                                  "already keep conversations apart: data.packing)", where("data.document_mask"),
+                                  "set data.document_mask=false"))
+        for axis, key in (("cp", "parallel.cp_size"), ("sp", "parallel.sp_size"), ("pp", "parallel.pp_size")):
+            if getattr(lay, axis) > 1:
+                errors.append(Problem("data.document_mask", f"{key}={getattr(lay, axis)} splits the sequence (or "
+                                      "the model) where the per-document positions are not followed",
+                                      where("data.document_mask"), f"set data.document_mask=false or {key}=1"))
+                break
+    if cfg.training.activation_offloading and lay.pp > 1:
+        errors.append(Problem("training.activation_offloading", "the pipeline schedule runs the stages' forwards "
+                              "itself, around these hooks", where("training.activation_offloading"),
+                              "set training.activation_offloading=false or parallel.pp_size=1"))
+    return errors

@@ -1,0 +1,179 @@
+"""A causal LM's summed token loss without the whole logits tensor (`training.loss_kernel`).
+
+The model's own loss (`full`) projects every position onto the vocabulary: at 2,048 tokens and
+Llama 3's 128,256 tokens that is 1 GB of fp32 logits, as much again for the log-softmax the cross
+entropy keeps, and twice that for their gradients in backward: the largest tensors of the step for
+a small model. Here the model runs through its own forward (whatever wraps it: DDP, DeepSpeed's
+engine, PEFT) asked for no logits at all (`logits_to_keep`: an empty index), the final hidden
+states are taken from its decoder by a forward hook, and the LM head's weight and the labels go to
+
+- `chunked`: a loop over slices of the sequence, each slice's logits and cross entropy computed
+  and dropped; backward recomputes one slice at a time and adds its share into the head's weight
+  gradient in place (torchtune's and torchtitan's chunked loss, without a slice's separate weight
+  gradient). An autograd Function: composes with what autograd does (not double backward);
+- `fused`: Liger's fused linear cross entropy on CUDA when installed, else torch's own
+  `F.linear_cross_entropy` with its chunked path (torch >= 2.13), which computes the gradients in
+  forward and keeps only them (the weight's gradient, vocabulary x hidden, from forward to backward).
+
+Both keep the model's shift (position t predicts label t+1), the ignore index -100 and the sum
+over tokens that step_loss.summed_loss returns; the loop divides by the global token count.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from overdrive.config import loss_kernel as rule
+from overdrive.config.schema import RunConfig
+from overdrive.errors import Problem, UserError
+from overdrive.resolving import validate_loss
+
+IGNORE = -100
+KEY = "training.loss_kernel"
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The Transformers model under DDP / DeepSpeed's engine (`.module`), torch.compile and PEFT."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(getattr(model, "module", None), torch.nn.Module):
+            model = model.module
+        elif hasattr(model, "get_base_model"):  # PEFT
+            model = model.get_base_model()
+        else:
+            return model
+
+
+def _head(model: torch.nn.Module) -> torch.nn.Linear:
+    """The LM head as a plain linear layer, or the key refused: a head that is not one (a LoRA
+    layer on lm_head, a quantised head) or logits the model rescales after it are the model's own."""
+    config = getattr(model, "config", None)
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) not in (None, 1, 1.0):
+        raise UserError(Problem(KEY, f"{type(model).__name__} rescales its logits after the LM head "
+                                "(soft-capping or a logit scale), which the loss kernels leave out",
+                                fix=f"set {KEY}=full"))
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not torch.nn.Linear or not head.weight.dtype.is_floating_point:
+        raise UserError(Problem(KEY, f"{type(model).__name__}'s LM head is {type(head).__name__}, not a plain "
+                                "linear layer (an adapter or quantisation on lm_head)", fix=f"set {KEY}=full"))
+    return head
+
+
+def final_hidden_states(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """The decoder's last hidden states (after the final norm) from the model's own forward, with no logits."""
+    inner = unwrapped(model)
+    decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else None
+    if decoder is None or decoder is inner:
+        raise UserError(Problem(KEY, f"{type(inner).__name__} has no separate decoder to take hidden states from",
+                                fix=f"set {KEY}=full"))
+    caught: list[torch.Tensor] = []
+
+    def keep(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+        caught.append(output[0] if isinstance(output, (tuple, list)) else output.last_hidden_state)
+
+    handle = decoder.register_forward_hook(keep)
+    try:
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        none = torch.empty(0, dtype=torch.long, device=batch["input_ids"].device)
+        model(**inputs, logits_to_keep=none, use_cache=False)
+    finally:
+        handle.remove()
+    return caught[-1]
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Summed cross entropy of linear(hidden, weight, bias) against targets, a slice of tokens at a
+    time. Forward keeps only its inputs; backward recomputes each slice's logits, turns them into
+    their gradient in place (softmax minus the one-hot target) and adds the slice's share straight
+    into the weight's gradient, so one slice's fp32 logits are the only vocabulary-wide tensor."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, step):
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.step = step
+        device = hidden.device.type
+        ctx.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], step):
+            logits = F.linear(hidden[start:start + step], weight, bias).float()  # up-cast as Transformers' loss does
+            total += F.cross_entropy(logits, targets[start:start + step], ignore_index=IGNORE, reduction="sum")
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        dtype, step = ctx.dtype, ctx.step
+        w = weight.to(dtype)
+        b = bias.to(dtype) if bias is not None else None
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, hidden.shape[0], step):
+                h = hidden[start:start + step].to(dtype)
+                t = targets[start:start + step]
+                grad = F.linear(h, w, b).float()
+                # softmax in place (logsumexp would allocate a slice-sized temporary)
+                grad.sub_(grad.amax(-1, keepdim=True)).exp_()
+                grad.div_(grad.sum(-1, keepdim=True))
+                kept = t != IGNORE
+                rows = torch.arange(len(t), device=t.device)
+                grad[rows, t.clamp(min=0)] -= kept.to(grad.dtype)  # minus the one-hot target
+                grad.mul_((kept.to(grad.dtype) * grad_total).unsqueeze(-1))  # ignored tokens: no gradient
+                g = grad.to(dtype)
+                del grad
+                if grad_hidden is not None:
+                    grad_hidden[start:start + step] = (g @ w).to(hidden.dtype)
+                if grad_weight is not None:
+                    grad_weight.addmm_(g.t().float() if dtype != torch.float32 else g.t(),
+                                       h.float() if dtype != torch.float32 else h)
+                if grad_bias is not None:
+                    grad_bias += g.float().sum(0)
+        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
+        grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else None
+        return grad_hidden, grad_weight, grad_bias, None, None
+
+
+def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross entropy of (tokens, hidden) against (tokens,), one slice at a time (no logits kept)."""
+    return _ChunkedCrossEntropy.apply(hidden, weight, bias, targets, rule.chunk_tokens(weight.shape[0]))
+
+
+def fused_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross entropy by a fused kernel: Liger's on CUDA when installed, else torch's chunked op."""
+    if hidden.is_cuda and rule.liger_installed():
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+        # Liger's Triton kernels take one dtype: autocast's, as the model's own head would run in.
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else weight.dtype
+        return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum")(
+            weight.to(dtype), hidden.to(dtype), targets, bias.to(dtype) if bias is not None else None).float()
+    if not hasattr(F, "linear_cross_entropy"):
+        raise UserError(Problem(KEY, "`fused` needs Liger on CUDA (pip install overdrive[liger]) or torch >= 2.13",
+                                fix=f"set {KEY}=chunked"))
+    return F.linear_cross_entropy(hidden, weight, targets, linear_bias=bias, reduction="sum", ignore_index=IGNORE,
+                                  options=torch.nn.LinearCrossEntropyOptions())
+
+
+LOSSES: dict[str, Callable[..., torch.Tensor]] = {"chunked": chunked_loss, "fused": fused_loss}
+
+
+def summed_token_loss(model: torch.nn.Module, batch: dict, kernel: str) -> torch.Tensor:
+    """This micro-batch's summed causal-LM loss by `kernel` ("chunked" or "fused"): the same number
+    as the model's own loss with `num_items_in_batch=1`."""
+    head = _head(unwrapped(model))
+    hidden = final_hidden_states(model, batch)
+    labels = batch["labels"]
+    # The model's shift: position t predicts label t+1; the last position predicts nothing.
+    hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    targets = labels[:, 1:].reshape(-1).to(hidden.device)
+    return LOSSES[kernel](hidden, head.weight, head.bias, targets)
+
+
+def for_run(cfg: RunConfig, device: torch.device) -> str:
+    """The kernel a run computes its token loss with (`auto` settled for this device and run)."""
+    return validate_loss.kernel_runs(cfg, device.type)

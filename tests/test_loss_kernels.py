@@ -1,0 +1,161 @@
+"""`training.loss_kernel`: the chunked and fused token losses give the model's own summed loss and
+gradients without the logits; what does not compose is refused by key; `auto` keeps `full` on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from overdrive.training import step_loss
+
+VOCAB = 3000
+
+
+def _llama(**extra):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                        max_position_embeddings=512, tie_word_embeddings=False, use_cache=False,
+                                        **extra))
+
+
+def _batch() -> dict:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (2, 200), generator=g)
+    labels = ids.clone()
+    labels[0, :37] = -100  # a prompt left out of the loss
+    labels[1, 150:] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def _loss_and_grads(model, batch, kernel):
+    model.zero_grad(set_to_none=True)
+    loss = step_loss.summed_loss(model, batch, kernel)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same(got, want):
+    (loss, grads), (loss_ref, grads_ref) = got, want
+    assert abs(loss - loss_ref) <= 1e-5 * abs(loss_ref)
+    assert grads.keys() == grads_ref.keys() and grads
+    for name, g in grads_ref.items():
+        assert (grads[name] - g).norm() <= 1e-5 * g.norm() + 1e-12, name
+
+
+def test_full_is_the_models_own_summed_loss():
+    model, batch = _llama(), _batch()
+    own = model(**batch, num_items_in_batch=1).loss
+    assert torch.equal(step_loss.summed_loss(model, batch), own)
+    assert torch.equal(step_loss.summed_loss(model, batch, "full"), own)
+
+
+@pytest.mark.parametrize("kernel", ["chunked", "fused"])
+def test_kernel_gives_the_full_loss_and_gradients(kernel, monkeypatch):
+    from overdrive.config import loss_kernel
+
+    monkeypatch.setattr(loss_kernel, "CHUNK_LOGITS_BYTES", 4 * VOCAB * 64)  # 64-token slices: several per row
+    model, batch = _llama(), _batch()
+    _assert_same(_loss_and_grads(model, batch, kernel), _loss_and_grads(model, batch, "full"))
+
+
+@pytest.mark.parametrize("kernel", ["chunked", "fused"])
+def test_kernel_under_lora_and_gradient_checkpointing(kernel):
+    from peft import LoraConfig, get_peft_model
+
+    model = _llama()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    batch = _batch()
+    got, want = _loss_and_grads(model, batch, kernel), _loss_and_grads(model, batch, "full")
+    assert all("lora" in name for name in want[1])
+    _assert_same(got, want)
+
+
+def test_a_head_with_an_adapter_is_refused_by_key():
+    from peft import LoraConfig, get_peft_model
+
+    from overdrive.errors import UserError
+
+    model = get_peft_model(_llama(), LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    with pytest.raises(UserError) as caught:
+        step_loss.summed_loss(model, _batch(), "chunked")
+    assert caught.value.problems[0].key == "training.loss_kernel"
+
+
+@pytest.mark.parametrize("items, key", [
+    (["parallel.strategy=fsdp", "launch.num_processes=2"], "parallel.strategy"),
+    (["parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3", "launch.num_processes=2"], "parallel.strategy"),
+    (["parallel.tp_size=2", "launch.num_processes=2"], "parallel.tp_size"),
+    (["parallel.pp_size=2", "launch.num_processes=2"], "parallel.pp_size"),
+    (["model.task=sequence-classification"], "model.task"),
+])
+def test_what_does_not_compose_is_refused_by_key(items, key):
+    from overdrive.resolving import validate_loss
+
+    for kernel in ("chunked", "fused"):
+        cfg = _config([f"training.loss_kernel={kernel}", *items])
+        problems = validate_loss.loss_rules(cfg, lambda key: "")
+        assert [p.key for p in problems] == ["training.loss_kernel"] and key in problems[0].message
+    auto = _config(items)
+    assert validate_loss.loss_rules(auto, lambda key: "") == [] and validate_loss.kernel_runs(auto, "cuda") == "full"
+
+
+def _config(items: list[str]):
+    from overdrive.config.keys import coerce, set_dotted
+    from overdrive.config.schema import RunConfig
+
+    values: dict = {}
+    for item in items:
+        key, value = item.split("=", 1)
+        set_dotted(values, key, coerce(key, value))
+    return RunConfig.model_validate(values)
+
+
+def test_auto_keeps_the_models_own_loss_on_cpu():
+    from overdrive.config import loss_kernel
+
+    assert loss_kernel.chosen("auto", "cpu") == "full"
+    assert loss_kernel.chosen("auto", "cuda") == ("fused" if loss_kernel.liger_installed() else "full")
+    assert loss_kernel.chosen("chunked", "cpu") == "chunked"
+
+
+def test_estimate_counts_each_kernels_loss(tmp_path):
+    """At a 128k vocabulary the loss dominates `full`'s activations; `chunked` and `fused` count a
+    slice and the head's weight gradient (bench/bench_loss_kernel.py measures them within 10%)."""
+    import json
+    from dataclasses import replace
+
+    from overdrive.memory import estimate_row
+    from overdrive.memory.model_shape import model_shape, resolve_source
+    from overdrive.memory.shape import Setup
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": 256,
+        "intermediate_size": 688, "max_position_embeddings": 2048, "num_attention_heads": 4, "num_hidden_layers": 2,
+        "num_key_value_heads": 4, "tie_word_embeddings": False, "vocab_size": 128_256}))
+    shape = model_shape(resolve_source(str(tmp_path / "config.json"), []))
+    setup = Setup(precision="no", micro_batch=1, seq_len=2048, target="cpu")
+    rows = {k: estimate_row("ddp", shape, replace(setup, loss_kernel=k)) for k in ("full", "chunked", "fused")}
+    full = rows["full"].activations_bytes
+    assert full > 2047 * 128_256 * 12  # log-softmax, its gradient, the logits' gradient: fp32 each
+    for kernel in ("chunked", "fused"):
+        assert rows[kernel].activations_bytes < 0.15 * full
+        assert any(kernel in what for _, what, _ in rows[kernel].terms)
+    held = estimate_row("ddp", shape, replace(setup, logits_held=True)).activations_bytes
+    assert held - full == 2048 * 128_256 * 4  # a caller that holds the logits (preference methods)
+    # Offloading moves saved layers to the host on CUDA; on a CPU they are there already.
+    gpu = replace(setup, target="cuda", loss_kernel="chunked")
+    offloaded = estimate_row("ddp", shape, replace(gpu, activation_offloading=True))
+    assert offloaded.activations_bytes < estimate_row("ddp", shape, gpu).activations_bytes and offloaded.host_bytes > 0
+    assert estimate_row("ddp", shape, replace(setup, activation_offloading=True)).total_bytes == rows["full"].total_bytes
+
+
+def test_evaluation_without_gradients_gives_the_same_sum():
+    model, batch = _llama().eval(), _batch()
+    with torch.no_grad():
+        full = step_loss.summed_loss(model, batch)
+        chunked = step_loss.summed_loss(model, batch, "chunked")
+    assert abs(chunked - full) <= 1e-5 * abs(full)
