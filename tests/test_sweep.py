@@ -243,3 +243,15 @@ def test_a_run_is_judged_by_the_last_value_of_its_metric_and_can_be_stopped_on_o
     missing = execute("{}", tmp_path / "d", _Starter(RECORDS[:1]), "eval_loss", poll_s=0)
     assert missing.status == "failed" and "no `eval_loss`" in missing.reason and "loss" in missing.reason
     assert all(run.killed for run in starter.started)  # nothing it started outlives it
+
+
+def test_a_grid_study_told_its_last_trial_ends_without_optunas_stop_error():
+    import optuna
+
+    from overdrive.sweep.loop import _tell
+
+    study = optuna.create_study(sampler=optuna.samplers.GridSampler({"x": [1, 2]}))
+    for _ in range(2):  # the second tell is the grid's last: GridSampler calls study.stop()
+        trial = study.ask({"x": optuna.distributions.CategoricalDistribution([1, 2])})
+        _tell(study, trial, float(trial.params["x"]))
+    assert len(study.trials) == 2 and all(t.state.name == "COMPLETE" for t in study.trials)

@@ -120,7 +120,7 @@ def run(job: Job, study, show: Callable[[Any], None] = lambda study: None) -> Fi
                 studies.claim(study, trial)
                 if studies.excess(study, trial.number, target):  # asked at the same moment as another process
                     trial.set_user_attr("reason", f"not run: the study already had {target} trials")
-                    study.tell(trial, state=_state("FAIL"))
+                    _tell(study, trial, state=_state("FAIL"))
                     continue
                 ran.append(trial.number)
                 outcome = run_trial(job, study, trial, starter, signals, show)
@@ -174,7 +174,7 @@ def run_trial(job: Job, study, trial, starter, signals: _Signals, show) -> Execu
     except UserError as error:  # a combination the cross-field rules refuse
         reason = error.render().replace("\n", " ")
         trial.set_user_attr("reason", reason[:500])
-        study.tell(trial, state=_state("FAIL"))
+        _tell(study, trial, state=_state("FAIL"))
         return Execution("failed", reason=reason)
     found = checkpoint.latest_complete(checkpoint.checkpoints_dir(directory), checksums=False).found
     if found is not None:
@@ -201,14 +201,14 @@ def run_trial(job: Job, study, trial, starter, signals: _Signals, show) -> Execu
     trial.set_user_attr("seconds", round(outcome.seconds, 2))
     try:
         if outcome.status == "finished":
-            study.tell(trial, outcome.value)
+            _tell(study, trial, outcome.value)
         elif outcome.status == "stopped":
-            study.tell(trial, state=_state("PRUNED"))
+            _tell(study, trial, state=_state("PRUNED"))
         elif outcome.status == "interrupted":  # queued again: the next sweep continues its checkpoint
             studies.fail_and_retry(study, trial._trial_id)
         else:
             trial.set_user_attr("reason", outcome.reason[:500])
-            study.tell(trial, state=_state("FAIL"))
+            _tell(study, trial, state=_state("FAIL"))
     except optuna.exceptions.UpdateFinishedTrialError:  # failed as stale by another process meanwhile
         pass
     if outcome.status == "failed" and outcome.reason.startswith(f"no `{job.config.sweep.metric}`"):
@@ -217,3 +217,15 @@ def run_trial(job: Job, study, trial, starter, signals: _Signals, show) -> Execu
                                 "or the evaluation at the end)"))
     show(study)
     return outcome
+
+
+def _tell(study: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
+    """`study.tell`, through Optuna's GridSampler too: after the grid's last trial it calls
+    `study.stop()`, which raises outside `optimize` once the trial is already stored (optuna #4121,
+    #5141); the loop's own count ends the sweep there."""
+    try:
+        study.tell(trial, *args, **kwargs)
+    except RuntimeError as error:
+        if "Study.stop" not in str(error):
+            raise
+
