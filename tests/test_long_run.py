@@ -160,7 +160,10 @@ def test_async_checkpoints_block_training_a_fraction_of_a_synchronous_save(tmp_p
     background = train(tmp_path / "async", cache, *FSDP, *wide, "checkpoint.async=true")
     waited, staged = blocked_seconds(synchronous.stdout), blocked_seconds(background.stdout)
     assert len(waited) == len(staged) == 2 and "written in the background" in background.stdout
-    assert sum(staged) <= 0.3 * sum(waited), (staged, waited, background.stdout[-3000:])
+    # Measured on an idle machine 0.22-0.36 s against 2.1-3.3 s (docs/checkpoints.md); beside other
+    # jobs on two cores the ratio has reached 0.5. A save that waited for its write would be near 1.
+    print(f"training blocked {sum(staged):.2f} s in background saves, {sum(waited):.2f} s in synchronous ones")
+    assert sum(staged) < 0.8 * sum(waited), (staged, waited, background.stdout[-3000:])
     for step in (4, 8):
         assert (tmp_path / "async" / "checkpoints" / f"step-{step:08d}" / "manifest.json").exists()
 

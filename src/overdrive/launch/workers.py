@@ -53,8 +53,11 @@ def check(cfg: RunConfig, gpus: Optional[int] = None) -> None:
 def port_in_use(port: int) -> bool:
     """Whether the rendezvous could not take `port`: checked by binding it on every address, as
     the store torchrun starts will (its standalone mode picks a port the same way). Connecting
-    would miss a port still bound by a stopped job that accepts nothing."""
+    would miss a port still bound by a stopped job that accepts nothing. SO_REUSEADDR as c10d's
+    store sets it: a port whose last job's connections linger in TIME_WAIT (a run killed and
+    started again at once) is free to it, one another job listens on is not."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("", port))
         except OSError:
