@@ -120,6 +120,20 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]
     return proc.returncode, out, err
 
 
+def killed_then_resumed(command: list[str], cwd: Path, out: Path, step: int, more: int,
+                        timeout: float = 600) -> subprocess.CompletedProcess:
+    """The run SIGKILLed (its whole group) once the checkpoint of `step` and `more` steps after it
+    exist, then the same command run again to its end: the resumed run, which said it resumed."""
+    proc = start(command, cwd=cwd)
+    wait_for(checkpoint_then(out, step, more), proc, timeout=timeout, what=f"checkpoint {step} and {more} more steps")
+    kill_group(proc)
+    assert finish(proc)[0] == -9
+    done = run(command, cwd=cwd, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stdout
+    return done
+
+
 def assert_same_losses(reference: dict[int, float], resumed: dict[int, float], steps, rel: Optional[float] = None):
     for step in steps:
         if rel is None:

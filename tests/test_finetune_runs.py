@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 
 import pytest
-from checkpoint_probe import checkpoint_then, finish, kill_group, losses, records, run, start, wait_for
+from checkpoint_probe import losses, records, run, killed_then_resumed
 from hf_fixtures import make_chat_data, make_tiny_llama, tree_hash
 from strategy_probe import REPO, free_port
 
@@ -122,13 +122,7 @@ def test_a_killed_lora_run_resumes_exactly_from_a_small_checkpoint(work, referen
     from safetensors.torch import load_file
 
     out = work / "killed"
-    proc = start(command(work, "killed", *REFERENCE), cwd=work)
-    wait_for(checkpoint_then(out, 8, 2), proc, timeout=600, what="checkpoint 8 and two more steps")
-    kill_group(proc)
-    assert finish(proc)[0] == -9
-    done = run(command(work, "killed", *REFERENCE), cwd=work, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from" in done.stdout
+    killed_then_resumed(command(work, "killed", *REFERENCE), work, out, 8, 2, timeout=600)
     assert losses(out) == losses(reference)
     checkpoint = out / "checkpoints" / "step-00000016"
     weights = load_file(checkpoint / "model.safetensors")

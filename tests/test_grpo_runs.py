@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from checkpoint_probe import checkpoint_then, finish, kill_group, records, run, start, wait_for
+from checkpoint_probe import records, run, killed_then_resumed
 from hf_fixtures import LETTERS, make_tiny_llama
 from strategy_probe import REPO, free_port
 
@@ -129,13 +129,7 @@ def test_num_iterations_trains_twice_on_each_generation(work):
 
 def test_a_killed_grpo_run_resumes_exactly(work, reference):
     out = work / "killed"
-    proc = start(command(work, "killed", *REFERENCE), cwd=work)
-    wait_for(checkpoint_then(out, 4, 1), proc, timeout=900, what="checkpoint 4 and one more step")
-    kill_group(proc)
-    assert finish(proc)[0] == -9
-    done = run(command(work, "killed", *REFERENCE), cwd=work, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from" in done.stdout
+    killed_then_resumed(command(work, "killed", *REFERENCE), work, out, 4, 1, timeout=900)
     got, expected = logged(out), logged(reference)
     assert sorted(got) == sorted(expected)
     for step in expected:

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from checkpoint_probe import checkpoint_then, finish, kill_group, losses, records, run, start, wait_for
+from checkpoint_probe import losses, records, run, killed_then_resumed
 from hf_fixtures import make_preference_data, make_tiny_llama
 from strategy_probe import REPO, free_port
 
@@ -94,13 +94,7 @@ def test_two_processes_under_ddp_zero3_and_fsdp2_match_one(work, reference):
 
 def test_a_killed_dpo_run_resumes_exactly(work, reference):
     out = work / "killed"
-    proc = start(command(work, "killed", *REFERENCE), cwd=work)
-    wait_for(checkpoint_then(out, 8, 2), proc, timeout=600, what="checkpoint 8 and two more steps")
-    kill_group(proc)
-    assert finish(proc)[0] == -9
-    done = run(command(work, "killed", *REFERENCE), cwd=work, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from" in done.stdout
+    killed_then_resumed(command(work, "killed", *REFERENCE), work, out, 8, 2, timeout=600)
     assert losses(out) == losses(reference)
     mine = {r["step"]: r["rewards/margins"] for r in records(out) if "loss" in r}
     assert mine == {r["step"]: r["rewards/margins"] for r in records(reference) if "loss" in r}

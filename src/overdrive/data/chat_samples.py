@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from overdrive.data.samples import IGNORE, _portable, _restore
+from overdrive.data.samples import IGNORE, _portable, _restore, row_span
 
 
 def _labels(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -33,9 +33,7 @@ class Conversations(torch.utils.data.Dataset):
         return len(self.ends)
 
     def span(self, i: int) -> tuple[int, int]:
-        if not 0 <= i < len(self):
-            raise IndexError(f"conversation {i} of {len(self)}")
-        return (int(self.ends[i - 1]) if i else 0), int(self.ends[i])
+        return row_span(self.ends, i, "conversation")
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         start, end = self.span(i)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from overdrive.data.chat import KINDS
-from overdrive.data.chat_samples import IGNORE
+from overdrive.data.samples import IGNORE, row_span
 
 DESIRABLE, UNDESIRABLE = 1, 2
 Encoded = tuple[list[int], list[int]]  # (ids, mask)
@@ -104,9 +104,7 @@ class UnpairedRows(torch.utils.data.Dataset):
         return len(self.ends)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        if not 0 <= i < len(self):
-            raise IndexError(f"row {i} of {len(self)}")
-        start, end = (int(self.ends[i - 1]) if i else 0), int(self.ends[i])
+        start, end = row_span(self.ends, i)
         ids, mask = self.ids[start:end].astype(np.int64), self.mask[start:end]
         prompt = int(np.argmax(mask != 0)) if mask.any() else len(mask)
         return {"prompt_ids": torch.from_numpy(ids[:prompt]), "completion_ids": torch.from_numpy(ids[prompt:]),

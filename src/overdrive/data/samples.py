@@ -74,6 +74,14 @@ def document_positions(ids: torch.Tensor, document_end: int) -> dict[str, torch.
     return {"labels": labels, "position_ids": index - latest}
 
 
+def row_span(ends: np.ndarray, i: int, what: str = "row") -> tuple[int, int]:
+    """Where row i of variable-length rows stored end to end lies: ids[start:end], `ends` each
+    row's end; an index outside them is an IndexError naming `what`."""
+    if not 0 <= i < len(ends):
+        raise IndexError(f"{what} {i} of {len(ends)}")
+    return (int(ends[i - 1]) if i else 0), int(ends[i])
+
+
 class LabeledTexts(torch.utils.data.Dataset):
     """Variable-length token ids with one class label each: row i is ids[ends[i-1]:ends[i]]."""
 
@@ -84,10 +92,8 @@ class LabeledTexts(torch.utils.data.Dataset):
         return len(self.labels)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        if not 0 <= i < len(self):
-            raise IndexError(f"row {i} of {len(self)}")
-        start = int(self.ends[i - 1]) if i else 0
-        ids = self.ids[start:int(self.ends[i])].astype(np.int64)
+        start, end = row_span(self.ends, i)
+        ids = self.ids[start:end].astype(np.int64)
         return {"input_ids": torch.from_numpy(ids), "labels": torch.tensor(int(self.labels[i]))}
 
     def __getstate__(self):

@@ -9,8 +9,8 @@
                                     the whole global batch gathered for the advantages; the reference
                                     (and, with rl.num_iterations > 1, the generation-time) log-probs
                                     taken; and the completions cut into micro-batches again.
-    units(batch)                    completions or completion tokens, by the loss type
-    objective(model, batch)         the loss type's mean over this micro-batch's units
+    counts(batch)                   completions or completion tokens, by the loss type
+    sums(model, batch)              the loss type's sum over this micro-batch's units
     read() / pending() / restore()  TRL's metrics since the last log point
 
 The arithmetic is TRL's (grpo_loss.py).
@@ -224,15 +224,8 @@ class GRPOObjective(Objective):
 
     # -------------------------------------------------------------- the loss
 
-    def units(self, batch: dict) -> torch.Tensor:
-        return grpo_loss.units(self.rl.loss_type, batch["completion_mask"])
-
     def counts(self, batch: dict) -> torch.Tensor:
-        return self.units(batch)
-
-    def __call__(self, model, batch: dict) -> torch.Tensor:
-        """The loss type's mean over this micro-batch's units (x units / the global units: the step's share)."""
-        return self.sums(model, batch) / self.units(batch).clamp(min=1)
+        return grpo_loss.units(self.rl.loss_type, batch["completion_mask"])
 
     def sums(self, model, batch: dict) -> torch.Tensor:
         """The loss type's sum over this micro-batch's units, forward included."""
