@@ -34,11 +34,14 @@ def warm_cache(cache: Path, run_args: list[str]) -> Path:
     return cache
 
 
-def start(args: list[str], cwd: Path) -> subprocess.Popen:
-    # Its own session: the whole job (launcher, agent, workers) can be killed as one group,
-    # as losing a machine would.
+def start(args: list[str], cwd: Path, freeze_after: Optional[int] = None) -> subprocess.Popen:
+    """The job in its own session: the whole job (launcher, agent, workers) can be killed as one
+    group, as losing a machine would. `freeze_after`: it stops after that step and waits for the
+    kill (OVERDRIVE_FAULT_INJECT=freeze), so a kill meant for the middle of the run lands there
+    however fast a machine runs the steps."""
+    env = {**os.environ, "OVERDRIVE_FAULT_INJECT": f"freeze:step={freeze_after}"} if freeze_after else None
     return subprocess.Popen(args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
 
 
 def run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -124,7 +127,7 @@ def killed_then_resumed(command: list[str], cwd: Path, out: Path, step: int, mor
                         timeout: float = 600) -> subprocess.CompletedProcess:
     """The run SIGKILLed (its whole group) once the checkpoint of `step` and `more` steps after it
     exist, then the same command run again to its end: the resumed run, which said it resumed."""
-    proc = start(command, cwd=cwd)
+    proc = start(command, cwd=cwd, freeze_after=step + more)
     wait_for(checkpoint_then(out, step, more), proc, timeout=timeout, what=f"checkpoint {step} and {more} more steps")
     kill_group(proc)
     assert finish(proc)[0] == -9

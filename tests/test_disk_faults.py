@@ -132,7 +132,7 @@ def test_a_second_run_into_a_busy_output_dir_is_refused_and_a_killed_run_leaves_
 
     longer = ["training.max_steps=16", *args[1:]]
     # A finished run continued with another schedule length: --force says so (without it, refused).
-    killed = start(command(out, cache, *longer, "--force"), cwd=tmp_path)
+    killed = start(command(out, cache, *longer, "--force"), cwd=tmp_path, freeze_after=13)
     wait_for(checkpoint_then(out, 12, 1), killed, what="checkpoint 12 and one more step")
     kill_group(killed)
     finish(killed)

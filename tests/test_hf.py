@@ -4,6 +4,7 @@ config, the rule that settles a script's own TrainingArguments / Accelerator val
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -95,7 +96,7 @@ def test_script_conflicts_error_refuses():
         _settled(["accum=2"], script_conflicts="error", gradient_accumulation_steps=1)
 
 
-def test_the_patches_are_undone_after_the_script():
+def test_the_patches_are_undone_after_the_script(tmp_path):
     from accelerate import Accelerator
     from accelerate.state import PartialState
     from transformers import TrainingArguments
@@ -104,15 +105,23 @@ def test_the_patches_are_undone_after_the_script():
     from overdrive.launch import script_values
     from overdrive.strategies import cpu
 
+    @dataclasses.dataclass
+    class Subclass(TrainingArguments):  # as TRL's configs are
+        extra: int = 1
+
     before = (Accelerator.__init__, TrainingArguments.__post_init__, PartialState.__init__,
-              training_args.is_torch_bf16_gpu_available, TrainingArguments.__new__)
+              training_args.is_torch_bf16_gpu_available)
     resolved = resolve([str(REPO / "configs" / "zero3.yaml")], cli=CPU)
-    with script_values.applied(resolved.config, resolved.origins, __file__), \
-            cpu.apply_to_user_accelerators(resolved.config):
-        assert Accelerator.__init__ is not before[0] and PartialState.__init__ is not before[2]
-        assert TrainingArguments.__post_init__ is not before[1]
-    assert (Accelerator.__init__, TrainingArguments.__post_init__, PartialState.__init__,
-            training_args.is_torch_bf16_gpu_available, TrainingArguments.__new__) == before
+    for _ in range(2):
+        with script_values.applied(resolved.config, resolved.origins, __file__), \
+                cpu.apply_to_user_accelerators(resolved.config):
+            assert Accelerator.__init__ is not before[0] and PartialState.__init__ is not before[2]
+            assert TrainingArguments.__post_init__ is not before[1]
+        assert (Accelerator.__init__, TrainingArguments.__post_init__, PartialState.__init__,
+                training_args.is_torch_bf16_gpu_available) == before
+        # Built after the block, with arguments, the class and its subclasses are as they were.
+        built = Subclass(output_dir=str(tmp_path), report_to="none", use_cpu=True, extra=3)
+        assert built.extra == 3 and script_values.CALL_RECORD not in vars(built)
 
 
 @pytest.mark.slow

@@ -75,7 +75,7 @@ def test_a_mixture_draws_by_weight_and_resumes_exactly(tmp_path):
     assert abs(share - 0.7) / 0.7 <= 0.02, drawn
     assert drawn["greek"] + drawn["numbers"] == last["tokens"]
 
-    proc = start(command(work / "killed", cache, *MIX), cwd=work)
+    proc = start(command(work / "killed", cache, *MIX), cwd=work, freeze_after=102)
     wait_for(checkpoint_then(work / "killed", 100, 2), proc, timeout=900, what="the checkpoint at step 100")
     kill_group(proc)
     finish(proc)

@@ -45,7 +45,7 @@ def killed(tmp_path_factory, cache):
     """The same run, SIGKILLed a few steps after its checkpoint of step 10."""
     work = tmp_path_factory.mktemp("killed")
     out = work / "run"
-    proc = start(command(out, cache, *RUN), cwd=work)
+    proc = start(command(out, cache, *RUN), cwd=work, freeze_after=13)
     wait_for(checkpoint_then(out, 10, 3), proc, what="checkpoint 10 and three more steps")
     kill_group(proc)
     code, _, _ = finish(proc)

@@ -6,6 +6,7 @@ set the variable on the launcher, the workers inherit it.
     OVERDRIVE_FAULT_INJECT=oom:step=K:rank=R     rank R raises an out-of-memory error inside step K
     OVERDRIVE_FAULT_INJECT=spike:step=K          step K's labels scrambled on every rank (a loss spike)
     OVERDRIVE_FAULT_INJECT=stall:step=K          checkpoint.async: step K's checkpoint written, never sealed
+    OVERDRIVE_FAULT_INJECT=freeze:step=K         every rank stops after step K (logged, saved if due) until killed
     OVERDRIVE_FAULT_INJECT=oom:step=3:rank=1,spike:step=6   several, comma-separated
 
 Each fires once per process: a redone step is not failed again.
@@ -13,6 +14,7 @@ Each fires once per process: a redone step is not failed again.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -20,7 +22,7 @@ from overdrive.config.env_report import process_environment
 from overdrive.errors import Problem, UserError
 
 VARIABLE = "OVERDRIVE_FAULT_INJECT"
-_FIELDS = {"oom": {"step", "rank"}, "spike": {"step"}, "stall": {"step"}}
+_FIELDS = {"oom": {"step", "rank"}, "spike": {"step"}, "stall": {"step"}, "freeze": {"step"}}
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class Injection:
     oom_rank: int = 0
     spike_step: Optional[int] = None
     stall_step: Optional[int] = None  # the background write of this step's checkpoint holds before its seal
+    freeze_step: Optional[int] = None  # the job stops here and waits to be killed: a machine lost at a known step
 
 
 def parse(text: str) -> Injection:
@@ -51,7 +54,7 @@ def parse(text: str) -> Injection:
         found[kind] = values
     oom, spike = found.get("oom", {}), found.get("spike", {})
     return Injection(oom_step=oom.get("step"), oom_rank=oom.get("rank", 0), spike_step=spike.get("step"),
-                     stall_step=found.get("stall", {}).get("step"))
+                     stall_step=found.get("stall", {}).get("step"), freeze_step=found.get("freeze", {}).get("step"))
 
 
 def _bad(text: str, why: str) -> UserError:
@@ -62,3 +65,11 @@ def _bad(text: str, why: str) -> UserError:
 def from_environment(environ: Optional[Mapping[str, str]] = None) -> Injection:
     """The faults this process was asked to inject (none without the variable)."""
     return parse(process_environment(environ).get(VARIABLE, ""))
+
+
+def freeze_after(injection: Injection, step: int) -> None:
+    """`freeze:step=K`: after step K, wait to be killed (SIGKILL, as a lost machine): a kill-and-
+    resume rehearsal lands at a known step however fast the steps run."""
+    if injection.freeze_step == step:
+        while True:
+            time.sleep(3600)

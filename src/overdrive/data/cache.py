@@ -17,7 +17,6 @@ shares the same pages instead of holding its own copy.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 from contextlib import contextmanager
@@ -26,6 +25,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from overdrive.storage.lock import exclusive
 from overdrive.storage.whole_file import replace_whole
 
 PARTS = ("train", "validation")
@@ -49,13 +49,8 @@ def read_json(path: Path) -> Optional[dict]:
 @contextmanager
 def writing(entry: Path) -> Iterator[bool]:
     """Hold the entry's lock; yields False when another writer completed it meanwhile."""
-    entry.mkdir(parents=True, exist_ok=True)
-    with open(entry / "lock", "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process (or machine on a shared disk) may be writing it
-        try:
-            yield not (entry / "done.json").exists()
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with exclusive(entry / "lock"):  # another process (or machine on a shared disk) may be writing it
+        yield not (entry / "done.json").exists()
 
 
 class EntryWriter:

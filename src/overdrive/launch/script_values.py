@@ -182,14 +182,6 @@ def applied(cfg: RunConfig, origins: Mapping[str, Origin], script: str) -> Itera
     post_init, init = TrainingArguments.__dict__["__post_init__"], Accelerator.__dict__["__init__"]
     signature = inspect.signature(init)
 
-    def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
-        # The one place that sees which fields the call passed, for subclasses too.
-        instance = object.__new__(cls)
-        positional = [f.name for f in dataclasses.fields(cls) if f.init][:len(args)]
-        call, by_user = values.call_site(cls.__name__)
-        instance.__dict__[CALL_RECORD] = ({*positional, *kwargs}, call, by_user)
-        return instance
-
     def __post_init__(self: Any, *args: Any, **kwargs: Any) -> None:
         values.training_arguments(self)
         post_init(self, *args, **kwargs)
@@ -200,12 +192,38 @@ def applied(cfg: RunConfig, origins: Mapping[str, Origin], script: str) -> Itera
         explicit.update(bound.arguments.get("kwargs", {}))
         init(self, **values.accelerator_kwargs(explicit))
 
-    TrainingArguments.__new__, TrainingArguments.__post_init__, Accelerator.__init__ = __new__, __post_init__, __init__
+    _install_recording_new(TrainingArguments)
+    TrainingArguments.__post_init__, Accelerator.__init__ = __post_init__, __init__
+    _recording.append(values)
     try:
         yield values
     finally:
+        _recording.remove(values)
         TrainingArguments.__post_init__, Accelerator.__init__ = post_init, init
-        del TrainingArguments.__new__  # back to object.__new__, inherited
+
+
+# The values of the block a script runs in; empty outside it, where `_recording_new` is inert.
+_recording: list[ScriptValues] = []
+
+
+def _recording_new(cls: type, *args: Any, **kwargs: Any) -> Any:
+    """TrainingArguments.__new__: the one place that sees which fields the call passed, for
+    subclasses too (each dataclass subclass has its own generated __init__)."""
+    instance = object.__new__(cls)
+    if _recording:
+        positional = [f.name for f in dataclasses.fields(cls) if f.init][:len(args)]
+        call, by_user = _recording[-1].call_site(cls.__name__)
+        instance.__dict__[CALL_RECORD] = ({*positional, *kwargs}, call, by_user)
+    return instance
+
+
+def _install_recording_new(cls: type) -> None:
+    """Installed once and left: CPython cannot give a class back its inherited `__new__`. After
+    an assigned one is deleted (or object.__new__ assigned), the class still calls object.__new__
+    with the call's arguments, and every later TrainingArguments(...) in the process raises
+    "object.__new__() takes exactly one argument"."""
+    if cls.__dict__.get("__new__") is not _recording_new:
+        cls.__new__ = _recording_new
 
 
 def _shown(path: str) -> str:

@@ -15,8 +15,9 @@ import os
 import socket
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from overdrive.errors import Problem, UserError
 from overdrive.storage.faults import writing
@@ -79,3 +80,16 @@ def release(path: Path) -> None:
     fd = _held.pop(path, None)
     if fd is not None:
         os.close(fd)  # closing the last descriptor releases the flock
+
+
+@contextmanager
+def exclusive(path: Path) -> Iterator[None]:
+    """Hold `path`'s flock for the block, waiting for another holder: one process at a time
+    reads-then-writes what a storage without row locks (SQLite) would let two both change."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -18,11 +18,13 @@ from typing import Any, Callable
 
 from overdrive.config.sweep_space import SpaceEntry
 from overdrive.errors import Problem, UserError
+from overdrive.storage.lock import exclusive
 from overdrive.sweep import study as studies
 from overdrive.sweep import trial_layer
 from overdrive.sweep.execute import Execution, execute
 
 FAILURES_IN_A_ROW = 3  # trials this process ran that failed one after another: the sweep stops
+CLAIM_LOCK = ".sweep-claims"  # in the sweep's output_dir
 WAIT_S = 1.0  # between looks at the storage while other processes run the last trials
 
 
@@ -108,19 +110,12 @@ def run(job: Job, study, show: Callable[[Any], None] = lambda study: None) -> Fi
             if studies.tally(study).finished < target:
                 prepare_data(job, starter, root)
             while not signals.received:
-                studies.reap(study)
-                now = studies.tally(study)
+                now, trial = _take_trial(job, study, target)
                 show(study)
                 if now.finished >= target:
                     return Finish(now, ran)
-                if now.finished + now.running >= target:  # others run the last ones: wait, in case one fails
+                if trial is None:  # others run the last ones: wait, in case one fails
                     time.sleep(WAIT_S)
-                    continue
-                trial = study.ask(studies.distributions(job.entries))
-                studies.claim(study, trial)
-                if studies.excess(study, trial.number, target):  # asked at the same moment as another process
-                    trial.set_user_attr("reason", f"not run: the study already had {target} trials")
-                    _tell(study, trial, state=_state("FAIL"))
                     continue
                 ran.append(trial.number)
                 outcome = run_trial(job, study, trial, starter, signals, show)
@@ -132,6 +127,27 @@ def run(job: Job, study, show: Callable[[Any], None] = lambda study: None) -> Fi
     finally:
         starter.close()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _take_trial(job: Job, study: Any, target: int) -> tuple[studies.Tally, Any]:
+    """The study's tally, and a trial for this process to run (None: none is left to start).
+
+    Under the sweep directory's claim lock: SQLite has no row locks, so two processes started
+    together would both read a dead process's trial as RUNNING and both queue it again (one
+    directory, two runs writing it), or both pop the same queued trial. Processes on other
+    machines (a server storage) are kept apart by `excess` and the storage's own row locks."""
+    with exclusive(job.output_dir / CLAIM_LOCK):
+        studies.reap(study)
+        now = studies.tally(study)
+        if now.finished + now.running >= target:
+            return now, None
+        trial = study.ask(studies.distributions(job.entries))
+        studies.claim(study, trial)
+        if studies.excess(study, trial.number, target):  # asked at the same moment as another machine
+            trial.set_user_attr("reason", f"not run: the study already had {target} trials")
+            _tell(study, trial, state=_state("FAIL"))
+            return studies.tally(study), None
+        return now, trial
 
 
 def _state(name: str):

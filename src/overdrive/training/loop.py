@@ -167,6 +167,7 @@ def _steps(loop: "Loop") -> Outcome:
             loop.stopped_by(signum)
         if signum or loop.outcome.stopped_early:
             break
+        fault_injection.freeze_after(loop.injection, loop.state.step)
     loop.ckpt.wait()  # checkpoint.async: the last save sealed before the run ends
     return loop.finish()
 
