@@ -118,15 +118,22 @@ def _losses(out) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_any_split_two_ddp_processes_and_expert_parallel_give_the_one_process_losses(tmp_path):
+def test_any_split_ddp_expert_parallel_and_ep_x_fsdp2_give_the_one_process_losses_and_resume_at_ep_1(tmp_path):
     """4x1 = 2x2 on one process = 2 processes x 2 (DDP) = the same with the experts split over them
-    (EP 2, all-to-all over gloo), 6 steps, with the balance term in the loss; EP's saved model is whole."""
+    (EP 2, all-to-all over gloo) = EP 2 x FSDP2 on 4 processes, 6 steps, with the balance term in
+    the loss; the EP x FSDP2 run's step-3 checkpoint continues at ep_size 1 (FSDP2, 2 processes) on
+    the same losses; the saved models are whole, in Transformers' names."""
+    import shutil
+
     common = [*TINY, f"data.cache_dir={tmp_path / 'cache'}", "training.global_batch_size=4"]
     two = ["training.micro_batch_size=2", "launch.num_processes=2"]
-    runs = {"4x1": ["training.micro_batch_size=4", "checkpoint.save_final_model=true"],
-            "2x2": ["training.micro_batch_size=2"], "ddp": [*two, f"launch.main_process_port={free_port()}"],
-            "ep2": [*two, "parallel.ep_size=2", "checkpoint.save_final_model=true",
-                    f"launch.main_process_port={free_port()}"]}
+    saved = ["checkpoint.save_final_model=true"]
+    runs = {"4x1": ["training.micro_batch_size=4", *saved], "2x2": ["training.micro_batch_size=2"],
+            "ddp": [*two, f"launch.main_process_port={free_port()}"],
+            "ep2": [*two, "parallel.ep_size=2", *saved, f"launch.main_process_port={free_port()}"],
+            "ep2xfsdp2": ["training.micro_batch_size=1", "launch.num_processes=4", "parallel.strategy=fsdp",
+                          "parallel.ep_size=2", "checkpoint.enabled=true", "checkpoint.every_steps=3", *saved,
+                          f"launch.main_process_port={free_port()}"]}
     got = {}
     for name, items in runs.items():
         done = run_cli("train", *common, *items, f"output_dir={tmp_path / name}", timeout=600)
@@ -134,15 +141,30 @@ def test_any_split_two_ddp_processes_and_expert_parallel_give_the_one_process_lo
         got[name] = _losses(tmp_path / name)
         records = [r for r in read(tmp_path / name / "metrics.jsonl").records if "loss" in r]
         assert all(r["aux_loss"] > 0.5 and len(r["expert_tokens"]) == 4 for r in records)
+
+    # Stopped after step 3 (its later checkpoint and model gone), continued without expert parallel.
+    resumed = tmp_path / "resumed-at-ep1"
+    shutil.copytree(tmp_path / "ep2xfsdp2", resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step-00000006")
+    shutil.rmtree(resumed / "model")
+    done = run_cli("train", *common, "training.micro_batch_size=1", "launch.num_processes=2", "parallel.strategy=fsdp",
+                   "checkpoint.enabled=true", "checkpoint.every_steps=3", f"launch.main_process_port={free_port()}",
+                   f"output_dir={resumed}", timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "resumed from" in done.stdout and "step-00000003" in done.stdout
+    got["resumed at ep 1"] = _losses(resumed)
+
     assert sorted(got["4x1"]) == list(range(1, 7))
-    for name in ("2x2", "ddp", "ep2"):
+    for name in ("2x2", "ddp", "ep2", "ep2xfsdp2", "resumed at ep 1"):
         for step, loss in got["4x1"].items():
             assert abs(got[name][step] - loss) <= 1e-4 * abs(loss), (name, step, got[name][step], loss)
     from safetensors.torch import load_file
 
-    one, split = (load_file(tmp_path / name / "model" / "model.safetensors") for name in ("4x1", "ep2"))
-    assert set(one) == set(split) and any(".experts.3." in key for key in split)  # every expert, Transformers' names
-    assert all(torch.allclose(one[key], split[key], atol=1e-5) for key in one)
+    one = load_file(tmp_path / "4x1" / "model" / "model.safetensors")
+    for name in ("ep2", "ep2xfsdp2"):
+        split = load_file(tmp_path / name / "model" / "model.safetensors")
+        assert set(one) == set(split) and any(".experts.3." in key for key in split)  # every expert, Transformers' names
+        assert all(torch.allclose(one[key], split[key], atol=1e-5) for key in one), name
 
 
 # Qwen3-30B-A3B as published (its config.json's sizes): 48 layers, 128 experts of width 768, 8 per token.
@@ -175,8 +197,13 @@ def test_the_estimate_of_qwen3_30b_a3b_counts_3_3b_active_parameters_and_experts
     # DDP keeps the parameters whole: expert parallel leaves 16 of the 128 experts on each rank.
     kept = shape.params - shape.expert_params * 7 // 8
     assert split.row("ddp").params_bytes == pytest.approx(whole.row("ddp").params_bytes * kept / shape.params, rel=1e-6)
-    # FSDP2 already shards every parameter over the 8 ranks: the experts per rank do not change.
-    assert split.row("fsdp2").params_bytes == whole.row("fsdp2").params_bytes
+    # EP x FSDP2: FSDP2 shards the dense weights over the 8 ranks and each rank holds its experts
+    # whole: at ep 8 that is the eighth FSDP2 alone holds, at ep 2 a half of the experts.
+    dense = shape.params - shape.expert_params
+    assert split.row("fsdp2").params_bytes == pytest.approx(whole.row("fsdp2").params_bytes, rel=1e-3)
+    pairs = estimate(shape, Setup(devices=8, ep=2), ("fsdp2",)).row("fsdp2")
+    assert pairs.params_bytes == pytest.approx(4 * (dense / 8 + shape.expert_params / 2), rel=1e-3)
+    assert any("routed experts, 1/2 of them held whole" in what for _, what, _ in pairs.terms)
 
 
 def test_flops_per_token_count_the_experts_a_token_is_routed_to():
@@ -200,8 +227,10 @@ def _resolve(tmp_path, *items, files=()):
 @pytest.mark.parametrize("items, key, text", [
     (["parallel.ep_size=2", "launch.num_processes=3", "checkpoint.enabled=false"], "parallel.ep_size",
      "does not divide the data-parallel degree 3"),
-    (["parallel.ep_size=2", "launch.num_processes=2", "parallel.strategy=fsdp", "checkpoint.enabled=false"],
-     "parallel.ep_size", "composed with ddp here, not with fsdp"),
+    (["parallel.ep_size=2", "launch.num_processes=2", "parallel.strategy=deepspeed", "checkpoint.enabled=false"],
+     "parallel.ep_size", "composed with ddp and fsdp here, not with deepspeed"),
+    (["parallel.ep_size=2", "launch.num_processes=4", "parallel.strategy=fsdp", "parallel.dp_replicate_size=2",
+      "checkpoint.enabled=false"], "parallel.ep_size", "not with HSDP"),
     (["parallel.ep_size=2", "launch.num_processes=2", "peft.method=lora", "checkpoint.enabled=false"],
      "parallel.ep_size", "adapter"),
 ])

@@ -67,6 +67,23 @@ def test_the_state_an_optimizer_holds_is_what_the_estimator_counts(name, optim):
     assert held_state_bytes(optimizer) == pytest.approx(expected, rel=0.01, abs=64), name
 
 
+def test_a_checkpoint_from_another_optimizer_kernel_loads_with_this_runs_kernel():
+    """Saved by a for-loop optimizer (expert parallel x FSDP2), loaded by a fused one: the moments
+    and the step come back, the kernel stays this run's (else its step takes the other's path)."""
+    model = tiny_model()
+    saving = optimizers.build_optimizer(model, config(optim={"name": "adamw", "implementation": "for-loop"}), "cpu")
+    model(input_ids=torch.zeros(1, 4, dtype=torch.long), labels=torch.zeros(1, 4, dtype=torch.long)).loss.backward()
+    saving.step()
+    loading = optimizers.build_optimizer(model, config(optim={"name": "adamw", "implementation": "fused"}), "cpu")
+    kernel = {k: loading.param_groups[0].get(k) for k in optimizers.KERNEL_OPTIONS}
+    loading.load_state_dict(saving.state_dict())
+    assert {k: loading.param_groups[0].get(k) for k in optimizers.KERNEL_OPTIONS} == kernel and kernel["fused"]
+    assert saving.param_groups[0]["fused"] is False  # the saving optimizer's own groups untouched
+    moments = [loading.state[p]["exp_avg"] for p in model.parameters() if p in loading.state]
+    assert moments and all(torch.equal(m, saving.state[p]["exp_avg"]) for m, p in zip(moments, model.parameters()))
+    loading.step()  # its own (fused) path
+
+
 def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     model = tiny_model()
     opt = optimizers.build_optimizer(model, config(optim={"name": "muon", "muon_lr": 0.05}), "cpu")

@@ -130,7 +130,8 @@ class ParallelConfig(Section):
         1, ge=1, description="Expert parallel degree: a mixture-of-experts model's routed experts split over this "
         "many ranks of the data-parallel group (experts / ep_size each), tokens sent to their experts' ranks by "
         "all-to-all (Transformers' expert-parallel plan). Routed experts and the data-parallel degree must divide "
-        "by it. With parallel.strategy=ddp (each rank its own batch); runs over gloo on CPU processes too.")
+        "by it. With parallel.strategy=ddp or fsdp (FSDP2 shards the dense weights, the experts stay whole on their "
+        "rank; each rank its own batch); runs over gloo on CPU processes too.")
     pp_size: int = Field(
         1, ge=1, description="Pipeline parallel degree: the model's decoder layers split into stages, one group of "
         "ranks per stage (torch.distributed.pipelining; the embedding goes with the first stage, the final norm "

@@ -9,7 +9,7 @@ from overdrive.memory.activations import Activations, estimate_activations
 from overdrive.memory.adapter import model_state_row as adapter_row
 from overdrive.memory.formulas import STRATEGIES, Row, model_state_row, uses_autocast
 from overdrive.memory.formulas import zero_paper_bytes  # noqa: F401  (handed on by the package)
-from overdrive.memory.shape import ModelShape, Setup, ep_slice, tp_slice
+from overdrive.memory.shape import ModelShape, Setup, dense_and_held_experts, ep_slice, tp_slice
 
 
 # How running out of memory reads in an error or a log: CUDA's and torch's messages, the
@@ -39,7 +39,9 @@ def estimate_row(strategy: str, shape: ModelShape, setup: Setup) -> Row:
     sliced = tp_slice(shape, setup.tp)
     if strategy == "ddp":  # parameters whole on every rank: expert parallel keeps experts / ep of them
         sliced = ep_slice(sliced, setup.ep)
-    if setup.adapter is None:
+    if strategy.startswith("fsdp2") and setup.ep > 1 and sliced.experts and setup.adapter is None:
+        row = _fsdp2_beside_experts(strategy, sliced, setup)
+    elif setup.adapter is None:
         row = model_state_row(strategy, sliced, setup)
     else:  # LoRA/QLoRA: gradients and optimizer states for the adapter only (adapter.py)
         row = adapter_row(strategy, sliced, setup, setup.adapter)
@@ -70,6 +72,18 @@ def estimate_row(strategy: str, shape: ModelShape, setup: Setup) -> Row:
                     offloaded * act.layer)
     row.add("activations_bytes", "embedding dropout mask, position ids", act.embeddings)
     _add_loss_terms(row, act, setup.loss_kernel)
+    return row
+
+
+def _fsdp2_beside_experts(strategy: str, shape: ModelShape, setup: Setup) -> Row:
+    """Expert parallel x FSDP2 (strategies/expert_parallel.py): FSDP2's row for the dense weights,
+    and the experts / ep this rank holds whole, with their gradients and optimizer states (FSDP2
+    leaves them to expert parallel)."""
+    dense, experts = dense_and_held_experts(shape, setup.ep)
+    row = model_state_row(strategy, dense, setup)
+    for target, what, nbytes in model_state_row("ddp", experts, setup).terms:
+        if target in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+            row.add(target, f"routed experts, 1/{setup.ep} of them held whole (expert parallel): {what}", nbytes)
     return row
 
 

@@ -307,3 +307,23 @@ def ep_slice(shape: ModelShape, ep: int) -> ModelShape:
     block = shape.block_params - -(-removed // max(shape.layers, 1))
     return dataclasses.replace(shape, params=params, param_shapes=sliced, expert_params=shape.expert_params - removed,
                                block_params=block, autocast_params=max(shape.autocast_params - removed, 0))
+
+
+def dense_and_held_experts(shape: ModelShape, ep: int) -> tuple[ModelShape, ModelShape]:
+    """Expert parallel beside FSDP2: (what FSDP2 shards, every tensor but the routed experts'; the
+    experts one ep rank holds whole, `ep_slice`'s share, which FSDP2 leaves alone)."""
+    import dataclasses
+
+    held = ep_slice(shape, ep)
+    dense_shapes = tuple(s for s, e in zip(shape.param_shapes, shape.expert_tensors) if not e)
+    expert_shapes = tuple(s for s, e in zip(held.param_shapes, held.expert_tensors) if e)
+    per_layer = -(-shape.expert_params // max(shape.layers, 1))
+    dense = dataclasses.replace(shape, params=shape.params - shape.expert_params, param_shapes=dense_shapes,
+                                expert_params=0, expert_tensors=(False,) * len(dense_shapes),
+                                block_params=max(shape.block_params - per_layer, 0),
+                                autocast_params=max(shape.autocast_params - shape.expert_params, 0))
+    experts = dataclasses.replace(held, params=held.expert_params, param_shapes=expert_shapes,
+                                  expert_tensors=(True,) * len(expert_shapes), root_params=0,
+                                  block_params=-(-held.expert_params // max(shape.layers, 1)),
+                                  autocast_params=held.expert_params, hidden_matrix_params=held.expert_params)
+    return dense, experts

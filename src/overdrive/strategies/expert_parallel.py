@@ -24,7 +24,13 @@ so a group stays within a machine) exchange tokens; groups are replicas of one a
 - The optimizer's state dict gathers the experts' moments whole too (`hook_optimizer`), so a
   checkpoint is a plain DDP one and resumes at another ep_size, or none, at the same global batch.
 
-Not composed here (refused by key in `problems`): FSDP2 or ZeRO beside it, tensor, context,
+Composed with FSDP2 (`parallel.strategy=fsdp`): FSDP2 shards the dense weights over every
+data-parallel rank and leaves the experts to expert parallel (`ignored_params`); the experts'
+gradient, the clipping norm (FSDP2's shards summed over their mesh), the state dicts and the
+checkpoint are as under DDP. The experts are held whole by their rank, not sharded a second time
+over the replicas (torchtitan's `dp_shard_mod_ep`).
+
+Not composed here (refused by key in `problems`): ZeRO beside it, HSDP, tensor, context,
 sequence or pipeline parallel, an adapter.
 """
 
@@ -64,9 +70,14 @@ def problems(cfg: ConfigLike, world: Optional[int] = None) -> list[Problem]:
                              "expert parallel ranks are data-parallel ranks (each its own batch)",
                              fix=f"set launch.num_processes to a multiple of {ep}, or parallel.ep_size to a divisor of "
                                  f"{lay.data_parallel}"))
-    if strategy != "ddp":
-        found.append(Problem("parallel.ep_size", f"expert parallel is composed with ddp here, not with {strategy} "
-                             "(the experts would be sharded twice)", fix="set parallel.strategy=ddp"))
+    if strategy not in ("ddp", "fsdp"):
+        found.append(Problem("parallel.ep_size", f"expert parallel is composed with ddp and fsdp here, not with "
+                             f"{strategy} (its engine would shard the experts a second time)",
+                             fix="set parallel.strategy=fsdp (or ddp)"))
+    elif strategy == "fsdp" and _mesh_layout(cfg, world, shard_the_rest=True).dp_replicate > 1:
+        found.append(Problem("parallel.ep_size", "is composed with FSDP2 sharding over every data-parallel rank, "
+                             f"not with HSDP (parallel.dp_replicate_size={_get(cfg, 'parallel.dp_replicate_size')})",
+                             fix="set parallel.dp_replicate_size=1, or parallel.ep_size=1"))
     for axis, size in (("tp", lay.tp), ("cp", lay.cp), ("sp", lay.sp), ("pp", lay.pp)):
         if size > 1:
             found.append(Problem("parallel.ep_size", f"is not composed with parallel.{axis}_size={size} here",
@@ -75,6 +86,13 @@ def problems(cfg: ConfigLike, world: Optional[int] = None) -> list[Problem]:
         found.append(Problem("parallel.ep_size", "is not composed with an adapter (peft.method) here",
                              fix="set peft.method=none, or parallel.ep_size=1"))
     return found
+
+
+def beside_shards(cfg: RunConfig) -> bool:
+    """Whether the experts are plain tensors beside FSDP2's DTensors (ep_size > 1 under FSDP2):
+    torch's fused and foreach optimizer kernels refuse a list mixing the two, so the optimizer
+    steps one tensor at a time (its for-loop implementation)."""
+    return ep_size(cfg) > 1 and cfg.parallel.strategy == "fsdp"
 
 
 def model_problems(cfg: RunConfig, hf_config: Any) -> list[Problem]:
@@ -116,6 +134,8 @@ def split_experts(model: Any, accelerator: Any, cfg: RunConfig) -> Any:
     apply_expert_parallelism(model, mesh["ep"], mesh["tp"], ep_plan, ep_implementation="all_to_all")
     experts = _local_experts(model, torch)
     model._ddp_params_and_buffers_to_ignore = [name for name, _ in experts]
+    if cfg.parallel.strategy == "fsdp":
+        _leave_experts_to_ep(accelerator, model, {id(p) for _, p in experts})
     replicas = mesh["ep_replicate"].get_group() if world // ep > 1 else None
     for _, param in experts:
         param.register_hook(_expert_gradient(world, replicas))
@@ -123,9 +143,25 @@ def split_experts(model: Any, accelerator: Any, cfg: RunConfig) -> Any:
     expert_ids = {id(p) for _, p in experts}
     model._expert_shards = (expert_ids, group, ep, mesh["ep"].get_local_rank())  # for hook_optimizer
     _hook_state_dict(model, *model._expert_shards)
-    accelerator.clip_grad_norm_ = lambda parameters, max_norm, norm_type=2: clip_grad_norm(
-        parameters, max_norm, expert_ids, group)  # this accelerator only
+    def clip(parameters: Iterable[Any], max_norm: float, norm_type: float = 2) -> Any:  # this accelerator only
+        accelerator.unscale_gradients()  # fp16: the loss scale out first, as Accelerate's own clipping does
+        return clip_grad_norm(parameters, max_norm, expert_ids, group)
+
+    accelerator.clip_grad_norm_ = clip
     return model
+
+
+def _leave_experts_to_ep(accelerator: Any, model: Any, expert_ids: set) -> None:
+    """FSDP2 shards the dense weights over every data-parallel rank and leaves the experts alone
+    (`ignored_params`, through Accelerate's `ignored_modules`): each rank already holds only its
+    experts, whole, and their gradient is the hook's. The weights are built whole on every rank
+    from the run's seed or checkpoint, so rank 0's broadcast (cpu_ram_efficient_loading, which
+    moves the model to the meta device, experts included) is not needed and is turned off."""
+    owners = [module for module in model.modules()
+              if any(id(p) in expert_ids for p in module.parameters(recurse=False))]
+    plugin = accelerator.state.fsdp_plugin
+    plugin.ignored_modules = [*(plugin.ignored_modules or []), *owners]
+    plugin.cpu_ram_efficient_loading = False
 
 
 def _local_experts(model: Any, torch: Any) -> list:
@@ -159,14 +195,26 @@ def _expert_gradient(data_parallel: int, replicas: Any):
 
 def clip_grad_norm(parameters: Iterable[Any], max_norm: float, expert_ids: set, group: Any):
     """torch's clip_grad_norm_ (2-norm, coefficient max_norm / (norm + 1e-6), at most 1) over the whole
-    model: the dense gradients (the same on every rank) and every rank's experts' (summed over the group)."""
+    model: the dense gradients (the same on every rank under DDP; FSDP2's shards, DTensors, summed
+    over their mesh) and every rank's experts' (summed over the ep group)."""
     import torch
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     grads = [(p.grad, id(p) in expert_ids) for p in parameters if p.grad is not None]
-    device = grads[0][0].device if grads else torch.device("cpu")
-    dense = sum((g.detach().float().pow(2).sum() for g, e in grads if not e), torch.zeros((), device=device))
-    routed = sum((g.detach().float().pow(2).sum() for g, e in grads if e), torch.zeros((), device=device))
+    device = torch.device("cpu")
+    for g, _ in grads:
+        device = (g.to_local() if isinstance(g, DTensor) else g).device
+        break
+
+    def squares(g: Any) -> Any:
+        return g.detach().float().pow(2).sum()
+
+    dense = sum((squares(g) for g, e in grads if not e and not isinstance(g, DTensor)), torch.zeros((), device=device))
+    sharded = [squares(g) for g, e in grads if not e and isinstance(g, DTensor)]
+    if sharded:  # every rank holds FSDP2 shards of the same parameters: one reduction over their mesh
+        dense = dense + sum(sharded[1:], sharded[0]).full_tensor()
+    routed = sum((squares(g) for g, e in grads if e), torch.zeros((), device=device))
     dist.all_reduce(routed, group=group)
     total = (dense + routed).sqrt()
     if max_norm is not None and not math.isinf(max_norm):
@@ -220,12 +268,16 @@ def hook_optimizer(optimizer: Any, model: Any) -> None:
 
     def gather(_optimizer, state_dict):
         for index in sorted(local):
-            values = state_dict["state"].get(index, {})
+            # A new dict per parameter: `state_dict()` hands out the optimizer's own ones, and the
+            # gathered moments written there would be the ones the next step updates.
+            values = dict(state_dict["state"].get(index, {}))
             for name, value in list(values.items()):
                 if torch.is_tensor(value) and value.dim() and value.shape[0] == local[index]:
                     parts = [torch.empty_like(value) for _ in range(ep)]
                     dist.all_gather(parts, value.contiguous(), group=group)
                     values[name] = torch.cat(parts, dim=0)
+            if index in state_dict["state"]:
+                state_dict["state"][index] = values
         return state_dict
 
     def cut(_optimizer, state_dict):

@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from overdrive.config.schema import RunConfig
+from overdrive.strategies import expert_parallel
 import overdrive.config.optimizer_catalog as optimizer_catalog
 from overdrive.config.optimizer_classes import import_class, optimizer_class  # noqa: F401 (asked here too)
 from overdrive.training.optimization import adamw_kernel, full_ndim, make_scheduler, param_groups
@@ -110,10 +111,34 @@ def _deepspeed_cpu_lion(cfg: RunConfig) -> bool:
 
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig, device_type: str):
     """The run's optimizer over `model`'s trainable parameters (before accelerator.prepare)."""
+    optimizer = _built(model, cfg, device_type)
+    for part in getattr(optimizer, "parts", [optimizer]):
+        if isinstance(part, torch.optim.Optimizer):
+            part.register_load_state_dict_pre_hook(_keep_own_kernel)
+    return optimizer
+
+
+# Options of a param group that choose an implementation, not a value of the run.
+KERNEL_OPTIONS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def _keep_own_kernel(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """A checkpoint's param groups keep this optimizer's kernel: `load_state_dict` would otherwise
+    bring back the saving run's (fused on one device, for-loop under expert parallel x FSDP2), and
+    with it a step this run cannot take."""
+    groups = []
+    for saved, own in zip(state_dict["param_groups"], optimizer.param_groups):
+        groups.append({**saved, **{k: own[k] for k in KERNEL_OPTIONS if k in own}})
+    return {**state_dict, "param_groups": groups + state_dict["param_groups"][len(groups):]}
+
+
+def _built(model: torch.nn.Module, cfg: RunConfig, device_type: str):
     o = cfg.optim
     name = "class_path" if o.class_path else o.name
     groups = param_groups(model, o.weight_decay)
     kernel = adamw_kernel(o.implementation, device_type)
+    if expert_parallel.beside_shards(cfg):  # one tensor at a time: fused and foreach take one kind per call
+        kernel = {"fused": False, "foreach": False}
     adam_like = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps}
     if name == "adamw":
         return torch.optim.AdamW(groups, **adam_like, **kernel, **o.kwargs)
