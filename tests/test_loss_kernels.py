@@ -85,6 +85,27 @@ def test_a_head_with_an_adapter_is_refused_by_key():
     assert caught.value.problems[0].key == "training.loss_kernel"
 
 
+def test_the_head_is_left_as_it_was_and_logits_made_without_calling_it_are_refused():
+    import types
+
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from overdrive.errors import UserError
+
+    model, batch = _llama(), _batch()
+    step_loss.summed_loss(model, batch, "chunked")
+    assert "forward" not in vars(model.lm_head)  # nn.Linear's own forward again
+
+    def bypass(self, input_ids=None, logits_to_keep=0, **kwargs):  # the head's weight used, its call not
+        hidden = self.model(input_ids=input_ids).last_hidden_state
+        return CausalLMOutputWithPast(logits=torch.nn.functional.linear(hidden, self.lm_head.weight))
+
+    model.forward = types.MethodType(bypass, model)
+    with pytest.raises(UserError) as caught:
+        step_loss.summed_loss(model, batch, "chunked")
+    assert caught.value.problems[0].key == "training.loss_kernel"
+
+
 @pytest.mark.parametrize("items, key", [
     (["parallel.tp_size=2", "launch.num_processes=2"], "parallel.tp_size"),
     (["parallel.pp_size=2", "launch.num_processes=2"], "parallel.pp_size"),

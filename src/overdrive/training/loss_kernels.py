@@ -167,22 +167,33 @@ def summed_token_loss(model: torch.nn.Module, batch: dict, kernel: str) -> torch
     labels = batch["labels"]
     loss_of = LOSSES[kernel]
 
-    @torch.compiler.disable  # the kernel runs eagerly under torch.compile, as it did outside the model
+    @torch.compiler.disable  # under torch.compile the kernel runs eagerly: a graph break at the head
     def head_loss(hidden: torch.Tensor) -> torch.Tensor:
         # The model's shift: position t predicts label t+1; the last position predicts nothing.
         targets = labels[:, 1:].reshape(-1).to(hidden.device)
         hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
         # head.weight here is the one the strategy's hooks put in place for this call: whole under
-        # FSDP2 (the root's unshard) and ZeRO-3 (lm_head's gather); the same parameter otherwise.
+        # FSDP2 (the head's unit's or the root's unshard) and ZeRO-3 (lm_head's gather); the same
+        # parameter otherwise.
         return loss_of(hidden, head.weight, head.bias, targets)
 
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    head.forward = head_loss  # this one call only: the instance attribute shadows nn.Linear.forward
+    # For this one call only: an instance attribute shadows nn.Linear.forward, and module hooks
+    # (FSDP2's, ZeRO-3's) still run around it. One another library set there is put back after.
+    previous = head.__dict__.get("forward")
+    head.forward = head_loss
     try:
         # All positions reach the head (logits_to_keep=0); what it returns is the summed loss.
-        return model(**inputs, logits_to_keep=0, use_cache=False).logits
+        summed = model(**inputs, logits_to_keep=0, use_cache=False).logits
     finally:
-        del head.forward
+        if previous is None:
+            del head.forward
+        else:
+            head.forward = previous
+    if summed.dim() != 0:  # logits made without calling the head (its weight used directly)
+        raise UserError(Problem(KEY, f"{_own_class(inner).__name__} does not compute its logits by calling its "
+                                "LM head", fix=f"set {KEY}=full"))
+    return summed
 
 
 def for_run(cfg: RunConfig, device: torch.device) -> str:
