@@ -15,7 +15,13 @@ its high-water mark (VmHWM, reset through /proc/self/clear_refs before the step)
   that allocates the optimizer state moves nothing).
 - estimate: `overdrive estimate`'s total for the same model and kernel (target cpu, fp32, 1 device).
 
+Under FSDP2 at 2 processes (gloo, one thread each): the same model and step through overdrive's own
+Accelerator (`build_accelerator`, `accelerator.prepare`), 2,048 tokens per rank, each rank's step
+peak above its interpreter, the largest of the two; losses (the mean of the ranks' sums) and each
+rank's gradient shards against `full`'s under FSDP2; `estimate` is the fsdp2 row at 2 devices.
+
     python bench/bench_loss_kernel.py            # writes bench/results/loss_kernel.md (and .json)
+    python bench/bench_loss_kernel.py --fsdp     # the FSDP2 rows only, the others kept from the .json
     python bench/bench_loss_kernel.py --table    # the table again from the .json, estimates recomputed
 """
 
@@ -45,6 +51,8 @@ ROWS = [  # (label, kernel, activation offloading, gradient checkpointing)
     ("chunked, gradient checkpointing", "chunked", False, True),
     ("chunked, checkpointing and offloading", "chunked", True, True),
 ]
+FSDP_ROWS = ["full", "chunked", "fused"]  # kernels under FSDP2 at FSDP_RANKS processes
+FSDP_RANKS = 2
 GIB = 2**30
 
 
@@ -121,13 +129,86 @@ def child(kernel: str, offload: bool, checkpointing: bool, grads_out: str) -> di
             "cpu_seconds": cpu_seconds}
 
 
-def estimate_total(kernel: str, offload: bool, checkpointing: bool) -> int:
-    """`overdrive estimate`'s total for this row (fp32, one device, target cpu)."""
+def fsdp_child(kernel: str, out_dir: str) -> None:
+    """One FSDP2 row on this rank (started by torch.distributed.run): the step through overdrive's
+    Accelerator, as `overdrive train` builds it; this rank's numbers and gradient shards to out_dir."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from overdrive import build_accelerator, load_config
+    from overdrive.training import step_loss
+
+    torch.set_num_threads(1)  # two ranks on the machine's cores
+    floor = _rss()
+    cfg = load_config(overrides={"parallel.strategy": "fsdp", "launch.use_cpu": True,
+                                 "launch.num_processes": FSDP_RANKS, "precision.mixed_precision": "no",
+                                 "training.loss_kernel": kernel})
+    accelerator = build_accelerator(cfg)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in CONFIG.items() if k not in ("architectures",)}))
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    rank = accelerator.process_index
+    ids = torch.randint(0, VOCAB, (1, TOKENS), generator=torch.Generator().manual_seed(1 + rank))
+    batch = {"input_ids": ids, "labels": ids}
+    for p in model.parameters():  # the optimizer state allocated by a step on zero gradients (lr 0)
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    resting = _rss()
+    accelerator.wait_for_everyone()
+    _reset_hwm()
+    start, start_cpu = time.perf_counter(), time.process_time()
+    loss = step_loss.summed_loss(model, batch, kernel)
+    accelerator.backward(loss)
+    optimizer.step()
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
+    peak = _hwm()
+    losses = accelerator.gather(loss.detach().reshape(1))
+    torch.save({n: p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                for n, p in model.named_parameters()}, Path(out_dir) / f"grads{rank}.pt")
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
+        "loss": float(losses.mean()), "step_peak": peak - floor, "step_above_resting": peak - resting,
+        "resting": resting - floor, "seconds": seconds, "cpu_seconds": cpu_seconds}))
+    accelerator.end_training()
+
+
+def fsdp_rows(env: dict) -> list[dict]:
+    """The FSDP2 rows: each kernel in a fresh job of FSDP_RANKS processes; errors against `full`'s."""
+    import torch
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for kernel in FSDP_ROWS:
+            out = Path(tmp) / kernel
+            out.mkdir()
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            f"--nproc_per_node={FSDP_RANKS}", __file__, "--fsdp-child", kernel, str(out)],
+                           check=True, capture_output=True, text=True, env=env)
+            ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(FSDP_RANKS)]
+            row = {"label": f"{kernel}, FSDP2 at {FSDP_RANKS} processes", "kernel": kernel, "loss": ranks[0]["loss"],
+                   "step_peak": max(r["step_peak"] for r in ranks), "seconds": max(r["seconds"] for r in ranks),
+                   "cpu_seconds": max(r["cpu_seconds"] for r in ranks),
+                   "resting": max(r["resting"] for r in ranks),
+                   "grads": [torch.load(out / f"grads{r}.pt") for r in range(FSDP_RANKS)],
+                   "estimate": estimate_total(kernel, False, False, strategy="fsdp2", devices=FSDP_RANKS)}
+            rows.append(row)
+            print(row["label"], {k: v for k, v in row.items() if k != "grads"}, flush=True)
+    reference, want = rows[0], rows[0]["grads"]
+    for row in rows:
+        row["loss_error"] = abs(row["loss"] - reference["loss"]) / abs(reference["loss"])
+        row["grad_error"] = max(_grad_error(got, shard) for got, shard in zip(row.pop("grads"), want))
+    return rows
+
+
+def estimate_total(kernel: str, offload: bool, checkpointing: bool, strategy: str = "ddp", devices: int = 1) -> int:
+    """`overdrive estimate`'s total for this row (fp32, target cpu), per device."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "config.json"
         path.write_text(json.dumps(CONFIG))
-        argv = [sys.executable, "-m", "overdrive.cli", "estimate", str(path), "--devices", "1", "--precision", "no",
-                "--seq-len", str(TOKENS), "--micro-batch", "1", "--target", "cpu", "--strategies", "ddp", "--json",
+        argv = [sys.executable, "-m", "overdrive.cli", "estimate", str(path), "--devices", str(devices), "--precision", "no",
+                "--seq-len", str(TOKENS), "--micro-batch", "1", "--target", "cpu", "--strategies", strategy, "--json",
                 "--loss-kernel", kernel]
         if checkpointing:
             argv.append("--checkpointing")
@@ -138,7 +219,7 @@ def estimate_total(kernel: str, offload: bool, checkpointing: bool) -> int:
 
 
 def _grad_error(got: dict, want: dict) -> float:
-    return max(float((got[n] - g).norm() / g.norm()) for n, g in want.items())
+    return max(float((got[n] - g).norm() / g.norm().clamp(min=1e-30)) for n, g in want.items())
 
 
 def main() -> int:
@@ -146,15 +227,25 @@ def main() -> int:
         raw = json.loads(RAW.read_text())
         for row, (_, kernel, offload, checkpointing) in zip(raw["rows"], ROWS):
             row["estimate"] = estimate_total(kernel, offload, checkpointing)
+        for row in raw.get("fsdp_rows", []):
+            row["estimate"] = estimate_total(row["kernel"], False, False, strategy="fsdp2", devices=FSDP_RANKS)
         RAW.write_text(json.dumps(raw, indent=1))
-        return 0 if write(raw["rows"], raw["load"]) else 1
+        return 0 if write(raw["rows"], raw["load"], raw.get("fsdp_rows", []), raw.get("fsdp_load")) else 1
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         kernel, offload, checkpointing, grads_out = sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1", sys.argv[5]
         print(json.dumps(child(kernel, offload, checkpointing, grads_out)))
         return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "--fsdp-child":
+        fsdp_child(sys.argv[2], sys.argv[3])
+        return 0
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT / "src")}
+    if len(sys.argv) > 1 and sys.argv[1] == "--fsdp":  # the FSDP2 rows again, the one-process rows kept
+        raw = json.loads(RAW.read_text())
+        raw.update(fsdp_rows=fsdp_rows(env), fsdp_load=os.getloadavg()[0])
+        RAW.write_text(json.dumps(raw, indent=1))
+        return 0 if write(raw["rows"], raw["load"], raw["fsdp_rows"], raw["fsdp_load"]) else 1
     import torch
 
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT / "src")}
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for label, kernel, offload, checkpointing in ROWS:
@@ -171,11 +262,15 @@ def main() -> int:
         for row in results:
             row["loss_error"] = abs(row["loss"] - reference["loss"]) / abs(reference["loss"])
             row["grad_error"] = _grad_error(torch.load(row.pop("grads")), want)
-    RAW.write_text(json.dumps({"load": os.getloadavg()[0], "rows": results}, indent=1))
-    return 0 if write(results) else 1
+    load = os.getloadavg()[0]
+    sharded = fsdp_rows(env)
+    RAW.write_text(json.dumps({"load": load, "rows": results, "fsdp_rows": sharded,
+                               "fsdp_load": os.getloadavg()[0]}, indent=1))
+    return 0 if write(results, load, sharded) else 1
 
 
-def write(results: list[dict], load: float | None = None) -> bool:
+def write(results: list[dict], load: float | None = None, sharded: list[dict] = (),
+          sharded_load: float | None = None) -> bool:
     """The table, and whether every target was met."""
     full = results[0]
     lines = [
@@ -202,10 +297,46 @@ def write(results: list[dict], load: float | None = None) -> bool:
     lines += ["", "step peak: above the interpreter with torch and Transformers imported. loss path: the LM head and "
               "cross entropy alone, forward and backward from the final hidden states, above what was resident "
               "before (the head's weight gradient, 125 MiB, included in each)."]
+    if sharded:
+        lines += fsdp_table(sharded, sharded_load)
+        missed += fsdp_targets_missed(sharded)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text("\n".join(lines) + "\n")
     print(RESULTS.read_text())
     return not missed
+
+
+def fsdp_table(rows: list[dict], load: float | None) -> list[str]:
+    """The FSDP2 rows: per rank, the larger of the ranks' numbers."""
+    full = rows[0]
+    lines = ["", f"## Under FSDP2 at {FSDP_RANKS} processes", "",
+             f"The same model and step through overdrive's Accelerator (FSDP2 over gloo, one thread per rank), "
+             f"{TOKENS:,} tokens per rank, each kernel in a fresh job; load average "
+             f"{load if load is not None else os.getloadavg()[0]:.2f}. Per rank: the larger of the ranks' "
+             "high-water marks above the interpreter (parameter, gradient and optimizer shards, the gathered head "
+             "and embeddings, activations, the loss); above resting: what the step itself added. Errors against "
+             "`full` under FSDP2 at the same weights and data: the loss (the ranks' sums, averaged), each rank's "
+             "gradient shards. `estimate`: `overdrive estimate --strategies fsdp2 --devices 2` for the same "
+             "kernel.", "",
+             "| row | step peak per rank GiB | of full's | above resting GiB | of full's | estimate GiB | "
+             "estimate / peak | loss rel. error | grad rel. error | s / step | CPU s / step |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        above = r["step_peak"] - r["resting"]
+        lines.append(f"| {r['label']} | {r['step_peak'] / GIB:.2f} | {r['step_peak'] / full['step_peak']:.1%} | "
+                     f"{above / GIB:.2f} | {above / (full['step_peak'] - full['resting']):.1%} | "
+                     f"{r['estimate'] / GIB:.2f} | {r['estimate'] / r['step_peak']:.3f} | {r['loss_error']:.1e} | "
+                     f"{r['grad_error']:.1e} | {r['seconds']:.1f} | {r['cpu_seconds']:.1f} |")
+    missed = fsdp_targets_missed(rows)
+    lines += ["", "Targets (loss and every rank's gradient shards within 1e-5 of full's under FSDP2): "
+              f"{'met' if not missed else 'missed: ' + '; '.join(missed)}. The loss path alone is the one-process "
+              "table's: the kernel runs on the head's gathered weight, the same tensors."]
+    return lines
+
+
+def fsdp_targets_missed(rows: list[dict]) -> list[str]:
+    return [f"{r['label']}: loss {r['loss_error']:.1e}, gradients {r['grad_error']:.1e}"
+            for r in rows if r["loss_error"] > 1e-5 or r["grad_error"] > 1e-5]
 
 
 def targets_missed(results: list[dict]) -> list[str]:

@@ -85,9 +85,28 @@ def test_a_head_with_an_adapter_is_refused_by_key():
     assert caught.value.problems[0].key == "training.loss_kernel"
 
 
+def test_the_head_is_left_as_it_was_and_logits_made_without_calling_it_are_refused():
+    import types
+
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from overdrive.errors import UserError
+
+    model, batch = _llama(), _batch()
+    step_loss.summed_loss(model, batch, "chunked")
+    assert "forward" not in vars(model.lm_head)  # nn.Linear's own forward again
+
+    def bypass(self, input_ids=None, logits_to_keep=0, **kwargs):  # the head's weight used, its call not
+        hidden = self.model(input_ids=input_ids).last_hidden_state
+        return CausalLMOutputWithPast(logits=torch.nn.functional.linear(hidden, self.lm_head.weight))
+
+    model.forward = types.MethodType(bypass, model)
+    with pytest.raises(UserError) as caught:
+        step_loss.summed_loss(model, batch, "chunked")
+    assert caught.value.problems[0].key == "training.loss_kernel"
+
+
 @pytest.mark.parametrize("items, key", [
-    (["parallel.strategy=fsdp", "launch.num_processes=2"], "parallel.strategy"),
-    (["parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3", "launch.num_processes=2"], "parallel.strategy"),
     (["parallel.tp_size=2", "launch.num_processes=2"], "parallel.tp_size"),
     (["parallel.pp_size=2", "launch.num_processes=2"], "parallel.pp_size"),
     (["model.task=sequence-classification"], "model.task"),
@@ -101,6 +120,45 @@ def test_what_does_not_compose_is_refused_by_key(items, key):
         assert [p.key for p in problems] == ["training.loss_kernel"] and key in problems[0].message
     auto = _config(items)
     assert validate_loss.loss_rules(auto, lambda key: "") == [] and validate_loss.kernel_runs(auto, "cuda") == "full"
+
+
+SHARDED = [["parallel.strategy=fsdp", "launch.num_processes=2"],
+           ["parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3", "launch.num_processes=2"]]
+
+
+@pytest.mark.parametrize("items", SHARDED, ids=["fsdp2", "zero3"])
+def test_a_head_sharded_at_rest_takes_the_kernel_and_its_estimate_counts_it(items, tmp_path):
+    """FSDP2 and ZeRO-3 gather the head inside its own call, where the kernels run: not refused,
+    and plan / estimate (run_estimate, as plan asks) count the kernel's loss for the run's strategy."""
+    from overdrive.config import loss_kernel
+    from overdrive.memory.model_shape import model_shape, resolve_source, run_estimate
+    from overdrive.resolving import validate_loss
+
+    shape = model_shape(resolve_source(_llama_128k(tmp_path), []))
+    rows = {}
+    for kernel in ("full", "chunked", "fused"):
+        cfg = _config([f"training.loss_kernel={kernel}", "data.max_length=2048", "precision.mixed_precision=no",
+                       *items])
+        assert validate_loss.loss_rules(cfg, lambda key: "") == []
+        assert validate_loss.kernel_runs(cfg, "cpu") == kernel
+        rows[kernel] = run_estimate(cfg, "cpu", shape).rows[0]
+    assert rows["full"].strategy in ("fsdp2", "zero3")
+    for kernel in ("chunked", "fused"):
+        assert any(f"{kernel} loss" in what for _, what, _ in rows[kernel].terms)
+        assert rows[kernel].activations_bytes < 0.15 * rows["full"].activations_bytes
+    auto = _config(items)
+    assert validate_loss.kernel_runs(auto, "cuda") == loss_kernel.chosen("auto", "cuda")
+
+
+def _llama_128k(directory) -> str:
+    """The bench's small Llama at Llama 3's vocabulary, as a config file (no weights)."""
+    import json
+
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": 256,
+        "intermediate_size": 688, "max_position_embeddings": 2048, "num_attention_heads": 4, "num_hidden_layers": 2,
+        "num_key_value_heads": 4, "tie_word_embeddings": False, "vocab_size": 128_256}))
+    return str(directory / "config.json")
 
 
 def _config(items: list[str]):
@@ -125,18 +183,13 @@ def test_auto_keeps_the_models_own_loss_on_cpu():
 def test_estimate_counts_each_kernels_loss(tmp_path):
     """At a 128k vocabulary the loss dominates `full`'s activations; `chunked` and `fused` count a
     slice and the head's weight gradient (bench/bench_loss_kernel.py measures them within 10%)."""
-    import json
     from dataclasses import replace
 
     from overdrive.memory import estimate_row
     from overdrive.memory.model_shape import model_shape, resolve_source
     from overdrive.memory.shape import Setup
 
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": 256,
-        "intermediate_size": 688, "max_position_embeddings": 2048, "num_attention_heads": 4, "num_hidden_layers": 2,
-        "num_key_value_heads": 4, "tie_word_embeddings": False, "vocab_size": 128_256}))
-    shape = model_shape(resolve_source(str(tmp_path / "config.json"), []))
+    shape = model_shape(resolve_source(_llama_128k(tmp_path), []))
     setup = Setup(precision="no", micro_batch=1, seq_len=2048, target="cpu")
     rows = {k: estimate_row("ddp", shape, replace(setup, loss_kernel=k)) for k in ("full", "chunked", "fused")}
     full = rows["full"].activations_bytes

@@ -44,21 +44,45 @@ def train(work: Path, out: str, *extra: str) -> list[float]:
     return losses_of(work / out)
 
 
-def test_chunked_offloaded_checkpointed_run_logs_the_full_losses_and_document_mask_trains(work):
-    full = train(work, "full", *ONE, "training.loss_kernel=full")
+@pytest.fixture(scope="module")
+def full(work: Path) -> list[float]:
+    """The model's own loss at one process: the losses every kernel and strategy here must log."""
+    return train(work, "full", *ONE, "training.loss_kernel=full")
+
+
+def _assert_same(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want) == STEPS
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) <= 1e-5, (got, want)
+
+
+def test_chunked_offloaded_checkpointed_run_logs_the_full_losses_and_document_mask_trains(work, full):
     chunked = train(work, "chunked", *ONE, "training.loss_kernel=chunked", "training.activation_offloading=true",
                     "model.gradient_checkpointing=true")
     masked = train(work, "masked", *ONE, "training.loss_kernel=chunked", "data.document_mask=true")
     print(f"\nfull {full}\nchunked {chunked}\nmasked {masked}")
-    assert len(full) == len(chunked) == len(masked) == STEPS
-    assert max(abs(a - b) / abs(b) for a, b in zip(chunked, full)) <= 1e-5, (chunked, full)
+    _assert_same(chunked, full)
+    assert len(masked) == STEPS
     # Kept apart, a document's first tokens lose the earlier documents' context: other numbers.
     assert all(m == m for m in masked) and masked != full
 
 
-def test_chunked_under_ddp_at_two_processes_logs_the_one_process_losses(work):
-    """The head's weight is used outside DDP's forward: its gradient is still all-reduced."""
-    full = train(work, "full-1", *ONE, "training.loss_kernel=full")
+def test_chunked_under_ddp_at_two_processes_logs_the_one_process_losses(work, full):
+    """The kernel runs inside the head's call, inside DDP's forward: the head's gradient is all-reduced."""
     ddp = train(work, "chunked-ddp", "launch.num_processes=2", "training.micro_batch_size=2",
                 "training.loss_kernel=chunked")
-    assert max(abs(a - b) / abs(b) for a, b in zip(ddp, full)) <= 1e-5, (ddp, full)
+    _assert_same(ddp, full)
+
+
+SHARDED = {"fsdp2": ["parallel.strategy=fsdp"],
+           "zero3": ["parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3"]}
+
+
+def test_kernels_under_fsdp2_and_zero3_at_two_processes_log_the_one_process_losses(work, full):
+    """A head sharded at rest is gathered for its own call by the strategy's hooks (FSDP2's unshard,
+    ZeRO-3's module pre-forward and pre-backward gathers), and the kernel runs in that call."""
+    logged = {f"{strategy} {kernel}": train(work, f"{kernel}-{strategy}", "launch.num_processes=2",
+                                            "training.micro_batch_size=2", f"training.loss_kernel={kernel}", *items)
+              for strategy, items in SHARDED.items() for kernel in ("chunked", "fused")}
+    print(f"\nfull {full}\n" + "\n".join(f"{name} {losses}" for name, losses in logged.items()))
+    for losses in logged.values():
+        _assert_same(losses, full)

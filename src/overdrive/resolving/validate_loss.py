@@ -1,10 +1,11 @@
 """Rules of the memory keys around the loss: `training.loss_kernel`, `training.activation_offloading`,
 `data.document_mask`. What does not compose is refused here by key, before anything launches.
 
-The loss kernels take the LM head's weight as the rank holds it, outside the model's forward: a
-head sharded at rest (FSDP, ZeRO-3) is whole only inside that forward, a tensor-parallel head holds
-a slice of the vocabulary, a pipeline's last stage computes its own loss, and context parallel's
-shards carry pre-shifted labels. Those runs keep the model's own loss (`auto` settles on `full`).
+The loss kernels run inside the LM head's own call (training/loss_kernels.py), so a head sharded at
+rest (FSDP2, ZeRO-3) is gathered there by the strategy's own hooks, as for the model's own loss.
+What does not compose: a tensor-parallel head holds a slice of the vocabulary, a pipeline's last
+stage computes its own loss, and context and sequence parallel's shards carry pre-shifted labels.
+Those runs keep the model's own loss (`auto` settles on `full`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from overdrive.config import loss_kernel as kernels
 from overdrive.config import mesh
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem
-from overdrive.strategies import registry
 
 KEY = "training.loss_kernel"
 
@@ -25,9 +25,6 @@ def kernel_blocker(cfg: RunConfig) -> Optional[tuple[str, str]]:
     if cfg.model.task != "causal-lm" or cfg.data.format == "preference" or cfg.preference.method != "none":
         return ("model.task", "the loss kernels compute a causal LM's token loss; preference methods and "
                 "classification take the model's own outputs")
-    if not registry.of(cfg).holds_whole_model(cfg):
-        return ("parallel.strategy", "the LM head is sharded at rest (FSDP, ZeRO-3) and whole only inside the "
-                "model's forward, where the loss kernels do not reach")
     lay = mesh.layout(cfg)
     for axis, key, why in (("tp", "parallel.tp_size", "a tensor-parallel LM head holds a slice of the vocabulary"),
                            ("pp", "parallel.pp_size", "the pipeline's last stage computes the model's own loss"),

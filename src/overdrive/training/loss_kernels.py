@@ -3,9 +3,16 @@
 The model's own loss (`full`) projects every position onto the vocabulary: at 2,048 tokens and
 Llama 3's 128,256 tokens that is 1 GB of fp32 logits, as much again for the log-softmax the cross
 entropy keeps, and twice that for their gradients in backward: the largest tensors of the step for
-a small model. Here the model runs through its own forward (whatever wraps it: DDP, DeepSpeed's
-engine, PEFT) asked for no logits at all (`logits_to_keep`: an empty index), the final hidden
-states are taken from its decoder by a forward hook, and the LM head's weight and the labels go to
+a small model. Here the model runs through its own forward (whatever wraps it: DDP, FSDP2,
+DeepSpeed's engine, PEFT, torch.compile) without labels, and for that one call the LM head's
+`forward` is replaced (an instance attribute, removed after) by one that takes the final hidden
+states and returns the kernel's summed loss, which the model hands back as its `.logits`. The
+kernel so runs inside the head's own call, where each strategy's hooks put the head's weight in
+place as they do for the model's own loss: FSDP2 unshards it in the head's (or the root's)
+pre-forward and again for backward, ZeRO-3 gathers lm_head's parameters in its module pre-forward
+hook and again in its pre-backward hook. One path for every strategy. Under torch.compile the
+kernel runs eagerly (a graph break at the head, no recompilation from step to step). The head's
+weight and the labels go to
 
 - `chunked`: a loop over slices of the sequence, each slice's logits and cross entropy computed
   and dropped; backward recomputes one slice at a time and adds its share into the head's weight
@@ -21,7 +28,7 @@ over tokens that step_loss.summed_loss returns; the loop divides by the global t
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,41 +53,31 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
+def _own_class(module: torch.nn.Module) -> type:
+    """The module's class under FSDP2's: fully_shard turns a module's class into `FSDP<Class>(FSDPModule, Class)`."""
+    cls = type(module)
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FSDPModule
+
+        if cls.__bases__[0] is FSDPModule and len(cls.__bases__) == 2:
+            return cls.__bases__[1]
+    return cls
+
+
 def _head(model: torch.nn.Module) -> torch.nn.Linear:
     """The LM head as a plain linear layer, or the key refused: a head that is not one (a LoRA
     layer on lm_head, a quantised head) or logits the model rescales after it are the model's own."""
     config = getattr(model, "config", None)
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) not in (None, 1, 1.0):
-        raise UserError(Problem(KEY, f"{type(model).__name__} rescales its logits after the LM head "
+        raise UserError(Problem(KEY, f"{_own_class(model).__name__} rescales its logits after the LM head "
                                 "(soft-capping or a logit scale), which the loss kernels leave out",
                                 fix=f"set {KEY}=full"))
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(head) is not torch.nn.Linear or not head.weight.dtype.is_floating_point:
-        raise UserError(Problem(KEY, f"{type(model).__name__}'s LM head is {type(head).__name__}, not a plain "
+    # A subclass of Linear may be a quantised one (bitsandbytes'): only Linear itself, sharded or not.
+    if _own_class(head) is not torch.nn.Linear or not head.weight.dtype.is_floating_point:
+        raise UserError(Problem(KEY, f"{_own_class(model).__name__}'s LM head is {_own_class(head).__name__}, not a plain "
                                 "linear layer (an adapter or quantisation on lm_head)", fix=f"set {KEY}=full"))
     return head
-
-
-def final_hidden_states(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    """The decoder's last hidden states (after the final norm) from the model's own forward, with no logits."""
-    inner = unwrapped(model)
-    decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else None
-    if decoder is None or decoder is inner:
-        raise UserError(Problem(KEY, f"{type(inner).__name__} has no separate decoder to take hidden states from",
-                                fix=f"set {KEY}=full"))
-    caught: list[torch.Tensor] = []
-
-    def keep(_module: torch.nn.Module, _args: Any, output: Any) -> None:
-        caught.append(output[0] if isinstance(output, (tuple, list)) else output.last_hidden_state)
-
-    handle = decoder.register_forward_hook(keep)
-    try:
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        none = torch.empty(0, dtype=torch.long, device=batch["input_ids"].device)
-        model(**inputs, logits_to_keep=none, use_cache=False)
-    finally:
-        handle.remove()
-    return caught[-1]
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -164,14 +161,39 @@ LOSSES: dict[str, Callable[..., torch.Tensor]] = {"chunked": chunked_loss, "fuse
 
 def summed_token_loss(model: torch.nn.Module, batch: dict, kernel: str) -> torch.Tensor:
     """This micro-batch's summed causal-LM loss by `kernel` ("chunked" or "fused"): the same number
-    as the model's own loss with `num_items_in_batch=1`."""
-    head = _head(unwrapped(model))
-    hidden = final_hidden_states(model, batch)
+    as the model's own loss with `num_items_in_batch=1`, computed inside the LM head's own call."""
+    inner = unwrapped(model)
+    head = _head(inner)
     labels = batch["labels"]
-    # The model's shift: position t predicts label t+1; the last position predicts nothing.
-    hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-    targets = labels[:, 1:].reshape(-1).to(hidden.device)
-    return LOSSES[kernel](hidden, head.weight, head.bias, targets)
+    loss_of = LOSSES[kernel]
+
+    @torch.compiler.disable  # under torch.compile the kernel runs eagerly: a graph break at the head
+    def head_loss(hidden: torch.Tensor) -> torch.Tensor:
+        # The model's shift: position t predicts label t+1; the last position predicts nothing.
+        targets = labels[:, 1:].reshape(-1).to(hidden.device)
+        hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+        # head.weight here is the one the strategy's hooks put in place for this call: whole under
+        # FSDP2 (the head's unit's or the root's unshard) and ZeRO-3 (lm_head's gather); the same
+        # parameter otherwise.
+        return loss_of(hidden, head.weight, head.bias, targets)
+
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    # For this one call only: an instance attribute shadows nn.Linear.forward, and module hooks
+    # (FSDP2's, ZeRO-3's) still run around it. One another library set there is put back after.
+    previous = head.__dict__.get("forward")
+    head.forward = head_loss
+    try:
+        # All positions reach the head (logits_to_keep=0); what it returns is the summed loss.
+        summed = model(**inputs, logits_to_keep=0, use_cache=False).logits
+    finally:
+        if previous is None:
+            del head.forward
+        else:
+            head.forward = previous
+    if summed.dim() != 0:  # logits made without calling the head (its weight used directly)
+        raise UserError(Problem(KEY, f"{_own_class(inner).__name__} does not compute its logits by calling its "
+                                "LM head", fix=f"set {KEY}=full"))
+    return summed
 
 
 def for_run(cfg: RunConfig, device: torch.device) -> str:
