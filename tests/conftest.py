@@ -43,6 +43,19 @@ def isolated_environment(tmp_path_factory, monkeypatch):
     monkeypatch.undo()
     os.environ.clear()
     os.environ.update(saved)
+    _fresh_accelerate_state()
+
+
+def _fresh_accelerate_state() -> None:
+    """Accelerate keeps process-wide singletons (precision, device, distributed type): a test that
+    built an Accelerator in-process must not leave its state to the next one, which would refuse to
+    build its own ("AcceleratorState has already been initialized")."""
+    if "accelerate.state" not in sys.modules:
+        return
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
 
 
 def free_port() -> int:

@@ -31,10 +31,10 @@ PARALLEL = {
     "zero2": {"strategy": "deepspeed", "deepspeed": {"zero_stage": 2}},
     "zero3": {"strategy": "deepspeed", "deepspeed": {"zero_stage": 3}},
 }
-CASES = [(name, "no") for name in PARALLEL] + [(f"zero{k}", "bf16") for k in (1, 2, 3)]
+CASES = [(name, "no") for name in PARALLEL] + [(f"zero{k}", "bf16") for k in (2, 3)]  # ZeRO-1's bf16 is zero12's
 TOLERANCE = 0.02
 
-pytestmark = pytest.mark.slow  # eight 2-process launches: ~1-2 minutes on two cores
+pytestmark = pytest.mark.slow  # seven 2-process launches: ~1-2 minutes on two cores
 
 
 def run_config(strategy: str, precision: str) -> RunConfig:

@@ -26,7 +26,6 @@ LLAMA = [
     "training.max_steps=16", "checkpoint.enabled=false", "training.micro_batch_size=2",
 ]
 LAYOUTS = {  # name: (processes, overrides)
-    "pp2 gpipe": (2, ["parallel.pp_size=2", "parallel.pp_schedule=gpipe", "training.gradient_accumulation_steps=4"]),
     "pp2 1f1b": (2, ["parallel.pp_size=2", "parallel.pp_schedule=1f1b", "training.gradient_accumulation_steps=4"]),
     "pp2 x ddp2 1f1b": (4, ["parallel.pp_size=2", "parallel.pp_schedule=1f1b",
                             "training.gradient_accumulation_steps=2"]),

@@ -180,10 +180,12 @@ def test_a_kto_run_raises_the_desirable_undesirable_reward_gap(tmp_path):
 
 
 @pytest.mark.slow
-def test_kto_under_ddp_zero3_and_fsdp2_on_two_processes(tmp_path):
+def test_kto_under_zero3_on_two_processes(tmp_path):
     """The one-process run (micro-batch 4, accumulation 2) against 2 processes of micro-batch 4: the
     same global batch. Each micro-batch builds its own KL pairs (as TRL's per-device batches do) and
-    the estimate is averaged over the ranks, so the losses agree closely, not exactly."""
+    the estimate is averaged over the ranks, so the losses agree closely, not exactly. ZeRO-3 only:
+    the objective is a piece apart from the strategy, and the preference objective under DDP, ZeRO-3
+    and FSDP2 is test_preference_runs' (DPO); here, KTO's KL estimate across ranks."""
     import sys
 
     from checkpoint_probe import records, run
@@ -206,7 +208,7 @@ def test_kto_under_ddp_zero3_and_fsdp2_on_two_processes(tmp_path):
 
     expected = losses("one", "training.gradient_accumulation_steps=2")
     assert len(expected) == 3 and abs(expected[0] - 0.5) < 1e-6  # the policy is its reference at step 1
-    for name, config in {"ddp": "configs/ddp.yaml", "zero3": "configs/zero3.yaml", "fsdp2": "configs/fsdp.yaml"}.items():
+    for name, config in {"zero3": "configs/zero3.yaml"}.items():
         got = losses(name, str(REPO / config), "launch.num_processes=2", f"launch.main_process_port={free_port()}")
         print(name, [round(v, 6) for v in got], "one process:", [round(v, 6) for v in expected])
         assert len(got) == 3 and got[0] == pytest.approx(0.5, abs=1e-6), (name, got)

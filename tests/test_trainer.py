@@ -27,16 +27,6 @@ REQUIRED = {"step", "loss", "lr", "tokens_per_s", "seq_len", "micro_batch_size",
             "peak_memory_mb"}
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """Accelerate keeps process-wide singletons; each run here is a new 'process'."""
-    yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     # Shared by the tests of this file: BPE, tokens and the CPU peak are content-addressed.
