@@ -23,6 +23,7 @@ rank's gradient shards against `full`'s under FSDP2; `estimate` is the fsdp2 row
     python bench/bench_loss_kernel.py            # writes bench/results/loss_kernel.md (and .json)
     python bench/bench_loss_kernel.py --fsdp     # the FSDP2 rows only, the others kept from the .json
     python bench/bench_loss_kernel.py --table    # the table again from the .json, estimates recomputed
+    python bench/bench_loss_kernel.py --lora     # the LoRA rows again (the others kept from the .json)
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ ROWS = [  # (label, kernel, activation offloading, gradient checkpointing)
     ("chunked, gradient checkpointing", "chunked", False, True),
     ("chunked, checkpointing and offloading", "chunked", True, True),
 ]
+LORA_ROWS = ["full", "chunked", "fused"]  # kernels with LoRA (r 16, all linear layers but the head: a frozen head)
+LORA_R = 16
 FSDP_ROWS = ["full", "chunked", "fused"]  # kernels under FSDP2 at FSDP_RANKS processes
 FSDP_RANKS = 2
 GIB = 2**30
@@ -75,8 +78,9 @@ def _reset_hwm() -> None:
         f.write("5")
 
 
-def child(kernel: str, offload: bool, checkpointing: bool, grads_out: str) -> dict:
-    """One row, measured in this (fresh) interpreter."""
+def child(kernel: str, offload: bool, checkpointing: bool, grads_out: str, lora: bool = False) -> dict:
+    """One row, measured in this (fresh) interpreter; `lora`: PEFT's LoRA on every linear layer but the
+    head, which stays frozen (the kernels then compute no weight gradient for it)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -86,11 +90,17 @@ def child(kernel: str, offload: bool, checkpointing: bool, grads_out: str) -> di
     floor = _rss()
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in CONFIG.items() if k not in ("architectures",)}))
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=LORA_R, lora_alpha=2 * LORA_R, lora_dropout=0.0,
+                                                 target_modules="all-linear"))
     if checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     activation_offload.attach(model, offload)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=0.0)
     ids = torch.randint(0, VOCAB, (1, TOKENS), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids}
 
@@ -100,7 +110,7 @@ def child(kernel: str, offload: bool, checkpointing: bool, grads_out: str) -> di
         optimizer.step()
         return loss.detach()
 
-    for p in model.parameters():  # the optimizer state allocated by a step on zero gradients (lr 0)
+    for p in trainable:  # the optimizer state allocated by a step on zero gradients (lr 0)
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -110,12 +120,12 @@ def child(kernel: str, offload: bool, checkpointing: bool, grads_out: str) -> di
     loss = step()
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
     peak = _hwm()
-    torch.save({n: p.grad for n, p in model.named_parameters()}, grads_out)
+    torch.save({n: p.grad for n, p in model.named_parameters() if p.requires_grad}, grads_out)
     optimizer.zero_grad(set_to_none=True)
     # The loss path alone: head and cross entropy from the final hidden states, forward and backward.
     hidden = torch.randn(TOKENS - 1, HIDDEN, requires_grad=True)
     targets = ids[0, 1:].clone()
-    weight = model.lm_head.weight
+    weight = loss_kernels.unwrapped(model).lm_head.weight  # frozen under LoRA: no weight gradient
     before = _rss()
     _reset_hwm()
     if kernel == "full":
@@ -202,7 +212,30 @@ def fsdp_rows(env: dict) -> list[dict]:
     return rows
 
 
-def estimate_total(kernel: str, offload: bool, checkpointing: bool, strategy: str = "ddp", devices: int = 1) -> int:
+def lora_rows(env: dict) -> list[dict]:
+    """The LoRA rows: each kernel in a fresh interpreter; errors against LoRA with `full`."""
+    import torch
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for kernel in LORA_ROWS:
+            grads = str(Path(tmp) / f"{kernel}.pt")
+            out = subprocess.run([sys.executable, __file__, "--child", kernel, "0", "0", grads, "lora"], check=True,
+                                 capture_output=True, text=True, env=env)
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            row.update(label=f"{kernel}, LoRA r {LORA_R}", kernel=kernel, grads=grads,
+                       estimate=estimate_total(kernel, False, False, peft="lora"))
+            rows.append(row)
+            print(row["label"], {k: v for k, v in row.items() if k != "grads"}, flush=True)
+        want = torch.load(rows[0]["grads"])
+        for row in rows:
+            row["loss_error"] = abs(row["loss"] - rows[0]["loss"]) / abs(rows[0]["loss"])
+            row["grad_error"] = _grad_error(torch.load(row.pop("grads")), want)
+    return rows
+
+
+def estimate_total(kernel: str, offload: bool, checkpointing: bool, strategy: str = "ddp", devices: int = 1,
+                   peft: str = "none") -> int:
     """`overdrive estimate`'s total for this row (fp32, target cpu), per device."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "config.json"
@@ -214,6 +247,8 @@ def estimate_total(kernel: str, offload: bool, checkpointing: bool, strategy: st
             argv.append("--checkpointing")
         if offload:
             argv.append("--activation-offloading")
+        if peft != "none":
+            argv += ["--peft", peft, "--lora-r", str(LORA_R)]
         out = subprocess.run(argv, check=True, capture_output=True, text=True, cwd=ROOT).stdout
     return json.loads(out)["rows"][0]["total_bytes"]
 
@@ -227,18 +262,25 @@ def main() -> int:
         raw = json.loads(RAW.read_text())
         for row, (_, kernel, offload, checkpointing) in zip(raw["rows"], ROWS):
             row["estimate"] = estimate_total(kernel, offload, checkpointing)
+        for row in raw["rows"][len(ROWS):]:  # the LoRA rows
+            row["estimate"] = estimate_total(row["kernel"], False, False, peft="lora")
         for row in raw.get("fsdp_rows", []):
             row["estimate"] = estimate_total(row["kernel"], False, False, strategy="fsdp2", devices=FSDP_RANKS)
         RAW.write_text(json.dumps(raw, indent=1))
         return 0 if write(raw["rows"], raw["load"], raw.get("fsdp_rows", []), raw.get("fsdp_load")) else 1
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         kernel, offload, checkpointing, grads_out = sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1", sys.argv[5]
-        print(json.dumps(child(kernel, offload, checkpointing, grads_out)))
+        print(json.dumps(child(kernel, offload, checkpointing, grads_out, lora=sys.argv[6:] == ["lora"])))
         return 0
     if len(sys.argv) > 1 and sys.argv[1] == "--fsdp-child":
         fsdp_child(sys.argv[2], sys.argv[3])
         return 0
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT / "src")}
+    if len(sys.argv) > 1 and sys.argv[1] == "--lora":  # the LoRA rows again, the others kept
+        raw = json.loads(RAW.read_text())
+        raw["rows"] = [r for r in raw["rows"] if "LoRA" not in r["label"]] + lora_rows(env)
+        RAW.write_text(json.dumps(raw, indent=1))
+        return 0 if write(raw["rows"], raw["load"], raw.get("fsdp_rows", []), raw.get("fsdp_load")) else 1
     if len(sys.argv) > 1 and sys.argv[1] == "--fsdp":  # the FSDP2 rows again, the one-process rows kept
         raw = json.loads(RAW.read_text())
         raw.update(fsdp_rows=fsdp_rows(env), fsdp_load=os.getloadavg()[0])
@@ -262,6 +304,7 @@ def main() -> int:
         for row in results:
             row["loss_error"] = abs(row["loss"] - reference["loss"]) / abs(reference["loss"])
             row["grad_error"] = _grad_error(torch.load(row.pop("grads")), want)
+    results += lora_rows(env)
     load = os.getloadavg()[0]
     sharded = fsdp_rows(env)
     RAW.write_text(json.dumps({"load": load, "rows": results, "fsdp_rows": sharded,
@@ -287,6 +330,7 @@ def write(results: list[dict], load: float | None = None, sharded: list[dict] = 
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
+        full = _full_of(results, r)
         lines.append(f"| {r['label']} | {r['step_peak'] / GIB:.2f} | {r['estimate'] / GIB:.2f} | "
                      f"{r['estimate'] / r['step_peak']:.3f} | {r['loss_path'] / 2**20:,.0f} | "
                      f"{r['loss_path'] / full['loss_path']:.1%} | {r['loss_error']:.1e} | {r['grad_error']:.1e} | "
@@ -296,7 +340,9 @@ def write(results: list[dict], load: float | None = None, sharded: list[dict] = 
               f"full's; estimate within 10% of the step peak): {'met' if not missed else 'missed: ' + '; '.join(missed)}."]
     lines += ["", "step peak: above the interpreter with torch and Transformers imported. loss path: the LM head and "
               "cross entropy alone, forward and backward from the final hidden states, above what was resident "
-              "before (the head's weight gradient, 125 MiB, included in each)."]
+              "before (the head's weight gradient, 125 MiB, included in each but the LoRA rows', whose head is "
+              "frozen). LoRA rows: PEFT's LoRA (r 16) on every linear layer but the head, errors and the loss path "
+              "against LoRA with `full`, gradients those of the adapters."]
     if sharded:
         lines += fsdp_table(sharded, sharded_load)
         missed += fsdp_targets_missed(sharded)
@@ -339,9 +385,17 @@ def fsdp_targets_missed(rows: list[dict]) -> list[str]:
             for r in rows if r["loss_error"] > 1e-5 or r["grad_error"] > 1e-5]
 
 
+def _full_of(results: list[dict], row: dict) -> dict:
+    """The `full` row a row is compared with: LoRA's for a LoRA row, the first row otherwise."""
+    if "LoRA" in row["label"]:
+        return next(r for r in results if "LoRA" in r["label"] and r["kernel"] == "full")
+    return results[0]
+
+
 def targets_missed(results: list[dict]) -> list[str]:
-    full, missed = results[0], []
+    missed = []
     for r in results:
+        full = _full_of(results, r)
         if r["kernel"] != "full" and r["loss_path"] > 0.15 * full["loss_path"]:
             missed.append(f"{r['label']}: loss path {r['loss_path'] / full['loss_path']:.1%} of full's")
         if r["loss_error"] > 1e-5 or r["grad_error"] > 1e-5:

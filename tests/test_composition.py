@@ -126,6 +126,8 @@ def test_orpo_is_trls_mean_nll_over_the_batchs_chosen_tokens_plus_the_mean_odds_
       "parallel.strategy=fsdp", "parallel.tp_size=2"), "parallel.tp_size"),
     (("parallel.strategy=fsdp", "parallel.cp_size=2", "launch.use_cpu=true"), "parallel.cp_size"),
     (("model.attn_implementation=flash_attention_2", "launch.use_cpu=true"), "model.attn_implementation"),
+    (("data.format=preference", "preference.method=dpo", "parallel.strategy=fsdp", "parallel.ep_size=2"),
+     "parallel.ep_size"),
 ])
 def test_what_does_not_compose_is_refused_by_explain_naming_the_key(items, key, capsys):
     code = cli.main(["explain", "model.name_or_path=org/pretrained", "data.packing=false",

@@ -43,6 +43,8 @@ LAYOUTS = {  # name: (processes, keys)
     "SP": (2, ["parallel.strategy=deepspeed", "parallel.sp_size=2"]),
     "PP": (2, ["parallel.pp_size=2"]),
     "PP x FSDP2": (4, ["parallel.strategy=fsdp", "parallel.pp_size=2"]),
+    "EP": (2, ["parallel.strategy=ddp", "parallel.ep_size=2"]),
+    "EP x FSDP2": (4, ["parallel.strategy=fsdp", "parallel.ep_size=2"]),
 }
 ADAPTERS = {"none": [], "LoRA": ["peft.method=lora"], "QLoRA": ["peft.method=qlora"]}
 
@@ -78,7 +80,8 @@ def markdown() -> str:
              "refused by `overdrive train`, whose loop does not split sequences for Ulysses, and runs in a "
              "Transformers or TRL script under `overdrive launch`). Preference methods are "
              "shown with a precomputed reference where they need one under a sharded strategy "
-             "(`preference.precompute_reference`).", ""]
+             "(`preference.precompute_reference`). The EP columns (`parallel.ep_size=2`) are for a mixture of "
+             "experts: a dense model is refused by `parallel.ep_size` once its config is read.", ""]
     for adapter in ADAPTERS:
         lines += [f"## Adapter: {adapter}", "", "| objective | " + " | ".join(LAYOUTS) + " |",
                   "|---" * (len(LAYOUTS) + 1) + "|"]

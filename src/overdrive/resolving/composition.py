@@ -81,6 +81,10 @@ ROWS: tuple[Row, ...] = (
         "the reference log-probs are not taken by the same split model as the policy's, and the two disagree "
         "(measured: DPO's step-1 loss 0.6908 under TP 2, where ln 2 = 0.6931 is the policy equal to its reference)",
         "set parallel.tp_size=1 (shard with FSDP2 or ZeRO instead)"),
+    Row(PAIRS | SCALAR | ONLINE, "expert-parallel", "parallel.ep_size",
+        "expert parallel is run for the token objectives (causal LM and chat) of a mixture of experts: a "
+        "reference copy, a score head or generation across the ep group's all-to-all is not",
+        "set parallel.ep_size=1 (FSDP2 or ZeRO-3 shard the experts with the rest)"),
     Row(EVERY, "tensor-parallel+adapter", "parallel.tp_size",
         "PEFT's A and B matrices are plain tensors that Transformers' tp plan does not split, beside base weights "
         "sharded as DTensors", "shard an adapter run with FSDP (parallel.tp_size=1), which shards frozen and "
@@ -112,6 +116,8 @@ def pieces_of(cfg: RunConfig) -> set[str]:
         pieces.add("sequence-parallel")
     if shape.tp > 1:
         pieces |= {"tensor-parallel"} | ({"tensor-parallel+adapter"} if adapter else set())
+    if cfg.parallel.ep_size > 1:
+        pieces.add("expert-parallel")
     return pieces
 
 
