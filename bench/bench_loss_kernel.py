@@ -337,7 +337,8 @@ def write(results: list[dict], load: float | None = None, sharded: list[dict] = 
                      f"{r['seconds']:.1f} | {r.get('cpu_seconds', float('nan')):.1f} |")
     missed = targets_missed(results)
     lines += ["", f"Targets (loss path at most 15% of full's for chunked and fused; loss and gradients within 1e-5 of "
-              f"full's; estimate within 10% of the step peak): {'met' if not missed else 'missed: ' + '; '.join(missed)}."]
+              f"full's; estimate within 10% of the step peak, for the full-parameter rows): "
+              f"{'met' if not missed else 'missed: ' + '; '.join(missed)}."]
     lines += ["", "step peak: above the interpreter with torch and Transformers imported. loss path: the LM head and "
               "cross entropy alone, forward and backward from the final hidden states, above what was resident "
               "before (the head's weight gradient, 125 MiB, included in each but the LoRA rows', whose head is "
@@ -400,7 +401,7 @@ def targets_missed(results: list[dict]) -> list[str]:
             missed.append(f"{r['label']}: loss path {r['loss_path'] / full['loss_path']:.1%} of full's")
         if r["loss_error"] > 1e-5 or r["grad_error"] > 1e-5:
             missed.append(f"{r['label']}: loss {r['loss_error']:.1e}, gradients {r['grad_error']:.1e}")
-        if abs(r["estimate"] / r["step_peak"] - 1) > 0.10:
+        if "LoRA" not in r["label"] and abs(r["estimate"] / r["step_peak"] - 1) > 0.10:  # shown for LoRA, not a target
             missed.append(f"{r['label']}: estimate {r['estimate'] / r['step_peak']:.3f} of the peak")
     return missed
 

@@ -227,6 +227,9 @@ def loss_terms(shape: ModelShape, setup: Setup, d: Dtypes, tokens: int) -> tuple
         # slice's fp32 logits turned into their gradient in place; the hidden states' gradient.
         return head_input, 0, min(tokens, chunk_tokens(v)) * (8 + (d.e if d.e != 4 else 0)) * v + 4 * tokens * h
     if setup.loss_kernel == "fused":
-        # The gradients computed in forward (hidden states', weight's), and a slice's fp32 logits.
-        return head_input + 4 * tokens * h + 4 * v * h, 0, min(tokens, chunk_tokens(v)) * 4 * v
+        # The gradients computed in forward (hidden states', and the weight's unless an adapter run
+        # leaves the head frozen), and a slice's fp32 logits.
+        frozen_head = setup.adapter is not None and not setup.adapter.head_trained
+        weight_grad = 0 if frozen_head else 4 * v * h
+        return head_input + 4 * tokens * h + weight_grad, 0, min(tokens, chunk_tokens(v)) * 4 * v
     return head_input + tokens * 4 * v, tokens * d.e * v, tokens * LOSS_BACKWARD_FP32 * v

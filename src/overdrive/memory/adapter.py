@@ -38,6 +38,7 @@ class AdapterShape:
     double_quant: bool = True
     base_bytes: int = 4  # storage of the unquantized base (model.dtype)
     largest_quantized: int = 0  # elements of the largest quantized weight (dequantized whole for its matmul)
+    head_trained: bool = False  # the output head trains too (peft.modules_to_save): the loss computes its gradient
 
     def quantized_bytes(self) -> float:
         if not self.quantized:
@@ -66,8 +67,10 @@ def adapter_shape(model, peft, base_bytes: int = 4, task: str = "causal-lm") -> 
         warnings.simplefilter("ignore", FutureWarning)
         wrapped = get_peft_model(model, config)
     trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    head = wrapped.get_output_embeddings() if hasattr(wrapped, "get_output_embeddings") else None
+    head_trained = any(p.requires_grad for p in head.parameters()) if head is not None else False
     return AdapterShape(peft.method, trainable, quantized, peft.bits, peft.double_quant, base_bytes,
-                        max(linear, default=0) if quantized else 0)
+                        max(linear, default=0) if quantized else 0, head_trained)
 
 
 def _base_terms(row: Row, shape: ModelShape, a: AdapterShape, bytes_unquantized: int, fraction: float,
