@@ -78,6 +78,25 @@ def _reset_hwm() -> None:
         f.write("5")
 
 
+def _loss_path(kernel: str, weight, ids) -> int:
+    """The high-water mark of the LM head and cross entropy alone, forward and backward from
+    random final hidden states, above what was resident before (bytes)."""
+    import torch
+
+    from overdrive.training import loss_kernels
+
+    hidden = torch.randn(TOKENS - 1, HIDDEN, requires_grad=True)
+    targets = ids[0, 1:].clone()
+    before = _rss()
+    _reset_hwm()
+    if kernel == "full":
+        torch.nn.functional.cross_entropy(torch.nn.functional.linear(hidden, weight).float(), targets,
+                                          reduction="sum").backward()
+    else:
+        loss_kernels.LOSSES[kernel](hidden, weight, None, targets).backward()
+    return _hwm() - before
+
+
 def child(kernel: str, offload: bool, checkpointing: bool, grads_out: str, lora: bool = False) -> dict:
     """One row, measured in this (fresh) interpreter; `lora`: PEFT's LoRA on every linear layer but the
     head, which stays frozen (the kernels then compute no weight gradient for it)."""
@@ -123,17 +142,7 @@ def child(kernel: str, offload: bool, checkpointing: bool, grads_out: str, lora:
     torch.save({n: p.grad for n, p in model.named_parameters() if p.requires_grad}, grads_out)
     optimizer.zero_grad(set_to_none=True)
     # The loss path alone: head and cross entropy from the final hidden states, forward and backward.
-    hidden = torch.randn(TOKENS - 1, HIDDEN, requires_grad=True)
-    targets = ids[0, 1:].clone()
-    weight = loss_kernels.unwrapped(model).lm_head.weight  # frozen under LoRA: no weight gradient
-    before = _rss()
-    _reset_hwm()
-    if kernel == "full":
-        torch.nn.functional.cross_entropy(torch.nn.functional.linear(hidden, weight).float(), targets,
-                                          reduction="sum").backward()
-    else:
-        loss_kernels.LOSSES[kernel](hidden, weight, None, targets).backward()
-    loss_path = _hwm() - before
+    loss_path = _loss_path(kernel, loss_kernels.unwrapped(model).lm_head.weight, ids)  # frozen under LoRA
     return {"loss": float(loss), "step_peak": peak - floor, "step_above_resting": peak - resting,
             "resting": resting - floor, "loss_path": loss_path, "seconds": seconds,
             "cpu_seconds": cpu_seconds}
@@ -146,7 +155,7 @@ def fsdp_child(kernel: str, out_dir: str) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from overdrive import build_accelerator, load_config
-    from overdrive.training import loss_kernels, step_loss
+    from overdrive.training import step_loss
 
     torch.set_num_threads(1)  # two ranks on the machine's cores
     floor = _rss()
@@ -183,16 +192,7 @@ def fsdp_child(kernel: str, out_dir: str) -> None:
     model.lm_head.unshard()
     weight = model.lm_head.weight.detach().clone().requires_grad_()
     model.lm_head.reshard()
-    hidden = torch.randn(TOKENS - 1, HIDDEN, requires_grad=True)
-    targets = ids[0, 1:].clone()
-    before = _rss()
-    _reset_hwm()
-    if kernel == "full":
-        torch.nn.functional.cross_entropy(torch.nn.functional.linear(hidden, weight).float(), targets,
-                                          reduction="sum").backward()
-    else:
-        loss_kernels.LOSSES[kernel](hidden, weight, None, targets).backward()
-    loss_path = _hwm() - before
+    loss_path = _loss_path(kernel, weight, ids)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
         "loss": float(losses.mean()), "step_peak": peak - floor, "step_above_resting": peak - resting,
         "resting": resting - floor, "seconds": seconds, "cpu_seconds": cpu_seconds, "loss_path": loss_path}))

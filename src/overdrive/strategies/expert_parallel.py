@@ -202,10 +202,7 @@ def clip_grad_norm(parameters: Iterable[Any], max_norm: float, expert_ids: set, 
     from torch.distributed.tensor import DTensor
 
     grads = [(p.grad, id(p) in expert_ids) for p in parameters if p.grad is not None]
-    device = torch.device("cpu")
-    for g, _ in grads:
-        device = (g.to_local() if isinstance(g, DTensor) else g).device
-        break
+    device = next(((g.to_local() if isinstance(g, DTensor) else g).device for g, _ in grads), torch.device("cpu"))
 
     def squares(g: Any) -> Any:
         return g.detach().float().pow(2).sum()
