@@ -34,6 +34,7 @@ def test_a_copy_of_the_same_press_is_not_a_second_ctrl_c():
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # answered within 2 s
 def test_ctrl_c_on_a_one_process_run_is_answered_within_2s_and_exits_130_with_a_checkpoint(tmp_path):
     from checkpoint_probe import command, kill_group, start, steps_logged, wait_for
 

@@ -21,7 +21,7 @@ from overdrive.errors import UserError
 
 def test_single_machine_static_rendezvous():
     args = workers.torchrun_args(cfg_of("launch.num_processes=4", "launch.main_process_port=29555", "launch.max_restarts=2"))
-    assert args == ["--nnodes", "1", "--nproc-per-node", "4", "--max-restarts", "2", "--monitor-interval", "1.0",
+    assert args == ["--nnodes", "1", "--nproc-per-node", "4", "--max-restarts", "2", "--monitor-interval", "0.1",
                     "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", "29555"]
 
 

@@ -148,6 +148,7 @@ def blocked_seconds(stdout: str) -> list[float]:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # two timings compared
 def test_async_checkpoints_block_training_a_fraction_of_a_synchronous_save(tmp_path, cache):
     # A model whose checkpoint is 330 MB (weights and two Adam moments): the write, not the fixed
     # cost of a save, is what a background save takes off the training thread. Saves 4 steps apart:

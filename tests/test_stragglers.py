@@ -18,7 +18,7 @@ import pytest
 from checkpoint_probe import command, finish, kill_group, start, steps_logged, wait_for, worker_pids
 from conftest import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]  # one rank slowed, judged against the other
 
 
 def slow_down(pid: int, done: threading.Event, period_s: float = 0.1) -> None:

@@ -28,7 +28,8 @@ class LaunchConfig(Section):
     rdzv_id: str = Field("overdrive", description="Job id shared by all machines (c10d rendezvous).")
     same_network: bool = Field(True, description="Machines share a network (informational, as in Accelerate).")
     max_restarts: int = Field(0, ge=0, description="Times the elastic agent restarts failed workers (they resume from the last checkpoint).")
-    monitor_interval: float = Field(1.0, gt=0, description="Seconds between the agent's health checks of its workers.")
+    monitor_interval: float = Field(0.1, gt=0, description="Seconds between the agent's health checks of its workers "
+                                    "(torchrun's and `accelerate launch`'s default: a finished or failed job is seen at once).")
     hang_timeout_s: Optional[float] = Field(
         600.0, gt=0, description="Seconds without progress on any rank after which the job is declared hung: the "
         "stuck rank(s), the step and phase each was last seen in, and every rank's Python stack are printed, then the "

@@ -103,8 +103,13 @@ def hardware_warnings(resolved: Resolved, hardware=None) -> list[Problem]:
 
 
 def check_for_train(resolved: Resolved, hardware=None) -> None:
-    """Before training: what this machine lacks of what the config asks is an error."""
+    """Before training: what this machine lacks of what the config asks is an error.
+
+    A run on the CPU (`launch.use_cpu`) asks nothing of the GPUs: they are not looked for, which
+    spares a launcher process the import of torch (a second or two before its workers start)."""
     from overdrive.system import hardware as hw
-    problems = validate.hardware_problems(resolved.config, resolved.chains, hardware or hw.detect(light=False))
+    cfg = resolved.config
+    found = hardware or (hw.detect(light=True, look_for_gpus=False) if cfg.launch.use_cpu else hw.detect(light=False))
+    problems = validate.hardware_problems(cfg, resolved.chains, found)
     if problems:
         raise UserError(problems, title="this machine cannot run the config as written")

@@ -141,7 +141,8 @@ def gpus_from_torch() -> tuple[Gpu, ...]:
     return tuple(gpus)
 
 
-def detect(light: bool = True) -> Hardware:
-    gpus = _gpus_from_nvidia_smi() if light else gpus_from_torch()
+def detect(light: bool = True, look_for_gpus: bool = True) -> Hardware:
+    """This machine. `look_for_gpus=False`: its CPUs and memory only (for a run told to use the CPU)."""
+    gpus = (_gpus_from_nvidia_smi() if light else gpus_from_torch()) if look_for_gpus else ()
     model, flags = cpu_info()
     return Hardware(gpus=gpus, cpu_cores=os.cpu_count() or 1, ram_bytes=ram_bytes(), cpu_model=model, cpu_flags=flags)
