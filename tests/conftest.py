@@ -157,8 +157,10 @@ def run_here(*args: str) -> subprocess.CompletedProcess:
 
 
 def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run `overdrive ARGS` as a user types it, in a fresh interpreter."""
+    """Run `overdrive ARGS` as a user types it, in a new process (warm_start: forked from an
+    interpreter that has imported torch, when the environment allows)."""
+    from warm_start import run_overdrive
+
     full_env = dict(os.environ)
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "overdrive.cli", *args], capture_output=True, text=True,
-                          env=full_env, cwd=cwd, timeout=timeout)
+    return run_overdrive(list(args), full_env, cwd, timeout)

@@ -34,7 +34,8 @@ TOLERANCE = 1e-4
 
 def train(*items: str, output_dir: Path, cache_dir: Path, timeout: float = 300,
           wait: bool = True) -> subprocess.CompletedProcess | subprocess.Popen:
-    """`overdrive train FILES... TOY... OVERRIDES...` in a fresh interpreter."""
+    """`overdrive train FILES... TOY... OVERRIDES...` in a new process (warm_start when it runs
+    to its end here; a fresh interpreter for a Popen the test watches)."""
     files = [item for item in items if "=" not in item]
     overrides = [item for item in items if "=" in item]  # after TOY, so they win over it
     argv = [sys.executable, "-m", "overdrive.cli", "train", *files, *TOY, *overrides, f"output_dir={output_dir}",
@@ -42,7 +43,9 @@ def train(*items: str, output_dir: Path, cache_dir: Path, timeout: float = 300,
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_", "OVERDRIVE_"))}
     if not wait:
         return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    from warm_start import run_overdrive
+
+    return run_overdrive(argv[3:], env, REPO, timeout)
 
 
 def losses_of(output_dir: Path) -> list[float]:

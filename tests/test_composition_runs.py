@@ -4,11 +4,10 @@ so the stages' messages keep their size from step to step)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from conftest import free_port, run_cli
 from hf_fixtures import make_chat_data, make_tiny_llama
 from strategy_probe import losses_of
 
@@ -22,16 +21,13 @@ CHAT = ["data.format=chat", "data.packing=false", "data.max_length=48", "data.va
 
 
 def test_unpacked_chat_under_pipeline_stages_gives_the_one_process_losses(tmp_path: Path):
-    import subprocess
-
     make_tiny_llama(tmp_path / "base")
     make_chat_data(tmp_path / "chat.jsonl", rows=40, prompt_letters=9)
     losses = {}
     for name, items in {"one": ["launch.num_processes=1"],
                         "pp2": ["launch.num_processes=2", "parallel.pp_size=2", f"launch.main_process_port={free_port()}"]}.items():
-        done = subprocess.run([sys.executable, "-m", "overdrive.cli", "train", f"model.name_or_path={tmp_path / 'base'}",
-                               f"data.source={tmp_path / 'chat.jsonl'}", f"data.cache_dir={tmp_path / 'cache'}", *CHAT,
-                               *items, f"output_dir={tmp_path / name}"], capture_output=True, text=True, timeout=600)
+        done = run_cli("train", f"model.name_or_path={tmp_path / 'base'}", f"data.source={tmp_path / 'chat.jsonl'}",
+                       f"data.cache_dir={tmp_path / 'cache'}", *CHAT, *items, f"output_dir={tmp_path / name}")
         assert done.returncode == 0, done.stderr[-3000:]
         losses[name] = losses_of(tmp_path / name)
     assert len(losses["one"]) == 4
@@ -40,18 +36,15 @@ def test_unpacked_chat_under_pipeline_stages_gives_the_one_process_losses(tmp_pa
 
 def test_the_docs_dpo_command_trains_as_written(tmp_path: Path):
     """docs/preference.md's step 2, on a tiny Llama and pairs made here (2 steps)."""
-    import subprocess
-
     from hf_fixtures import make_preference_data
 
     repo = Path(__file__).resolve().parents[1]
     make_tiny_llama(tmp_path / "base")
     make_preference_data(tmp_path / "pairs.jsonl", rows=24)
-    done = subprocess.run([sys.executable, "-m", "overdrive.cli", "train", str(repo / "configs" / "dpo-lora.yaml"),
-                           f"model.name_or_path={tmp_path / 'base'}", f"data.source={tmp_path / 'pairs.jsonl'}",
-                           "precision.mixed_precision=no", "data.max_length=64", "training.max_steps=2",
-                           "training.eval_every_steps=null", "launch.use_cpu=true", f"data.cache_dir={tmp_path / 'c'}",
-                           f"output_dir={tmp_path / 'dpo'}"], capture_output=True, text=True, timeout=600)
+    done = run_cli("train", str(repo / "configs" / "dpo-lora.yaml"), f"model.name_or_path={tmp_path / 'base'}",
+                   f"data.source={tmp_path / 'pairs.jsonl'}", "precision.mixed_precision=no", "data.max_length=64",
+                   "training.max_steps=2", "training.eval_every_steps=null", "launch.use_cpu=true",
+                   f"data.cache_dir={tmp_path / 'c'}", f"output_dir={tmp_path / 'dpo'}")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "dpo on preference pairs" in done.stdout + done.stderr
     assert losses_of(tmp_path / "dpo")[0] == pytest.approx(0.6931, abs=1e-3)  # ln 2: the policy is its reference

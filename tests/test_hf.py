@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
+from conftest import run_cli
 from strategy_probe import REPO
 
 from overdrive import load_config
@@ -131,8 +130,7 @@ def test_overdrive_options_after_the_script_are_the_scripts_and_a_warning_says_s
     assert misplaced_options(["-c", "run.yaml", "--epochs", "3", "lr=3e-4", "name=x"]) == ["-c", "lr=3e-4"]
     script = tmp_path / "s.py"
     script.write_text("")
-    done = subprocess.run([sys.executable, "-m", "overdrive.cli", "launch", "--print-env", str(script), "-c", "run.yaml"],
-                          capture_output=True, text=True, cwd=tmp_path)
+    done = run_cli("launch", "--print-env", str(script), "-c", "run.yaml", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "warning: the script's arguments include -c" in done.stderr and "its defaults" in done.stderr
 
@@ -164,8 +162,7 @@ def test_a_failed_worker_is_reported_once_with_the_root_cause(tmp_path):
 
 @pytest.mark.slow
 def test_explain_lists_the_training_arguments_with_their_keys():
-    done = subprocess.run([sys.executable, "-m", "overdrive.cli", "explain", str(REPO / "configs" / "zero2.yaml"),
-                           "accum=2", "--training-arguments", "--json"], capture_output=True, text=True)
+    done = run_cli("explain", str(REPO / "configs" / "zero2.yaml"), "accum=2", "--training-arguments", "--json")
     assert done.returncode == 0, done.stderr
     rows = {row["field"]: row for row in json.loads(done.stdout)}
     assert rows["gradient_accumulation_steps"]["value"] == 2 and rows["gradient_accumulation_steps"]["origin"] == "cli accum=2"

@@ -4,10 +4,9 @@ communication on one process, and traces a viewer opens (Chrome trace JSON)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from conftest import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -16,9 +15,8 @@ TINY = ["model.architecture.n_layer=1", "model.architecture.n_embd=32", "model.a
 
 
 def test_one_process_profile_json_adds_up_and_its_traces_open(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "overdrive.cli", "profile", *TINY, f"output_dir={tmp_path}",
-                           f"data.cache_dir={tmp_path / 'cache'}", "--steps", "10", "--warmup", "2", "--json"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = run_cli("profile", *TINY, f"output_dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}", "--steps", "10",
+                   "--warmup", "2", "--json", timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert set(report) >= {"ranks", "bottleneck", "advice", "traces"}

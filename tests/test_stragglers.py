@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 from checkpoint_probe import command, finish, kill_group, start, steps_logged, wait_for, worker_pids
-from conftest import free_port
+from conftest import free_port, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone]  # one rank slowed, judged against the other
 
@@ -50,8 +48,7 @@ def test_a_slowed_rank_is_named_the_straggler_in_the_output_and_the_report(tmp_p
         kill_group(proc)
     assert code == 0, stderr[-3000:]
     assert "straggler: rank 1" in stdout, stdout[-3000:]
-    report = subprocess.run([sys.executable, "-m", "overdrive.cli", "report", str(out)], capture_output=True,
-                            text=True, timeout=120)
+    report = run_cli("report", str(out), timeout=120)
     assert report.returncode == 0, report.stderr[-2000:]
     assert "straggler: rank 1" in report.stdout and "1 (straggler)" in report.stdout, report.stdout[-3000:]
     assert "| 1 (straggler) |" in (out / "report" / "summary.md").read_text()

@@ -195,8 +195,9 @@ def test_trackers_write_tensorboard_events(tmp_path, cache_dir):
 # ---------------------------------------------------------------- as a user runs it
 
 def run_cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "overdrive.cli", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout)
+    import conftest
+
+    return conftest.run_cli(*args, cwd=cwd, timeout=timeout)
 
 
 @pytest.mark.slow

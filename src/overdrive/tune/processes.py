@@ -22,7 +22,7 @@ import subprocess
 import sys
 import traceback
 from pathlib import Path
-from typing import Optional
+from typing import Callable, NoReturn, Optional
 
 PRELOAD = ["torch", "accelerate", "datasets", "transformers", "overdrive.training.loop", "overdrive.strategies",
            "overdrive.launch", "overdrive.tune.trials"]
@@ -137,8 +137,10 @@ class ForkServer:
 
 # ------------------------------------------------------------------ inside the server
 
-def serve(modules: list[str]) -> None:
-    """The fork server's loop: import once, then one fork per request line on stdin."""
+def serve(modules: list[str], run: Optional[Callable[[dict], int]] = None) -> None:
+    """The fork server's loop: import once, then one fork per request line on stdin; the
+    child returns `run(request)` as its exit code (default: a trial), written to the request's
+    `exit` file when it is reaped. The test suite's warm starts use the same loop."""
     import importlib
 
     for name in modules:
@@ -170,7 +172,7 @@ def serve(modules: list[str]) -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
         pid = os.fork()
         if pid == 0:
-            _child(request)
+            _child(request, run or _trial)
         exits[pid] = request["exit"]
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
         print(json.dumps({"pid": pid}), flush=True)
@@ -180,7 +182,15 @@ def serve(modules: list[str]) -> None:
     reap()
 
 
-def _child(request: dict) -> None:
+def _trial(request: dict) -> int:
+    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    return _run_task(request["task"], request["path"])
+
+
+def _child(request: dict, run: Callable[[dict], int]) -> NoReturn:
     code = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -188,14 +198,11 @@ def _child(request: dict) -> None:
         # Own session: the tuner kills the trial's whole group, and a Ctrl-C meant for the
         # tuner does not reach it (the tuner kills it on the way out).
         os.setsid()
-        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
         os.close(null)
-        code = _run_task(request["task"], request["path"])
+        sys.stdin = open(os.devnull)  # not the server's, which may hold the next request read ahead
+        code = run(request)
     except SystemExit as error:
         code = error.code if isinstance(error.code, int) else 1
     except BaseException:
