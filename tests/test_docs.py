@@ -15,7 +15,9 @@ Python `...Warning:`, a library logger's `[WARNING]`), unless it says `# warning
 What one CPU-only machine without a network cannot run stays in ```text blocks, each with a
 sentence naming the block that rehearses it: the two-machine commands of multi-node.md.
 There is no SLURM here either: `sbatch` on the test's PATH is a stand-in that checks the
-script's syntax with `bash -n` and says that it submitted nothing.
+script's syntax with `bash -n` and says that it submitted nothing. `overdrive` on the PATH is
+the real command forked from an interpreter that has imported torch (tests/warm_start.py),
+with the shell's streams, signals and exit code; `.venv/bin/overdrive` is a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -154,12 +156,15 @@ def scratch_dir(tmp_path: Path) -> Path:
 
 
 def stand_ins(tmp_path: Path) -> Path:
-    """Commands the docs show that this machine has no real use for, put first on PATH."""
+    """Commands the docs show that this machine has no real use for, and `overdrive` started
+    warm, put first on PATH."""
+    from warm_start import stand_in
+
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "sbatch").write_text(SBATCH)
     (bin_dir / "sbatch").chmod(0o755)
-    return bin_dir
+    return stand_in(bin_dir)
 
 
 PAGES = [path for path in DOCS if bash_blocks(path)]

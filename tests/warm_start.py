@@ -19,8 +19,12 @@ so does a test that needs a real child of its own (signals, a Popen it reads as 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import itertools
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -49,36 +53,35 @@ class _Server:
             self.proc = subprocess.Popen([sys.executable, "-c", code, str(TESTS)], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1,
                                          start_new_session=True, env=self.env)
-        self.lock = threading.Lock()
-        self.count = 0
+        self.lock = threading.Lock()  # one request on the pipe at a time
+        self.numbers = itertools.count(1)  # names of each command's files
 
     def serves(self, env: dict[str, str]) -> bool:
         return self.proc.poll() is None and _read_at_import(env) == _read_at_import(self.env)
 
-    def run(self, argv: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    def start(self, request: dict) -> tuple[int, Path]:
+        """Fork the command's process: (its pid, the file its exit code will be written to)."""
+        exit_file = self.scratch / f"{next(self.numbers)}.exit"
         with self.lock:
-            self.count += 1
-            files = {part: str(self.scratch / f"{self.count}.{part}") for part in ("out", "err", "exit")}
-            self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": str(cwd), **files}) + "\n")
+            self.proc.stdin.write(json.dumps({**request, "exit": str(exit_file)}) + "\n")
             self.proc.stdin.flush()
             reply = self.proc.stdout.readline()
-            if not reply:
-                raise RuntimeError("the warm server has stopped: " + (self.scratch / "server.log").read_text()[-2000:])
-            pid = json.loads(reply)["pid"]
-        exit_file = Path(files["exit"])
-        deadline = time.monotonic() + timeout
-        while not exit_file.exists():
-            if time.monotonic() > deadline:
-                from overdrive.tune.processes import kill_tree
+        if not reply:
+            raise RuntimeError("the warm server has stopped: " + (self.scratch / "server.log").read_text()[-2000:])
+        return json.loads(reply)["pid"], exit_file
 
-                kill_tree(pid)
-                raise subprocess.TimeoutExpired(["overdrive", *argv], timeout)
-            time.sleep(0.02)
-        code = int(exit_file.read_text())
-        out, err = (Path(files[part]).read_text(errors="replace") for part in ("out", "err"))
-        for path in files.values():
-            Path(path).unlink(missing_ok=True)
-        return subprocess.CompletedProcess([sys.executable, "-m", "overdrive.cli", *argv], code, out, err)
+    def run(self, argv: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+        number = next(self.numbers)
+        out, err = self.scratch / f"{number}.out", self.scratch / f"{number}.err"
+        pid, exit_file = self.start({"argv": argv, "env": env, "cwd": str(cwd), "out": str(out), "err": str(err)})
+        code = wait_for_exit(pid, exit_file, timeout=timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(["overdrive", *argv], timeout)
+        done = subprocess.CompletedProcess([sys.executable, "-m", "overdrive.cli", *argv], code,
+                                           out.read_text(errors="replace"), err.read_text(errors="replace"))
+        for path in (out, err, exit_file):
+            path.unlink(missing_ok=True)
+        return done
 
     def close(self) -> None:
         try:
@@ -86,24 +89,107 @@ class _Server:
             self.proc.wait(timeout=10)
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def wait_for_exit(pid: int, exit_file: Path, timeout: float = float("inf"),
+                  caller: Optional[int] = None) -> Optional[int]:
+    """The exit code of a forked command; None when it was killed (with everything it started)
+    for running past `timeout`, or because the process it was run for (`caller`) is gone."""
+    from overdrive.tune.processes import kill_tree
+
+    deadline = time.monotonic() + timeout
+    while not exit_file.exists():
+        if time.monotonic() > deadline or (caller and not Path(f"/proc/{caller}").exists()):
+            kill_tree(pid)
+            return None
+        time.sleep(0.02)
+    return int(exit_file.read_text())
 
 
 _server: Optional[_Server] = None
+
+
+def _warm_server() -> _Server:
+    global _server
+    if _server is None or _server.proc.poll() is not None:
+        _server = _Server()
+        atexit.register(_server.close)
+    return _server
 
 
 def run_overdrive(argv: list[str], env: dict[str, str], cwd: Optional[Path] = None,
                   timeout: float = 600) -> subprocess.CompletedProcess:
     """`python -m overdrive.cli ARGV` with this environment and working directory, its output
     caught: forked from the warm server when the environment allows, else a fresh interpreter."""
-    global _server
     cwd = Path(cwd or os.getcwd())
-    if _server is None or _server.proc.poll() is not None:
-        _server = _Server()
-        atexit.register(_server.close)
-    if not _server.serves(env):
+    server = _warm_server()
+    if not server.serves(env):
         return subprocess.run([sys.executable, "-m", "overdrive.cli", *argv], capture_output=True, text=True,
                               env=env, cwd=cwd, timeout=timeout)
-    return _server.run(argv, env, cwd, timeout)
+    return server.run(argv, env, cwd, timeout)
+
+
+# ------------------------------------------------------------------ `overdrive` typed in a shell
+
+# The stand-in `overdrive` a shell finds first on PATH: it hands its command line, environment,
+# directory and standard streams to the test worker's relay (tests/warm_client.py).
+STAND_IN = """#!/bin/sh
+OVERDRIVE_WARM_RELAY={socket} exec {python} -S {client} "$@"
+"""
+
+
+def stand_in(bin_dir: Path) -> Path:
+    """Write the stand-in `overdrive` into `bin_dir` (put it first on PATH): a command a shell
+    runs (a docs block) is then forked from the warm server, with the shell's own standard
+    streams, and signals sent to it reach the command. Returns `bin_dir`."""
+    path = bin_dir / "overdrive"
+    path.write_text(STAND_IN.format(socket=_relay(), python=sys.executable, client=TESTS / "warm_client.py"))
+    path.chmod(0o755)
+    return bin_dir
+
+
+_relay_path: Optional[str] = None
+
+
+def _relay() -> str:
+    """The unix socket this test worker answers stand-in commands on (a thread per command)."""
+    global _relay_path
+    if _relay_path is None:
+        listener = socket.socket(socket.AF_UNIX)
+        path = str(_warm_server().scratch / "relay.sock")
+        listener.bind(path)
+        listener.listen(16)
+        threading.Thread(target=_accept, args=(listener,), daemon=True).start()
+        _relay_path = path
+    return _relay_path
+
+
+def _accept(listener: socket.socket) -> None:
+    while True:
+        connection, _ = listener.accept()
+        threading.Thread(target=_answer, args=(connection,), daemon=True).start()
+
+
+def _answer(connection: socket.socket) -> None:
+    """One stand-in command: fork it with the caller's streams (through /proc), tell the caller
+    its pid (to pass signals on), then its exit code. An environment the server cannot serve
+    is answered `fresh`: the caller runs a fresh interpreter itself."""
+    with connection, connection.makefile("rw") as stream, contextlib.suppress(OSError):  # the caller may go
+        request = json.loads(stream.readline())
+        server = _warm_server()
+        if not server.serves(request["env"]):
+            stream.write(json.dumps({"fresh": True}) + "\n")
+            return
+        caller = request.pop("caller")
+        streams = {name: f"/proc/{caller}/fd/{fd}" for fd, name in enumerate(("in", "out", "err"))}
+        pid, exit_file = server.start({**request, **streams, "inherit": True})
+        stream.write(json.dumps({"pid": pid}) + "\n")
+        stream.flush()
+        code = wait_for_exit(pid, exit_file, caller=caller)
+        exit_file.unlink(missing_ok=True)
+        if code is not None:
+            stream.write(json.dumps({"exit": code}) + "\n")
 
 
 # ------------------------------------------------------------------ inside the server
@@ -122,10 +208,17 @@ def _command(request: dict) -> int:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    for fd, path in ((1, request["out"]), (2, request["err"])):
-        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(opened, fd)
-        os.close(opened)
+    # A caller's own streams (a shell's: a pipe, a terminal, a file it redirected to) are
+    # opened again through /proc and written after what is there; a test's files from empty.
+    writing = os.O_WRONLY | os.O_APPEND if request.get("inherit") else os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    for fd, path, flags in ((0, request.get("in"), os.O_RDONLY), (1, request["out"], writing),
+                            (2, request["err"], writing)):
+        if path:
+            opened = os.open(path, flags, 0o644)
+            os.dup2(opened, fd)
+            os.close(opened)
+    if request.get("in"):
+        sys.stdin = open(0, closefd=False)
     from overdrive import cli
 
     sys.argv = [cli.__file__, *request["argv"]]
