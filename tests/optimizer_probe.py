@@ -14,6 +14,8 @@ every optimizer (a launch per optimizer would cost the interpreters and the rend
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
 import sys
 from pathlib import Path
 
@@ -56,3 +58,10 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # As overdrive's own workers leave (cli._exit_worker): the result is written, and the native
+    # teardown of gloo and DeepSpeed state at interpreter exit intermittently aborts (SIGABRT,
+    # "terminate called without an active exception"), which torchrun reports as a failed job.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
