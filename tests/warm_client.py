@@ -20,8 +20,11 @@ def main() -> None:
     if reply.get("fresh"):  # an environment the warm server was not started with
         os.execv(sys.executable, [sys.executable, "-m", "overdrive.cli", *sys.argv[1:]])
     pid = reply["pid"]
-    for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(number, lambda received, _: os.kill(pid, received))
+    # To the command's whole process group, as a terminal's Ctrl-C or `kill -- -PGID` would reach
+    # the launcher and its agent together (the command leads a session of its own).
+    for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        if signal.getsignal(number) != signal.SIG_IGN:  # a background job's SIGINT stays ignored
+            signal.signal(number, lambda received, _: os.killpg(pid, received))
     code = json.loads(stream.readline())["exit"]
     if code < 0:
         signal.signal(-code, signal.SIG_DFL)

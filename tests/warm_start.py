@@ -11,8 +11,11 @@ DeepSpeed, the Hugging Face hub) reads the command's own environment. A process 
 command (torch.distributed.run and its workers) is a fresh interpreter as before.
 
 A command whose environment differs from the server's in a variable read when those libraries
-load (OpenMP, MKL, torch, CUDA, the loader, Python's own) runs in a fresh interpreter instead;
-so does a test that needs a real child of its own (signals, a Popen it reads as it goes).
+load (OpenMP, BLAS, numpy, torch, CUDA, tqdm, the loader, Python's own, the temporary
+directory) runs in a fresh interpreter instead; so does a test that needs a real child of its
+own (signals, a Popen it reads as it goes). As in a fresh interpreter, the command's process
+ends when everything it started has ended, numpy's global generator is seeded anew, and
+non-daemon threads are waited for; what stays the server's is Python's string hash seed.
 `overdrive tune` forks its trials the same way (overdrive/tune/processes.py).
 """
 
@@ -24,7 +27,9 @@ import itertools
 import json
 import os
 import shutil
+import shlex
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -37,7 +42,8 @@ TESTS = Path(__file__).resolve().parent
 PRELOAD = ["torch", "torch.distributed.tensor", "numpy", "scipy.optimize", "PIL.Image", "pydantic", "yaml",
            "psutil", "overdrive.cli", "overdrive.resolving", "overdrive.commands.train"]
 # Read when the preloaded libraries load: a command that sets one differently needs a fresh interpreter.
-READ_AT_IMPORT = ("OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH_", "CUDA_", "NVIDIA_", "LD_", "PYTHON", "MALLOC_")
+READ_AT_IMPORT = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "GOTO_", "BLIS_", "NPY_", "NUMPY_", "SCIPY_", "TORCH",
+                  "PYTORCH_", "CUDA_", "NVIDIA_", "TQDM_", "LD_", "PYTHON", "MALLOC_", "TMPDIR")
 
 
 def _read_at_import(env: dict[str, str]) -> dict[str, str]:
@@ -48,9 +54,9 @@ class _Server:
     def __init__(self) -> None:
         self.scratch = Path(tempfile.mkdtemp(prefix="overdrive-warm-"))
         self.env = dict(os.environ)
-        code = "import sys; sys.path.insert(0, sys.argv[1]); from warm_start import serve; serve()"
+        code = "import sys; sys.path.insert(0, sys.argv[1]); from warm_start import serve; serve(sys.argv[2])"
         with (self.scratch / "server.log").open("ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-c", code, str(TESTS)], stdin=subprocess.PIPE,
+            self.proc = subprocess.Popen([sys.executable, "-c", code, str(TESTS), str(self.scratch)], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1,
                                          start_new_session=True, env=self.env)
         self.lock = threading.Lock()  # one request on the pipe at a time
@@ -63,22 +69,29 @@ class _Server:
         """Fork the command's process: (its pid, the file its exit code will be written to)."""
         exit_file = self.scratch / f"{next(self.numbers)}.exit"
         with self.lock:
-            self.proc.stdin.write(json.dumps({**request, "exit": str(exit_file)}) + "\n")
-            self.proc.stdin.flush()
-            reply = self.proc.stdout.readline()
+            try:
+                self.proc.stdin.write(json.dumps({**request, "exit": str(exit_file)}) + "\n")
+                self.proc.stdin.flush()
+                reply = self.proc.stdout.readline()
+            except OSError:
+                reply = ""
         if not reply:
-            raise RuntimeError("the warm server has stopped: " + (self.scratch / "server.log").read_text()[-2000:])
+            raise self.stopped()
         return json.loads(reply)["pid"], exit_file
+
+    def stopped(self) -> RuntimeError:
+        log = self.scratch / "server.log"
+        return RuntimeError("the warm server has stopped: " + (log.read_text()[-2000:] if log.exists() else ""))
 
     def run(self, argv: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
         number = next(self.numbers)
         out, err = self.scratch / f"{number}.out", self.scratch / f"{number}.err"
         pid, exit_file = self.start({"argv": argv, "env": env, "cwd": str(cwd), "out": str(out), "err": str(err)})
-        code = wait_for_exit(pid, exit_file, timeout=timeout)
+        code = wait_for_exit(self, pid, exit_file, timeout=timeout)
         if code is None:
             raise subprocess.TimeoutExpired(["overdrive", *argv], timeout)
         done = subprocess.CompletedProcess([sys.executable, "-m", "overdrive.cli", *argv], code,
-                                           out.read_text(errors="replace"), err.read_text(errors="replace"))
+                                           out.read_text(), err.read_text())
         for path in (out, err, exit_file):
             path.unlink(missing_ok=True)
         return done
@@ -92,14 +105,17 @@ class _Server:
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
-def wait_for_exit(pid: int, exit_file: Path, timeout: float = float("inf"),
+def wait_for_exit(server: _Server, pid: int, exit_file: Path, timeout: float = float("inf"),
                   caller: Optional[int] = None) -> Optional[int]:
     """The exit code of a forked command; None when it was killed (with everything it started)
-    for running past `timeout`, or because the process it was run for (`caller`) is gone."""
+    for running past `timeout`, or because the process it was run for (`caller`) is gone. A
+    server that dies meanwhile (no one left to write the exit code) is an error at once."""
     from overdrive.tune.processes import kill_tree
 
     deadline = time.monotonic() + timeout
     while not exit_file.exists():
+        if server.proc.poll() is not None:
+            raise server.stopped()
         if time.monotonic() > deadline or (caller and not Path(f"/proc/{caller}").exists()):
             kill_tree(pid)
             return None
@@ -108,14 +124,16 @@ def wait_for_exit(pid: int, exit_file: Path, timeout: float = float("inf"),
 
 
 _server: Optional[_Server] = None
+_starting = threading.Lock()  # relay threads ask for the server too
 
 
 def _warm_server() -> _Server:
     global _server
-    if _server is None or _server.proc.poll() is not None:
-        _server = _Server()
-        atexit.register(_server.close)
-    return _server
+    with _starting:
+        if _server is None or _server.proc.poll() is not None:
+            _server = _Server()
+            atexit.register(_server.close)
+        return _server
 
 
 def run_overdrive(argv: list[str], env: dict[str, str], cwd: Optional[Path] = None,
@@ -137,6 +155,10 @@ def run_overdrive(argv: list[str], env: dict[str, str], cwd: Optional[Path] = No
 STAND_IN = """#!/bin/sh
 OVERDRIVE_WARM_RELAY={socket} exec {python} -S {client} "$@"
 """
+# What a forked command can open again through /proc and share with its caller: a pipe (what a
+# test reads), a terminal, /dev/null. A regular file would be a second open file, its offset
+# not shared with the shell's (a shell writing after the command would overwrite its output).
+SHAREABLE = (stat.S_ISFIFO, stat.S_ISCHR)
 
 
 def stand_in(bin_dir: Path) -> Path:
@@ -144,7 +166,8 @@ def stand_in(bin_dir: Path) -> Path:
     runs (a docs block) is then forked from the warm server, with the shell's own standard
     streams, and signals sent to it reach the command. Returns `bin_dir`."""
     path = bin_dir / "overdrive"
-    path.write_text(STAND_IN.format(socket=_relay(), python=sys.executable, client=TESTS / "warm_client.py"))
+    path.write_text(STAND_IN.format(socket=shlex.quote(_relay()), python=shlex.quote(sys.executable),
+                                    client=shlex.quote(str(TESTS / "warm_client.py"))))
     path.chmod(0o755)
     return bin_dir
 
@@ -165,6 +188,14 @@ def _relay() -> str:
     return _relay_path
 
 
+def _shareable(path: str) -> bool:
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:  # closed
+        return False
+    return any(kind(mode) for kind in SHAREABLE)
+
+
 def _accept(listener: socket.socket) -> None:
     while True:
         connection, _ = listener.accept()
@@ -173,20 +204,21 @@ def _accept(listener: socket.socket) -> None:
 
 def _answer(connection: socket.socket) -> None:
     """One stand-in command: fork it with the caller's streams (through /proc), tell the caller
-    its pid (to pass signals on), then its exit code. An environment the server cannot serve
-    is answered `fresh`: the caller runs a fresh interpreter itself."""
-    with connection, connection.makefile("rw") as stream, contextlib.suppress(OSError):  # the caller may go
+    its pid (to pass signals on), then its exit code. A command the server cannot run as a
+    fresh interpreter would (its environment; a stream that is a file, closed, or a socket) is
+    answered `fresh`: the caller runs a fresh interpreter itself."""
+    with connection, connection.makefile("rw") as stream, contextlib.suppress(OSError, ValueError):  # caller gone
         request = json.loads(stream.readline())
         server = _warm_server()
-        if not server.serves(request["env"]):
-            stream.write(json.dumps({"fresh": True}) + "\n")
-            return
         caller = request.pop("caller")
         streams = {name: f"/proc/{caller}/fd/{fd}" for fd, name in enumerate(("in", "out", "err"))}
+        if not server.serves(request["env"]) or not all(map(_shareable, streams.values())):
+            stream.write(json.dumps({"fresh": True}) + "\n")
+            return
         pid, exit_file = server.start({**request, **streams, "inherit": True})
         stream.write(json.dumps({"pid": pid}) + "\n")
         stream.flush()
-        code = wait_for_exit(pid, exit_file, caller=caller)
+        code = wait_for_exit(server, pid, exit_file, caller=caller)
         exit_file.unlink(missing_ok=True)
         if code is not None:
             stream.write(json.dumps({"exit": code}) + "\n")
@@ -194,25 +226,38 @@ def _answer(connection: socket.socket) -> None:
 
 # ------------------------------------------------------------------ inside the server
 
-def serve() -> None:
+def serve(scratch: str) -> None:
     """Import once, then fork one child per request line on stdin (the loop `overdrive tune`
-    forks its trials with); each child's exit code is written to its exit file."""
+    forks its trials with); each child's exit code is written to its exit file. At the end of
+    input (the test worker has finished, or died) the scratch directory goes too."""
     from overdrive.tune.processes import serve as fork_per_request
 
-    fork_per_request(PRELOAD, run=_command)
+    try:
+        fork_per_request(PRELOAD, run=_command)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _command(request: dict) -> int:
     """In the forked child (its own session, stdin from /dev/null): the command as
-    `python -m overdrive.cli` runs it, in the request's directory and environment."""
+    `python -m overdrive.cli` runs it, in the request's directory and environment, ended as an
+    interpreter ends (non-daemon threads joined, exit handlers run) and only once every process
+    it started has ended (as `subprocess.run` waits for the last holder of its pipes)."""
+    import ctypes
+
+    import numpy
+
+    ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: what it starts and leaves is ours to wait for
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    # A caller's own streams (a shell's: a pipe, a terminal, a file it redirected to) are
-    # opened again through /proc and written after what is there; a test's files from empty.
+    tempfile.tempdir = None  # torch's import fixed it from the server's TMPDIR
+    numpy.random.seed()  # from the OS, as each new interpreter's is
+    # A caller's own streams (a shell's pipe or terminal) are opened again through /proc; a
+    # test's files from empty. stderr first: a failure to open the others is said there.
     writing = os.O_WRONLY | os.O_APPEND if request.get("inherit") else os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    for fd, path, flags in ((0, request.get("in"), os.O_RDONLY), (1, request["out"], writing),
-                            (2, request["err"], writing)):
+    for fd, path, flags in ((2, request["err"], writing), (1, request["out"], writing),
+                            (0, request.get("in"), os.O_RDONLY)):
         if path:
             opened = os.open(path, flags, 0o644)
             os.dup2(opened, fd)
@@ -228,5 +273,14 @@ def _command(request: dict) -> int:
         code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
         if not isinstance(stop.code, int) and stop.code is not None:
             print(stop.code, file=sys.stderr)
-    atexit._run_exitfuncs()  # as at the end of an interpreter: trackers and logs flushed
+    finally:
+        threading._shutdown()  # as at the end of an interpreter: non-daemon threads, then exit handlers
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        while True:  # the processes it started and left (now children of this one) end first
+            try:
+                os.wait()
+            except ChildProcessError:
+                break
     return code
