@@ -24,10 +24,7 @@ Rank 0 writes {"ranks": [{"params": .., "grads": .., "optimizer": .., "master": 
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
-import os
-import sys
 from pathlib import Path
 
 
@@ -171,10 +168,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # As overdrive's own workers leave (cli._exit_worker): the result is written, and the native
-    # teardown of gloo and DeepSpeed state at interpreter exit intermittently aborts (SIGABRT,
-    # "terminate called without an active exception"), which torchrun reports as a failed job.
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from overdrive.cli import exit_worker
+
+    exit_worker(0)  # as overdrive's own workers leave: gloo/DeepSpeed's native teardown can abort

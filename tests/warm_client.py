@@ -17,7 +17,7 @@ def main() -> None:
     stream.write(json.dumps(request) + "\n")
     stream.flush()
     reply = json.loads(stream.readline())
-    if reply.get("fresh"):  # an environment the warm server was not started with
+    if reply.get("fresh"):  # what a fork would not run as a fresh interpreter (environment, streams)
         os.execv(sys.executable, [sys.executable, "-m", "overdrive.cli", *sys.argv[1:]])
     pid = reply["pid"]
     # To the command's whole process group, as a terminal's Ctrl-C or `kill -- -PGID` would reach

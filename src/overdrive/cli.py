@@ -106,11 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     # file that holds the traceback (see errors.py).
     code = run_reporting_errors(parse_and_run, command=command, translate=faults.as_user_error)
     if outcome.get("worker"):
-        _exit_worker(code)
+        exit_worker(code)
     return code
 
 
-def _exit_worker(code: int) -> None:
+def exit_worker(code: int) -> None:
     """A launched worker whose work is done and saved leaves without interpreter finalisation.
 
     Native teardown of gloo / DeepSpeed state intermittently aborts (SIGABRT) after a
