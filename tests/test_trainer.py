@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_cli
 
 from overdrive.training import optimization
 
@@ -193,12 +194,6 @@ def test_trackers_write_tensorboard_events(tmp_path, cache_dir):
 
 
 # ---------------------------------------------------------------- as a user runs it
-
-def run_cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    import conftest
-
-    return conftest.run_cli(*args, cwd=cwd, timeout=timeout)
-
 
 @pytest.mark.slow
 def test_default_run_from_the_command_line(tmp_path, cache_dir):
