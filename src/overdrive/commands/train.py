@@ -88,6 +88,11 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, resolved, in_worker: bool) -> int:
     cfg = resolved.config
     if not in_worker:
+        from overdrive.system.tested import drift, drift_line
+
+        untested = drift_line(drift())  # a warning, said once by the launcher: newer releases usually work
+        if untested:
+            print(untested, file=sys.stderr)
         from overdrive.launch.process import hide_gpus_for_cpu_runs
 
         hide_gpus_for_cpu_runs(cfg)  # before anything here asks CUDA

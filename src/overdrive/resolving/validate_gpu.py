@@ -3,7 +3,8 @@ wrongly (or crash on at the first step), refused by key before a job starts.
 
 - fp8 with a 4-bit base: Accelerate's fp8 engines convert Linear layers, bitsandbytes' are not
   Linear, and a frozen 4-bit base gains nothing from fp8 matmuls; neither is applied;
-- MS-AMP with FSDP: Accelerate raises only inside `prepare` (MS-AMP is DeepSpeed's or DDP's).
+- MS-AMP with FSDP: Accelerate raises only inside `prepare` (MS-AMP is DeepSpeed's or DDP's);
+- MS-AMP where the installed Accelerate no longer has it (1.16 removed it): a TypeError at start.
 
 Which objective composes with which layout, adapter and attention: resolving/composition.py.
 """
@@ -15,7 +16,7 @@ from typing import Callable
 from overdrive.config.schema import RunConfig
 
 from overdrive.errors import Problem
-from overdrive.strategies import layout, registry
+from overdrive.strategies import layout, library_features, registry
 
 
 def check(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
@@ -46,4 +47,9 @@ def _precision(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
         found.append(Problem("precision.fp8.backend", "MS-AMP does not run under FSDP (Accelerate refuses it when "
                              "the model is prepared)", where("precision.fp8.backend"),
                              "set precision.fp8.backend=TE or AO with FSDP, or use MS-AMP with ddp or deepspeed"))
+    elif prec.fp8.backend == "MSAMP" and not library_features.msamp_supported():
+        found.append(Problem("precision.fp8.backend", "is MSAMP, but the installed Accelerate has no MS-AMP support "
+                             "(removed in Accelerate 1.16)", where("precision.fp8.backend"),
+                             "set precision.fp8.backend=TE (Transformer Engine) or AO (torchao), or install the "
+                             "tested set (bash scripts/setup.sh), whose Accelerate still has MS-AMP"))
     return found

@@ -17,7 +17,7 @@ from typing import Any
 
 from overdrive.config.schema import RunConfig
 from overdrive.strategies.deepspeed_config import ds_config
-from overdrive.strategies import common
+from overdrive.strategies import common, library_features
 
 
 # --------------------------------------------------------------------------- plugin
@@ -94,8 +94,8 @@ def plugin(cfg: RunConfig, world_size: int) -> Any:
         offload_param_nvme_path=nvme,
         zero3_init_flag=ds.zero3_init and ds.zero_stage == 3,
         zero3_save_16bit_model=ds.zero3_save_16bit_model,
-        enable_msamp=cfg.precision.mixed_precision == "fp8" and cfg.precision.fp8.backend == "MSAMP",
-        msamp_opt_level=cfg.precision.fp8.opt_level,
+        **library_features.deepspeed_plugin_fp8_kwargs(
+            cfg.precision.mixed_precision == "fp8" and cfg.precision.fp8.backend == "MSAMP", cfg.precision.fp8.opt_level),
     )
 
 

@@ -1,8 +1,8 @@
 """`precision.fp8.*` -> the FP8 recipe handler Accelerate is given.
 
-Accelerate (1.15) picks an FP8 engine in this order when it is given `mixed_precision="fp8"`
+Accelerate picks an FP8 engine in this order when it is given `mixed_precision="fp8"`
 and no recipe: ACCELERATE_FP8_BACKEND (which overdrive does not pass on), else torchao if
-installed, else Transformer Engine, else MS-AMP; and each recipe's empty fields fall back to
+installed, else Transformer Engine, else MS-AMP (before 1.16); and each recipe's empty fields fall back to
 ACCELERATE_FP8_* variables. So the recipe is always built here, every field from the config:
 `precision.fp8.backend: TE` means Transformer Engine even where torchao is installed.
 """
@@ -22,7 +22,7 @@ def fp8_recipe(cfg: RunConfig) -> Optional[Any]:
     """TERecipeKwargs, AORecipeKwargs or MSAMPRecipeKwargs for an fp8 run; None otherwise."""
     if cfg.precision.mixed_precision != "fp8":
         return None
-    from accelerate.utils import AORecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
+    from accelerate.utils import AORecipeKwargs, TERecipeKwargs
 
     f = cfg.precision.fp8
     try:
@@ -40,6 +40,8 @@ def fp8_recipe(cfg: RunConfig) -> Optional[Any]:
             # torchao's Float8LinearConfig has no format/amax/margin fields; Accelerate's defaults
             # (pad_inner_dim, fp8 all-gather under FSDP2) are stated so no variable changes them.
             return AORecipeKwargs(pad_inner_dim=True, enable_fsdp_float8_all_gather=True)
+        from accelerate.utils import MSAMPRecipeKwargs  # gone from Accelerate 1.16: refused by validation there
+
         return MSAMPRecipeKwargs(opt_level=f.opt_level)
     except ImportError as error:
         raise UserError(Problem("precision.fp8.backend", f"is {f.backend}, but {_ENGINES[f.backend]} is not "

@@ -13,7 +13,7 @@ import sys
 from importlib import metadata
 from typing import Any, Optional
 
-PACKAGES = ("torch", "accelerate", "transformers", "deepspeed", "datasets", "tokenizers", "pydantic")
+from overdrive.system.tested import KEY_PACKAGES as PACKAGES
 
 
 def versions(packages: tuple[str, ...] = PACKAGES) -> dict[str, Optional[str]]:
@@ -89,7 +89,13 @@ def collect(config_layers: dict[str, Any], with_hardware: bool = True) -> dict[s
     change in a run's config (resolving/layer_changes.py)."""
     from overdrive.config.env_report import run_variables
 
+    from overdrive.system.tested import canonical, drift, tested_versions
+
     report: dict[str, Any] = {"versions": versions()}
+    pins = tested_versions()
+    # Beside each installed version, the one the suite passed on (system/tested_versions.txt).
+    report["tested_versions"] = {name: pins.get(canonical(name)) for name in PACKAGES}
+    report["untested"] = [d.package for d in drift(report["versions"], pins)]
     report["hardware"] = hardware() if with_hardware else None
     report["accelerate_default_config"] = accelerate_default()
     report["config_layers"] = config_layers
@@ -108,9 +114,14 @@ def _md_value(value: Any) -> str:
 
 
 def to_markdown(report: dict[str, Any]) -> str:
-    out = ["## overdrive env", "", "### Versions", "", "| package | version |", "| --- | --- |"]
+    out = ["## overdrive env", "", "### Versions", "", "| package | version | tested |", "| --- | --- | --- |"]
+    tested, untested = report.get("tested_versions", {}), set(report.get("untested", []))
     for name, version in report["versions"].items():
-        out.append(f"| {name} | {version or 'not installed'} |")
+        mark = " **differs**" if name in untested else ""
+        out.append(f"| {name} | {version or 'not installed'} | {tested.get(name) or ''}{mark} |")
+    if untested:
+        out += ["", f"Outside the tested set: {', '.join(sorted(untested))}. `bash scripts/setup.sh` installs "
+                "the tested versions; docs/installing.md says what to do when a newer release breaks a run."]
     hw = report.get("hardware")
     if hw:
         cores = f"{hw['cpu_logical_cores']} logical"
