@@ -148,3 +148,41 @@ def test_no_nan_is_written_as_a_number_into_metrics_jsonl(tmp_path):
         raise ValueError(name)
 
     assert json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=no_constants)["reward"] is None
+
+
+FLAKY = """\
+calls = 0
+
+
+def flaky(prompts, completions, **kwargs):
+    # the trial call before training, then step 1: no reward applies (None); then a NaN
+    global calls
+    calls += 1
+    return [None if calls <= 2 else float("nan")] * len(completions)
+"""
+
+
+@pytest.mark.slow
+def test_a_grpo_run_whose_reward_turns_nan_stops_by_name_with_its_checkpoint_and_json_files_intact(tmp_path):
+    from conftest import run_cli
+    from hf_fixtures import make_tiny_llama
+
+    make_tiny_llama(tmp_path / "base")
+    config = _write(tmp_path, [{"prompt": [{"role": "user", "content": f"q {i}"}], "answer": "yes"} for i in range(8)],
+                    '["flaky_reward.flaky"]', FLAKY, "flaky_reward")
+    done = run_cli("train", str(config), f"model.name_or_path={tmp_path / 'base'}", "rl.max_completion_length=2",
+                   "training.max_steps=3", "checkpoint.every_steps=1", "training.log_every_steps=1",
+                   f"output_dir={tmp_path / 'out'}", f"data.cache_dir={tmp_path / 'cache'}", "logging.progress=false",
+                   "precision.mixed_precision=no", cwd=tmp_path, timeout=600)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "'flaky' returned nan" in done.stderr and "row" in done.stderr
+    assert any((tmp_path / "out" / "checkpoints").iterdir())  # step 1's checkpoint, kept
+
+    def no_constants(name):
+        raise ValueError(f"{name} is not JSON")
+
+    samples = [json.loads(line, parse_constant=no_constants)
+               for line in (tmp_path / "out" / "completions.jsonl").read_text().splitlines()]
+    assert samples and all(sample["reward"] is None for sample in samples)
+    for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=no_constants)
