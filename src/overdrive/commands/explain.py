@@ -123,7 +123,10 @@ def run(args: argparse.Namespace) -> int:
 
     from overdrive.commands.arguments import resolved_from
 
-    resolved = resolved_from(args, tell=False)  # shown with the rest of the explanation
+    from overdrive.training import user_inputs
+
+    # The user's reward functions and data rows checked with the config: every problem in one pass.
+    resolved = resolved_from(args, tell=False, checks=user_inputs.check)  # shown with the rest of the explanation
     machine = hardware_warnings(resolved)
     # A layout axis the machine the run trains on cannot run (context parallel on CPU processes) is
     # refused here as `train` refuses it: the table of what composes answers for layouts. Other

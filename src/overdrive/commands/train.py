@@ -66,7 +66,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    resolved, in_worker = load_run(args)
+    from overdrive.resolving.resolved import config_directories
+    from overdrive.training import rewards, user_inputs
+
+    resolved, in_worker = load_run(args, checks=user_inputs.check)  # the user's code and data too, before a model
+    # The reward modules beside the config files, on every rank: each imports them again.
+    with rewards.importable_from(config_directories(resolved.origins.values())):
+        return _run_command(args, resolved, in_worker)
+
+
+def _run_command(args: argparse.Namespace, resolved, in_worker: bool) -> int:
     cfg = resolved.config
     if in_worker:
         from overdrive.launch import lifetime, membership
@@ -186,10 +195,13 @@ def _preference_lines(out) -> list[str]:
 
     path = metrics.path_in(out)
     logged = [r for r in metrics.read(path).records if "loss" in r] if path.is_file() else []
-    names = [n for n in metrics.PREFERENCE_REPORTED if logged and n in logged[-1]]
+    def number(record: dict, name: str) -> bool:  # a value not finite is logged as null
+        return isinstance(record.get(name), (int, float))
+
+    names = [n for n in metrics.PREFERENCE_REPORTED if logged and number(logged[-1], n)]
     if not names:
         return []
-    first = {name: next(r[name] for r in logged if name in r) for name in names}
+    first = {name: next(r[name] for r in logged if number(r, name)) for name in names}
     return [f"{name} {first[name]:.4f} -> {logged[-1][name]:.4f}" for name in names]
 
 

@@ -43,6 +43,9 @@ _PAIR = re.compile(
     r"(?P<q2>['\"])?(?P<value>(?(q2)[^'\"\n]*|[^\s,;'\"}\])]+))"
 )
 
+# What precedes a key inside a YAML flow mapping: `{` or a comma (the text up to the pair's start).
+_IN_MAPPING = re.compile(r"[{,]\s*\Z")
+
 
 def redact_text(text: str) -> str:
     """`text` with every secret-shaped value and every credential-named pair masked."""
@@ -56,15 +59,18 @@ def redact_text(text: str) -> str:
 
     def pair(match: re.Match) -> str:
         value, name = match.group("value"), match.group("name")
-        # `name: value` is a pair when quoted (JSON, a dict) or an environment variable
-        # (`HF_TOKEN: abc`); `hub_token: unknown key` in a message is a key and its problem.
-        colon_pair = match.group("q1") or name.isupper()
-        if ":" in match.group("sep") and not colon_pair:
-            return match.group(0)
-        if not value or value == MASK or not is_secret_name(name) or value.lower() in ("none", "null"):
-            return match.group(0)
+        # `name: value` is a pair when quoted (JSON, a dict), an environment variable (`HF_TOKEN: abc`)
+        # or an entry of a YAML flow mapping (`{function: judge, api_key: abc}`, typed on a command line);
+        # `hub_token: unknown key` in a message is a key and its problem.
+        colon_pair = match.group("q1") or name.isupper() or _IN_MAPPING.search(match.string, 0, match.start())
         start, end = match.span("value")
         offset = match.start()
+        if ":" in match.group("sep") and not colon_pair or not is_secret_name(name):
+            # Not a secret itself, its value may hold one: `name: "judge_token=abc"`.
+            inner = redact_text(value) if value and value != match.group(0) else value
+            return match.group(0)[: start - offset] + inner + match.group(0)[end - offset:]
+        if not value or value == MASK or value.lower() in ("none", "null"):
+            return match.group(0)
         return match.group(0)[: start - offset] + MASK + match.group(0)[end - offset:]
 
     return _PAIR.sub(pair, text)

@@ -8,9 +8,10 @@ The names are TRL's GRPOConfig's, so a TRL user finds the knob they know: `num_g
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+import re
+from typing import Any, Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from overdrive.config.sections import Section
 
@@ -35,6 +36,24 @@ class RewardFunc(Section):
                                    "(`re.fullmatch`, DOTALL).")
     target_length: int = Field(64, ge=1, description="`length`: the completion length, in characters, rewarded 0 "
                                "(shorter and longer both lose).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _import_string(cls, value: Any) -> Any:
+        # TRL's `reward_funcs` takes import strings: `rl.reward_funcs=["my_module.my_reward"]` is that entry's
+        # `function`, as `{function: my_module.my_reward}` would be.
+        return {"function": value} if isinstance(value, str) else value
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            try:
+                re.compile(value, re.DOTALL)
+            except re.error as error:
+                raise ValueError(f"{value!r} is not a regular expression ({error}); in YAML, single quotes keep "
+                                 "backslashes as typed: '\\d+'") from None
+        return value
 
 
 class RLConfig(Section):

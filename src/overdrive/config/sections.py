@@ -27,6 +27,14 @@ def admits_bool(annotation: Any) -> bool:
     return annotation is bool or annotation is Any
 
 
+def admits_text(annotation: Any) -> bool:
+    """Whether a field of this type holds free text (a str, possibly optional)."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin in (Annotated, Union):
+        return any(admits_text(arg) for arg in (args[:1] if origin is Annotated else args))
+    return annotation is str
+
+
 class Section(BaseModel):
     """Base for every section: unknown keys are errors, values are immutable, a boolean is
     never taken for a number, and inf/nan are refused for every float."""
@@ -36,6 +44,10 @@ class Section(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        if isinstance(value, bool) and not admits_bool(cls.model_fields[info.field_name].annotation):
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, bool) and not admits_bool(annotation):
+            if admits_text(annotation):  # `pattern: yes`: YAML 1.1 read the word as a boolean
+                raise ValueError(f"expected text, got the boolean {str(value).lower()}: YAML reads an unquoted yes, "
+                                 "no, on, off, true or false as a boolean; quote the value (\"yes\")")
             raise ValueError(f"expected a number or one of the allowed values, got the boolean {str(value).lower()}")
         return value

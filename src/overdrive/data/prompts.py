@@ -22,6 +22,8 @@ from typing import Any
 import torch
 
 from overdrive.config.schema import RunConfig
+from overdrive.data.prompt_checks import prompt_problems
+from overdrive.data.row_table import RowTable
 from overdrive.errors import Problem, UserError
 
 
@@ -44,9 +46,10 @@ def read(cfg: RunConfig) -> list[dict]:
     rows = [dict(row) for row in corpus.dataset]
     if not rows:
         raise UserError(Problem("data.source", f"{cfg.data.source!r} has no rows"))
-    if cfg.data.prompt_column not in rows[0]:
-        raise UserError(Problem("data.prompt_column", f"no column {cfg.data.prompt_column!r}; the data has "
-                                f"{sorted(rows[0])}", fix="set data.prompt_column to one of those"))
+    # Every row, as `explain` checks a local file's (a hub data set's rows are first seen here): before the model loads.
+    problems = prompt_problems(cfg, RowTable(rows, str(cfg.data.source)))
+    if problems:
+        raise UserError(problems)
     return rows
 
 

@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from pydantic import ValidationError
 
 from overdrive.config import batch, length
 from overdrive.config.env_report import process_environment
+from overdrive.config.provenance import where
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 from overdrive.resolving import followed_defaults, layers, validate
 from overdrive.resolving.problems import pydantic_problems
-from overdrive.resolving.resolved import Resolved
+from overdrive.resolving.resolved import Resolved, config_directories
+
+# A command's checks of what the config points at, from a package above this one (the user's reward
+# functions and data: training/user_inputs.py): (config, where(key), directories) -> (errors, warnings).
+Checks = Callable[[RunConfig, Callable[[str], str], list[Path]], tuple[list[Problem], list[Problem]]]
 
 def accelerate_default_path(environ: Mapping[str, str] | None = None) -> Path:
     """Where `accelerate config` writes its default: $HF_HOME/accelerate/default_config.yaml."""
@@ -35,11 +40,13 @@ def resolve(
     env: Mapping[str, str] | None = None,
     accelerate_default: bool | str | Path = True,
     above: Sequence[str | Path] = (),
+    checks: Optional[Checks] = None,
 ) -> Resolved:
     """Resolve every layer, validate, and return the config with provenance.
 
     `above`: files applied over every layer, overrides included (a sweep trial's values:
     `overdrive sweep` writes them, labelled with their own `layer:`).
+    `checks`: the command's checks of the user's code and data, reported with the config's problems.
 
     Raises UserError listing every problem found (unknown keys, types, ranges, cross-field
     and world-size rules). Hardware checks are separate: see `check_for_train`.
@@ -71,6 +78,7 @@ def resolve(
             partial = RunConfig.model_validate(layers.nest(usable))
             # a rule about a key whose value was refused judged its default, not the user's value: left out
             errors += [problem for problem in validate.check(partial, usable)[0] if problem.key not in bad]
+            errors += [problem for problem in _checked(checks, partial, usable)[0] if problem.key not in bad]
         except ValidationError:
             pass
         raise UserError(errors + type_errors) from None
@@ -79,7 +87,9 @@ def resolve(
     config, length_origins, length_errors, length_warnings = length.settle(config, chains, order)  # steps or epochs
     config, followed = followed_defaults.follow(config, chains)  # defaults the user's choices contradict
     rule_errors, rule_warnings = validate.check(config, chains)
-    errors += length_errors + rule_errors
+    user_errors, user_warnings = _checked(checks, config, chains)
+    rule_warnings += user_warnings
+    errors += length_errors + rule_errors + user_errors
     warnings += length_warnings
     if errors:
         raise UserError(errors)
@@ -89,6 +99,13 @@ def resolve(
         origins[batch.ACCUMULATION] = derived
     origins.update(followed)
     return Resolved(config=config, origins=origins, chains=chains, warnings=warnings + rule_warnings)
+
+
+def _checked(checks: Optional[Checks], config: RunConfig, chains) -> tuple[list[Problem], list[Problem]]:
+    if checks is None:
+        return [], []
+    directories = config_directories(chain[-1].origin for chain in chains.values() if chain)
+    return checks(config, lambda key: where(chains, key, unset="default"), directories)
 
 
 def load_config(*files: str | Path, overrides: Mapping[str, Any] | None = None, cli: Sequence[str] = (),

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, Iterable, Mapping
 
 from pydantic import ValidationError
 
@@ -92,3 +93,10 @@ class Resolved:
 
 
 SECRETS_VARIABLE = "OVERDRIVE_SECRET_VALUES"
+
+
+def config_directories(origins: Iterable[Origin]) -> list[Path]:
+    """Where the user's own modules (reward functions) are looked for: the directory of every config file that
+    set a value, then the working directory, as `python run.py` finds a module beside the script."""
+    found = [Path(o.source).expanduser().resolve().parent for o in origins if o.layer == "file" and o.source]
+    return list(dict.fromkeys([*found, Path.cwd()]))

@@ -45,9 +45,13 @@ def rl_rules(cfg: RunConfig, where: Callable[[str], str],
     if cfg.model.task != "causal-lm":
         errors.append(Problem("model.task", f"rl.method={rl.method} trains a causal LM", where("model.task"),
                               "set model.task=causal-lm"))
-    if not (cfg.model.name_or_path and not cfg.model.from_scratch):
-        errors.append(Problem("model.name_or_path", f"{rl.method} improves a pretrained model, but the model starts "
-                              "from random weights", where("rl.method"),
+    if cfg.model.from_scratch:  # the weights are there, the key says not to load them: name that key
+        errors.append(Problem("model.from_scratch", f"{rl.method} improves a pretrained model, but "
+                              "model.from_scratch starts it from random weights", where("model.from_scratch"),
+                              "set model.from_scratch=false to load the weights of model.name_or_path"))
+    elif not cfg.model.name_or_path:
+        errors.append(Problem("model.name_or_path", f"{rl.method} improves a pretrained model, but no model is named "
+                              "(it would start from random weights)", where("rl.method"),
                               "set model.name_or_path to a save_pretrained directory or hub name"))
     if not rl.reward_funcs:
         errors.append(Problem("rl.reward_funcs", "no reward function: every completion would score the same",

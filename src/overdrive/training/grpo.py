@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -143,8 +144,9 @@ class GRPOObjective(Objective):
         prompts = [self.prompts.prompts[i] for i in prompt_rows]
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if self.prompts.conversational else texts
-        columns = {k: [row[k] for row in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
-        local = torch.tensor(rewards_mod.score(self.rewards, prompts, completions, completion_ids, columns),
+        columns = rewards_mod.columns_of(rows)
+        local = torch.tensor(rewards_mod.score(self.rewards, prompts, completions, completion_ids, columns,
+                                                       prompt_rows),
                              dtype=torch.float32, device=self.accelerator.device).view(len(completions), -1)
         everyone = self.accelerator.gather(local) if self.accelerator.num_processes > 1 else local
         adv = grpo_loss.group_advantages(everyone, self.weights, g, self.rl.scale_rewards)
@@ -163,7 +165,9 @@ class GRPOObjective(Objective):
         """One group of completions appended to completions.jsonl beside metrics.jsonl (the main process)."""
         from overdrive.storage import faults
 
-        lines = "".join(json.dumps({"group": group, "prompt": p, "completion": c, "reward": r}, default=str) + "\n"
+        # A completion no reward applies to (all None) has a NaN reward: null, as JSON has no NaN.
+        lines = "".join(json.dumps({"group": group, "prompt": p, "completion": c,
+                                    "reward": r if math.isfinite(r) else None}, default=str, allow_nan=False) + "\n"
                         for p, c, r in zip(prompts, completions, rewards))
         with faults.writing(self.samples_path, "output_dir", what="sampled completions"):
             with open(self.samples_path, "a") as f:

@@ -4,7 +4,7 @@ One JSON object per line, appended by the main process: train lines carry `step`
 `lr`, `tokens_per_s`, `seq_len`, `micro_batch_size`, `mixed_precision`, `mfu` (and more);
 eval lines carry `eval_loss`; with `training.loss_spike` train lines add `loss_spikes_skipped`; a step
 redone by `training.oom_retry` adds a line of its own (`step`, `oom_retry`, `micro_batch_size`,
-`gradient_accumulation_steps`). A run killed mid-write can leave a last line cut short, and a
+`gradient_accumulation_steps`). A value that is not finite (a NaN loss) is written as null. A run killed mid-write can leave a last line cut short, and a
 file another process is still appending to can end in a partial line: readers skip both.
 
 Pure (json and files only): `overdrive report`, `plan`, the tuner and bench read it without torch.
@@ -13,6 +13,7 @@ Pure (json and files only): `overdrive report`, `plan`, the tuner and bench read
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +47,13 @@ class MetricsLog:
     def write(self, record: Mapping[str, Any]) -> None:
         if self.enabled:
             with writing(self.path, "output_dir", what=FILE_NAME), self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(finite(record), allow_nan=False) + "\n")
+
+
+def finite(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The record with NaN and inf as null: JSON has no NaN, and a file with one is not JSON to other readers
+    (jq, a browser, pandas' strict mode); readers here take null as "no value", as `mfu` has always been."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
 
 
 @dataclass
