@@ -99,20 +99,22 @@ def _run(args: argparse.Namespace, resolved, in_worker: bool) -> int:
 
         hub.refuse_unreadable_names(cfg)  # in a second without a network, before torch is imported
         hub.refuse_missing_data(cfg)
-
-        writable_target(cfg.output_dir, "output_dir", directory=True)
-        from overdrive.storage import lock
-
-        lock.hold(cfg.output_dir, cfg.launch.machine_rank)  # one run per output_dir; the workers run under it
         if cfg.logging.level != "quiet":
             from overdrive.training.startup import Stages
 
             Stages()("loading torch, Transformers and Accelerate")  # the first seconds, said
         check_for_train(resolved)
-        from overdrive.training.preconditions import check_fine_tuning, check_model_layout
+        from overdrive.training.preconditions import check_fine_tuning, check_inputs, check_model_layout
 
         check_fine_tuning(cfg)
         check_model_layout(cfg)
+        check_inputs(cfg)  # eval tasks and their data, reward functions
+        # Only now, every check passed, is anything written: the output directory and its lock
+        # (a refusal leaves no directory, resolved.json or lock behind).
+        writable_target(cfg.output_dir, "output_dir", directory=True)
+        from overdrive.storage import lock
+
+        lock.hold(cfg.output_dir, cfg.launch.machine_rank)  # one run per output_dir; the workers run under it
     force = getattr(args, "force", False)
     if not in_worker and getattr(args, "preflight", False):
         from overdrive.launch.preflight import preflight
@@ -133,7 +135,22 @@ def _train_here(resolved, force: bool, in_worker: bool) -> int:
         return 128 + result.stopped_by
     if result.is_main_process and resolved.config.logging.level != "quiet":
         _summary(result, resolved.config, resolved.items)
+    if result.eval_failed:
+        if result.is_main_process:
+            _evaluation_failed(result)
+        return 1
     return 1 if result.stopped_early else 0
+
+
+def _evaluation_failed(result) -> None:
+    """The closing evaluation failed after the model was saved: said in one message, no traceback."""
+    from overdrive.config.redact import redact_text
+    from overdrive.training.benchmark_eval import LOG
+
+    out = result.output_dir
+    print(f"overdrive: the run trained and saved its model in {out}, but its closing evaluation "
+          f"failed: {redact_text(result.eval_failed)}\n  the traceback is in {out / LOG}; evaluate the saved "
+          f"model again with `overdrive eval {out} --tasks ...` once the cause is fixed", file=sys.stderr)
 
 
 def _start(resolved, force: bool) -> int:

@@ -106,11 +106,12 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
             loop = Loop(cfg, parts, state, ckpt, stop, progress, metrics, checkpoint=restored.path, observe=watch)
             loop.oom.on_new_config = lambda cfg: _record_split(settled, cfg, out, main)
             outcome = _steps(loop)
+        if not outcome.stopped_by:  # a stopped run is not finished: its checkpoint is the result
+            save_final(cfg, parts, out)
+            loop.closing_evaluation()  # after the save: an evaluation that fails never costs the model
     finally:
         progress.close()
     result = TrainResult(out, state.step, state.first_loss, state.final_loss, is_main_process=main, **vars(outcome))
-    if not result.stopped_by:  # a stopped run is not finished: its checkpoint is the result
-        save_final(cfg, parts, out)
     accelerator.end_training()
     return result
 
@@ -140,6 +141,7 @@ class Outcome:
     checkpoint: Optional[Path] = None
     tokens_per_s: float = 0.0
     elapsed_s: float = 0.0
+    eval_failed: str = ""  # why the closing evaluation failed, after the model was saved
 
 
 def _steps(loop: "Loop") -> Outcome:
@@ -361,12 +363,21 @@ class Loop:
         self.progress.print(f"stopping after step {self.state.step}: received {checkpoint.signal_name(signum)}")
 
     def finish(self) -> Outcome:
-        """Throughput over the steady state, and the closing evaluation."""
+        """Throughput over the steady state (the closing evaluation follows the final save)."""
         outcome, state = self.outcome, self.state
         outcome.elapsed_s = self.throughput.elapsed()
         if self.after_first is not None and state.step > 1:
             seconds = time.perf_counter() - self.after_first[0]
             outcome.tokens_per_s = (state.tokens_seen - self.after_first[1]) / max(seconds, 1e-9)
-        if self._evaluates() and not outcome.stopped_by:
-            self.evaluate()
         return outcome
+
+    def closing_evaluation(self) -> None:
+        """The evaluation at the end of a run, on the saved model. A failure (a task's data set, lm-eval,
+        a user's task code) is recorded in the outcome, said by `train`, and the run exits non-zero;
+        the model written just before stays."""
+        if not self._evaluates():
+            return
+        try:
+            self.evaluate()
+        except Exception as error:  # noqa: BLE001  (whatever the evaluation raised: the model is kept)
+            self.outcome.eval_failed = benchmark_eval.failure_note(error, Path(self.cfg.output_dir).expanduser())
