@@ -167,6 +167,7 @@ def _start(resolved, force: bool) -> int:
     done = finished(resolved)
     if done:
         print(f"overdrive: {done}")
+        _train_further(resolved.config)
         return 0
     code = workers.run_on_ranks(resolved, "train", lambda here: _train_here(here, force, in_worker=False),
                                 *(["--force"] if force else []))
@@ -174,6 +175,18 @@ def _start(resolved, force: bool) -> int:
         found = checkpoint.latest_complete(checkpoint.checkpoints_dir(resolved.config.output_dir), checksums=False)
         _how_to_resume(found.found.path if found.found else None, code - 128 if code > 128 else 0, False)
     return code
+
+
+def _train_further(cfg: RunConfig) -> None:
+    """The command the finished run's message offers, written out: the same one with a larger max_steps."""
+    import shlex
+
+    from overdrive.config.redact import redact_text
+
+    steps = cfg.training.max_steps
+    if steps:
+        command = shlex.join(["overdrive", *sys.argv[1:], f"training.max_steps={2 * steps}"])
+        print(f"  to train further here (to step {2 * steps}): {redact_text(command)}")
 
 
 def _how_to_resume(path, signum: int, in_worker: bool) -> None:
