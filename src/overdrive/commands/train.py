@@ -130,7 +130,10 @@ def _train_here(resolved, force: bool, in_worker: bool) -> int:
 
     result = train(resolved, force=force)
     if result.stopped_by:
-        if result.is_main_process:
+        from overdrive.launch import workers
+
+        # Under a launcher, the launcher says how to resume (_start): one line, not one per process.
+        if result.is_main_process and not (in_worker and workers.needs_launcher(resolved.config)):
             _how_to_resume(result.checkpoint, result.stopped_by, in_worker)
         return 128 + result.stopped_by
     if result.is_main_process and resolved.config.logging.level != "quiet":
