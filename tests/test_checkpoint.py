@@ -231,13 +231,32 @@ def test_a_finished_run_with_another_config_is_refused_not_replaced(tmp_path):
     assert "parallel.strategy" in text and "optim.lr" in text and "--force" in text and "new output_dir" in text
     said = describe_resume(other)
     assert said["train"] == "refused" and "optim.lr" in said["text"] and "--force" in said["text"]
+    # What the finished run's message offers ("raise training.max_steps to train further") is taken as asked.
     longer = RunConfig.model_validate({"output_dir": out, "training": {"max_steps": 20}})
+    plan = session.plan_resume(longer)
+    assert plan.checkpoint is not None and any("continuing the finished run" in n for n in plan.notes)
+    assert describe_resume(longer)["train"] == "resumes"
+    longer_and_other = RunConfig.model_validate({"output_dir": out, "training": {"max_steps": 20}, "optim": {"lr": 1e-3}})
     with pytest.raises(UserError, match="training.max_steps"):
-        session.plan_resume(longer)
-    assert session.plan_resume(longer, force=True).checkpoint is not None  # --force continues it
+        session.plan_resume(longer_and_other)
     same = RunConfig.model_validate({"output_dir": out, "training": {"max_steps": 10}, "logging": {"level": "quiet"}})
     assert session.plan_resume(same).checkpoint is not None
     assert describe_resume(same)["train"] == "resumes"
+
+
+def test_another_model_in_a_runs_directory_is_refused_with_a_new_directory_never_force(tmp_path):
+    """--force cannot load one model's checkpoint into another: it is never offered, and with it
+    the refusal is the same short message, not a load error listing every parameter name."""
+    out = str(tmp_path / "run")
+    write_checkpoint_with_config(tmp_path, RunConfig.model_validate({"output_dir": out, "training": {"max_steps": 10}}))
+    other = RunConfig.model_validate({"output_dir": out, "training": {"max_steps": 10},
+                                      "model": {"architecture": {"n_layer": 2}}})
+    for force in (False, True):
+        with pytest.raises(UserError) as error:
+            session.plan_resume(other, force=force)
+        text = error.value.render()
+        assert "model.architecture.n_layer" in text and "--force" not in text
+        assert f"output_dir={out}-2" in text
 
 
 def test_plan_resume_adjusts_accumulation_for_a_new_world_size(tmp_path):

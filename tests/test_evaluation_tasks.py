@@ -14,7 +14,7 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, run_here
 from hf_fixtures import LETTERS, make_chat_data, make_tiny_llama
 
 from overdrive.config.schema import RunConfig
@@ -323,3 +323,28 @@ def test_a_resumed_run_answers_again_from_its_checkpoint_without_repeating_lines
     samples.write_text("".join(json.dumps({"step": s, "prompt": "p", "answer": "a"}) + "\n" for s in (10, 20, 30)))
     benchmark_eval._drop_from(samples, 20)  # the run resumed from step 10's checkpoint evaluates step 20 again
     assert [json.loads(line)["step"] for line in samples.read_text().splitlines()] == [10]
+
+
+def test_generate_with_empty_piped_input_is_refused_before_a_model_loads(monkeypatch):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("  \n"))
+    done = run_here("generate", "no/such-model-anywhere")
+    assert done.returncode == 2 and "PROMPT" in done.stderr and "pipe it in" in done.stderr, done.stderr
+
+
+@pytest.mark.slow
+def test_generate_reads_its_prompt_from_piped_input_without_library_noise(tmp_path):
+    """`echo PROMPT | overdrive generate MODEL`: the piped text is the prompt, answered as given as
+    an argument; no weight-loading bar on stderr."""
+    import subprocess
+    import sys
+
+    make_tiny_llama(tmp_path / "llama")
+    command = [sys.executable, "-m", "overdrive.cli", "generate", str(tmp_path / "llama"), "--max-new-tokens", "4",
+               "--json"]
+    piped = subprocess.run(command, input="a b\n", capture_output=True, text=True, timeout=300)
+    given = subprocess.run(command + ["a b"], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert piped.returncode == 0, piped.stderr[-2000:]
+    assert json.loads(piped.stdout) == json.loads(given.stdout)
+    assert "Loading weights" not in piped.stderr and "it/s" not in piped.stderr, piped.stderr

@@ -91,7 +91,7 @@ def test_axolotl_70b_qlora_with_fsdp():
 
 def test_axolotl_refuses_what_changes_the_math_by_key(tmp_path):
     base = "base_model: m\nadapter: lora\nmicro_batch_size: 1\n"
-    assert refused(write(tmp_path, "grpo.yml", base + "rl: grpo\n")) == ["rl"]
+    assert refused(write(tmp_path, "ppo.yml", base + "rl: ppo\n")) == ["rl"]
     assert refused(write(tmp_path, "type.yml", base + "datasets:\n  - path: x\n    type: oasst\n")) == ["datasets.0.type"]
     assert refused(write(tmp_path, "optim.yml", base + "optimizer: galore_adamw\n")) == ["optimizer"]
     assert refused(write(tmp_path, "tokens.yml", base + "tokens: ['<x>']\n")) == ["tokens"]

@@ -114,7 +114,7 @@ def test_axolotl_kto_and_the_other_methods(tmp_path):
     assert resolved(tmp_path / "x.yml").config.data.layout == "messages"
 
 
-@pytest.mark.parametrize("extra, key", [("rl: grpo\n", "rl"), ("rl: simpo\n", "rl"), ("rl: simpo\ncpo_alpha: 1.0\n", "cpo_alpha"),
+@pytest.mark.parametrize("extra, key", [("rl: ppo\n", "rl"), ("rl: simpo\n", "rl"), ("rl: simpo\ncpo_alpha: 1.0\n", "cpo_alpha"),
                                         ("rl: dpo\nrpo_alpha: 1.0\n", "rpo_alpha"), ("rl: dpo\nref_model: x\n", "ref_model"),
                                         ("rl: dpo\ndpo_loss_type: [hinge]\n", "dpo_loss_type"),
                                         ("rl: dpo\ndatasets:\n  - path: p\n    type: chatml.unknown_style\n",

@@ -14,6 +14,9 @@ class Problem:
     message: str
     where: str = ""
     fix: str = ""
+    # Keys that answer this problem when a later layer sets them (a tool's file that cannot say
+    # its data set: `overdrive import FILE data.source=...`); resolve() then drops it.
+    settled_by: tuple[str, ...] = ()
 
     def render(self) -> str:
         head = f"{self.key}: {self.message}" if self.key else self.message

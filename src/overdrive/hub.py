@@ -104,6 +104,30 @@ def _offline() -> Iterator[None]:
             module.HF_HUB_OFFLINE = value
 
 
+@contextmanager
+def cache_only_when_unreachable() -> Iterator[None]:
+    """Reads inside made cache-only at once when the hub is plainly unreachable (a library that
+    reads the hub itself, lm-eval's data sets: no 50 s of retries before the same failure)."""
+    if unreachable():
+        import datasets  # noqa: F401  (imported first, so its own copy of the switch is set too)
+
+        with _offline():
+            yield
+    else:
+        yield
+
+
+def dataset_cached(name: str) -> bool:
+    """Whether a hub data set has files in the hub cache or a prepared copy in datasets' own cache."""
+    if cached(name, "data set"):
+        return True
+    from datasets import config as datasets_config
+
+    # datasets' prepared copies: <HF_DATASETS_CACHE>/<owner>___<name>
+    root = Path(datasets_config.HF_DATASETS_CACHE)
+    return (root / name.replace("/", "___")).is_dir()
+
+
 def _chain(error: BaseException) -> list[BaseException]:
     found, seen = [], set()
     while error is not None and id(error) not in seen:

@@ -31,6 +31,25 @@ from overdrive.errors import Problem, UserError
 
 TRAINER_STATE = "trainer_state.json"
 START_OVER = "start over instead: checkpoint.resume=never, or a new output_dir"
+# Keys whose change gives the model other weights (names, shapes): a checkpoint of the old ones
+# cannot be loaded into it, with or without --force, so --force is never offered for them.
+OTHER_WEIGHTS = ("model.name_or_path", "model.architecture", "model.task", "model.num_labels", "model.from_scratch",
+                 "model.moe", "peft.method", "peft.r", "peft.target_modules", "tokenizer.vocab_size")
+
+
+def other_weights(keys: list[str]) -> list[str]:
+    """The keys among `keys` whose change means another model's weights."""
+    return [k for k in keys if any(k == w or k.startswith(w + ".") for w in OTHER_WEIGHTS)]
+
+
+def _new_output_dir(cfg_dir: str) -> str:
+    """A new output_dir beside this one, not yet used, for the fix a user copies."""
+    base = Path(cfg_dir).expanduser()
+    for n in range(2, 1000):
+        candidate = base.with_name(f"{base.name}-{n}")
+        if not candidate.exists():
+            return str(candidate)
+    return f"{base}-new"
 
 
 def read_state(path: Path) -> dict[str, Any]:
@@ -89,6 +108,14 @@ def judge(saved: dict[str, Any], cfg: RunConfig, name: str, force: bool,
     if problems:
         raise UserError(problems, title=f"cannot resume from {name}")
     math = comparison.of("math")
+    weights = other_weights([c.key for c in math])
+    if weights:  # --force would only fail later, listing every parameter name the checkpoint lacks
+        raise UserError([Problem(c.key, f"{c.old!r} -> {c.new!r} since {name} was saved: another model's weights, "
+                                 f"which {name} cannot be loaded into") for c in math if c.key in weights]
+                        + [Problem("output_dir", "its checkpoints hold the other model",
+                                   fix=f"train in a new output_dir: output_dir={_new_output_dir(cfg.output_dir)}; "
+                                   "or put the old values back to resume it")],
+                        title=f"cannot resume from {name}")
     if math and not force:
         raise UserError(
             [Problem(c.key, f"{c.old!r} -> {c.new!r} since {name} was saved: changes {c.why}") for c in math]
@@ -110,6 +137,7 @@ class Found:
     comparison: fp.Comparison
     finished: bool  # its step is its run's max_steps: nothing left to resume
     different: list[str]  # keys whose change a finished run cannot take without --force
+    extends: bool = False  # a finished run, and the only change a larger training.max_steps: it trains on
 
     def refusal(self, force: bool) -> Optional[UserError]:
         """A finished run is a record: another config in its output_dir would replace its
@@ -119,10 +147,12 @@ class Found:
         changes = {c.key: c for c in self.comparison.changes}
         problems = [Problem(key, f"{changes[key].old!r} -> {changes[key].new!r}" if key in changes else "changed")
                     for key in self.different]
+        new_dir = _new_output_dir(str(self.path.parent.parent))
+        fix = (f"train in a new output_dir: output_dir={new_dir}" + (
+            "" if other_weights(self.different) else "; or the same command with --force to continue the finished "
+            "run with the new values"))
         problems.append(Problem("output_dir", f"{self.path.parent.parent} holds a run finished at step {self.step} "
-                                "with another config: training here would replace its record",
-                                fix="train in a new output_dir (output_dir=...); or the same command with --force "
-                                    "to continue the finished run with the new values"))
+                                "with another config: training here would replace its record", fix=fix))
         return UserError(problems, title=f"{self.path.name} ends a finished run with another config")
 
 
@@ -146,7 +176,18 @@ def decide(cfg: RunConfig) -> Optional[Found]:
     if comparison.world_note or comparison.refusal:
         different.append("launch.num_processes")
     finished = search.found.step >= saved["config"]["training"]["max_steps"]
-    return Found(path, search.found.step, saved, comparison, finished, different)
+    extends = finished and _only_longer(comparison, saved["config"]["training"]["max_steps"], cfg)
+    if extends:  # what the finished run's message offers ("raise training.max_steps"): taken as asked
+        different = []
+    return Found(path, search.found.step, saved, comparison, finished, different, extends)
+
+
+def _only_longer(comparison: fp.Comparison, saved_steps: int, cfg: RunConfig) -> bool:
+    """The math changed only by training.max_steps, now larger; nothing of the layout changed."""
+    math = comparison.of("math")
+    wanted = cfg.training.max_steps
+    return ([c.key for c in math] == ["training.max_steps"] and not comparison.of("layout")
+            and not comparison.refusal and wanted is not None and wanted > saved_steps)
 
 
 def plan_resume(cfg: RunConfig, force: bool = False) -> ResumePlan:
@@ -170,13 +211,16 @@ def plan_resume(cfg: RunConfig, force: bool = False) -> ResumePlan:
     if refused is not None:
         raise refused
     path, saved, comparison = found.path, found.saved, found.comparison
-    judge(saved, cfg, path.name, force, comparison)
+    judge(saved, cfg, path.name, force or found.extends, comparison)
     plan.checkpoint, plan.saved = path, saved
     harmless = [c.render() for c in comparison.of("harmless")]
     if harmless:
         plan.notes.append("changed since the checkpoint (the math is the same): " + "; ".join(harmless))
     forced = [c.render() for c in comparison.of("math")]
-    if forced:
+    if found.extends:
+        plan.notes.append(f"continuing the finished run from step {found.step} to step {cfg.training.max_steps}: "
+                          f"the schedule now runs over {cfg.training.max_steps} steps")
+    elif forced:
         plan.notes.append("--force: resuming with changed math: " + "; ".join(forced))
     if comparison.world_note:
         plan.notes.append(comparison.world_note)
@@ -231,7 +275,9 @@ def describe_resume(cfg: RunConfig) -> Optional[dict[str, Any]]:
         text = f"{found.path.name}: refused: {comparison.refusal}"
     elif comparison.world_note:
         text += f"; {comparison.world_note}"
-    math = [c.key for c in comparison.of("math")]
+    math = [] if found.extends else [c.key for c in comparison.of("math")]
+    if found.extends:
+        text += f"; continues the finished run to step {cfg.training.max_steps}"
     if math and refused is None:
         text += f"; the math changed since ({', '.join(math)}): train refuses it without --force"
     cost = reshard.conversion_record(found.path) if route.universal else None

@@ -248,8 +248,9 @@ class Checkpointer:
         pending, self.pending = self.pending, None
         self.room.save_parts(self.acc, pending.tmp, pending.step).part(pending.wait)
         if self.main and pending.seconds is not None:
-            self.say(f"checkpoint: {store.name_for(pending.step)} complete, written in the background in "
-                     f"{pending.seconds:.2f} s")
+            # The path said only now: before this it named a directory still being written.
+            self.say(f"checkpoint: {self.root / store.name_for(pending.step)} complete, written in the background "
+                     f"in {pending.seconds:.2f} s")
 
     def _commit(self, tmp: Path, step: int) -> None:
         final = store.commit(tmp, step)

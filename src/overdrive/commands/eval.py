@@ -24,14 +24,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import json
+    import os
     import sys
+    import tempfile
+    from pathlib import Path
 
     from overdrive.console import print_table
     from overdrive.hf.benchmarks import TaskSettings, evaluate_saved
 
     settings = TaskSettings(args.limit, args.num_fewshot, args.batch_size)
+    # What lm-eval prints (its progress bars, warnings, the `git` it runs for its report) goes to a
+    # file, as a run's evaluations send it to <output_dir>/lm-eval.log; the table is what is said here.
+    handle, log = tempfile.mkstemp(prefix="overdrive-lm-eval-", suffix=".log")
+    os.close(handle)
+    print(f"overdrive: lm-eval's own output goes to {log}", file=sys.stderr)
     what, table = evaluate_saved(args.target, args.tasks, settings, device=args.device, dtype=args.dtype,
-                                 base=args.base)
+                                 base=args.base, log=Path(log))
     if args.json:
         print(json.dumps({"model": what, "results": table}, indent=2))
         return 0

@@ -1,7 +1,8 @@
 """`overdrive generate RUN_OR_MODEL [PROMPT]`: a finished run's model (`runs/x` means
 `runs/x/model`), a saved model or an adapter on its base answers PROMPT through its chat
 template, the tokens printed as they come. Without PROMPT on a terminal: one prompt after
-another until an empty line or end of input. Temperature 0 (the default) is greedy decoding."""
+another until an empty line or end of input; without PROMPT and with input piped in
+(`echo hi | overdrive generate runs/x`), that input is the prompt. Temperature 0 (the default) is greedy decoding."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import argparse
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", metavar="RUN_OR_MODEL",
                         help="a run's output_dir, a save_pretrained directory, an adapter directory, or a hub name")
-    parser.add_argument("prompt", metavar="PROMPT", nargs="?", help="what to answer (default: ask on the terminal)")
+    parser.add_argument("prompt", metavar="PROMPT", nargs="?",
+                        help="what to answer (default: the input piped in, or ask on the terminal)")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most (default: 256)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampling temperature; 0 is greedy, the most likely token each step (default: 0)")
@@ -40,8 +42,13 @@ def run(args: argparse.Namespace) -> int:
                                 "--temperature" if args.temperature < 0 else "--top-p",
                                 "out of range", fix="--max-new-tokens >= 1, --temperature >= 0, 0 < --top-p <= 1"))
     if args.prompt is None and not is_interactive(sys.stdin):
-        raise UserError(Problem("PROMPT", "no prompt given, and no terminal to ask on",
-                                fix='give the prompt: overdrive generate RUN_OR_MODEL "your prompt"'))
+        # Piped or redirected input is the prompt, read before the model loads (an empty one is refused now).
+        piped = sys.stdin.read().strip() if sys.stdin is not None else ""
+        if not piped:
+            raise UserError(Problem("PROMPT", "no prompt given, the input piped in is empty, and there is no terminal "
+                                    "to ask on", fix='give the prompt: overdrive generate RUN_OR_MODEL "your prompt" '
+                                    '(or pipe it in: echo "your prompt" | overdrive generate RUN_OR_MODEL)'))
+        args.prompt = piped
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     loaded = load(args.target, dtype=args.dtype, device=args.device or default_device(), base=args.base)
     if args.seed is not None:

@@ -113,20 +113,22 @@ def _run(args: argparse.Namespace, resolved, in_worker: bool) -> int:
 
         hub.refuse_unreadable_names(cfg)  # in a second without a network, before torch is imported
         hub.refuse_missing_data(cfg)
-
-        writable_target(cfg.output_dir, "output_dir", directory=True)
-        from overdrive.storage import lock
-
-        lock.hold(cfg.output_dir, cfg.launch.machine_rank)  # one run per output_dir; the workers run under it
         if cfg.logging.level != "quiet":
             from overdrive.training.startup import Stages
 
             Stages()("loading torch, Transformers and Accelerate")  # the first seconds, said
         check_for_train(resolved)
-        from overdrive.training.preconditions import check_fine_tuning, check_model_layout
+        from overdrive.training.preconditions import check_fine_tuning, check_inputs, check_model_layout
 
         check_fine_tuning(cfg)
         check_model_layout(cfg)
+        check_inputs(cfg)  # eval tasks and their data, reward functions
+        # Only now, every check passed, is anything written: the output directory and its lock
+        # (a refusal leaves no directory, resolved.json or lock behind).
+        writable_target(cfg.output_dir, "output_dir", directory=True)
+        from overdrive.storage import lock
+
+        lock.hold(cfg.output_dir, cfg.launch.machine_rank)  # one run per output_dir; the workers run under it
     force = getattr(args, "force", False)
     if not in_worker and getattr(args, "preflight", False):
         from overdrive.launch.preflight import preflight
@@ -142,12 +144,30 @@ def _train_here(resolved, force: bool, in_worker: bool) -> int:
 
     result = train(resolved, force=force)
     if result.stopped_by:
-        if result.is_main_process:
+        from overdrive.launch import workers
+
+        # Under a launcher, the launcher says how to resume (_start): one line, not one per process.
+        if result.is_main_process and not (in_worker and workers.needs_launcher(resolved.config)):
             _how_to_resume(result.checkpoint, result.stopped_by, in_worker)
         return 128 + result.stopped_by
     if result.is_main_process and resolved.config.logging.level != "quiet":
         _summary(result, resolved.config, resolved.items)
+    if result.eval_failed:
+        if result.is_main_process:
+            _evaluation_failed(result)
+        return 1
     return 1 if result.stopped_early else 0
+
+
+def _evaluation_failed(result) -> None:
+    """The closing evaluation failed after the model was saved: said in one message, no traceback."""
+    from overdrive.config.redact import redact_text
+    from overdrive.training.benchmark_eval import LOG
+
+    out = result.output_dir
+    print(f"overdrive: the run trained and saved its model in {out}, but its closing evaluation "
+          f"failed: {redact_text(result.eval_failed)}\n  the traceback is in {out / LOG}; evaluate the saved "
+          f"model again with `overdrive eval {out} --tasks ...` once the cause is fixed", file=sys.stderr)
 
 
 def _start(resolved, force: bool) -> int:
@@ -164,6 +184,7 @@ def _start(resolved, force: bool) -> int:
     done = finished(resolved)
     if done:
         print(f"overdrive: {done}")
+        _train_further(resolved.config)
         return 0
     code = workers.run_on_ranks(resolved, "train", lambda here: _train_here(here, force, in_worker=False),
                                 *(["--force"] if force else []))
@@ -171,6 +192,18 @@ def _start(resolved, force: bool) -> int:
         found = checkpoint.latest_complete(checkpoint.checkpoints_dir(resolved.config.output_dir), checksums=False)
         _how_to_resume(found.found.path if found.found else None, code - 128 if code > 128 else 0, False)
     return code
+
+
+def _train_further(cfg: RunConfig) -> None:
+    """The command the finished run's message offers, written out: the same one with a larger max_steps."""
+    import shlex
+
+    from overdrive.config.redact import redact_text
+
+    steps = cfg.training.max_steps
+    if steps:
+        command = shlex.join(["overdrive", *sys.argv[1:], f"training.max_steps={2 * steps}"])
+        print(f"  to train further here (to step {2 * steps}): {redact_text(command)}")
 
 
 def _how_to_resume(path, signum: int, in_worker: bool) -> None:

@@ -91,9 +91,14 @@ def _task_manager(include_defaults: bool) -> Any:
 
 
 def check_tasks(tasks: list[str], key: str) -> None:
-    """lm-eval installed, every task file readable, every name in its registry: refused by key."""
+    """lm-eval installed, every task file readable, every name in its registry, and the data each
+    task reads there to be read (a local file present; a hub data set cached or the hub
+    reachable): refused by key, before a run writes anything or a model is loaded."""
     require(key)
-    task_manager(task_specs(tasks, key), key)
+    specs = task_specs(tasks, key)
+    from overdrive.hf.task_data import check_task_data
+
+    check_task_data(specs, task_manager(specs, key), key)
 
 
 def run_tasks(model: Any, tokenizer: Any, tasks: list[str], settings: TaskSettings, *, key: str = "eval.tasks",
@@ -106,7 +111,10 @@ def run_tasks(model: Any, tokenizer: Any, tasks: list[str], settings: TaskSettin
 
     specs = task_specs(tasks, key)
     manager = task_manager(specs, key)
-    with _output_to(log):
+    from overdrive import hub
+
+    # Without a network, lm-eval's data sets are read from the cache at once rather than after retries.
+    with _output_to(log), hub.cache_only_when_unreachable():
         # An instance of the model: HFLM evaluates it as it is (device, dtype, adapter applied).
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size)
         limit = settings.limit

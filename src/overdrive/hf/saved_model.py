@@ -46,6 +46,9 @@ def load(target: str, *, dtype: str = "float32", device: Optional[str] = None, b
 
     from overdrive import hub
 
+    # Transformers' "Loading weights" bar says nothing about the answer or the scores that follow.
+    transformers.utils.logging.disable_progress_bar()
+
     name = model_path(target)
     path = Path(name).expanduser()
     hub.refuse_missing_local(key, name)

@@ -4,7 +4,8 @@ Recognised by `base_model` with Axolotl's own keys beside it. Its FSDP block (`f
 `fsdp_config`, with or without the `fsdp_` prefixes, `fsdp_version`) is handed to the Accelerate
 FSDP reader; `deepspeed:` names a DeepSpeed JSON, read as one. `rl:` dpo, ipo, orpo, simpo and kto
 and a reward model map onto `preference.*` (interop/tool_preference.py, with their DPO / KTO dataset
-types); online stages (GRPO, ...) are refused by key.
+types); `rl: grpo` and its `trl:` block onto `rl.*` (interop/tool_rl.py); other online stages are
+refused by key.
 """
 
 from __future__ import annotations
@@ -165,6 +166,10 @@ def _dataset(r: ToolReader, key: str, index: int, entry: Any, rl: Optional[str] 
            "path": path}
     if isinstance(out["source"], list):
         out["source"] = out["source"][0]
+    if rl == "grpo":  # prompts rows (interop/tool_rl.py)
+        from overdrive.interop.tool_rl import axolotl_dataset
+
+        return _source_keys(entry, out) if axolotl_dataset(r, path, entry, out) else {}
     if rl:  # a preference stage's dataset type: its columns (interop/tool_preference.py)
         if not tool_preference.axolotl_dataset(r, path, entry, rl, out):
             return {}

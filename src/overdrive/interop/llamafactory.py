@@ -22,6 +22,8 @@ from overdrive.interop import tool_preference
 from overdrive.interop.tool_common import ToolReader
 
 TOOL = "LLaMA-Factory"
+# The keys that name a run's data: given on the import's command line, they answer a data set the file cannot say.
+DATA_KEYS = ("data.source", "data.sources")
 MARKERS = {"stage", "finetuning_type", "template", "cutoff_len", "dataset", "lora_target", "lora_rank",
            "quantization_bit", "dataset_dir", "do_train"}
 # LLaMA-Factory's sharegpt role tags, when none are given
@@ -177,8 +179,10 @@ def _data(r: ToolReader, stage: str) -> None:
             why = (f"it is not in {folder / 'dataset_info.json'}" if info else f"there is no dataset_info.json in "
                    f"{folder} (looked in the working directory and beside {r.source})")
             r.refuse(("dataset",), f"{name!r} cannot be found: {why}, so its file and layout are unknown",
-                     "run the import where LLaMA-Factory ran (or set dataset_dir), or set data.source (and "
-                     "data.layout) to the data set after importing")
+                     "run the import where LLaMA-Factory ran (or set dataset_dir), or name the data set on the "
+                     f"command line: overdrive import {r.source} data.source=PATH_OR_HUB_NAME"
+                     f"{' data.format=chat' if stage == 'sft' else ''} -o run.yaml",
+                     settled_by=DATA_KEYS)
             continue
         entries.append(_entry(r, name, info[name], folder, stage))
     entries = [e for e in entries if e]

@@ -72,8 +72,8 @@ class _Collector:
     def set(self, key: str, value: Any, *path: str) -> None:
         self.out.settings.append(Setting(key, value, self.origin_for(path), self.native))
 
-    def error(self, path: tuple[str, ...], message: str, fix: str = "") -> None:
-        self.out.errors.append(Problem(".".join(path), message, self.where(path), fix))
+    def error(self, path: tuple[str, ...], message: str, fix: str = "", settled_by: tuple[str, ...] = ()) -> None:
+        self.out.errors.append(Problem(".".join(path), message, self.where(path), fix, settled_by))
 
     def warn(self, path: tuple[str, ...], message: str, fix: str = "") -> None:
         self.out.warnings.append(Problem(".".join(path), message, self.where(path), fix))

@@ -70,8 +70,10 @@ class ToolReader:
     def unmapped(self, path: tuple[str, ...], why: str = "") -> None:
         self.c.warn(path, f"{self.tool} key with no counterpart in overdrive: not used" + (f" ({why})" if why else ""))
 
-    def refuse(self, path: tuple[str, ...], why: str, fix: str) -> None:
-        self.c.error(path, why, fix)
+    def refuse(self, path: tuple[str, ...], why: str, fix: str, settled_by: tuple[str, ...] = ()) -> None:
+        """`settled_by`: overdrive keys that, set by a later layer (the import's KEY=VALUE items, a
+        config file given after), answer the refusal."""
+        self.c.error(path, why, fix, settled_by)
 
     def rest(self) -> None:
         """Every key not read: listed by key when it says something (null, false and empty say nothing)."""

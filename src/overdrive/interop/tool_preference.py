@@ -13,7 +13,7 @@ Each tool hands its trainers TRL's (or its own copy of TRL's) losses under other
 
 The reference model is the one training starts from (the adapter disabled under LoRA), as in each
 tool by default; a reference named otherwise is refused by its key. What has no counterpart
-(PPO, GRPO and the other online stages, hinge and other loss variants, an SFT term mixed in) is
+(PPO and the other online stages but Axolotl's GRPO, read by interop/tool_rl.py, hinge and other loss variants, an SFT term mixed in) is
 refused by the file's key, saying what overdrive runs instead.
 """
 
@@ -52,9 +52,14 @@ def axolotl(r: ToolReader) -> Optional[str]:
     if rl in (None, False, "none"):
         return None
     rl = str(rl).lower()
+    if rl == "grpo":  # online RL, onto rl.* (interop/tool_rl.py)
+        from overdrive.interop.tool_rl import axolotl_grpo
+
+        axolotl_grpo(r)
+        return rl
     if rl not in AXOLOTL_RL:
         r.refuse(("rl",), f"rl: {rl!r} is a training stage overdrive does not run (an online or other loss)",
-                 f"{OFFERED}; train this stage with Axolotl")
+                 f"{OFFERED}, and GRPO (rl: grpo, onto rl.*); train this stage with Axolotl")
         return None
     loss_type = r.get("dpo_loss_type")
     if rl == "dpo" and loss_type:

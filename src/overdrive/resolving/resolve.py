@@ -63,7 +63,8 @@ def resolve(
     outputs += [layers.env_layer(environ), layers.cli_layer(cli), layers.overrides_layer(overrides)]
     outputs += [layers.file_layer(path) for path in above]
 
-    errors = [problem for output in outputs for problem in output.errors]
+    errors = [problem for i, output in enumerate(outputs) for problem in output.errors
+              if not _settled_later(problem, outputs[i + 1:])]
     warnings = [problem for output in outputs for problem in output.warnings]
     chains = layers.merge(outputs)
     try:
@@ -117,6 +118,13 @@ def load_config(*files: str | Path, overrides: Mapping[str, Any] | None = None, 
 def hardware_warnings(resolved: Resolved, hardware=None) -> list[Problem]:
     from overdrive.system import hardware as hw
     return validate.hardware_problems(resolved.config, resolved.chains, hardware or hw.detect(light=True))
+
+
+def _settled_later(problem: Problem, later: Sequence) -> bool:
+    """A file's problem that a later layer answers by setting one of its `settled_by` keys."""
+    keys = problem.settled_by
+    return bool(keys) and any(s.key == k or s.key.startswith(k + ".") for out in later for s in out.settings
+                              for k in keys)
 
 
 def check_for_train(resolved: Resolved, hardware=None) -> None:

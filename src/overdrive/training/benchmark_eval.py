@@ -39,6 +39,24 @@ def check(cfg: RunConfig) -> None:
         benchmarks.check_tasks(list(cfg.eval.tasks), "eval.tasks")
 
 
+def failure_note(error: BaseException, out: Path) -> str:
+    """One line for an evaluation that failed, its traceback appended to `<output_dir>/lm-eval.log`."""
+    import traceback
+
+    from overdrive.errors import UserError
+
+    try:
+        with open(out / LOG, "a") as log:
+            log.write("".join(traceback.format_exception(type(error), error, error.__traceback__)))
+    except OSError:
+        pass  # the note is said either way
+    if isinstance(error, UserError):
+        first = error.problems[0]
+        return f"{first.key}: {first.message}" + (f" (fix: {first.fix})" if first.fix else "")
+    text = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {text}"
+
+
 def at_eval(cfg: RunConfig, parts: Any, step: int, say: Callable[[str], None]) -> dict[str, float]:
     """The benchmarks' `eval/<task>/<metric>` values (on the main process; {} elsewhere), and the
     sample answers appended to `<output_dir>/samples.jsonl`, the first few said."""

@@ -104,13 +104,16 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
             if main:  # answered at once, not when the step and its checkpoint are done
                 _answer_signals(stop, state, cfg, out)
             loop = Loop(cfg, parts, state, ckpt, stop, progress, metrics, checkpoint=restored.path, observe=watch)
+            if main:  # the step the run will stop after, as the loop stands when the signal comes
+                stop.answer = lambda signum: checkpoint.stopping_note(signum, loop.stop_step(), cfg.checkpoint.enabled)
             loop.oom.on_new_config = lambda cfg: _record_split(settled, cfg, out, main)
             outcome = _steps(loop)
+        if not outcome.stopped_by:  # a stopped run is not finished: its checkpoint is the result
+            save_final(cfg, parts, out)
+            loop.closing_evaluation()  # after the save: an evaluation that fails never costs the model
     finally:
         progress.close()
     result = TrainResult(out, state.step, state.first_loss, state.final_loss, is_main_process=main, **vars(outcome))
-    if not result.stopped_by:  # a stopped run is not finished: its checkpoint is the result
-        save_final(cfg, parts, out)
     accelerator.end_training()
     return result
 
@@ -140,6 +143,7 @@ class Outcome:
     checkpoint: Optional[Path] = None
     tokens_per_s: float = 0.0
     elapsed_s: float = 0.0
+    eval_failed: str = ""  # why the closing evaluation failed, after the model was saved
 
 
 def _steps(loop: "Loop") -> Outcome:
@@ -151,6 +155,7 @@ def _steps(loop: "Loop") -> Outcome:
         if loop.exhausted():  # a resumed run whose mixture had already run out
             break
         loop.optimizer_step()
+        loop.step_done = True  # a stop signal from here to the agreement below stops after this step
         if loop.log_due():
             loop.log_point()
         if loop.eval_due():
@@ -159,6 +164,7 @@ def _steps(loop: "Loop") -> Outcome:
         loop.exhausted()
         # Every rank asks whether any rank got SIGTERM/SIGINT, so all stop after the same step.
         loop.observe.enter("sync")
+        loop.step_done = False  # from here, a signal is counted at the next step's agreement
         signum = loop.stop.agreed()
         if loop.ckpt.due(loop.state.step, stopping=bool(signum or loop.outcome.stopped_early)):
             loop.observe.enter("checkpoint")
@@ -211,6 +217,13 @@ class Loop:
             progress.print(note)
 
     # -------------------------------------------------------------- the optimizer step
+
+    step_done = False  # between a step's end and the ranks' agreement on stopping (_steps)
+
+    def stop_step(self) -> int:
+        """The step a stop signal received now stops after: this one when it has ended and the ranks have
+        not yet agreed, else the one in progress (or the next)."""
+        return self.state.step if self.step_done else self.state.step + 1
 
     def optimizer_step(self) -> None:
         """One optimizer step: the objective's loss of the step's micro-batches, run by the
@@ -346,7 +359,8 @@ class Loop:
         self.parts.recipe.eval_mode()  # a schedule-free optimizer saves its averaged point
         self.outcome.checkpoint = self.ckpt.save(self.state)
         self.parts.recipe.train_mode()
-        self.progress.print(f"checkpoint: {self.outcome.checkpoint}")
+        if not self.ckpt.in_background:  # checkpoint.async: the path is said when the write is complete (wait)
+            self.progress.print(f"checkpoint: {self.outcome.checkpoint}")
 
     def exhausted(self) -> bool:
         """A mixture told to stop when a source runs out (data.when_exhausted=stop) has."""
@@ -361,12 +375,21 @@ class Loop:
         self.progress.print(f"stopping after step {self.state.step}: received {checkpoint.signal_name(signum)}")
 
     def finish(self) -> Outcome:
-        """Throughput over the steady state, and the closing evaluation."""
+        """Throughput over the steady state (the closing evaluation follows the final save)."""
         outcome, state = self.outcome, self.state
         outcome.elapsed_s = self.throughput.elapsed()
         if self.after_first is not None and state.step > 1:
             seconds = time.perf_counter() - self.after_first[0]
             outcome.tokens_per_s = (state.tokens_seen - self.after_first[1]) / max(seconds, 1e-9)
-        if self._evaluates() and not outcome.stopped_by:
-            self.evaluate()
         return outcome
+
+    def closing_evaluation(self) -> None:
+        """The evaluation at the end of a run, on the saved model. A failure (a task's data set, lm-eval,
+        a user's task code) is recorded in the outcome, said by `train`, and the run exits non-zero;
+        the model written just before stays."""
+        if not self._evaluates():
+            return
+        try:
+            self.evaluate()
+        except Exception as error:  # noqa: BLE001  (whatever the evaluation raised: the model is kept)
+            self.outcome.eval_failed = benchmark_eval.failure_note(error, Path(self.cfg.output_dir).expanduser())

@@ -55,6 +55,7 @@ class TrainResult:
     stopped_early: str = ""
     stopped_by: int = 0  # the signal (SIGTERM, SIGINT) that stopped the run after a checkpoint
     checkpoint: Optional[Path] = None  # the last checkpoint written or resumed from
+    eval_failed: str = ""  # the closing evaluation failed (said on exit, non-zero); the model was saved first
 
 
 def batches(loader, state: LoopState, skip_first_batches=None):

@@ -1,6 +1,6 @@
 """What the loop cannot run, refused before any process starts: the model's heads and
-tensor-parallel plan against the layout, the adapter's targets, chat data without a template.
-Read from the model's config alone (no weights)."""
+tensor-parallel plan against the layout, the adapter's targets, chat data without a template,
+read from the model's config alone (no weights); the eval tasks and reward functions a run reads."""
 
 from __future__ import annotations
 
@@ -20,6 +20,21 @@ def check_model_layout(cfg: RunConfig) -> None:
     found = layout_problems(cfg)
     if found:
         raise UserError(found)
+
+
+def check_inputs(cfg: RunConfig) -> None:
+    """What a run reads besides its model and data, refused before its output directory is made:
+    `eval.tasks` (lm-eval installed, every task known, its data present or readable) and
+    `rl.reward_funcs` (every callable importable). Found later, they would stop a run after it
+    had written its directory, or after it had trained."""
+    if cfg.eval.tasks:
+        from overdrive.training import benchmark_eval
+
+        benchmark_eval.check(cfg)
+    if cfg.rl.method != "none":
+        from overdrive.training import rewards
+
+        rewards.build(cfg.rl.reward_funcs)
 
 
 def check_fine_tuning(cfg: RunConfig) -> None:
