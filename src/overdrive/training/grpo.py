@@ -85,6 +85,27 @@ def completion_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]
     return batch
 
 
+def recut(batches: list[dict], micro: int, pad: int) -> list[dict]:
+    """The same completions, in order, `micro` to a micro-batch (their padding trimmed and redone)."""
+    prompts, completions, advantages, old, ref = [], [], [], [], []
+    for b in batches:
+        for i in range(b["completion_ids"].shape[0]):
+            prompts.append(b["prompt_ids"][i][b["prompt_mask"][i] == 1].tolist())
+            kept = b["completion_mask"][i] == 1
+            completions.append(b["completion_ids"][i][kept].tolist())
+            advantages.append(b["advantages"][i])
+            old.append(b["old_per_token_logps"][i][kept] if "old_per_token_logps" in b else None)
+            ref.append(b["ref_per_token_logps"][i][kept] if "ref_per_token_logps" in b else None)
+    device = batches[0]["completion_ids"].device
+    out = []
+    for start in range(0, len(completions), micro):
+        span = slice(start, start + micro)
+        out.append(completion_batch(prompts[span], completions[span], torch.stack(advantages[span]), pad, device,
+                                    old=old[span] if old[0] is not None else None,
+                                    ref=ref[span] if ref[0] is not None else None))
+    return out
+
+
 def completion_logps(model: Any, batch: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (log-probs, entropies) [B, C] of a batch's completions under `model`."""
     width = batch["completion_ids"].shape[1]
@@ -98,6 +119,9 @@ class GRPOObjective(Objective):
     scores the step's completions, `counts` / `sums` are the loss type's units and summed loss."""
 
     name = "grpo on prompts"  # what the run's first line says it trains
+    # The loss sits near zero and goes negative (advantages are centred in each group): no scale
+    # for "F x the mean"; a bad batch shows in the gradient it pulls with (training/loss_spikes.py).
+    spike_measure = "grad_norm"
 
     def __init__(self, cfg: RunConfig, accelerator, tokenizer, prompts: PromptSet,
                  reference: Optional[Callable[[Any], contextlib.AbstractContextManager]] = None,
@@ -221,6 +245,27 @@ class GRPOObjective(Objective):
         for j in range(len(self.rewards)):
             values += [torch.nanmean(rewards_per_func[:, j]).item(), grpo_loss.nanstd(rewards_per_func[:, j]).item()]
         self.step_sums = [s + v for s, v in zip(self.step_sums, values + [1.0])]
+
+    # -------------------------------------------------------------- guards
+
+    def corrupt(self, batch: dict, generator: torch.Generator) -> dict:
+        """A broken reward: advantages of 50 x a standard normal, whatever the completions said."""
+        noise = 50.0 * torch.randn(batch["advantages"].shape, generator=generator)
+        return {**batch, "advantages": noise.to(batch["advantages"].device, batch["advantages"].dtype)}
+
+    def snapshot(self) -> tuple:
+        return self.token_sums.clone(), list(self.step_sums)
+
+    def rewind(self, snapshot: tuple) -> None:
+        self.token_sums.copy_(snapshot[0])
+        self.step_sums = list(snapshot[1])
+
+    def resplit(self, micro: int) -> None:
+        """The completions cut `micro` to a batch from now on; those kept for rl.num_iterations > 1
+        cut again, with the log-probs taken when they were generated (not the weights' since)."""
+        self.micro = micro
+        if self.cached is not None:
+            self.cached = (self.cached[0], recut(self.cached[1], micro, self.pad_id))
 
     # -------------------------------------------------------------- the loss
 

@@ -5,7 +5,7 @@ objective with its reference (training/grpo.py). training/parts.py asks these th
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -37,8 +37,11 @@ def prepare(cfg: RunConfig, make_tokenizer) -> tuple[Any, PromptData]:
     return tokenizer, PromptData(prompt_set, layout, prompts_mod.Slots(layout))
 
 
-def loader(data: PromptData):
-    return prompts_mod.loader(data.layout)
+def loader(data: PromptData, split: Optional[batch.BatchSplit] = None):
+    """The completion slots' loader, at the run's split or at `split` (training.oom_retry's redo):
+    the slots land where a run started at that split puts them."""
+    layout = data.layout if split is None else replace(data.layout, micro=split.micro, accumulation=split.accumulation)
+    return prompts_mod.loader(layout)
 
 
 def _lora_reference(accelerator):
