@@ -109,7 +109,6 @@ def test_the_head_is_left_as_it_was_and_logits_made_without_calling_it_are_refus
 @pytest.mark.parametrize("items, key", [
     (["parallel.tp_size=2", "launch.num_processes=2"], "parallel.tp_size"),
     (["parallel.pp_size=2", "launch.num_processes=2"], "parallel.pp_size"),
-    (["model.task=sequence-classification"], "model.task"),
 ])
 def test_what_does_not_compose_is_refused_by_key(items, key):
     from overdrive.resolving import validate_loss
@@ -120,6 +119,38 @@ def test_what_does_not_compose_is_refused_by_key(items, key):
         assert [p.key for p in problems] == ["training.loss_kernel"] and key in problems[0].message
     auto = _config(items)
     assert validate_loss.loss_rules(auto, lambda key: "") == [] and validate_loss.kernel_runs(auto, "cuda") == "full"
+
+
+OBJECTIVES = {  # every objective whose loss is not a causal LM's token cross entropy
+    "classification": ["model.task=sequence-classification"],
+    "dpo": ["data.format=preference", "preference.method=dpo"],
+    "kto": ["data.format=preference", "preference.method=kto"],
+    "orpo": ["data.format=preference", "preference.method=orpo"],
+    "simpo": ["data.format=preference", "preference.method=simpo"],
+    "reward": ["data.format=preference", "preference.method=reward", "model.task=sequence-classification"],
+    "grpo": ["data.format=prompts", "rl.method=grpo"],
+}
+
+
+@pytest.mark.parametrize("objective", sorted(OBJECTIVES))
+def test_an_objective_the_kernels_do_not_compute_refuses_them_by_their_own_key(objective, tmp_path):
+    """The table of what composes refuses chunked and fused by training.loss_kernel (not by model.task),
+    with auto settling on full; plan and estimate (kernel_runs, run_estimate) count no saving for them."""
+    from overdrive.memory.model_shape import model_shape, resolve_source, run_estimate
+    from overdrive.resolving import composition, validate_loss
+
+    shape = model_shape(resolve_source(_llama_128k(tmp_path), []))
+    for kernel in ("chunked", "fused"):
+        cfg = _config([f"training.loss_kernel={kernel}", *OBJECTIVES[objective]])
+        refused = composition.problems(cfg)
+        assert [p.key for p in refused] == ["training.loss_kernel"], refused
+        assert objective in refused[0].message and "loss_kernel=full" in refused[0].fix
+        assert validate_loss.loss_rules(cfg, lambda key: "") == []  # said once, by the table
+        assert validate_loss.kernel_runs(cfg, "cuda") == validate_loss.kernel_runs(cfg, "cpu") == "full"
+        row = run_estimate(cfg, "cpu", shape).rows[0]
+        assert not any(f"{kernel} loss" in what for _, what, _ in row.terms)
+    auto = _config(OBJECTIVES[objective])
+    assert composition.problems(auto) == [] and validate_loss.kernel_runs(auto, "cuda") == "full"
 
 
 SHARDED = [["parallel.strategy=fsdp", "launch.num_processes=2"],

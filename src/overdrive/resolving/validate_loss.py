@@ -16,15 +16,19 @@ from overdrive.config import loss_kernel as kernels
 from overdrive.config import mesh
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem
+from overdrive.resolving import composition
 
 KEY = "training.loss_kernel"
 
 
 def kernel_blocker(cfg: RunConfig) -> Optional[tuple[str, str]]:
-    """(key, why) when a loss kernel other than `full` cannot run in this config; None when it can."""
-    if cfg.model.task != "causal-lm" or cfg.data.format == "preference" or cfg.preference.method != "none":
-        return ("model.task", "the loss kernels compute a causal LM's token loss; preference methods and "
-                "classification take the model's own outputs")
+    """(key, why) when a loss kernel other than `full` cannot run in this config; None when it can.
+    An objective other than a causal LM's token loss is the table of what composes' row
+    (resolving/composition.py), refused by training.loss_kernel itself."""
+    objective = composition.objective_of(cfg)
+    if objective not in composition.TOKEN:
+        row = next(r for r in composition.ROWS if r.piece == "loss kernel")
+        return (KEY, f"{objective}: {row.why}")
     lay = mesh.layout(cfg)
     for axis, key, why in (("tp", "parallel.tp_size", "a tensor-parallel LM head holds a slice of the vocabulary"),
                            ("pp", "parallel.pp_size", "the pipeline's last stage computes the model's own loss"),
@@ -36,8 +40,9 @@ def kernel_blocker(cfg: RunConfig) -> Optional[tuple[str, str]]:
 
 
 def kernel_runs(cfg: RunConfig, device_type: str) -> str:
-    """The kernel this run computes its token loss with: the one rule train, plan and estimate ask."""
-    if cfg.training.loss_kernel == "auto" and kernel_blocker(cfg) is not None:
+    """The kernel this run computes its token loss with: the one rule train, plan and estimate ask.
+    Where a kernel cannot run it is `full`: a refused combination is never counted as saving memory."""
+    if kernel_blocker(cfg) is not None:
         return "full"
     return kernels.chosen(cfg.training.loss_kernel, device_type)
 
@@ -47,7 +52,9 @@ def loss_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
     kernel = cfg.training.loss_kernel
     if kernel in ("chunked", "fused"):
         blocker = kernel_blocker(cfg)
-        if blocker is not None:
+        if blocker is not None and blocker[0] == KEY:
+            pass  # the objective's row of the table of what composes says it (resolving/composition.py)
+        elif blocker is not None:
             key, why = blocker
             errors.append(Problem(KEY, f"{kernel} does not compose with this run ({key}): {why}", where(KEY),
                                   f"set {KEY}=full (or auto)"))
