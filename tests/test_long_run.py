@@ -108,6 +108,25 @@ def test_an_out_of_memory_step_is_redone_at_half_the_micro_batch(tmp_path, cache
 
 
 @pytest.mark.slow
+def test_out_of_memory_without_the_retry_ends_the_run_by_key_with_its_last_checkpoint(tmp_path, cache, monkeypatch):
+    """The hook fires with training.oom_retry off too: exit 2, the key and the fix said, no traceback,
+    the checkpoint of the step before the failed one whole."""
+    from overdrive.checkpoint import store
+
+    monkeypatch.setenv("OVERDRIVE_FAULT_INJECT", "oom:step=3:rank=0")
+    out = tmp_path / "run"
+    proc = run(command(out, cache, *RUN, "launch.num_processes=1", "training.micro_batch_size=4",
+                       "training.max_steps=5", "checkpoint.every_steps=1"), cwd=tmp_path)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2, said[-3000:]
+    assert "training.oom_retry: step 3 ran out of memory at micro-batch 4" in said and "training.oom_retry=true" in said
+    assert "Traceback" not in said and "internal error" not in said
+    root = out / "checkpoints"
+    assert store.latest_complete(root).found.step == 2 and store.verify(root / "step-00000002").ok
+    assert sorted(losses(out)) == [1, 2]
+
+
+@pytest.mark.slow
 def test_a_loss_spike_is_skipped_on_every_rank(tmp_path, cache):
     # A tiny model from scratch: its loss falls a few percent in four steps, and scrambled labels
     # put it back near ln(vocabulary), 5% above the mean of the two steps before (measured).

@@ -269,7 +269,8 @@ class TrainingConfig(Section):
     oom_retry: bool = Field(
         False, description="On an out-of-memory error inside a step: every rank halves the micro-batch, doubles the "
         "accumulation (the global batch, data order and loss unchanged) and redoes the step; the new split is "
-        "kept (origin `oom_retry`) and resumes. At micro-batch 1 the run ends.")
+        "kept (origin `oom_retry`) and resumes. At micro-batch 1 the run ends. Off, an out-of-memory step ends the "
+        "run by this key (exit 2), its last checkpoint kept.")
     loss_spike: LossSpikeConfig = Field(default_factory=LossSpikeConfig,
                                         description="Loss spikes skipped (off unless `factor` is set).")
     loss_kernel: Literal["auto", "full", "chunked", "fused"] = Field(

@@ -254,11 +254,14 @@ class GRPOObjective(Objective):
         return {**batch, "advantages": noise.to(batch["advantages"].device, batch["advantages"].dtype)}
 
     def snapshot(self) -> tuple:
-        return self.token_sums.clone(), list(self.step_sums)
+        return self.token_sums.clone(), list(self.step_sums), self.cached
 
     def rewind(self, snapshot: tuple) -> None:
+        """The metric sums as before the step; completions it generated dropped (the redo generates
+        them again from the same weights and seeds, with their metrics), an earlier step's kept."""
         self.token_sums.copy_(snapshot[0])
         self.step_sums = list(snapshot[1])
+        self.cached = snapshot[2]
 
     def resplit(self, micro: int) -> None:
         """The completions cut `micro` to a batch from now on; those kept for rl.num_iterations > 1
