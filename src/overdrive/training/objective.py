@@ -88,6 +88,14 @@ class TokenObjective(Objective):
     def sums(self, model: Any, batch: dict) -> torch.Tensor:
         return step_loss.summed_loss(model, batch, self.kernel)
 
+    def corrupt(self, batch: dict, generator: torch.Generator) -> dict:
+        """Token labels scrambled; a classifier's rows each given another class, one it has (a
+        class at most the batch's highest, or class 1: every classifier has two)."""
+        if self.task != "sequence-classification":
+            return super().corrupt(batch, generator)
+        labels = batch["labels"]
+        return {**batch, "labels": (labels + 1) % max(int(labels.max()) + 1, 2)}
+
     def evaluate(self, model: Any, loader: Any, accelerator: Any) -> dict[str, float]:
         """Mean loss (and accuracy for classification) over the validation subset."""
         acc = accelerator
