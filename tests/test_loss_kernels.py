@@ -151,6 +151,13 @@ def test_an_objective_the_kernels_do_not_compute_refuses_them_by_their_own_key(o
         assert not any(f"{kernel} loss" in what for _, what, _ in row.terms)
     auto = _config(OBJECTIVES[objective])
     assert composition.problems(auto) == [] and validate_loss.kernel_runs(auto, "cuda") == "full"
+    from overdrive.commands.estimate import _loss_kernel  # estimate's and plan's --loss-kernel on this run
+    from overdrive.errors import UserError
+
+    with pytest.raises(UserError) as caught:
+        _loss_kernel("chunked", auto, "cuda")
+    assert caught.value.problems[0].key == "training.loss_kernel" and objective in caught.value.problems[0].message
+    assert _loss_kernel("auto", auto, "cuda") == "full"
 
 
 SHARDED = [["parallel.strategy=fsdp", "launch.num_processes=2"],
