@@ -178,3 +178,11 @@ def test_an_out_of_memory_grpo_step_is_redone_as_a_run_started_at_half_the_micro
     for step in (2, 3, 4):  # the reward logged once per step: the redo's metrics replace the failed attempt's
         assert got[step]["loss"] == expected[step]["loss"] and got[step]["reward"] == expected[step]["reward"], step
         assert got[step]["grad_norm"] == expected[step]["grad_norm"], step
+
+
+def test_the_chunked_loss_kernel_gives_grpo_the_full_losses(work, reference):
+    """training.loss_kernel=chunked: the completions' log-probs a slice at a time, without their
+    logits; the losses, rewards and gradient norms of the run from the whole logits."""
+    done = run(command(work, "chunked", *SHORT, "training.loss_kernel=chunked"), cwd=work, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _same_steps(logged(work / "chunked"), logged(reference), (1, 2, 3, 4))

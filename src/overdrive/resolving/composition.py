@@ -89,10 +89,14 @@ ROWS: tuple[Row, ...] = (
         "set parallel.ep_size=1 (FSDP2 or ZeRO-3 shard the experts with the rest)"),
     # The guards (non-finite, loss spike, fp16 overflow, OOM retry) compose with every objective:
     # each objective declares what a spike is measured by and how its step is redone at another split.
-    Row(PAIRS | SCALAR | ONLINE, "loss kernel", "training.loss_kernel",
-        "the loss kernels compute a causal LM's token cross entropy without the logits; preference pairs' and "
-        "GRPO's completions' log-probs and a score head's values are read from the model's own logits",
+    Row(PAIRS | SCALAR, "loss kernel", "training.loss_kernel",
+        "the loss kernels compute a causal LM's token cross entropy without the logits; preference pairs' "
+        "sequence log-probs and a score head's values are read from the model's own outputs",
         "set training.loss_kernel=full (or auto, which settles on full for this objective)"),
+    Row(ONLINE, "fused loss kernel", "training.loss_kernel",
+        "the fused kernels return a summed cross entropy, and GRPO's loss needs each completion token's "
+        "log-probability (chunked computes those without the logits)",
+        "set training.loss_kernel=chunked (or full, or auto, which settles on full for GRPO)"),
     Row(EVERY, "tensor-parallel+adapter", "parallel.tp_size",
         "PEFT's A and B matrices are plain tensors that Transformers' tp plan does not split, beside base weights "
         "sharded as DTensors", "shard an adapter run with FSDP (parallel.tp_size=1), which shards frozen and "
@@ -127,7 +131,7 @@ def pieces_of(cfg: RunConfig) -> set[str]:
     if cfg.parallel.ep_size > 1:
         pieces.add("expert-parallel")
     if cfg.training.loss_kernel in KERNELS:
-        pieces.add("loss kernel")
+        pieces |= {"loss kernel"} | ({"fused loss kernel"} if cfg.training.loss_kernel == "fused" else set())
     return pieces
 
 

@@ -21,13 +21,16 @@ from overdrive.resolving import composition
 KEY = "training.loss_kernel"
 
 
-def kernel_blocker(cfg: RunConfig) -> Optional[tuple[str, str]]:
-    """(key, why) when a loss kernel other than `full` cannot run in this config; None when it can.
-    An objective other than a causal LM's token loss is the table of what composes' row
-    (resolving/composition.py), refused by training.loss_kernel itself."""
+def kernel_blocker(cfg: RunConfig, kernel: Optional[str] = None) -> Optional[tuple[str, str]]:
+    """(key, why) when `kernel` (the config's training.loss_kernel unless given; chunked or fused)
+    cannot run in this config; None when it can. An objective the kernel does not compute is a row
+    of the table of what composes (resolving/composition.py), refused by training.loss_kernel itself:
+    GRPO takes `chunked` (its per-token log-probs, training/loss_kernels.py), not `fused`."""
+    kernel = kernel or cfg.training.loss_kernel
     objective = composition.objective_of(cfg)
-    if objective not in composition.TOKEN:
-        row = next(r for r in composition.ROWS if r.piece == "loss kernel")
+    piece = "fused loss kernel" if objective in composition.ONLINE and kernel == "fused" else "loss kernel"
+    if objective not in composition.TOKEN | composition.ONLINE or piece == "fused loss kernel":
+        row = next(r for r in composition.ROWS if r.piece == piece)
         return (KEY, f"{objective}: {row.why}")
     lay = mesh.layout(cfg)
     for axis, key, why in (("tp", "parallel.tp_size", "a tensor-parallel LM head holds a slice of the vocabulary"),
@@ -42,9 +45,10 @@ def kernel_blocker(cfg: RunConfig) -> Optional[tuple[str, str]]:
 def kernel_runs(cfg: RunConfig, device_type: str) -> str:
     """The kernel this run computes its token loss with: the one rule train, plan and estimate ask.
     Where a kernel cannot run it is `full`: a refused combination is never counted as saving memory."""
-    if kernel_blocker(cfg) is not None:
+    kernel = kernels.chosen(cfg.training.loss_kernel, device_type)
+    if kernel != "full" and kernel_blocker(cfg, kernel) is not None:  # `auto` too: it settles on full there
         return "full"
-    return kernels.chosen(cfg.training.loss_kernel, device_type)
+    return kernel
 
 
 def loss_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:

@@ -106,9 +106,16 @@ def recut(batches: list[dict], micro: int, pad: int) -> list[dict]:
     return out
 
 
-def completion_logps(model: Any, batch: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token (log-probs, entropies) [B, C] of a batch's completions under `model`."""
+def completion_logps(model: Any, batch: dict, temperature: float,
+                     kernel: str = "full") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (log-probs, entropies) [B, C] of a batch's completions under `model`: from the
+    completions' logits, or under training.loss_kernel=chunked a slice at a time without them."""
     width = batch["completion_ids"].shape[1]
+    if kernel == "chunked":
+        from overdrive.training import loss_kernels
+
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        return loss_kernels.completion_logps(model, inputs, batch["completion_ids"], temperature)
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
                 logits_to_keep=width + 1)
     return grpo_loss.token_scores(out.logits[:, :-1], batch["completion_ids"], temperature)
@@ -125,8 +132,9 @@ class GRPOObjective(Objective):
 
     def __init__(self, cfg: RunConfig, accelerator, tokenizer, prompts: PromptSet,
                  reference: Optional[Callable[[Any], contextlib.AbstractContextManager]] = None,
-                 sharded: bool = False):
+                 sharded: bool = False, kernel: str = "full"):
         self.rl, self.seed, self.micro = cfg.rl, cfg.training.seed, cfg.training.micro_batch_size
+        self.kernel = kernel  # training.loss_kernel as it runs: full or chunked (the log-probs without the logits)
         self.accelerator, self.tokenizer, self.prompts = accelerator, tokenizer, prompts
         self.rewards = rewards_mod.build(cfg.rl.reward_funcs)
         self.weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)
@@ -224,10 +232,11 @@ class GRPOObjective(Objective):
                                      advantages[span], self.pad_id, self.accelerator.device)
             with torch.no_grad():
                 if self.rl.num_iterations > 1:  # the policy that sampled them, for the ratio of later updates
-                    batch["old_per_token_logps"] = completion_logps(model, batch, self.rl.temperature)[0]
+                    batch["old_per_token_logps"] = completion_logps(model, batch, self.rl.temperature, self.kernel)[0]
                 if self.rl.beta != 0.0 and self.reference is not None:
                     with self.reference(model) as reference_model:
-                        batch["ref_per_token_logps"] = completion_logps(reference_model, batch, self.rl.temperature)[0]
+                        batch["ref_per_token_logps"] = completion_logps(reference_model, batch, self.rl.temperature,
+                                                                        self.kernel)[0]
             batches.append(batch)
         return batches
 
@@ -277,7 +286,7 @@ class GRPOObjective(Objective):
 
     def sums(self, model, batch: dict) -> torch.Tensor:
         """The loss type's sum over this micro-batch's units, forward included."""
-        logps, entropy = completion_logps(model, batch, self.rl.temperature)
+        logps, entropy = completion_logps(model, batch, self.rl.temperature, self.kernel)
         mask = batch["completion_mask"]
         token = grpo_loss.per_token_loss(logps, batch.get("old_per_token_logps"), batch.get("ref_per_token_logps"),
                                          batch["advantages"], self.rl.beta, self.eps_low, self.eps_high)

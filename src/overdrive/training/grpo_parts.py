@@ -13,7 +13,7 @@ import overdrive.config.batch as batch
 from overdrive.config.schema import RunConfig
 from overdrive.data import prompts as prompts_mod
 from overdrive.strategies import registry
-from overdrive.training import grpo
+from overdrive.training import grpo, loss_kernels
 
 
 @dataclass
@@ -63,6 +63,7 @@ def objective(cfg: RunConfig, accelerator, tokenizer, data: PromptData, referenc
             frozen = reference_model.to(accelerator.device)
             reference = lambda model: contextlib.nullcontext(frozen)  # noqa: E731
     sharded = not registry.of(cfg).holds_whole_model(cfg)
-    objective = grpo.GRPOObjective(cfg, accelerator, tokenizer, data.prompts, reference, sharded=sharded)
+    kernel = loss_kernels.for_run(cfg, accelerator.device)  # full or chunked (fused is refused for GRPO)
+    objective = grpo.GRPOObjective(cfg, accelerator, tokenizer, data.prompts, reference, sharded=sharded, kernel=kernel)
     objective.samples_path = Path(cfg.output_dir).expanduser() / "completions.jsonl"
     return objective
