@@ -24,7 +24,7 @@ def _resilience_off(loop) -> None:
     from overdrive.training import loss_spikes, oom_retry
 
     loop.spikes = loss_spikes.LossSpikes(loop.cfg, loop.parts.accelerator, loop.state, Injection(), 1)
-    loop.oom = oom_retry.OomRetry(loop, Injection(), lambda cfg: None)
+    loop.oom = oom_retry.OomRetry(loop.cfg, loop.parts.accelerator, Injection())
 
 
 class _RecordingAccelerator:
@@ -32,7 +32,7 @@ class _RecordingAccelerator:
 
     def __init__(self):
         self.device = torch.device("cpu")
-        self.num_processes = 1
+        self.num_processes, self.process_index = 1, 0
         self.sync_gradients = True
         self.optimizer_step_was_skipped = False
         self.scaler = None

@@ -134,3 +134,55 @@ def test_a_killed_grpo_run_resumes_exactly(work, reference):
     assert sorted(got) == sorted(expected)
     for step in expected:
         assert got[step]["loss"] == expected[step]["loss"] and got[step]["reward"] == expected[step]["reward"], step
+
+
+# ---------------------------------------------------------------- the run-level guards on GRPO
+
+SHORT = ("training.max_steps=4", "checkpoint.enabled=false", "checkpoint.save_final_model=false")
+SPIKE = ("training.loss_spike.factor=2", "training.loss_spike.window=2")
+
+
+def test_the_loss_spike_guard_judges_grpo_by_its_gradient_norm(work, reference, monkeypatch):
+    """GRPO's loss sits near zero and goes negative: the guard judges the gradient norm. With no
+    spike it skips nothing and changes nothing (the reference's losses to the bit); an injected
+    one (advantages of a broken reward) is skipped."""
+    done = run(command(work, "spike-clean", *SHORT, *SPIKE), cwd=work, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    clean, expected = logged(work / "spike-clean"), logged(reference)
+    assert [clean[s]["loss_spikes_skipped"] for s in (1, 2, 3, 4)] == [0, 0, 0, 0]
+    for step in (1, 2, 3, 4):
+        assert clean[step]["loss"] == expected[step]["loss"], (step, clean[step]["loss"], expected[step]["loss"])
+        assert clean[step]["grad_norm"] == expected[step]["grad_norm"], step
+
+    monkeypatch.setenv("OVERDRIVE_FAULT_INJECT", "spike:step=4")
+    done = run(command(work, "spike-hit", *SHORT, *SPIKE), cwd=work, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "step 4: gradient norm" in done.stdout and "skipped, the weights untouched" in done.stdout
+    hit = logged(work / "spike-hit")
+    assert [hit[s]["loss_spikes_skipped"] for s in (1, 2, 3, 4)] == [0, 0, 0, 1]
+    assert hit[4]["grad_norm"] > 2 * max(hit[s]["grad_norm"] for s in (2, 3))
+
+
+def test_an_out_of_memory_grpo_step_is_redone_as_a_run_started_at_half_the_micro_batch(work, monkeypatch):
+    """training.oom_retry on GRPO: the completions cut again at the halved micro-batch and the slots
+    laid out as that split lays them; from the redone step on, the run started at the halved split."""
+    half = run(command(work, "oom-half", *SHORT, "training.micro_batch_size=4", "training.gradient_accumulation_steps=4"),
+               cwd=work, timeout=900)
+    assert half.returncode == 0, half.stdout[-3000:] + half.stderr[-3000:]
+    monkeypatch.setenv("OVERDRIVE_FAULT_INJECT", "oom:step=2:rank=0")
+    done = run(command(work, "oom-retried", *SHORT, "training.oom_retry=true"), cwd=work, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "step 2: out of memory at micro-batch 8; redoing it at micro-batch 4 x accumulation 4" in done.stdout
+    got, expected = logged(work / "oom-retried"), logged(work / "oom-half")
+    assert [got[s]["micro_batch_size"] for s in (1, 2, 3, 4)] == [8, 4, 4, 4]
+    for step in (2, 3, 4):  # the reward logged once per step: the redo's metrics replace the failed attempt's
+        assert got[step]["loss"] == expected[step]["loss"] and got[step]["reward"] == expected[step]["reward"], step
+        assert got[step]["grad_norm"] == expected[step]["grad_norm"], step
+
+
+def test_the_chunked_loss_kernel_gives_grpo_the_full_losses(work, reference):
+    """training.loss_kernel=chunked: the completions' log-probs a slice at a time, without their
+    logits; the losses, rewards and gradient norms of the run from the whole logits."""
+    done = run(command(work, "chunked", *SHORT, "training.loss_kernel=chunked"), cwd=work, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _same_steps(logged(work / "chunked"), logged(reference), (1, 2, 3, 4))

@@ -57,6 +57,51 @@ def test_the_features_are_refused_where_they_cannot_work():
     assert problems(checkpoint={"async": True}, parallel={"strategy": "fsdp"}) == ([], [])
 
 
+def test_each_objective_says_what_a_spike_is_measured_by_and_what_a_bad_batch_of_it_is():
+    from types import SimpleNamespace
+
+    from overdrive.training.grpo import GRPOObjective
+    from overdrive.training.moe import BalancedObjective
+    from overdrive.training.objective import TokenObjective
+    from overdrive.training.preference import PreferenceObjective
+
+    assert TokenObjective("causal-lm").spike_measure == "loss"
+    assert PreferenceObjective.spike_measure == GRPOObjective.spike_measure == "grad_norm"
+    balanced = BalancedObjective(GRPOObjective.__new__(GRPOObjective), SimpleNamespace(), None, 1)
+    assert balanced.spike_measure == "grad_norm"  # a mixture of experts measures as its objective does
+
+    rng = lambda: torch.Generator().manual_seed(5)  # noqa: E731
+    ids = torch.arange(1, 13).view(2, 6)
+    labels = torch.tensor([[-100, -100, 3, 4, 5, 6], [-100, 8, 9, 10, -100, -100]])
+    tokens = TokenObjective("causal-lm").corrupt({"input_ids": ids, "labels": labels}, rng())["labels"]
+    assert torch.equal(tokens == -100, labels == -100) and not torch.equal(tokens, labels)
+    classes = torch.tensor([0, 2, 1, 2])
+    flipped = TokenObjective("sequence-classification").corrupt({"input_ids": ids, "labels": classes}, rng())["labels"]
+    assert bool((flipped != classes).all()) and int(flipped.max()) <= 2 and int(flipped.min()) >= 0
+    pairs = PreferenceObjective.corrupt(None, {"input_ids": ids, "labels": labels}, rng())
+    answer = labels != -100
+    assert torch.equal(pairs["input_ids"][~answer], ids[~answer]) and not torch.equal(pairs["input_ids"], ids)
+    advantages = torch.tensor([0.5, -0.5, 0.0, 0.0])
+    broken = GRPOObjective.corrupt(None, {"advantages": advantages}, rng())["advantages"]
+    assert broken.abs().mean() > 10 * advantages.abs().mean()
+
+
+def test_a_spike_is_judged_against_a_positive_mean_once_the_window_is_full():
+    from types import SimpleNamespace
+
+    from overdrive.training.loss_spikes import LossSpikes
+
+    cfg = RunConfig.model_validate({"training": {"loss_spike": {"factor": 2, "window": 2}}})
+    state = SimpleNamespace(loss_window=None, spikes_in_a_row=0, step=0)
+    spikes = LossSpikes(cfg, SimpleNamespace(device=torch.device("cpu")), state, Injection(), 1, measure="grad_norm")
+    assert spikes.needs_norm
+    # 5.0 after (-0.3, 0.2): a mean below zero is no scale, so not judged; 3.0 after (1.0, 1.0) is a spike.
+    assert [spikes._judge(v) for v in (-0.3, 0.2, 5.0, 1.0, 1.0, 3.0)] == [False] * 5 + [True]
+    assert state.spikes_in_a_row == 1 and "gradient norm 3 is 3.0 x the mean" in spikes.note
+    assert not spikes._judge(float("nan")) and state.loss_window == [1.0, 1.0]
+    assert not spikes._judge(1.5) and state.spikes_in_a_row == 0
+
+
 # ---------------------------------------------------------------- two processes
 
 @pytest.fixture(scope="module")
@@ -105,6 +150,25 @@ def test_an_out_of_memory_step_is_redone_at_half_the_micro_batch(tmp_path, cache
                  "training.oom_retry=true", "--force")
     assert "resuming at micro-batch 2 x accumulation 2" in proc.stdout
     assert [r["micro_batch_size"] for r in records(tmp_path / "oom") if r.get("step") in (6, 7) and "loss" in r] == [2, 2]
+
+
+@pytest.mark.slow
+def test_out_of_memory_without_the_retry_ends_the_run_by_key_with_its_last_checkpoint(tmp_path, cache, monkeypatch):
+    """The hook fires with training.oom_retry off too: exit 2, the key and the fix said, no traceback,
+    the checkpoint of the step before the failed one whole."""
+    from overdrive.checkpoint import store
+
+    monkeypatch.setenv("OVERDRIVE_FAULT_INJECT", "oom:step=3:rank=0")
+    out = tmp_path / "run"
+    proc = run(command(out, cache, *RUN, "launch.num_processes=1", "training.micro_batch_size=4",
+                       "training.max_steps=5", "checkpoint.every_steps=1"), cwd=tmp_path)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2, said[-3000:]
+    assert "training.oom_retry: step 3 ran out of memory at micro-batch 4" in said and "training.oom_retry=true" in said
+    assert "Traceback" not in said and "internal error" not in said
+    root = out / "checkpoints"
+    assert store.latest_complete(root).found.step == 2 and store.verify(root / "step-00000002").ok
+    assert sorted(losses(out)) == [1, 2]
 
 
 @pytest.mark.slow

@@ -61,6 +61,32 @@ def test_kernel_gives_the_full_loss_and_gradients(kernel, monkeypatch):
     _assert_same(_loss_and_grads(model, batch, kernel), _loss_and_grads(model, batch, "full"))
 
 
+def test_chunked_gives_grpos_per_token_log_probs_entropies_and_gradients(monkeypatch):
+    """GRPO under chunked: each completion token's log-prob (at a temperature) and entropy, and the
+    gradients of a loss of them, as from the completions' logits, several slices per row."""
+    from overdrive.config import loss_kernel
+    from overdrive.training import grpo, grpo_loss
+
+    monkeypatch.setattr(loss_kernel, "CHUNK_LOGITS_BYTES", 4 * VOCAB * 5)  # 5-token slices
+    model = _llama()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (7, 4, 9)]
+    completions = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (12, 3, 8)]
+    batch = grpo.completion_batch(prompts, completions, torch.tensor([1.0, -0.5, -0.5]), 0, torch.device("cpu"))
+
+    def scored(kernel):
+        model.zero_grad(set_to_none=True)
+        logps, entropy = grpo.completion_logps(model, batch, 0.7, kernel)
+        token = grpo_loss.per_token_loss(logps, None, None, batch["advantages"], 0.0, 0.2, 0.28)
+        grpo_loss.reduce(token.loss, batch["completion_mask"], "dapo", 12).backward()
+        return logps.detach(), entropy.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    (logps, entropy, grads), (logps_ref, entropy_ref, grads_ref) = scored("chunked"), scored("full")
+    assert torch.allclose(logps, logps_ref, atol=1e-5) and torch.allclose(entropy, entropy_ref, atol=1e-5)
+    for name, grad in grads_ref.items():
+        assert (grads[name] - grad).norm() <= 1e-5 * grad.norm() + 1e-12, name
+
+
 @pytest.mark.parametrize("kernel", ["chunked", "fused"])
 def test_kernel_under_lora_and_gradient_checkpointing(kernel):
     from peft import LoraConfig, get_peft_model
@@ -109,7 +135,6 @@ def test_the_head_is_left_as_it_was_and_logits_made_without_calling_it_are_refus
 @pytest.mark.parametrize("items, key", [
     (["parallel.tp_size=2", "launch.num_processes=2"], "parallel.tp_size"),
     (["parallel.pp_size=2", "launch.num_processes=2"], "parallel.pp_size"),
-    (["model.task=sequence-classification"], "model.task"),
 ])
 def test_what_does_not_compose_is_refused_by_key(items, key):
     from overdrive.resolving import validate_loss
@@ -120,6 +145,66 @@ def test_what_does_not_compose_is_refused_by_key(items, key):
         assert [p.key for p in problems] == ["training.loss_kernel"] and key in problems[0].message
     auto = _config(items)
     assert validate_loss.loss_rules(auto, lambda key: "") == [] and validate_loss.kernel_runs(auto, "cuda") == "full"
+
+
+OBJECTIVES = {  # every objective whose loss is not a causal LM's token cross entropy
+    "classification": ["model.task=sequence-classification"],
+    "dpo": ["data.format=preference", "preference.method=dpo"],
+    "kto": ["data.format=preference", "preference.method=kto"],
+    "orpo": ["data.format=preference", "preference.method=orpo"],
+    "simpo": ["data.format=preference", "preference.method=simpo"],
+    "reward": ["data.format=preference", "preference.method=reward", "model.task=sequence-classification"],
+}
+GRPO = ["data.format=prompts", "rl.method=grpo"]
+
+
+@pytest.mark.parametrize("objective", sorted(OBJECTIVES))
+def test_an_objective_the_kernels_do_not_compute_refuses_them_by_their_own_key(objective, tmp_path):
+    """The table of what composes refuses chunked and fused by training.loss_kernel (not by model.task),
+    with auto settling on full; plan and estimate (kernel_runs, run_estimate) count no saving for them."""
+    from overdrive.memory.model_shape import model_shape, resolve_source, run_estimate
+    from overdrive.resolving import composition, validate_loss
+
+    shape = model_shape(resolve_source(_llama_128k(tmp_path), []))
+    for kernel in ("chunked", "fused"):
+        cfg = _config([f"training.loss_kernel={kernel}", *OBJECTIVES[objective]])
+        refused = composition.problems(cfg)
+        assert [p.key for p in refused] == ["training.loss_kernel"], refused
+        assert objective in refused[0].message and "loss_kernel=full" in refused[0].fix
+        assert validate_loss.loss_rules(cfg, lambda key: "") == []  # said once, by the table
+        assert validate_loss.kernel_runs(cfg, "cuda") == validate_loss.kernel_runs(cfg, "cpu") == "full"
+        row = run_estimate(cfg, "cpu", shape).rows[0]
+        assert not any(f"{kernel} loss" in what for _, what, _ in row.terms)
+    auto = _config(OBJECTIVES[objective])
+    assert composition.problems(auto) == [] and validate_loss.kernel_runs(auto, "cuda") == "full"
+    from overdrive.commands.estimate import _loss_kernel  # estimate's and plan's --loss-kernel on this run
+    from overdrive.errors import UserError
+
+    with pytest.raises(UserError) as caught:
+        _loss_kernel("chunked", auto, "cuda")
+    assert caught.value.problems[0].key == "training.loss_kernel" and objective in caught.value.problems[0].message
+    assert _loss_kernel("auto", auto, "cuda") == "full"
+
+
+def test_grpo_takes_chunked_and_refuses_fused_by_its_own_key():
+    """chunked computes GRPO's per-token log-probs (counted as such by plan and estimate); fused's
+    kernels return a summed cross entropy only, so it is refused by training.loss_kernel, and
+    auto settles on full for GRPO wherever it would pick fused."""
+    from overdrive.commands.estimate import _loss_kernel
+    from overdrive.errors import UserError
+    from overdrive.resolving import composition, validate_loss
+
+    chunked = _config(["training.loss_kernel=chunked", *GRPO])
+    assert composition.problems(chunked) == [] and validate_loss.loss_rules(chunked, lambda key: "") == []
+    assert validate_loss.kernel_runs(chunked, "cuda") == "chunked" == _loss_kernel("chunked", chunked, "cpu")
+    fused = _config(["training.loss_kernel=fused", *GRPO])
+    refused = composition.problems(fused)
+    assert [p.key for p in refused] == ["training.loss_kernel"] and "chunked" in refused[0].fix
+    assert validate_loss.kernel_runs(fused, "cuda") == "full"
+    with pytest.raises(UserError):
+        _loss_kernel("fused", chunked, "cuda")
+    auto = _config(GRPO)
+    assert validate_loss.kernel_runs(auto, "cuda") == validate_loss.kernel_runs(auto, "cpu") == "full"
 
 
 SHARDED = [["parallel.strategy=fsdp", "launch.num_processes=2"],

@@ -7,6 +7,8 @@ model is built on the meta device: no weights are read or downloaded.
 
 from __future__ import annotations
 
+from typing import Any
+
 import argparse
 
 from overdrive.errors import Problem, UserError
@@ -82,9 +84,7 @@ def build(args: argparse.Namespace):
                    dp_replicate=args.dp_replicate, ep=getattr(args, "ep", None),
                    activation_offloading=getattr(args, "activation_offloading", None))
     if getattr(args, "loss_kernel", None):
-        from overdrive.config.loss_kernel import chosen
-
-        changes["loss_kernel"] = chosen(args.loss_kernel, target)
+        changes["loss_kernel"] = _loss_kernel(args.loss_kernel, source.run, target)
     overridden = getattr(args, "peft", None) is not None or getattr(args, "lora_r", None) is not None
     if source.run is not None:
         setup = run_setup(source.run, target, **changes)  # with the adapter the run trains
@@ -129,6 +129,24 @@ def _adapter(args, source, setup):
     dtype = source.run.model.dtype if source.run is not None else ("float32" if not setup.mixed else "bfloat16")
     model = build_meta_model(source.config, source.task, source.attn_implementation)
     return adapter_shape(model, peft, base_bytes=4 if dtype in ("float32", "auto") else 2)
+
+
+def _loss_kernel(kernel: str, run: Any, target: str) -> str:
+    """--loss-kernel for a run config: refused by key where its objective or layout cannot take it (no
+    saving counted for a combination `train` refuses); for a bare model, the kernel as asked."""
+    from overdrive.config.loss_kernel import chosen
+
+    if run is None:
+        return chosen(kernel, target)
+    from overdrive.resolving import validate_loss
+
+    asked = run.model_copy(update={"training": run.training.model_copy(update={"loss_kernel": kernel})})
+    blocker = validate_loss.kernel_blocker(asked)
+    if blocker is not None and kernel in ("chunked", "fused"):
+        by = "" if blocker[0] == "training.loss_kernel" else f" ({blocker[0]})"
+        raise UserError(Problem("training.loss_kernel", f"--loss-kernel {kernel} does not compose with this run{by}: "
+                                f"{blocker[1]}", fix="leave --loss-kernel out, or give full or auto"))
+    return validate_loss.kernel_runs(asked, target)
 
 
 def _target(args) -> str:

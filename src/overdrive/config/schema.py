@@ -269,7 +269,8 @@ class TrainingConfig(Section):
     oom_retry: bool = Field(
         False, description="On an out-of-memory error inside a step: every rank halves the micro-batch, doubles the "
         "accumulation (the global batch, data order and loss unchanged) and redoes the step; the new split is "
-        "kept (origin `oom_retry`) and resumes. At micro-batch 1 the run ends.")
+        "kept (origin `oom_retry`) and resumes. At micro-batch 1 the run ends. Off, an out-of-memory step ends the "
+        "run by this key (exit 2), its last checkpoint kept.")
     loss_spike: LossSpikeConfig = Field(default_factory=LossSpikeConfig,
                                         description="Loss spikes skipped (off unless `factor` is set).")
     loss_kernel: Literal["auto", "full", "chunked", "fused"] = Field(
@@ -277,7 +278,9 @@ class TrainingConfig(Section):
         "logits (tokens x vocabulary, fp32). `chunked`: the LM head and cross entropy a slice of the sequence at a "
         "time, recomputed slice by slice in backward, no logits held. `fused`: a fused kernel (Liger on CUDA, `pip install "
         "overdrive[liger]`; else torch's `F.linear_cross_entropy`). `auto`: `fused` where Liger is installed on "
-        "CUDA, else `full`. The same sum of token losses each (docs/memory.md has the memory and time)."
+        "CUDA, else `full`. The same sum of token losses each (docs/memory.md has the memory and time). GRPO takes "
+        "`chunked` (its completions' per-token log-probs, a slice at a time) but not `fused`; the preference "
+        "methods, the reward model and classification take `full` only."
     )
     activation_offloading: bool = Field(
         False, description="Keep the activations the forward pass saves for backward in pinned host memory "

@@ -16,15 +16,22 @@ from overdrive.config import loss_kernel as kernels
 from overdrive.config import mesh
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem
+from overdrive.resolving import composition
 
 KEY = "training.loss_kernel"
 
 
-def kernel_blocker(cfg: RunConfig) -> Optional[tuple[str, str]]:
-    """(key, why) when a loss kernel other than `full` cannot run in this config; None when it can."""
-    if cfg.model.task != "causal-lm" or cfg.data.format == "preference" or cfg.preference.method != "none":
-        return ("model.task", "the loss kernels compute a causal LM's token loss; preference methods and "
-                "classification take the model's own outputs")
+def kernel_blocker(cfg: RunConfig, kernel: Optional[str] = None) -> Optional[tuple[str, str]]:
+    """(key, why) when `kernel` (the config's training.loss_kernel unless given; chunked or fused)
+    cannot run in this config; None when it can. An objective the kernel does not compute is a row
+    of the table of what composes (resolving/composition.py), refused by training.loss_kernel itself:
+    GRPO takes `chunked` (its per-token log-probs, training/loss_kernels.py), not `fused`."""
+    kernel = kernel or cfg.training.loss_kernel
+    objective = composition.objective_of(cfg)
+    piece = "fused loss kernel" if objective in composition.ONLINE and kernel == "fused" else "loss kernel"
+    if objective not in composition.TOKEN | composition.ONLINE or piece == "fused loss kernel":
+        row = next(r for r in composition.ROWS if r.piece == piece)
+        return (KEY, f"{objective}: {row.why}")
     lay = mesh.layout(cfg)
     for axis, key, why in (("tp", "parallel.tp_size", "a tensor-parallel LM head holds a slice of the vocabulary"),
                            ("pp", "parallel.pp_size", "the pipeline's last stage computes the model's own loss"),
@@ -36,10 +43,12 @@ def kernel_blocker(cfg: RunConfig) -> Optional[tuple[str, str]]:
 
 
 def kernel_runs(cfg: RunConfig, device_type: str) -> str:
-    """The kernel this run computes its token loss with: the one rule train, plan and estimate ask."""
-    if cfg.training.loss_kernel == "auto" and kernel_blocker(cfg) is not None:
+    """The kernel this run computes its token loss with: the one rule train, plan and estimate ask.
+    Where a kernel cannot run it is `full`: a refused combination is never counted as saving memory."""
+    kernel = kernels.chosen(cfg.training.loss_kernel, device_type)
+    if kernel != "full" and kernel_blocker(cfg, kernel) is not None:  # `auto` too: it settles on full there
         return "full"
-    return kernels.chosen(cfg.training.loss_kernel, device_type)
+    return kernel
 
 
 def loss_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
@@ -47,7 +56,9 @@ def loss_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
     kernel = cfg.training.loss_kernel
     if kernel in ("chunked", "fused"):
         blocker = kernel_blocker(cfg)
-        if blocker is not None:
+        if blocker is not None and blocker[0] == KEY:
+            pass  # the objective's row of the table of what composes says it (resolving/composition.py)
+        elif blocker is not None:
             key, why = blocker
             errors.append(Problem(KEY, f"{kernel} does not compose with this run ({key}): {why}", where(KEY),
                                   f"set {KEY}=full (or auto)"))

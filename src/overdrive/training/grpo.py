@@ -86,9 +86,37 @@ def completion_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]
     return batch
 
 
-def completion_logps(model: Any, batch: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token (log-probs, entropies) [B, C] of a batch's completions under `model`."""
+def recut(batches: list[dict], micro: int, pad: int) -> list[dict]:
+    """The same completions, in order, `micro` to a micro-batch (their padding trimmed and redone)."""
+    prompts, completions, advantages, old, ref = [], [], [], [], []
+    for b in batches:
+        for i in range(b["completion_ids"].shape[0]):
+            prompts.append(b["prompt_ids"][i][b["prompt_mask"][i] == 1].tolist())
+            kept = b["completion_mask"][i] == 1
+            completions.append(b["completion_ids"][i][kept].tolist())
+            advantages.append(b["advantages"][i])
+            old.append(b["old_per_token_logps"][i][kept] if "old_per_token_logps" in b else None)
+            ref.append(b["ref_per_token_logps"][i][kept] if "ref_per_token_logps" in b else None)
+    device = batches[0]["completion_ids"].device
+    out = []
+    for start in range(0, len(completions), micro):
+        span = slice(start, start + micro)
+        out.append(completion_batch(prompts[span], completions[span], torch.stack(advantages[span]), pad, device,
+                                    old=old[span] if old[0] is not None else None,
+                                    ref=ref[span] if ref[0] is not None else None))
+    return out
+
+
+def completion_logps(model: Any, batch: dict, temperature: float,
+                     kernel: str = "full") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (log-probs, entropies) [B, C] of a batch's completions under `model`: from the
+    completions' logits, or under training.loss_kernel=chunked a slice at a time without them."""
     width = batch["completion_ids"].shape[1]
+    if kernel == "chunked":
+        from overdrive.training import loss_kernels
+
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        return loss_kernels.completion_logps(model, inputs, batch["completion_ids"], temperature)
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
                 logits_to_keep=width + 1)
     return grpo_loss.token_scores(out.logits[:, :-1], batch["completion_ids"], temperature)
@@ -99,11 +127,15 @@ class GRPOObjective(Objective):
     scores the step's completions, `counts` / `sums` are the loss type's units and summed loss."""
 
     name = "grpo on prompts"  # what the run's first line says it trains
+    # The loss sits near zero and goes negative (advantages are centred in each group): no scale
+    # for "F x the mean"; a bad batch shows in the gradient it pulls with (training/loss_spikes.py).
+    spike_measure = "grad_norm"
 
     def __init__(self, cfg: RunConfig, accelerator, tokenizer, prompts: PromptSet,
                  reference: Optional[Callable[[Any], contextlib.AbstractContextManager]] = None,
-                 sharded: bool = False):
+                 sharded: bool = False, kernel: str = "full"):
         self.rl, self.seed, self.micro = cfg.rl, cfg.training.seed, cfg.training.micro_batch_size
+        self.kernel = kernel  # training.loss_kernel as it runs: full or chunked (the log-probs without the logits)
         self.accelerator, self.tokenizer, self.prompts = accelerator, tokenizer, prompts
         self.rewards = rewards_mod.build(cfg.rl.reward_funcs)
         self.weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)
@@ -204,10 +236,11 @@ class GRPOObjective(Objective):
                                      advantages[span], self.pad_id, self.accelerator.device)
             with torch.no_grad():
                 if self.rl.num_iterations > 1:  # the policy that sampled them, for the ratio of later updates
-                    batch["old_per_token_logps"] = completion_logps(model, batch, self.rl.temperature)[0]
+                    batch["old_per_token_logps"] = completion_logps(model, batch, self.rl.temperature, self.kernel)[0]
                 if self.rl.beta != 0.0 and self.reference is not None:
                     with self.reference(model) as reference_model:
-                        batch["ref_per_token_logps"] = completion_logps(reference_model, batch, self.rl.temperature)[0]
+                        batch["ref_per_token_logps"] = completion_logps(reference_model, batch, self.rl.temperature,
+                                                                        self.kernel)[0]
             batches.append(batch)
         return batches
 
@@ -226,6 +259,30 @@ class GRPOObjective(Objective):
             values += [torch.nanmean(rewards_per_func[:, j]).item(), grpo_loss.nanstd(rewards_per_func[:, j]).item()]
         self.step_sums = [s + v for s, v in zip(self.step_sums, values + [1.0])]
 
+    # -------------------------------------------------------------- guards
+
+    def corrupt(self, batch: dict, generator: torch.Generator) -> dict:
+        """A broken reward: advantages of 50 x a standard normal, whatever the completions said."""
+        noise = 50.0 * torch.randn(batch["advantages"].shape, generator=generator)
+        return {**batch, "advantages": noise.to(batch["advantages"].device, batch["advantages"].dtype)}
+
+    def snapshot(self) -> tuple:
+        return self.token_sums.clone(), list(self.step_sums), self.cached
+
+    def rewind(self, snapshot: tuple) -> None:
+        """The metric sums as before the step; completions it generated dropped (the redo generates
+        them again from the same weights and seeds, with their metrics), an earlier step's kept."""
+        self.token_sums.copy_(snapshot[0])
+        self.step_sums = list(snapshot[1])
+        self.cached = snapshot[2]
+
+    def resplit(self, micro: int) -> None:
+        """The completions cut `micro` to a batch from now on; those kept for rl.num_iterations > 1
+        cut again, with the log-probs taken when they were generated (not the weights' since)."""
+        self.micro = micro
+        if self.cached is not None:
+            self.cached = (self.cached[0], recut(self.cached[1], micro, self.pad_id))
+
     # -------------------------------------------------------------- the loss
 
     def counts(self, batch: dict) -> torch.Tensor:
@@ -233,7 +290,7 @@ class GRPOObjective(Objective):
 
     def sums(self, model, batch: dict) -> torch.Tensor:
         """The loss type's sum over this micro-batch's units, forward included."""
-        logps, entropy = completion_logps(model, batch, self.rl.temperature)
+        logps, entropy = completion_logps(model, batch, self.rl.temperature, self.kernel)
         mask = batch["completion_mask"]
         token = grpo_loss.per_token_loss(logps, batch.get("old_per_token_logps"), batch.get("ref_per_token_logps"),
                                          batch["advantages"], self.rl.beta, self.eps_low, self.eps_high)

@@ -5,7 +5,7 @@ objective with its reference (training/grpo.py). training/parts.py asks these th
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -13,7 +13,7 @@ import overdrive.config.batch as batch
 from overdrive.config.schema import RunConfig
 from overdrive.data import prompts as prompts_mod
 from overdrive.strategies import registry
-from overdrive.training import grpo
+from overdrive.training import grpo, loss_kernels
 
 
 @dataclass
@@ -37,8 +37,11 @@ def prepare(cfg: RunConfig, make_tokenizer) -> tuple[Any, PromptData]:
     return tokenizer, PromptData(prompt_set, layout, prompts_mod.Slots(layout))
 
 
-def loader(data: PromptData):
-    return prompts_mod.loader(data.layout)
+def loader(data: PromptData, split: Optional[batch.BatchSplit] = None):
+    """The completion slots' loader, at the run's split or at `split` (training.oom_retry's redo):
+    the slots land where a run started at that split puts them."""
+    layout = data.layout if split is None else replace(data.layout, micro=split.micro, accumulation=split.accumulation)
+    return prompts_mod.loader(layout)
 
 
 def _lora_reference(accelerator):
@@ -60,6 +63,7 @@ def objective(cfg: RunConfig, accelerator, tokenizer, data: PromptData, referenc
             frozen = reference_model.to(accelerator.device)
             reference = lambda model: contextlib.nullcontext(frozen)  # noqa: E731
     sharded = not registry.of(cfg).holds_whole_model(cfg)
-    objective = grpo.GRPOObjective(cfg, accelerator, tokenizer, data.prompts, reference, sharded=sharded)
+    kernel = loss_kernels.for_run(cfg, accelerator.device)  # full or chunked (fused is refused for GRPO)
+    objective = grpo.GRPOObjective(cfg, accelerator, tokenizer, data.prompts, reference, sharded=sharded, kernel=kernel)
     objective.samples_path = Path(cfg.output_dir).expanduser() / "completions.jsonl"
     return objective

@@ -15,11 +15,13 @@ named steps, each with its own "due":
 
 Where the loop is lives in one `LoopState`, which the checkpoint saves and restores whole;
 a non-finite step is kept out of the weights by nonfinite.py, a loss spike by loss_spikes.py, and
-an out-of-memory step is redone at a smaller micro-batch by oom_retry.py.
+an out-of-memory step is redone at a smaller micro-batch when oom_retry.py decides so (the loop
+applies the decision: `_redo_at`).
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -106,7 +108,7 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
             loop = Loop(cfg, parts, state, ckpt, stop, progress, metrics, checkpoint=restored.path, observe=watch)
             if main:  # the step the run will stop after, as the loop stands when the signal comes
                 stop.answer = lambda signum: checkpoint.stopping_note(signum, loop.stop_step(), cfg.checkpoint.enabled)
-            loop.oom.on_new_config = lambda cfg: _record_split(settled, cfg, out, main)
+            loop.on_new_config = lambda cfg: _record_split(settled, cfg, out, main)
             outcome = _steps(loop)
         if not outcome.stopped_by:  # a stopped run is not finished: its checkpoint is the result
             save_final(cfg, parts, out)
@@ -178,6 +180,35 @@ def _steps(loop: "Loop") -> Outcome:
     return loop.finish()
 
 
+@dataclass
+class _Mark:
+    """Where the loop was when a step began: put back before the step is redone (training.oom_retry)."""
+
+    epoch: int
+    batch_in_epoch: int
+    tokens_seen: int
+    micro_steps: int
+    loss_sum: torch.Tensor
+    loss_tokens: torch.Tensor
+    objective: Any  # the objective's metric sums (Objective.snapshot)
+
+    @classmethod
+    def of(cls, loop: "Loop") -> "_Mark":
+        if not loop.oom.enabled:  # nothing is redone: nothing to copy
+            return cls(0, 0, 0, 0, torch.zeros(()), torch.zeros(()), None)
+        s = loop.state
+        return cls(s.epoch, s.batch_in_epoch, s.tokens_seen, s.micro_steps, s.loss_sum.clone(),
+                   loop.loss_tokens.count.clone(), loop.parts.objective.snapshot())
+
+    def put_back(self, loop: "Loop") -> None:
+        s = loop.state
+        s.epoch, s.batch_in_epoch, s.tokens_seen, s.micro_steps = (self.epoch, self.batch_in_epoch, self.tokens_seen,
+                                                                   self.micro_steps)
+        s.loss_sum.copy_(self.loss_sum)
+        loop.loss_tokens.count.copy_(self.loss_tokens)
+        loop.parts.objective.rewind(self.objective)
+
+
 class Loop:
     """What the steps work with, built by train() before the first step, and the steps."""
 
@@ -204,8 +235,10 @@ class Loop:
         self.outcome = Outcome(checkpoint=checkpoint)
         # What a long run looks after itself (training.loss_spike, training.oom_retry, their test hooks).
         self.injection = fault_injection.from_environment()
-        self.spikes = loss_spikes.LossSpikes(cfg, acc, state, self.injection, max(self.model_parallel // self.cp, 1))
-        self.oom = oom_retry.OomRetry(self, self.injection, lambda cfg: None)
+        self.spikes = loss_spikes.LossSpikes(cfg, acc, state, self.injection, max(self.model_parallel // self.cp, 1),
+                                             measure=parts.objective.spike_measure)
+        self.oom = oom_retry.OomRetry(cfg, acc, self.injection)
+        self.on_new_config: Any = lambda cfg: None  # train() records the config a redo changed (resolved.json)
         ckpt.stall_at = self.injection.stall_step
         self.grad_norm = None
         self.lr = 0.0
@@ -229,7 +262,38 @@ class Loop:
         """One optimizer step: the objective's loss of the step's micro-batches, run by the
         forward-backward, then the books (the optimizer update at the last micro-batch, the schedule);
         redone at a smaller micro-batch when it runs out of memory (training.oom_retry)."""
-        self.oom.run(self._optimizer_step)
+        while True:
+            mark = _Mark.of(self)
+            redo = self.oom.attempt(self._optimizer_step, self.split, self.state.step + 1)
+            if redo is None:
+                return
+            self._redo_at(redo, mark)
+
+    def _redo_at(self, redo: "oom_retry.Redo", mark: "_Mark") -> None:
+        """training.oom_retry's decision applied: what the failed step held dropped, the loop put
+        back where the step began, and the split changed (the global batch kept), so the step is
+        redone over the same samples as a run started at the new split takes them."""
+        acc, state, before = self.parts.accelerator, self.state, self.split.micro
+        self.parts.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        mark.put_back(self)
+        state.batch_in_epoch = mark.batch_in_epoch * (before // redo.micro)  # the same samples, in the new units
+        self.spikes.rewind()
+        t = self.cfg.training
+        self.cfg = self.cfg.model_copy(update={"training": t.model_copy(update={
+            "micro_batch_size": redo.micro, "gradient_accumulation_steps": redo.accumulation})})
+        self.split, self.ckpt.cfg = batch.split(self.cfg), self.cfg  # what every later step and save reads
+        self.data = batches(self.parts.resplit(self.split), state, acc.skip_first_batches)
+        acc.gradient_accumulation_steps = redo.accumulation
+        acc.step = 0  # Accelerate counts micro-batches to the accumulation's end: the step starts again
+        self.on_new_config(self.cfg)
+        step = state.step + 1
+        self.progress.print(f"step {step}: out of memory at micro-batch {before}; redoing it at micro-batch "
+                            f"{redo.micro} x accumulation {redo.accumulation} (the same global batch; training.oom_retry)")
+        self.metrics.write({"step": step, "oom_retry": self.oom.retries, "micro_batch_size": redo.micro,
+                            "gradient_accumulation_steps": redo.accumulation, "time": time.time()})
 
     def _optimizer_step(self) -> None:
         acc, state = self.parts.accelerator, self.state
@@ -240,8 +304,8 @@ class Loop:
         # (loss tokens, pairs), counted over every rank before context parallel shards the
         # sequences, ahead of the first forward (step_loss.py).
         objective = self.parts.objective
-        drawn = self.spikes.injected([next(self.data) for _ in range(self.split.accumulation)], state.step + 1)
-        micro_batches = objective.prepare(self.parts.model, drawn)
+        drawn = [next(self.data) for _ in range(self.split.accumulation)]
+        micro_batches = self.spikes.injected(objective, objective.prepare(self.parts.model, drawn), state.step + 1)
         totals = step_loss.global_counts(acc, micro_batches, self.model_parallel, objective.counts)
         loss = self.parts.forward_backward(self, micro_batches, totals)
         state.loss_sum += loss
@@ -267,11 +331,11 @@ class Loop:
         """Called by the forward-backward once the step's gradients are whole: the norm (clipped
         when asked), the non-finite guard, the optimizer."""
         clipping = self.cfg.training.gradient_clipping
-        if clipping is not None or self.guard.needs_norm:
+        if clipping is not None or self.guard.needs_norm or self.spikes.needs_norm:
             # Clipping to infinity measures the norm (over all ranks) and changes nothing.
             self.grad_norm = self.parts.clip_grad_norm(clipping or math.inf)
             self.guard.check(self.grad_norm)  # a non-finite norm: this step will not touch the weights
-        if self.spikes.allows_step() and self.guard.allows_step():  # loss_spikes.py judges before the step
+        if self.spikes.allows_step(self.grad_norm) and self.guard.allows_step():  # loss_spikes.py judges before the step
             self.parts.optimizer.step()
         self.parts.optimizer.zero_grad(set_to_none=True)
 

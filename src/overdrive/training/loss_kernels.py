@@ -24,6 +24,11 @@ weight and the labels go to
 
 Both keep the model's shift (position t predicts label t+1), the ignore index -100 and the sum
 over tokens that step_loss.summed_loss returns; the loop divides by the global token count.
+
+GRPO's loss is not a cross entropy but a function of each completion token's log-probability
+(training/grpo_loss.py): `chunked` computes those log-probs (and the entropies its metrics read)
+the same way, a slice at a time through the head's own call (`completion_logps`), without the
+completions' logits. `fused`'s kernels return a summed cross entropy only: GRPO refuses it by key.
 """
 
 from __future__ import annotations
@@ -159,41 +164,126 @@ def fused_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 LOSSES: dict[str, Callable[..., torch.Tensor]] = {"chunked": chunked_loss, "fused": fused_loss}
 
 
-def summed_token_loss(model: torch.nn.Module, batch: dict, kernel: str) -> torch.Tensor:
-    """This micro-batch's summed causal-LM loss by `kernel` ("chunked" or "fused"): the same number
-    as the model's own loss with `num_items_in_batch=1`, computed inside the LM head's own call."""
+def _through_head(model: torch.nn.Module, inputs: dict, head_out: Callable[..., torch.Tensor],
+                  shape: tuple) -> torch.Tensor:
+    """The model's forward with its LM head's call answered by `head_out(head, hidden)`, whose
+    result (of `shape`) the model hands back as its `.logits`."""
     inner = unwrapped(model)
     head = _head(inner)
-    labels = batch["labels"]
-    loss_of = LOSSES[kernel]
 
     @torch.compiler.disable  # under torch.compile the kernel runs eagerly: a graph break at the head
-    def head_loss(hidden: torch.Tensor) -> torch.Tensor:
-        # The model's shift: position t predicts label t+1; the last position predicts nothing.
-        targets = labels[:, 1:].reshape(-1).to(hidden.device)
-        hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    def head_call(hidden: torch.Tensor) -> torch.Tensor:
         # head.weight here is the one the strategy's hooks put in place for this call: whole under
         # FSDP2 (the head's unit's or the root's unshard) and ZeRO-3 (lm_head's gather); the same
         # parameter otherwise.
-        return loss_of(hidden, head.weight, head.bias, targets)
+        return head_out(head, hidden)
 
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
     # For this one call only: an instance attribute shadows nn.Linear.forward, and module hooks
     # (FSDP2's, ZeRO-3's) still run around it. One another library set there is put back after.
     previous = head.__dict__.get("forward")
-    head.forward = head_loss
+    head.forward = head_call
     try:
-        # All positions reach the head (logits_to_keep=0); what it returns is the summed loss.
-        summed = model(**inputs, logits_to_keep=0, use_cache=False).logits
+        out = model(**inputs, use_cache=False).logits
     finally:
         if previous is None:
             del head.forward
         else:
             head.forward = previous
-    if summed.dim() != 0:  # logits made without calling the head (its weight used directly)
+    if tuple(out.shape) != tuple(shape):  # logits made without calling the head (its weight used directly)
         raise UserError(Problem(KEY, f"{_own_class(inner).__name__} does not compute its logits by calling its "
                                 "LM head", fix=f"set {KEY}=full"))
-    return summed
+    return out
+
+
+def summed_token_loss(model: torch.nn.Module, batch: dict, kernel: str) -> torch.Tensor:
+    """This micro-batch's summed causal-LM loss by `kernel` ("chunked" or "fused"): the same number
+    as the model's own loss with `num_items_in_batch=1`, computed inside the LM head's own call."""
+    labels = batch["labels"]
+    loss_of = LOSSES[kernel]
+
+    def head_loss(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+        # The model's shift: position t predicts label t+1; the last position predicts nothing.
+        targets = labels[:, 1:].reshape(-1).to(hidden.device)
+        hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+        return loss_of(hidden, head.weight, head.bias, targets)
+
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    # All positions reach the head (logits_to_keep=0); what it returns is the summed loss.
+    return _through_head(model, {**inputs, "logits_to_keep": 0}, head_loss, ())
+
+
+class _ChunkedLogps(torch.autograd.Function):
+    """Log-probabilities of the chosen tokens under softmax(linear(hidden, weight, bias) / T), and the
+    entropies (no gradient), a slice of tokens at a time; backward recomputes each slice's logits
+    and turns them into their gradient (the one-hot target minus the softmax, times the token's
+    incoming gradient, over T), so one slice's fp32 logits are the only vocabulary-wide tensor."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, step):
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.temperature, ctx.step = temperature, step
+        device = hidden.device.type
+        ctx.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        logps = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty_like(logps)
+        for start in range(0, hidden.shape[0], step):
+            end = start + step
+            scaled = torch.log_softmax(F.linear(hidden[start:end], weight, bias).float() / temperature, dim=-1)
+            logps[start:end] = scaled.gather(-1, targets[start:end].unsqueeze(-1)).squeeze(-1)
+            entropy[start:end] = -(scaled.exp() * scaled).sum(-1)
+        ctx.mark_non_differentiable(entropy)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, _grad_entropy):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        dtype, step, temperature = ctx.dtype, ctx.step, ctx.temperature
+        w = weight.to(dtype)
+        b = bias.to(dtype) if bias is not None else None
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, hidden.shape[0], step):
+                h = hidden[start:start + step].to(dtype)
+                t = targets[start:start + step]
+                grad = torch.softmax(F.linear(h, w, b).float() / temperature, dim=-1).neg_()
+                grad[torch.arange(len(t), device=t.device), t] += 1.0  # plus the one-hot target
+                grad.mul_((grad_logps[start:start + step].float() / temperature).unsqueeze(-1))
+                g = grad.to(dtype)
+                del grad
+                if grad_hidden is not None:
+                    grad_hidden[start:start + step] = (g @ w).to(hidden.dtype)
+                if grad_weight is not None:
+                    grad_weight.addmm_(g.t().float(), h.float())
+                if grad_bias is not None:
+                    grad_bias += g.float().sum(0)
+        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
+        grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def chunked_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                  temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs of `targets`, entropies) of (tokens, hidden) under the head at `temperature`, by slices."""
+    return _ChunkedLogps.apply(hidden, weight, bias, targets, temperature, rule.chunk_tokens(weight.shape[0]))
+
+
+def completion_logps(model: torch.nn.Module, inputs: dict, completion_ids: torch.Tensor,
+                     temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (log-probs, entropies) [B, C] of the completions that end each row of `inputs`,
+    computed inside the LM head's own call a slice at a time (GRPO under `chunked`)."""
+    rows, width = completion_ids.shape
+
+    def head_logps(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+        # The last width + 1 positions reach the head; each but the last predicts a completion token.
+        flat = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+        logps, entropy = chunked_logps(flat, head.weight, head.bias, completion_ids.reshape(-1).to(flat.device),
+                                       temperature)
+        return torch.stack([logps, entropy], dim=-1).view(rows, width, 2)
+
+    out = _through_head(model, {**inputs, "logits_to_keep": width + 1}, head_logps, (rows, width, 2))
+    return out[..., 0], out[..., 1]
 
 
 def for_run(cfg: RunConfig, device: torch.device) -> str:

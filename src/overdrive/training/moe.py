@@ -127,7 +127,7 @@ class BalancedObjective(Objective):
 
     def __init__(self, inner: Objective, balance: RouterBalance, accelerator: Any, sharing: int):
         self.inner, self.balance, self.accelerator, self.sharing = inner, balance, accelerator, sharing
-        self.name = inner.name
+        self.name, self.spike_measure = inner.name, inner.spike_measure
 
     def counts(self, batch: dict) -> torch.Tensor:
         return torch.cat([self.inner.counts(batch).reshape(-1), self.balance.units(batch).reshape(1)])
@@ -141,6 +141,22 @@ class BalancedObjective(Objective):
 
     def read(self) -> dict[str, Any]:
         return {**self.inner.read(), **self.balance.read(self.accelerator, self.sharing)}
+
+    def corrupt(self, batch: dict, generator: torch.Generator) -> dict:
+        return self.inner.corrupt(batch, generator)
+
+    def snapshot(self) -> Any:
+        b = self.balance
+        return self.inner.snapshot(), b.aux_sum.clone(), b.aux_units.clone(), b.load.clone()
+
+    def rewind(self, snapshot: Any) -> None:
+        inner, *sums = snapshot
+        self.inner.rewind(inner)
+        for kept, now in zip(sums, (self.balance.aux_sum, self.balance.aux_units, self.balance.load)):
+            now.copy_(kept)
+
+    def resplit(self, micro: int) -> None:
+        self.inner.resplit(micro)
 
     def pending(self) -> Optional[list]:
         return self.inner.pending()

@@ -32,6 +32,9 @@ class Objective:
 
     #: what the run's first line says it trains
     name = "causal-lm"
+    #: what training.loss_spike judges (training/loss_spikes.py): "loss", the step's loss per unit,
+    #: where that is a positive scale a bad batch lifts; "grad_norm" where the loss is not one
+    spike_measure = "loss"
 
     def counts(self, batch: dict) -> torch.Tensor:
         return step_loss.loss_token_count(batch)
@@ -45,6 +48,25 @@ class Objective:
 
     def read(self) -> dict[str, float]:
         return {}
+
+    def corrupt(self, batch: dict, generator: torch.Generator) -> dict:
+        """A bad batch of this objective (the spike test hook, OVERDRIVE_FAULT_INJECT=spike): random
+        token ids where there were labels, a batch the model cannot predict."""
+        labels = batch["labels"]
+        high = int(batch["input_ids"].max()) + 1
+        noise = torch.randint(0, high, labels.shape, generator=generator).to(labels.device, labels.dtype)
+        return {**batch, "labels": torch.where(labels == step_loss.IGNORE, labels, noise)}
+
+    def snapshot(self) -> Any:
+        """The metric sums a step adds to, before it (put back by `rewind` when the step is redone)."""
+        return None
+
+    def rewind(self, snapshot: Any) -> None:
+        return None
+
+    def resplit(self, micro: int) -> None:
+        """The step's micro-batches are `micro` rows from now on (training.oom_retry's redo)."""
+        return None
 
     def pending(self) -> Optional[list]:
         return None
@@ -65,6 +87,14 @@ class TokenObjective(Objective):
 
     def sums(self, model: Any, batch: dict) -> torch.Tensor:
         return step_loss.summed_loss(model, batch, self.kernel)
+
+    def corrupt(self, batch: dict, generator: torch.Generator) -> dict:
+        """Token labels scrambled; a classifier's rows each given another class, one it has (a
+        class at most the batch's highest, or class 1: every classifier has two)."""
+        if self.task != "sequence-classification":
+            return super().corrupt(batch, generator)
+        labels = batch["labels"]
+        return {**batch, "labels": (labels + 1) % max(int(labels.max()) + 1, 2)}
 
     def evaluate(self, model: Any, loader: Any, accelerator: Any) -> dict[str, float]:
         """Mean loss (and accuracy for classification) over the validation subset."""

@@ -2,8 +2,10 @@
 
 Memory use moves during a run (a long batch, fragmentation, an evaluation), so the micro-batch
 found before step 1 can stop fitting. On an out-of-memory error inside a step every rank agrees
-that the step failed, drops what the step held, halves the micro-batch and doubles the
-accumulation, and redoes the step from its first sample:
+that the step failed, and the guard returns its decision (`Redo`: half the micro-batch, twice the
+accumulation); the loop applies it (training/loop.py: drops what the step held, puts its state,
+metric sums and data position back, rebuilds the loader and tells the objective the new split,
+training/parts.py's `Parts.resplit`) and redoes the step from its first sample:
 
 - the global batch is unchanged (micro x accumulation x data-parallel ranks), the loader is
   rebuilt at the new micro-batch over the same sampler, and the data position rewound to the
@@ -15,6 +17,10 @@ accumulation, and redoes the step from its first sample:
   (checkpoint/resume.py);
 - at micro-batch 1 there is nothing left to halve: the run ends with a message saying so.
 
+Without the key an out-of-memory step ends the run by key (`training.oom_retry`, exit 2, no
+traceback), naming the fixes; the step never reached the optimizer, so the last checkpoint is
+the run's state.
+
 Agreeing is one collective per micro-batch (an int, just before its backward), only when the
 feature is on and there are several processes. A rank whose forward ran out of memory enters
 that agreement from its handler; the others reach it before their backward, learn of the
@@ -24,19 +30,17 @@ processes it ends the run as before. So the feature is refused where a forward i
 collectives (sharded parameters, tensor, context or pipeline parallel; resolving/validate.py).
 
 `OVERDRIVE_FAULT_INJECT=oom:step=K:rank=R` (config/fault_injection.py) raises the error on
-rank R after the forward of step K's first micro-batch, once.
+rank R after the forward of step K's first micro-batch, once, with the key on or off.
 """
 
 from __future__ import annotations
 
-import gc
-import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 import torch
 
-import overdrive.config.batch as batch
+from overdrive.config.batch import BatchSplit
 from overdrive.config.fault_injection import Injection
 from overdrive.config.provenance import Origin
 from overdrive.config.schema import RunConfig
@@ -69,62 +73,77 @@ def smaller_split(micro: int, accumulation: int) -> Optional[tuple[int, int]]:
     return None if smaller is None else (smaller, accumulation * (micro // smaller))
 
 
-@dataclass
-class _Mark:
-    """Where the loop was when the step began: put back before the step is redone."""
+@dataclass(frozen=True)
+class Redo:
+    """The guard's decision after an out-of-memory step: redo it at this split (the loop applies it)."""
 
-    epoch: int
-    batch_in_epoch: int
-    tokens_seen: int
-    micro_steps: int
-    loss_sum: torch.Tensor
-    loss_tokens: torch.Tensor
+    micro: int
+    accumulation: int
+
+
+_SAVE_MEMORY = ("shard more (parallel.strategy=fsdp or deepspeed), turn on model.gradient_checkpointing, "
+                "or lower data.max_length; `overdrive plan` shows the memory each choice needs")
+
+
+def out_of_memory(step: int, micro: int, why: str = "") -> UserError:
+    """The run's end after an out-of-memory step it cannot redo: by key, with the fixes."""
+    if why:
+        return UserError(Problem("training.oom_retry", f"step {step} ran out of memory at micro-batch {micro}: {why}",
+                                 fix=f"lower training.micro_batch_size (or set it to auto); or {_SAVE_MEMORY}"))
+    return UserError(Problem("training.oom_retry", f"step {step} ran out of memory at micro-batch {micro} "
+                             "(training.oom_retry is off); the last checkpoint holds the run up to the step before",
+                             fix="set training.oom_retry=true to redo such a step at half the micro-batch (the global "
+                                 "batch kept), or lower training.micro_batch_size (or set it to auto)"))
 
 
 class OomRetry:
-    """Runs the loop's step, redoing it at a smaller split when it runs out of memory.
+    """Runs the loop's step and judges an out-of-memory error in it: `attempt` returns None when
+    the step went through, a `Redo` when it is to be redone at a smaller split."""
 
-    `loop` is training/loop.Loop: its config, split, state, data iterator and accelerator are
-    what a new split changes. `on_new_config(cfg)` records the config that now runs."""
-
-    def __init__(self, loop: Any, injection: Injection, on_new_config: Callable[[RunConfig], None]):
-        self.loop, self.on_new_config = loop, on_new_config
-        self.enabled = loop.cfg.training.oom_retry
-        acc = loop.parts.accelerator
-        # Off, it neither agrees nor injects: the step runs as it would without it.
-        self.rank, self.world = (acc.process_index, acc.num_processes) if self.enabled else (0, 1)
+    def __init__(self, cfg: RunConfig, accelerator: Any, injection: Injection):
+        self.enabled = cfg.training.oom_retry
+        self.accelerator = accelerator
+        self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        # The hook fires with the key on or off: a run without it shows how it ends.
         self.inject_at = injection.oom_step if injection.oom_rank == self.rank else None
         self.backward_failed = False  # this attempt's error came out of a backward
+        self.step = 0  # the step being attempted (1-based)
         self.retries = 0
 
     # -------------------------------------------------------------- the step, guarded
 
-    def run(self, step: Callable[[], None]) -> None:
-        if not self.enabled:
-            return step()
-        while True:
-            mark = self._mark()
-            self.backward_failed = False
-            try:
-                return step()
-            except _OtherRankFailed:
-                pass
-            except Exception as error:  # noqa: BLE001  judged here: only out-of-memory is retried
-                if not is_out_of_memory(error) or (self.backward_failed and self.world > 1):
-                    raise
-                self._agree(failed=True)  # the handler's end lets go of the traceback and the step's tensors
-            self._retry(mark)
+    def attempt(self, step: Callable[[], None], split: BatchSplit, number: int) -> Optional[Redo]:
+        """Run `step` (optimizer step `number` at `split`); the decision when it ran out of memory."""
+        self.step, self.backward_failed = number, False
+        try:
+            step()
+            return None
+        except _OtherRankFailed:
+            pass
+        except Exception as error:  # noqa: BLE001  judged here: only out-of-memory is retried
+            if not is_out_of_memory(error):
+                raise
+            if not self.enabled:
+                raise out_of_memory(number, split.micro) from None
+            if self.backward_failed and self.world > 1:
+                raise out_of_memory(number, split.micro, "inside a backward that reduces gradients over "
+                                    f"{self.world} processes, where the ranks cannot agree to redo it") from None
+            self._agree(failed=True)  # the handler's end lets go of the traceback and the step's tensors
+        smaller = smaller_split(split.micro, split.accumulation)
+        if smaller is None:
+            raise UserError(Problem("training.micro_batch_size", f"step {number} ran out of memory at micro-batch 1: "
+                                    "training.oom_retry has nothing left to halve", fix=_SAVE_MEMORY))
+        self.retries += 1
+        return Redo(*smaller)
 
     def backward(self, accelerator: Any, loss: torch.Tensor) -> None:
-        """The loop's backward: agreed on first (several processes), then run."""
-        if self.enabled:
-            state = self.loop.state
-            if self.inject_at == state.step + 1:
-                self.inject_at = None  # once: the redone step is not failed again
-                raise torch.OutOfMemoryError(f"OVERDRIVE_FAULT_INJECT: out of memory injected in step "
-                                             f"{state.step + 1} on rank {self.rank}")
-            if self._agree(failed=False):
-                raise _OtherRankFailed()
+        """The loop's backward: agreed on first (several processes, the key on), then run."""
+        if self.inject_at == self.step:
+            self.inject_at = None  # once: the redone step is not failed again
+            raise torch.OutOfMemoryError(f"OVERDRIVE_FAULT_INJECT: out of memory injected in step "
+                                         f"{self.step} on rank {self.rank}")
+        if self.enabled and self._agree(failed=False):
+            raise _OtherRankFailed()
         try:
             accelerator.backward(loss)
         except BaseException:
@@ -133,75 +152,7 @@ class OomRetry:
 
     def _agree(self, failed: bool) -> bool:
         """Did any rank fail this step? One all-reduce of an int, every rank at the same point."""
-        if self.world == 1:
+        if not self.enabled or self.world == 1:
             return failed
-        acc = self.loop.parts.accelerator
-        flag = torch.tensor(int(failed), device=acc.device)
-        return bool(acc.reduce(flag, "max").item())
-
-    # -------------------------------------------------------------- the new split
-
-    def _mark(self) -> _Mark:
-        s = self.loop.state
-        return _Mark(s.epoch, s.batch_in_epoch, s.tokens_seen, s.micro_steps, s.loss_sum.clone(),
-                     self.loop.loss_tokens.count.clone())
-
-    def _free(self) -> None:
-        loop = self.loop
-        loop.parts.optimizer.zero_grad(set_to_none=True)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-    def _retry(self, mark: _Mark) -> None:
-        loop = self.loop
-        self._free()
-        t = loop.cfg.training
-        smaller = smaller_split(int(t.micro_batch_size), t.gradient_accumulation_steps)
-        if smaller is None:
-            raise UserError(Problem("training.micro_batch_size", f"step {loop.state.step + 1} ran out of memory at "
-                                    "micro-batch 1: training.oom_retry has nothing left to halve",
-                                    fix="shard more (parallel.strategy=fsdp or deepspeed), turn on "
-                                        "model.gradient_checkpointing, or lower data.max_length; "
-                                        "`overdrive plan` shows the memory each choice needs"))
-        micro, accumulation = smaller
-        before = int(t.micro_batch_size)
-        cfg = loop.cfg.model_copy(update={"training": t.model_copy(update={
-            "micro_batch_size": micro, "gradient_accumulation_steps": accumulation})})
-        self.retries += 1
-        state = loop.state
-        state.epoch, state.tokens_seen, state.micro_steps = mark.epoch, mark.tokens_seen, mark.micro_steps
-        state.batch_in_epoch = mark.batch_in_epoch * (before // micro)  # the same samples, in the new units
-        state.loss_sum.copy_(mark.loss_sum)
-        loop.loss_tokens.count.copy_(mark.loss_tokens)
-        loop.spikes.step_loss = None  # training.loss_spike sums the step's loss afresh
-        self._new_loader(micro)
-        acc = loop.parts.accelerator
-        acc.gradient_accumulation_steps = accumulation
-        acc.step = 0  # Accelerate counts micro-batches to the accumulation's end: the step starts again
-        loop.cfg, loop.split, loop.ckpt.cfg = cfg, batch.split(cfg), cfg  # what every later step and save reads
-        self.on_new_config(cfg)
-        step = state.step + 1
-        loop.progress.print(f"step {step}: out of memory at micro-batch {before}; redoing it at micro-batch {micro} "
-                            f"x accumulation {accumulation} (the same global batch; training.oom_retry)")
-        loop.metrics.write({"step": step, "oom_retry": self.retries, "micro_batch_size": micro,
-                            "gradient_accumulation_steps": accumulation, "time": time.time()})
-
-    def _new_loader(self, micro: int) -> None:
-        """The training loader at `micro`, over the same data set, sampler and collation, prepared
-        as the first was; the loop draws from it at the rewound position."""
-        from overdrive.training.loop_state import batches
-
-        loop = self.loop
-        acc, old = loop.parts.accelerator, loop.parts.train_loader
-        base_sampler = old.batch_sampler
-        while hasattr(base_sampler, "batch_sampler"):  # Accelerate's shard around the torch batch sampler
-            base_sampler = base_sampler.batch_sampler
-        loader = torch.utils.data.DataLoader(
-            old.dataset, batch_size=micro, sampler=base_sampler.sampler, drop_last=True,
-            num_workers=old.num_workers, pin_memory=old.pin_memory, collate_fn=old.collate_fn,
-            persistent_workers=old.num_workers > 0, generator=old.generator)
-        prepared = acc.prepare_data_loader(loader)
-        acc._dataloaders = [d for d in acc._dataloaders if d is not old]  # what save_state walks
-        loop.parts.train_loader = prepared
-        loop.data = batches(prepared, loop.state, acc.skip_first_batches)
+        flag = torch.tensor(int(failed), device=self.accelerator.device)
+        return bool(self.accelerator.reduce(flag, "max").item())

@@ -51,6 +51,18 @@ class Parts:
     config: Optional[RunConfig] = None  # the config as it runs: steps counted from the data (training.num_epochs)
     derived: dict = field(default_factory=dict)  # key -> how the data derived it
     pipeline: Optional["Pipeline"] = None  # under parallel.pp_size > 1 (model: this rank's stages)
+    # the training loader at a split, as a run started at it builds it (training.oom_retry's redo)
+    loader_at: Optional[Callable[[batch.BatchSplit], Any]] = None
+
+    def resplit(self, split: batch.BatchSplit) -> Any:
+        """The training loader at `split` (the same data, sampler and collation, prepared as the first
+        was) and the objective cut to its micro-batch: what a redo at another split needs."""
+        acc, old = self.accelerator, self.train_loader
+        self.train_loader = acc.prepare_data_loader(self.loader_at(split))
+        # save_state walks the loaders Accelerate prepared: the one left behind is no longer the run's.
+        acc._dataloaders = [d for d in acc._dataloaders if d is not old]
+        self.objective.resplit(split.micro)
+        return self.train_loader
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The gradient norm over every rank (and every stage), the gradients clipped to `max_norm`."""
@@ -122,9 +134,14 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
     # MFU against the peak of the precision the matmuls run in (bf16 weights without autocast: bf16).
     peak = telemetry.DevicePeak(accelerator.device, matmul_precision(cfg.precision.mixed_precision, model), cache_dir)
     collate = data_mod.collate_for(data_mod.sample_kind(cfg), tokenizer.pad_token_id, d.max_length)
-    train_loader = (grpo_parts.loader(tokens) if grpo.enabled(cfg) else  # RL: prompts in completion slots
-                    data_mod.train_loader(tokens.train, split.micro, split.accumulation, split.data_parallel, t.seed,
-                                          d.shuffle, d.num_workers, d.pin_memory, collate))
+
+    def loader_at(at: batch.BatchSplit):
+        if grpo.enabled(cfg):  # RL: prompts in completion slots
+            return grpo_parts.loader(tokens, at)
+        return data_mod.train_loader(tokens.train, at.micro, at.accumulation, at.data_parallel, t.seed, d.shuffle,
+                                     d.num_workers, d.pin_memory, collate)
+
+    train_loader = loader_at(split)
     if staged:
         fpt = telemetry.flops_per_token(model_mod.flop_params(model), layers, width, d.max_length)
         stages = pipeline.Pipeline(cfg, accelerator, model)
@@ -175,7 +192,7 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
         objective = moe.BalancedObjective(objective, balance, accelerator, sharing=sharing)
     return Parts(accelerator, model, optimizer, scheduler, train_loader, eval_loader, tokenizer, fpt, peak,
                  d.max_length, objective, recipe=Recipe(cfg, optimizer, train_loader, d.max_length), notes=notes,
-                 config=cfg, derived=derived)
+                 config=cfg, derived=derived, loader_at=loader_at)
 
 
 def _counted_from_data(cfg: RunConfig, train, global_batch: int):

@@ -59,6 +59,10 @@ class PreferenceObjective(Objective):
     the unit; ORPO adds a second term, the chosen answers' NLL over their real tokens (TRL's
     mean over the batch's tokens, here over the global batch's, whatever the split)."""
 
+    # The pair losses fall towards zero as the margins grow (a ratio to their mean would flag
+    # ordinary steps); a bad batch shows in the gradient it pulls with (training/loss_spikes.py).
+    spike_measure = "grad_norm"
+
     def __init__(self, cfg: RunConfig, accelerator, reference: Optional[Callable[[Any, dict], torch.Tensor]] = None,
                  eval_reference: Optional[Callable[[Any, dict], torch.Tensor]] = None):
         p = cfg.preference
@@ -70,6 +74,21 @@ class PreferenceObjective(Objective):
         self.unpaired = kto.UnpairedLoss(cfg, accelerator, _logps) if p.method == "kto" else None
         slots = len(kto.SLOTS) if self.unpaired is not None else len(METRICS) + 1
         self.sums_of_metrics = torch.zeros(slots, dtype=torch.float64, device=accelerator.device)
+
+    def corrupt(self, batch: dict, generator: torch.Generator) -> dict:
+        """Random token ids in the answers (the log-probs are read at the input ids, the labels only mask them)."""
+        from overdrive.training.step_loss import IGNORE
+
+        ids, answer = batch["input_ids"], batch["labels"] != IGNORE
+        noise = torch.randint(0, int(ids.max()) + 1, ids.shape, generator=generator).to(ids.device, ids.dtype)
+        return {**batch, "input_ids": torch.where(answer, noise, ids),
+                "labels": torch.where(answer, noise.to(batch["labels"].dtype), batch["labels"])}
+
+    def snapshot(self) -> torch.Tensor:
+        return self.sums_of_metrics.clone()
+
+    def rewind(self, snapshot: torch.Tensor) -> None:
+        self.sums_of_metrics.copy_(snapshot)
 
     def restore(self, pending: Optional[list]) -> None:
         """A resumed run's interval since its last log point (summed over ranks: kept on one)."""
