@@ -123,7 +123,10 @@ def run(args: argparse.Namespace) -> int:
 
     from overdrive.commands.arguments import resolved_from
 
-    resolved = resolved_from(args, tell=False)  # shown with the rest of the explanation
+    from overdrive.resolving.validate_model import explained
+
+    # The model's config is read (no weights) and its rules judged with every other, as train judges them.
+    resolved = resolved_from(args, tell=False, rules=explained)  # warnings shown with the rest of the explanation
     machine = hardware_warnings(resolved)
     # A layout axis the machine the run trains on cannot run (context parallel on CPU processes) is
     # refused here as `train` refuses it: the table of what composes answers for layouts. Other

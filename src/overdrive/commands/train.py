@@ -66,7 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    resolved, in_worker = load_run(args)
+    from overdrive.training.preconditions import before_launch
+
+    # Every check before launch (this machine, the model's config, the adapter) is judged with the
+    # resolver's rules: one message names every problem. --print-launch prints lines for other machines.
+    resolved, in_worker = load_run(args, rules=None if getattr(args, "print_launch", False) else before_launch)
     cfg = resolved.config
     if in_worker:
         from overdrive.launch import lifetime, membership
@@ -91,28 +95,15 @@ def _run(args: argparse.Namespace, resolved, in_worker: bool) -> int:
         from overdrive.launch.process import hide_gpus_for_cpu_runs
 
         hide_gpus_for_cpu_runs(cfg)  # before anything here asks CUDA
-        # What this machine lacks (bf16, GPUs, ...) stops the run before anything starts;
-        # workers skip it: the launcher checked the same resolved config.
-        from overdrive import hub
-        from overdrive.resolving import check_for_train
+        # What this machine lacks (bf16, GPUs, ...), the model's config and the adapter were judged
+        # with the config (training/preconditions.before_launch); workers skip it: the launcher checked
+        # the same resolved config.
         from overdrive.storage.faults import writable_target
-
-        hub.refuse_unreadable_names(cfg)  # in a second without a network, before torch is imported
-        hub.refuse_missing_data(cfg)
 
         writable_target(cfg.output_dir, "output_dir", directory=True)
         from overdrive.storage import lock
 
         lock.hold(cfg.output_dir, cfg.launch.machine_rank)  # one run per output_dir; the workers run under it
-        if cfg.logging.level != "quiet":
-            from overdrive.training.startup import Stages
-
-            Stages()("loading torch, Transformers and Accelerate")  # the first seconds, said
-        check_for_train(resolved)
-        from overdrive.training.preconditions import check_fine_tuning, check_model_layout
-
-        check_fine_tuning(cfg)
-        check_model_layout(cfg)
     force = getattr(args, "force", False)
     if not in_worker and getattr(args, "preflight", False):
         from overdrive.launch.preflight import preflight

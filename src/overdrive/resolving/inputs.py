@@ -10,7 +10,7 @@ from typing import Iterable, Mapping, Optional
 
 from overdrive.config.redact import redact_text
 from overdrive.errors import Problem
-from overdrive.resolving.resolve import resolve
+from overdrive.resolving.resolve import Rules, resolve
 from overdrive.resolving.resolved import Resolved
 
 
@@ -27,12 +27,13 @@ def tell_warnings(problems: Iterable[Problem]) -> None:
 
 
 def resolve_items(items: Iterable[str], accelerate_default: bool = True,
-                  env: Optional[Mapping[str, str]] = None, tell: bool = True) -> Resolved:
+                  env: Optional[Mapping[str, str]] = None, tell: bool = True, rules: Optional[Rules] = None) -> Resolved:
     """The resolved config of a command's FILE and KEY=VALUE items; its warnings told unless `tell`
-    is false (a command that shows them in its own output, as explain does)."""
+    is false (a command that shows them in its own output, as explain does); `rules`: the
+    command's own checks, reported with resolve()'s (resolve.Rules)."""
     refuse_keys_as_files(list(items))
     files, cli = split_items(items)
-    resolved = resolve(files, cli=cli, accelerate_default=accelerate_default, env=env)
+    resolved = resolve(files, cli=cli, accelerate_default=accelerate_default, env=env, rules=rules)
     if tell:
         tell_warnings(resolved.warnings)
     return resolved

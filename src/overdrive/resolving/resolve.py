@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from pydantic import ValidationError
 
@@ -19,6 +19,10 @@ from overdrive.errors import Problem, UserError
 from overdrive.resolving import followed_defaults, layers, validate
 from overdrive.resolving.problems import pydantic_problems
 from overdrive.resolving.resolved import Resolved
+
+# A command's own checks of a settled config: (config, chains) -> (errors, warnings).
+Rules = Callable[[RunConfig, Mapping[str, list]], tuple[list[Problem], list[Problem]]]
+
 
 def accelerate_default_path(environ: Mapping[str, str] | None = None) -> Path:
     """Where `accelerate config` writes its default: $HF_HOME/accelerate/default_config.yaml."""
@@ -35,11 +39,16 @@ def resolve(
     env: Mapping[str, str] | None = None,
     accelerate_default: bool | str | Path = True,
     above: Sequence[str | Path] = (),
+    rules: Optional[Rules] = None,
 ) -> Resolved:
     """Resolve every layer, validate, and return the config with provenance.
 
     `above`: files applied over every layer, overrides included (a sweep trial's values:
     `overdrive sweep` writes them, labelled with their own `layer:`).
+
+    `rules(config, chains)`: a command's own checks of the settled config, (errors, warnings),
+    reported in the same UserError as every rule here (explain and train: the model's config,
+    this machine), so one run names every problem.
 
     Raises UserError listing every problem found (unknown keys, types, ranges, cross-field
     and world-size rules). Hardware checks are separate: see `check_for_train`.
@@ -80,6 +89,10 @@ def resolve(
     config, followed = followed_defaults.follow(config, chains)  # defaults the user's choices contradict
     rule_errors, rule_warnings = validate.check(config, chains)
     errors += length_errors + rule_errors
+    if rules is not None:
+        more_errors, more_warnings = rules(config, chains)
+        errors += more_errors
+        rule_warnings += more_warnings
     warnings += length_warnings
     if errors:
         raise UserError(errors)
@@ -102,14 +115,18 @@ def hardware_warnings(resolved: Resolved, hardware=None) -> list[Problem]:
     return validate.hardware_problems(resolved.config, resolved.chains, hardware or hw.detect(light=True))
 
 
-def check_for_train(resolved: Resolved, hardware=None) -> None:
-    """Before training: what this machine lacks of what the config asks is an error.
+def train_hardware_problems(cfg: RunConfig, chains: Mapping[str, list], hardware=None) -> list[Problem]:
+    """What this machine lacks of what the config asks, judged as train judges it (errors).
 
     A run on the CPU (`launch.use_cpu`) asks nothing of the GPUs: they are not looked for, which
     spares a launcher process the import of torch (a second or two before its workers start)."""
     from overdrive.system import hardware as hw
-    cfg = resolved.config
     found = hardware or (hw.detect(light=True, look_for_gpus=False) if cfg.launch.use_cpu else hw.detect(light=False))
-    problems = validate.hardware_problems(cfg, resolved.chains, found)
+    return validate.hardware_problems(cfg, chains, found)
+
+
+def check_for_train(resolved: Resolved, hardware=None) -> None:
+    """Before training: what this machine lacks of what the config asks is an error."""
+    problems = train_hardware_problems(resolved.config, resolved.chains, hardware)
     if problems:
         raise UserError(problems, title="this machine cannot run the config as written")

@@ -73,11 +73,14 @@ def _micro_batch(cfg: RunConfig) -> int:
     return mbs
 
 
-def _check_positions(config, seq_len: int) -> None:
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if limit is not None and seq_len > limit:
-        raise UserError(Problem("data.max_length", f"{seq_len} is longer than the model's {limit} positions",
-                                fix=f"set data.max_length <= {limit}"))
+def _check_positions(cfg: RunConfig, config) -> None:
+    """The rule train judged from the model's config before launch, asked again of the model built
+    (a run started from Python, not through `overdrive train`)."""
+    from overdrive.resolving.validate_model import positions_problems
+
+    found = positions_problems(cfg, config)
+    if found:
+        raise UserError(found)
 
 
 def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], None]] = None) -> Parts:
@@ -115,7 +118,7 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
     device = accelerator.device if staged else adapter.load_device(cfg, accelerator.device)
     model = model_mod.build_model(cfg, vocab_size=len(tokenizer), label_names=label_names,
                                   special_tokens=special, device=device)
-    _check_positions(model.config, d.max_length)
+    _check_positions(cfg, model.config)
     upcast = master_weights.upcast_trainable(cfg, model)
     balance = moe.attach(cfg, model, accelerator)  # hooked before anything wraps the model
     layers, width = model_mod.shape_of(model.config)

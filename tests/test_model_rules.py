@@ -1,0 +1,81 @@
+"""The rules that need the model's config (resolving/validate_model.py), judged by explain and train
+before anything launches or loads weights, every problem in one message (no training here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_fixtures import make_text_data, make_tiny_llama, make_tiny_qwen3_moe
+from overdrive.errors import UserError
+from overdrive.resolving import resolve
+from overdrive.resolving.validate_model import explained
+from overdrive.training.preconditions import before_launch
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return make_tiny_llama(root / "llama"), make_tiny_qwen3_moe(root / "moe")  # 128 and 64 positions; 4 experts
+
+
+@pytest.fixture
+def text(tmp_path):
+    return make_text_data(tmp_path / "text.jsonl")
+
+
+def _keys(rules, *cli) -> list[str]:
+    with pytest.raises(UserError) as error:
+        resolve((), cli=list(cli), env={}, rules=rules)
+    return [p.key for p in error.value.problems]
+
+
+@pytest.mark.parametrize("rules", [explained, before_launch], ids=["explain", "train"])
+def test_model_moe_keys_on_a_dense_pretrained_model_are_refused_by_explain_as_by_train(models, text, rules, tmp_path):
+    llama, _ = models
+    keys = _keys(rules, f"model.name_or_path={llama}", f"data.source={text}", "model.moe.top_k=2",
+                 "launch.use_cpu=true", f"output_dir={tmp_path / 'out'}")
+    assert "model.moe.top_k" in keys
+    # without the rules (plain resolve, as before) nothing is read of the model
+    resolve((), cli=[f"model.name_or_path={llama}", f"data.source={text}", "model.moe.top_k=2"], env={})
+
+
+def test_explain_refuses_what_the_model_config_forbids_and_names_where_it_was_set(models, text, tmp_path):
+    llama, moe = models
+    run = tmp_path / "run.yaml"
+    run.write_text(f"model: {{name_or_path: {moe}}}\ndata: {{source: {text}, max_length: 256}}\n"
+                   "parallel: {ep_size: 3}\nlaunch: {num_processes: 3}\ncheckpoint: {enabled: false}\n")
+    with pytest.raises(UserError) as error:
+        resolve([run], env={}, rules=explained)
+    text_ = error.value.render()
+    assert "data.max_length: 256 is longer than the model's 64 positions" in text_
+    assert "parallel.ep_size: the model's 4 experts do not divide by 3" in text_
+    assert f"{run}:2" in text_ or "run.yaml:2" in text_  # where data.max_length was set
+
+
+def test_train_reports_every_problem_of_a_config_in_one_error_before_loading_weights(models, text, tmp_path):
+    llama, _ = models
+    keys = _keys(before_launch, f"model.name_or_path={llama}", f"data.source={text}", "launch.use_cpu=true",
+                 "model.attn_implementation=flash_attention_2",  # the resolver's rule (CPU run)
+                 "data.max_length=256",  # the model's config: 128 positions
+                 "model.moe.top_k=2",  # the model's config: no experts
+                 "training.micro_batch_size=64", "training.global_batch_size=100",  # the batch split
+                 f"output_dir={tmp_path / 'out'}")
+    assert set(keys) >= {"model.attn_implementation", "data.max_length", "model.moe.top_k",
+                         "training.global_batch_size"}, keys
+
+
+def test_an_inline_architecture_is_judged_from_its_mapping_without_transformers(monkeypatch):
+    import overdrive.resolving.validate_model as rules
+
+    monkeypatch.setattr(rules, "read", lambda cfg: pytest.fail("the model config was read"))
+    assert _keys(explained, "data.max_length=2048") == ["data.max_length"]  # the embedded GPT-2: 1024 positions
+    resolve((), cli=["data.max_length=1024"], env={}, rules=explained)
+
+
+def test_a_model_explain_cannot_read_here_is_a_warning_and_an_error_for_train(tmp_path):
+    missing = tmp_path / "no-model"
+    missing.mkdir()  # a directory without config.json
+    resolved = resolve((), cli=[f"model.name_or_path={missing}"], env={}, rules=explained)
+    assert any(p.key == "model.name_or_path" and "not checked" in p.message for p in resolved.warnings)
+    assert "model.name_or_path" in _keys(before_launch, f"model.name_or_path={missing}", "launch.use_cpu=true",
+                                         f"output_dir={tmp_path / 'out'}")
