@@ -73,6 +73,12 @@ def encode(cfg: RunConfig, rows: list[dict], tokenizer) -> PromptSet:
     return PromptSet(rows, prompts, ids, conversational)
 
 
+def epoch_slots(num_prompts: int, num_generations: int, num_iterations: int) -> int:
+    """The completion slots of one pass over the prompts: what an RL run's epoch counts (the global
+    batch counts completions), each prompt's group trained on `num_iterations` times."""
+    return num_prompts * num_generations * num_iterations
+
+
 @dataclass(frozen=True)
 class SlotLayout:
     """Where a slot of the sampler's order lands: see the module's docstring."""
@@ -115,7 +121,7 @@ class Slots(torch.utils.data.Dataset):
         self.ordered = True  # the order is the layout's: the loader must not shuffle it
 
     def __len__(self) -> int:
-        return self.layout.num_prompts * self.layout.num_generations * self.layout.num_iterations
+        return epoch_slots(self.layout.num_prompts, self.layout.num_generations, self.layout.num_iterations)
 
     def __getitem__(self, index: int) -> dict[str, int]:
         logical = self.layout.logical(index)
