@@ -79,3 +79,42 @@ def test_a_model_explain_cannot_read_here_is_a_warning_and_an_error_for_train(tm
     assert any(p.key == "model.name_or_path" and "not checked" in p.message for p in resolved.warnings)
     assert "model.name_or_path" in _keys(before_launch, f"model.name_or_path={missing}", "launch.use_cpu=true",
                                          f"output_dir={tmp_path / 'out'}")
+
+
+def test_each_estimator_row_is_the_settings_its_strategy_names_back():
+    from overdrive.config.keys import set_dotted
+    from overdrive.config.schema import RunConfig
+    from overdrive.memory.formulas import STRATEGIES
+    from overdrive.strategies import registry
+
+    for row in STRATEGIES:
+        raw = RunConfig().model_dump(mode="json")
+        for key, value in registry.row_settings(row).items():
+            set_dotted(raw, key, value)
+        cfg = RunConfig.model_validate(raw)
+        assert registry.of(cfg).estimator_row(cfg) == row
+
+
+def _estimate(capsys, *args) -> dict:
+    import json
+
+    from overdrive.cli import main
+
+    assert main(["estimate", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_estimate_marks_the_rows_train_would_refuse_and_refuses_what_every_row_would(models, capsys):
+    from overdrive.cli import main
+
+    _, moe = models
+    rows = {r["strategy"]: r for r in _estimate(capsys, str(moe), "--ep", "2", "--devices", "2")["rows"]}
+    zero = [name for name in rows if name.startswith("zero")]
+    assert zero and all(rows[name]["refused"].startswith("parallel.ep_size: expert parallel is composed with ddp "
+                                                         "and fsdp here, not with deepspeed") for name in zero)
+    assert all(not rows[name]["fits"] for name in zero)
+    assert all(rows[name]["refused"] is None and rows[name]["fits"] for name in ("ddp", "fsdp2", "fsdp2_offload"))
+    assert main(["estimate", str(moe), "--ep", "3", "--devices", "2"]) == 2  # 4 experts over 3 ranks, 2 processes
+    err = capsys.readouterr().err
+    assert "parallel.ep_size: the model's 4 experts do not divide by 3  [--ep 3]" in err
+    assert "3 does not divide the data-parallel degree 2" in err

@@ -78,9 +78,15 @@ def model_rules(cfg: RunConfig, where: Where = lambda key: "") -> tuple[list[Pro
     unreadable = [p for p in problems if p.key in UNREADABLE_KEYS]
     found += [p for p in problems if p.key not in UNREADABLE_KEYS]
     if config is not None:
-        found += (positions_problems(cfg, config) + layout.model_problems(cfg, config)
-                  + qlora_problems(cfg.peft.method, config))  # stacked experts stay unquantized
+        found += shape_rules(cfg, config)
     return _placed(found, where), _placed(unreadable, where)
+
+
+def shape_rules(cfg: RunConfig, config: Any, where: Where = lambda key: "") -> list[Problem]:
+    """The rules of a model config already read (`estimate` has it from its MODEL argument):
+    positions, heads, experts and layers against the layout, QLoRA of stacked experts."""
+    return _placed(positions_problems(cfg, config) + layout.model_problems(cfg, config)
+                   + qlora_problems(cfg.peft.method, config), where)  # stacked experts stay unquantized
 
 
 def _placed(problems: list[Problem], where: Where) -> list[Problem]:
