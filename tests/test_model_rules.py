@@ -118,3 +118,29 @@ def test_estimate_marks_the_rows_train_would_refuse_and_refuses_what_every_row_w
     err = capsys.readouterr().err
     assert "parallel.ep_size: the model's 4 experts do not divide by 3  [--ep 3]" in err
     assert "3 does not divide the data-parallel degree 2" in err
+
+
+def test_train_counts_rl_prompts_against_the_global_batch_with_every_other_problem(models, tmp_path):
+    import json
+
+    llama, _ = models
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"say {w}", "answer": w}) + "\n" for w in ("yes", "ok") * 8))
+    keys = _keys(before_launch, f"model.name_or_path={llama}", f"data.source={prompts}", "data.format=prompts",
+                 "rl.method=grpo", "rl.num_generations=4", "rl.reward_funcs=[{function: exact_match, column: answer}]",
+                 "training.micro_batch_size=4", "training.gradient_accumulation_steps=32",  # 128 > 16 x 4 completions
+                 "data.max_length=512", "model.attn_implementation=flash_attention_2", "launch.use_cpu=true",
+                 f"output_dir={tmp_path / 'out'}")
+    assert set(keys) == {"model.attn_implementation", "data.max_length", "training.micro_batch_size"}, keys
+
+
+@pytest.mark.slow
+def test_data_too_small_for_a_global_batch_is_refused_before_the_model_is_built(models, text, tmp_path):
+    from conftest import run_cli
+
+    llama, _ = models
+    done = run_cli("train", f"model.name_or_path={llama}", f"data.source={text}", "data.max_length=64",
+                   "training.micro_batch_size=64", "training.max_steps=2", "launch.use_cpu=true",
+                   f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'out'}")
+    assert done.returncode == 2 and "fewer than one global batch" in done.stderr, done.stderr
+    assert "building the model" not in done.stderr and "Loading weights" not in done.stderr

@@ -145,6 +145,25 @@ class PassSampler(torch.utils.data.Sampler):
         return self.size
 
 
+def slot_problems(layout: SlotLayout) -> list[Problem]:
+    """Fewer completions in a pass over the prompts than one global batch: no step could be made
+    (`train` asks before launch, counting the prompts; the loader asks again)."""
+    if len(Slots(layout)) >= layout.global_batch:
+        return []
+    return [Problem("training.micro_batch_size", f"{layout.num_prompts} prompts x {layout.num_generations} "
+                    f"generations is fewer completions than one global batch ({layout.global_batch})",
+                    fix="give more prompts, or lower training.micro_batch_size or the accumulation")]
+
+
+def slot_layout(cfg: RunConfig, num_prompts: int) -> SlotLayout:
+    """The slots of a run over `num_prompts` prompts, at the run's batch split."""
+    import overdrive.config.batch as batch
+
+    split = batch.split(cfg)
+    return SlotLayout(split.micro, split.accumulation, split.data_parallel, cfg.rl.num_generations,
+                      cfg.rl.num_iterations, num_prompts, cfg.training.seed)
+
+
 def collate(rows: list[dict[str, int]]) -> dict[str, torch.Tensor]:
     return {key: torch.tensor([row[key] for row in rows], dtype=torch.long) for key in ("slot", "group", "prompt_index")}
 
@@ -154,8 +173,6 @@ def loader(layout: SlotLayout) -> torch.utils.data.DataLoader:
     dataset = Slots(layout)
     usable = (len(dataset) // layout.global_batch) * layout.global_batch
     if usable == 0:
-        raise UserError(Problem("training.micro_batch_size", f"{layout.num_prompts} prompts x {layout.num_generations} "
-                                f"generations is fewer completions than one global batch ({layout.global_batch})",
-                                fix="give more prompts, or lower training.micro_batch_size or the accumulation"))
+        raise UserError(slot_problems(layout))
     return torch.utils.data.DataLoader(dataset, batch_size=layout.micro, sampler=PassSampler(usable), drop_last=True,
                                        collate_fn=collate)

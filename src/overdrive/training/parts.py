@@ -106,6 +106,11 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
         tokenizer, tokens = data_mod.prepare(cfg, build_tokenizer, build=accelerator.is_local_main_process,
                                              show=accelerator.is_main_process and cfg.logging.level != "quiet")
     cfg, derived = _counted_from_data(cfg, tokens.train, split.global_batch)
+    # The loader before the model: data too small for one global batch is refused before any weight is read.
+    collate = data_mod.collate_for(data_mod.sample_kind(cfg), tokenizer.pad_token_id, d.max_length)
+    train_loader = (grpo_parts.loader(tokens) if grpo.enabled(cfg) else  # RL: prompts in completion slots
+                    data_mod.train_loader(tokens.train, split.micro, split.accumulation, split.data_parallel, t.seed,
+                                          d.shuffle, d.num_workers, d.pin_memory, collate))
     special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
     if cfg.model.task == "sequence-classification":
         # The classifier reads the last non-pad token. A causal LM gets no pad id: packed
@@ -124,10 +129,6 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
     layers, width = model_mod.shape_of(model.config)
     # MFU against the peak of the precision the matmuls run in (bf16 weights without autocast: bf16).
     peak = telemetry.DevicePeak(accelerator.device, matmul_precision(cfg.precision.mixed_precision, model), cache_dir)
-    collate = data_mod.collate_for(data_mod.sample_kind(cfg), tokenizer.pad_token_id, d.max_length)
-    train_loader = (grpo_parts.loader(tokens) if grpo.enabled(cfg) else  # RL: prompts in completion slots
-                    data_mod.train_loader(tokens.train, split.micro, split.accumulation, split.data_parallel, t.seed,
-                                          d.shuffle, d.num_workers, d.pin_memory, collate))
     if staged:
         fpt = telemetry.flops_per_token(model_mod.flop_params(model), layers, width, d.max_length)
         stages = pipeline.Pipeline(cfg, accelerator, model)

@@ -35,7 +35,27 @@ def before_launch(cfg: RunConfig, chains: Mapping[str, list]) -> tuple[list[Prob
     found += errors + unreadable
     if not unreadable and not any(p.key.startswith("model.") for p in errors):
         found += fine_tuning_problems(cfg)
+    if not any(p.key in _DATA_KEYS for p in found):  # the prompts can be read and the split is settled
+        found += data_problems(cfg)
     return found, []
+
+
+_DATA_KEYS = ("data.source", "data.format", "data.split", "data.prompt_column", "training.micro_batch_size",
+              "training.gradient_accumulation_steps", "training.global_batch_size")
+
+
+def data_problems(cfg: RunConfig) -> list[Problem]:
+    """What the data's size refuses that is known without tokenizing: RL's prompts, counted, against
+    one global batch of completions (text and rows are counted once tokenized, before the model loads)."""
+    if cfg.data.format != "prompts" or not isinstance(cfg.training.micro_batch_size, int):
+        return []
+    from overdrive.data import prompts
+
+    try:
+        count = len(prompts.read(cfg))
+    except UserError as error:
+        return list(error.problems)
+    return prompts.slot_problems(prompts.slot_layout(cfg, count))
 
 
 def _refused(check) -> list[Problem]:
