@@ -144,3 +144,16 @@ def test_data_too_small_for_a_global_batch_is_refused_before_the_model_is_built(
                    f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'out'}")
     assert done.returncode == 2 and "fewer than one global batch" in done.stderr, done.stderr
     assert "building the model" not in done.stderr and "Loading weights" not in done.stderr
+
+
+def test_what_the_built_model_would_refuse_is_read_from_its_config_before_launch():
+    # A class without gradient checkpointing (a class attribute: no model is built) ...
+    ctrl = ["model.architecture={model_type: ctrl, n_layer: 1, n_embd: 32, n_head: 2, n_positions: 512}",
+            "model.gradient_checkpointing=true"]
+    assert _keys(explained, *ctrl) == ["model.gradient_checkpointing"]
+    # ... and a loss kernel asked for by name on a model that rescales its logits after the head (Gemma-2).
+    gemma = ["model.architecture={model_type: gemma2, num_hidden_layers: 1, hidden_size: 32, intermediate_size: 64, "
+             "num_attention_heads: 2, num_key_value_heads: 1, head_dim: 16, max_position_embeddings: 512}",
+             "training.loss_kernel=chunked"]
+    assert _keys(explained, *gemma) == ["training.loss_kernel"]
+    resolve((), cli=[*gemma[:1], "training.loss_kernel=full"], env={}, rules=explained)

@@ -24,11 +24,12 @@ _POSITION_FIELDS = ("max_position_embeddings", "n_positions")
 
 
 def asks_the_shape(cfg: RunConfig) -> bool:
-    """Whether a rule below asks the model's shape beyond its positions: a layout axis that
-    splits the model, experts, or a quantized base."""
+    """Whether a rule below asks the model's config beyond its positions: a layout axis that
+    splits the model, experts, a quantized base, gradient checkpointing, a loss kernel by name."""
     lay, moe = layout.layout(cfg), cfg.model.moe
     return (lay.tp > 1 or lay.sp > 1 or lay.pp > 1 or cfg.parallel.ep_size > 1 or cfg.peft.method == "qlora"
-            or moe.top_k is not None or moe.aux_loss_coef is not None)
+            or moe.top_k is not None or moe.aux_loss_coef is not None or cfg.model.gradient_checkpointing
+            or cfg.training.loss_kernel in ("chunked", "fused"))
 
 
 def positions(config: Any) -> Optional[int]:
@@ -85,8 +86,25 @@ def model_rules(cfg: RunConfig, where: Where = lambda key: "") -> tuple[list[Pro
 def shape_rules(cfg: RunConfig, config: Any, where: Where = lambda key: "") -> list[Problem]:
     """The rules of a model config already read (`estimate` has it from its MODEL argument):
     positions, heads, experts and layers against the layout, QLoRA of stacked experts."""
+    from overdrive.resolving.validate_loss import model_rules as loss_rules
+
     return _placed(positions_problems(cfg, config) + layout.model_problems(cfg, config)
-                   + qlora_problems(cfg.peft.method, config), where)  # stacked experts stay unquantized
+                   + qlora_problems(cfg.peft.method, config)  # stacked experts stay unquantized
+                   + loss_rules(cfg, config) + checkpointing_problems(cfg, config), where)
+
+
+def checkpointing_problems(cfg: RunConfig, config: Any) -> list[Problem]:
+    """`model.gradient_checkpointing` on a model class that does not support it (a class attribute:
+    known from the config's class, as training/model.py finds it on the model built)."""
+    if not cfg.model.gradient_checkpointing:
+        return []
+    from overdrive.hf.model_config import model_class
+
+    cls = model_class(config, cfg.model.task)
+    if cls is None or getattr(cls, "supports_gradient_checkpointing", True):
+        return []
+    return [Problem("model.gradient_checkpointing", f"{cls.__name__} does not support it",
+                    fix="set model.gradient_checkpointing=false")]
 
 
 def _placed(problems: list[Problem], where: Where) -> list[Problem]:
