@@ -222,7 +222,9 @@ def _sources(cfg: RunConfig, sizes: list, math_) -> list[dict]:
         drawn = round(share * run_samples)
         samples = None
         if size.tokens is not None and cfg.model.task == "causal-lm":
-            samples = int(size.tokens * (1 - part.cfg.data.validation_fraction)) // math_.seq_len
+            from overdrive.data.sources import holdout_fraction  # the rule the run splits by
+
+            samples = int(size.tokens * (1 - holdout_fraction(part.cfg))) // math_.seq_len
         rows.append({"name": part.name, "share": share, "data_tokens": size.tokens, "data_basis": size.basis,
                      "samples": samples, "samples_drawn": drawn, "tokens_drawn": drawn * math_.seq_len,
                      "epochs": drawn / samples if samples else None})
