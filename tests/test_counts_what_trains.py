@@ -23,7 +23,7 @@ def test_plan_of_a_lora_run_counts_the_adapters_optimizer_state(tmp_path):
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     done = run_cli("plan", f"model.name_or_path={tmp_path / 'base'}", "peft.method=lora", "peft.r=8",
                    "peft.target_modules=all-linear", "launch.use_cpu=true", "precision.mixed_precision=no",
-                   f"data.source={tmp_path / 'text.jsonl'}", f"data.cache_dir={tmp_path / 'cache'}",
+                   f"data.source={tmp_path / 'text.jsonl'}", "data.max_length=128", f"data.cache_dir={tmp_path / 'cache'}",
                    f"output_dir={tmp_path / 'run'}", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     plan = json.loads(done.stdout)

@@ -208,7 +208,7 @@ def test_plan_refuses_chat_data_that_train_refuses(capsys, tmp_path):
     data = tmp_path / "chat.jsonl"
     data.write_text('{"text": "hello there"}\n{"text": "more"}\n')
     code, out, err = _run(capsys, "plan", "data.format=chat", f"data.source={data}", f"model.name_or_path={model}",
-                          "training.max_steps=20", "--no-accelerate-default")
+                          "training.max_steps=20", "data.max_length=128", "--no-accelerate-default")  # its positions
     assert code == 2 and "data.messages_column" in err, (out, err)
 
 

@@ -23,13 +23,14 @@ def add_accelerate_default_argument(parser: argparse.ArgumentParser) -> None:
                         help="ignore Accelerate's default_config.yaml")
 
 
-def resolved_from(args: argparse.Namespace, tell: bool = True, checks=None):
-    """The Resolved config of the parsed config arguments (warnings told unless `tell` is false; `checks`:
-    resolve's checks of the user's code and data)."""
+def resolved_from(args: argparse.Namespace, tell: bool = True, checks=None, rules=None):
+    """The Resolved config of the parsed config arguments (warnings told unless `tell` is false;
+    `checks`: resolve's checks of the user's code and data; `rules`: the command's own checks,
+    reported with the resolver's: resolving.resolve.Rules)."""
     from overdrive.resolving.inputs import resolve_items
 
     return resolve_items(args.items, accelerate_default=not getattr(args, "no_accelerate_default", False), tell=tell,
-                         checks=checks)
+                         checks=checks, rules=rules)
 
 
 def check_memory_sizes(args: argparse.Namespace) -> None:
@@ -40,9 +41,10 @@ def check_memory_sizes(args: argparse.Namespace) -> None:
             raise UserError(Problem(name, f"must be a positive number of GiB (got {value})", fix=f"e.g. {name} 80"))
 
 
-def load_run(args, checks=None):
+def load_run(args, checks=None, rules=None):
     """(Resolved, in_worker) for a command's `items` (files and key=value) or `--resolved` (`checks`: resolve's
-    checks of the user's code and data; a worker's config was checked by its launcher)."""
+    checks of the user's code and data; `rules`: the command's own checks of the items' config; a worker's
+    config was checked by its launcher)."""
     from overdrive.errors import UserError
     from overdrive.resolving.inputs import read_resolved, resolve_items
 
@@ -51,7 +53,7 @@ def load_run(args, checks=None):
             raise UserError(f"--resolved carries the whole config; drop {' '.join(args.items)}")
         return read_resolved(args.resolved), True
     ignore_default = getattr(args, "no_accelerate_default", False)
-    resolved = resolve_items(args.items, accelerate_default=not ignore_default, checks=checks)
+    resolved = resolve_items(args.items, accelerate_default=not ignore_default, checks=checks, rules=rules)
     # The run's hints repeat them (commands/next_steps.py), the flag too: it changes the config.
     resolved.items = [*args.items, *(["--no-accelerate-default"] if ignore_default else [])]
     return resolved, False

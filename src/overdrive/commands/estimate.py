@@ -108,7 +108,42 @@ def build(args: argparse.Namespace):
         unknown = [s for s in strategies if s not in STRATEGIES]
         if unknown:
             raise UserError(Problem("--strategies", f"unknown {unknown}; choose from {', '.join(STRATEGIES)}"))
-    return estimate(shape, setup, strategies), source
+    est = estimate(shape, setup, strategies)
+    _judge_rows(args, source, setup, est)
+    return est, source
+
+
+# The estimate's flags and the Setup fields they set, as the config keys train reads them from.
+_KEYS = {"devices": "launch.num_processes", "tp": "parallel.tp_size", "cp": "parallel.cp_size",
+         "sp": "parallel.sp_size", "dp_replicate": "parallel.dp_replicate_size", "ep": "parallel.ep_size",
+         "micro_batch": "training.micro_batch_size", "seq_len": "data.max_length",
+         "precision": "precision.mixed_precision"}
+
+
+def _judge_rows(args: argparse.Namespace, source, setup, est) -> None:
+    """Each row judged by train's rules at the sizes estimated (memory/refusals.py): a row train would
+    refuse is marked `refused: <key>: <why>`; what every row is refused for is the estimate's own
+    input, refused by key (exit 2) and named by the flag that set it."""
+    from overdrive.memory import refusals
+
+    asked = {field: getattr(args, field, None) for field in _KEYS}
+    if source.run is None:  # the embedded default run, at the sizes the estimate assumes
+        asked = {field: getattr(setup, field) for field in _KEYS}
+    sizes = {_KEYS[field]: value for field, value in asked.items() if value is not None}
+    sizes.update({key: value for key, value in (("peft.method", getattr(args, "peft", None)),
+                                                ("peft.r", getattr(args, "lora_r", None))) if value is not None})
+    run_file = args.model if source.run is not None else None
+    found = refusals.row_problems([row.strategy for row in est.rows], source.config, sizes, run_file, args.overrides)
+    shared = refusals.common(found)
+    if shared:
+        flags = {key: f"--{field.replace('_', '-')} {args_value}" for field, key in _KEYS.items()
+                 if (args_value := getattr(args, field, None)) is not None}
+        from dataclasses import replace
+
+        raise UserError([replace(p, where=flags.get(p.key, p.where)) for p in shared],
+                        title="train would refuse every strategy at these sizes")
+    for row in est.rows:
+        row.refused = refusals.refusal(found[row.strategy])
 
 
 def _adapter(args, source, setup):

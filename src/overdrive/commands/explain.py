@@ -123,10 +123,12 @@ def run(args: argparse.Namespace) -> int:
 
     from overdrive.commands.arguments import resolved_from
 
+    from overdrive.resolving.validate_model import explained
     from overdrive.training import user_inputs
 
-    # The user's reward functions and data rows checked with the config: every problem in one pass.
-    resolved = resolved_from(args, tell=False, checks=user_inputs.check)  # shown with the rest of the explanation
+    # The model's config (no weights), the user's reward functions and data rows: judged with every
+    # other rule, as train judges them, so one pass names every problem.
+    resolved = resolved_from(args, tell=False, checks=user_inputs.check, rules=explained)  # warnings shown below
     machine = hardware_warnings(resolved)
     # A layout axis the machine the run trains on cannot run (context parallel on CPU processes) is
     # refused here as `train` refuses it: the table of what composes answers for layouts. Other

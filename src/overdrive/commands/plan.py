@@ -36,14 +36,14 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.training import metrics
 
     from overdrive.commands.arguments import check_memory_sizes
-    from overdrive.training.preconditions import check_model_layout
+    from overdrive.resolving.validate_model import explained
     from overdrive.strategies import layout
 
     check_memory_sizes(args)
     items = [*([args.config] if args.config else []), *args.overrides]
-    cfg = resolve_items(items, accelerate_default=not args.no_accelerate_default).config
+    # The rules of the model's config (positions, experts, heads against the layout) judged as explain and train judge them.
+    cfg = resolve_items(items, accelerate_default=not args.no_accelerate_default, rules=explained).config
     path = next(iter(split_items(items)[0]), None)
-    check_model_layout(cfg)  # heads and the tensor-parallel plan against tp_size / sp_size
     from overdrive import hub
 
     hub.refuse_unreadable_names(cfg)
@@ -95,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
             "training.max_steps", "warmup_steps": _warmup(cfg, math_.max_steps), "data_tokens": data.tokens,
             "data_basis": data.basis,
             "data_exact": data.exact, "train_tokens": math_.train_tokens, "steps_per_epoch": math_.steps_per_epoch,
-            "epochs": math_.epochs, "parameters": shape.params, "active_parameters": shape.active_params,
+            "epochs": math_.epochs, "samples_per_epoch": math_.samples, "samples_basis": data.samples_basis or None,
+            "validation_held_out": math_.held_out, "parameters": shape.params, "active_parameters": shape.active_params,
             "memory": row.to_dict(),
             "capacity_bytes": cap.device_bytes, "capacity_source": cap.source,
             "tokens_per_s": speed.tokens_per_s if speed else None, "step_time_s": step_s,
@@ -123,10 +124,11 @@ def run(args: argparse.Namespace) -> int:
     ]
     lines.append(_tokenize_line(cfg, tokenize) if not sources else "tokenize     each source on its own (below)")
     if math_.steps_per_epoch is not None:
-        lines.append(f"steps        {math_.steps_per_epoch:,} per epoch (after the validation hold-out); "
+        lines.append(f"steps        {math_.steps_per_epoch:,} per epoch ({_epoch_basis(math_, data)}); "
                      f"max_steps {math_.max_steps:,} = {math_.epochs:.2f} epochs{_length_origin(cfg)}"
                      if math_.epochs is not None else
-                     "steps        fewer training tokens than one global batch: no full step per epoch")
+                     f"steps        fewer training samples ({_epoch_basis(math_, data)}) than one global batch of "
+                     f"{math_.global_batch}: no full step per epoch")
     else:
         lines.append(f"steps        max_steps {math_.max_steps:,}; per epoch unknown (data size unknown)")
     for source in sources:
@@ -167,6 +169,13 @@ def run(args: argparse.Namespace) -> int:
         lines.append(f"resume       {resume['text']}")
     print("\n".join(lines))
     return 0
+
+
+def _epoch_basis(math_, data) -> str:
+    """What an epoch's samples are counted from, and the hold-out only where the run has one."""
+    held = f", after the {math_.held_out:.0%} validation hold-out" if math_.held_out and not data.samples_basis else ""
+    basis = data.samples_basis or f"packed blocks of {math_.seq_len} tokens"
+    return f"{math_.samples:,} samples: {basis}{held}"
 
 
 def _stage_lines(stages: dict, gib) -> list[str]:
@@ -213,7 +222,9 @@ def _sources(cfg: RunConfig, sizes: list, math_) -> list[dict]:
         drawn = round(share * run_samples)
         samples = None
         if size.tokens is not None and cfg.model.task == "causal-lm":
-            samples = int(size.tokens * (1 - part.cfg.data.validation_fraction)) // math_.seq_len
+            from overdrive.data.sources import holdout_fraction  # the rule the run splits by
+
+            samples = int(size.tokens * (1 - holdout_fraction(part.cfg))) // math_.seq_len
         rows.append({"name": part.name, "share": share, "data_tokens": size.tokens, "data_basis": size.basis,
                      "samples": samples, "samples_drawn": drawn, "tokens_drawn": drawn * math_.seq_len,
                      "epochs": drawn / samples if samples else None})
@@ -242,6 +253,16 @@ _NAMES = ("model.name_or_path", "model.revision", "tokenizer.name_or_path")
 
 
 def _data_size(cfg: RunConfig, tokenize):
+
+    from dataclasses import replace
+
+    size = _token_size(cfg, tokenize)
+    if tokenize and tokenize.samples is not None:  # samples counted as the run counts them, not from tokens
+        return replace(size, samples=tokenize.samples, samples_basis=tokenize.samples_basis)
+    return size
+
+
+def _token_size(cfg: RunConfig, tokenize):
     from overdrive.memory import plan as arith
 
     est = tokenize.estimate if tokenize else None

@@ -66,10 +66,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not getattr(args, "resolved", None):  # the launcher says it once; its workers do not
+        from overdrive.system.tested import drift, drift_line
+
+        untested = drift_line(drift())  # a warning: newer releases usually work
+        if untested:
+            print(untested, file=sys.stderr)
     from overdrive.resolving.resolved import config_directories
     from overdrive.training import rewards, user_inputs
+    from overdrive.training.preconditions import before_launch
 
-    resolved, in_worker = load_run(args, checks=user_inputs.check)  # the user's code and data too, before a model
+    # Every check before launch (the user's code and data, this machine, the model's config, the
+    # adapter) is judged with the resolver's rules: one message names every problem. --print-launch
+    # prints lines for other machines.
+    rules = None if getattr(args, "print_launch", False) else before_launch
+    resolved, in_worker = load_run(args, checks=user_inputs.check, rules=rules)
     # The reward modules beside the config files, on every rank: each imports them again.
     with rewards.importable_from(config_directories(resolved.origins.values())):
         return _run_command(args, resolved, in_worker)
@@ -97,32 +108,14 @@ def _run_command(args: argparse.Namespace, resolved, in_worker: bool) -> int:
 def _run(args: argparse.Namespace, resolved, in_worker: bool) -> int:
     cfg = resolved.config
     if not in_worker:
-        from overdrive.system.tested import drift, drift_line
-
-        untested = drift_line(drift())  # a warning, said once by the launcher: newer releases usually work
-        if untested:
-            print(untested, file=sys.stderr)
         from overdrive.launch.process import hide_gpus_for_cpu_runs
 
         hide_gpus_for_cpu_runs(cfg)  # before anything here asks CUDA
-        # What this machine lacks (bf16, GPUs, ...) stops the run before anything starts;
-        # workers skip it: the launcher checked the same resolved config.
-        from overdrive import hub
-        from overdrive.resolving import check_for_train
+        # What this machine lacks (bf16, GPUs, ...), the model's config and the adapter were judged
+        # with the config (training/preconditions.before_launch); workers skip it: the launcher checked
+        # the same resolved config.
         from overdrive.storage.faults import writable_target
 
-        hub.refuse_unreadable_names(cfg)  # in a second without a network, before torch is imported
-        hub.refuse_missing_data(cfg)
-        if cfg.logging.level != "quiet":
-            from overdrive.training.startup import Stages
-
-            Stages()("loading torch, Transformers and Accelerate")  # the first seconds, said
-        check_for_train(resolved)
-        from overdrive.training.preconditions import check_fine_tuning, check_inputs, check_model_layout
-
-        check_fine_tuning(cfg)
-        check_model_layout(cfg)
-        check_inputs(cfg)  # eval tasks and their data, reward functions
         # Only now, every check passed, is anything written: the output directory and its lock
         # (a refusal leaves no directory, resolved.json or lock behind).
         writable_target(cfg.output_dir, "output_dir", directory=True)

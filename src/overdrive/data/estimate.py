@@ -36,6 +36,7 @@ class TokenizeEstimate:
     seconds: Optional[float]
     tokens: Optional[int]
     cache_bytes: Optional[int]  # the token cache on disk: ids (and row ends and labels)
+    sample_samples: int = 0  # the training samples the sample's rows became (pairs, rows, KTO's rows kept)
 
     @property
     def mb_per_s(self) -> float:
@@ -77,9 +78,11 @@ def measure(splits: Splits, tokenizer, task: str, max_length: int, sample: tuple
     texts, nbytes, advance = sample
     encoder = encoder or tokens.Encoder(tokenizer, task, max_length)
     start = time.perf_counter()
-    n_tokens = 0
+    n_tokens = n_samples = 0
     for i in range(0, len(texts), 16):  # the batches the real run hands to the tokenizer
-        n_tokens += sum(_length(ids) for ids in encoder(texts[i:i + 16]))
+        encoded = encoder(texts[i:i + 16])
+        n_tokens += sum(_length(ids) for ids in encoded)
+        n_samples += sum(_samples_of(ids) for ids in encoded)
     seconds = time.perf_counter() - start
     corpus = splits.train
     if isinstance(corpus, TextFiles):
@@ -89,7 +92,7 @@ def measure(splits: Splits, tokenizer, task: str, max_length: int, sample: tuple
     if total is not None and splits.max_bytes is not None:
         total = min(total, splits.max_bytes)
     if total is None:
-        return TokenizeEstimate(nbytes, n_tokens, seconds, None, None, None, None)
+        return TokenizeEstimate(nbytes, n_tokens, seconds, None, None, None, None, n_samples)
     est_tokens = int(total * n_tokens / max(nbytes, 1))
     per_token = np.dtype(tokens.id_dtype(tokenizer)).itemsize
     if task == "preference":
@@ -102,7 +105,7 @@ def measure(splits: Splits, tokenizer, task: str, max_length: int, sample: tuple
     else:
         index = 0
     return TokenizeEstimate(nbytes, n_tokens, seconds, total, seconds * total / max(nbytes, 1), est_tokens,
-                            est_tokens * per_token + index)
+                            est_tokens * per_token + index, n_samples)
 
 
 def cached_entry(cfg: RunConfig, splits: Splits, tokenizer) -> Optional[Path]:
@@ -124,10 +127,15 @@ class Forecast:
     estimate: Optional[TokenizeEstimate] = None
     tokenizer_seconds: Optional[float] = None  # training a BPE on the fly, extrapolated from the sample
     note: str = ""
+    # The training samples of one epoch, counted as the run counts them (len of its train set) where
+    # a sample is not a packed block of tokens: RL's completion slots, pairs, rows, conversations.
+    samples: Optional[int] = None
+    samples_basis: str = ""
 
     def to_dict(self) -> dict:
         return {"cached_tokens": self.cached_tokens, "cache_entry": self.entry, "tokenizer_seconds":
-                self.tokenizer_seconds, "note": self.note, **(self.estimate.to_dict() if self.estimate else {})}
+                self.tokenizer_seconds, "note": self.note, "samples": self.samples, "samples_basis": self.samples_basis,
+                **(self.estimate.to_dict() if self.estimate else {})}
 
 
 def forecast(cfg: RunConfig, make_tokenizer, train_sample_bpe) -> Forecast:
@@ -140,7 +148,9 @@ def forecast(cfg: RunConfig, make_tokenizer, train_sample_bpe) -> Forecast:
 
     d = cfg.data
     if d.format == "prompts":  # RL: read whole at the start, nothing cached (data/prompts.py)
-        return Forecast(note="prompts are not tokenized ahead: the completions are generated in the loop")
+        samples, basis = _prompt_slots(cfg)
+        return Forecast(note="prompts are not tokenized ahead: the completions are generated in the loop",
+                        samples=samples, samples_basis=basis)
     if d.source != "stdlib" and not Path(d.source).expanduser().exists():
         return Forecast(note=f"{d.source!r} is not local: measured once downloaded (or bound it with data.max_bytes)")
     splits = open_splits(cfg)
@@ -159,7 +169,67 @@ def forecast(cfg: RunConfig, make_tokenizer, train_sample_bpe) -> Forecast:
         if entry is not None:
             meta = cache.done(entry) or {}
             n = sum(v for k, v in meta.get("counts", {}).items() if k.endswith(".ids"))
-            return Forecast(cached_tokens=n, entry=str(entry))
-    estimate = measure(splits, tokenizer, sample_kind(cfg), d.max_length, sample or sample_texts(splits),
-                       encoder_for(cfg, tokenizer))
-    return Forecast(estimate=estimate, tokenizer_seconds=tokenizer_seconds)
+            samples = _cached_samples(cfg, entry, tokenizer)
+            return Forecast(cached_tokens=n, entry=str(entry), samples=samples,
+                            samples_basis=f"{_unit(cfg)} in the token cache (exact)" if samples is not None else "")
+    sample = sample or sample_texts(splits)
+    estimate = measure(splits, tokenizer, sample_kind(cfg), d.max_length, sample, encoder_for(cfg, tokenizer))
+    samples, basis = _row_samples(cfg, splits, sample, estimate)
+    return Forecast(estimate=estimate, tokenizer_seconds=tokenizer_seconds, samples=samples, samples_basis=basis)
+
+
+def _per_row(cfg: RunConfig) -> bool:
+    """Whether a training sample is a row of the data (a pair, a KTO row, a labelled text, a
+    conversation not packed) rather than a packed block of data.max_length tokens."""
+    kind = sample_kind(cfg)
+    return kind != "causal-lm" and not (kind == "chat" and cfg.data.packing)
+
+
+def _unit(cfg: RunConfig) -> str:
+    return {"preference": "pairs", "unpaired": "KTO rows", "chat": "conversations"}.get(sample_kind(cfg), "rows")
+
+
+def _cached_samples(cfg: RunConfig, entry: Path, tokenizer) -> Optional[int]:
+    """The cached entry's training samples, opened as the run opens them (data/prepare.py)."""
+    if not _per_row(cfg):
+        return None
+    parts = tokens.open_entry(entry, task=sample_kind(cfg), max_length=cfg.data.max_length, packing=cfg.data.packing,
+                              pad_id=tokenizer.pad_token_id or 0)
+    return len(parts["train"]) if parts["train"] is not None else 0
+
+
+def _samples_of(encoded) -> int:
+    """Training samples one row becomes: none (dropped), one, or KTO's several."""
+    if encoded is None:
+        return 0
+    if isinstance(encoded, list) and all(e is None or isinstance(e, tuple) for e in encoded):
+        return sum(e is not None for e in encoded)
+    return 1
+
+
+def _row_samples(cfg: RunConfig, splits: Splits, sample: tuple[list[str], int, int],
+                 estimate: TokenizeEstimate) -> tuple[Optional[int], str]:
+    """The rows of the train split, less the hold-out, times the samples a row became in the sample
+    (rows dropped, KTO's rows): an estimate of the run's samples per epoch."""
+    texts, _, rows_read = sample
+    rows = getattr(splits.train, "total", None)
+    if not _per_row(cfg) or isinstance(splits.train, TextFiles) or not rows or not texts:
+        return None, ""
+    per_row = estimate.sample_samples / max(rows_read or len(texts), 1)
+    samples = int(rows * (1 - splits.holdout) * per_row)
+    held = f" less the {splits.holdout:.0%} validation hold-out" if splits.holdout else ""
+    return samples, (f"estimate: {rows:,} rows{held} x {per_row:.2f} {_unit(cfg)} per row (measured on "
+                     f"{len(texts):,} rows)")
+
+
+def _prompt_slots(cfg: RunConfig) -> tuple[Optional[int], str]:
+    """RL's epoch: every prompt's group of completions (data/prompts.epoch_slots), as the loop counts it."""
+    from overdrive.data import prompts
+
+    if cfg.data.source != "stdlib" and not Path(cfg.data.source).expanduser().exists():
+        return None, ""
+    count = len(prompts.read(cfg))
+    rl = cfg.rl
+    slots = prompts.epoch_slots(count, rl.num_generations, rl.num_iterations)
+    return slots, (f"{count:,} prompts x rl.num_generations={rl.num_generations} x rl.num_iterations="
+                   f"{rl.num_iterations} = {slots:,} completions (exact)")

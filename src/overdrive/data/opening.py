@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from overdrive.config.schema import RunConfig
 from overdrive.data.chat import ChatRows
-from overdrive.data.sources import Rows, Splits, _columns, read_source
+from overdrive.data.sources import Rows, Splits, _columns, holdout_fraction, read_source
 from overdrive.errors import Problem, UserError
 
 
@@ -46,6 +46,6 @@ def open_splits(cfg: RunConfig) -> Splits:
     validation = open_source(cfg, d.validation_split, "data.validation_split") if d.validation_split else None
     if validation is not None:
         _check_columns(validation, cfg)
-    holdout = d.validation_fraction if validation is None else 0.0
+    holdout = holdout_fraction(cfg)
     label = d.label_column if cfg.model.task == "sequence-classification" else None
     return Splits(train, validation, holdout, cfg.training.seed, d.max_bytes, label)

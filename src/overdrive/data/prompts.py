@@ -76,6 +76,12 @@ def encode(cfg: RunConfig, rows: list[dict], tokenizer) -> PromptSet:
     return PromptSet(rows, prompts, ids, conversational)
 
 
+def epoch_slots(num_prompts: int, num_generations: int, num_iterations: int) -> int:
+    """The completion slots of one pass over the prompts: what an RL run's epoch counts (the global
+    batch counts completions), each prompt's group trained on `num_iterations` times."""
+    return num_prompts * num_generations * num_iterations
+
+
 @dataclass(frozen=True)
 class SlotLayout:
     """Where a slot of the sampler's order lands: see the module's docstring."""
@@ -118,7 +124,7 @@ class Slots(torch.utils.data.Dataset):
         self.ordered = True  # the order is the layout's: the loader must not shuffle it
 
     def __len__(self) -> int:
-        return self.layout.num_prompts * self.layout.num_generations * self.layout.num_iterations
+        return epoch_slots(self.layout.num_prompts, self.layout.num_generations, self.layout.num_iterations)
 
     def __getitem__(self, index: int) -> dict[str, int]:
         logical = self.layout.logical(index)
@@ -142,6 +148,25 @@ class PassSampler(torch.utils.data.Sampler):
         return self.size
 
 
+def slot_problems(layout: SlotLayout) -> list[Problem]:
+    """Fewer completions in a pass over the prompts than one global batch: no step could be made
+    (`train` asks before launch, counting the prompts; the loader asks again)."""
+    if len(Slots(layout)) >= layout.global_batch:
+        return []
+    return [Problem("training.micro_batch_size", f"{layout.num_prompts} prompts x {layout.num_generations} "
+                    f"generations is fewer completions than one global batch ({layout.global_batch})",
+                    fix="give more prompts, or lower training.micro_batch_size or the accumulation")]
+
+
+def slot_layout(cfg: RunConfig, num_prompts: int) -> SlotLayout:
+    """The slots of a run over `num_prompts` prompts, at the run's batch split."""
+    import overdrive.config.batch as batch
+
+    split = batch.split(cfg)
+    return SlotLayout(split.micro, split.accumulation, split.data_parallel, cfg.rl.num_generations,
+                      cfg.rl.num_iterations, num_prompts, cfg.training.seed)
+
+
 def collate(rows: list[dict[str, int]]) -> dict[str, torch.Tensor]:
     return {key: torch.tensor([row[key] for row in rows], dtype=torch.long) for key in ("slot", "group", "prompt_index")}
 
@@ -151,8 +176,6 @@ def loader(layout: SlotLayout) -> torch.utils.data.DataLoader:
     dataset = Slots(layout)
     usable = (len(dataset) // layout.global_batch) * layout.global_batch
     if usable == 0:
-        raise UserError(Problem("training.micro_batch_size", f"{layout.num_prompts} prompts x {layout.num_generations} "
-                                f"generations is fewer completions than one global batch ({layout.global_batch})",
-                                fix="give more prompts, or lower training.micro_batch_size or the accumulation"))
+        raise UserError(slot_problems(layout))
     return torch.utils.data.DataLoader(dataset, batch_size=layout.micro, sampler=PassSampler(usable), drop_last=True,
                                        collate_fn=collate)

@@ -100,6 +100,15 @@ class Rows:
             yield batch
 
 
+def holdout_fraction(cfg: RunConfig) -> float:
+    """The share of the train split held out for validation: none with a validation split of its
+    own, and none for RL's prompts (data/prompts.py reads them whole: an RL run has no validation)."""
+    d = cfg.data
+    if d.format == "prompts" or d.validation_split:
+        return 0.0
+    return d.validation_fraction
+
+
 @dataclass
 class Splits:
     """The corpora of a run and how validation is taken from them."""

@@ -71,6 +71,15 @@ def model_config(cfg: RunConfig, vocab_size: Optional[int] = None, *, label_name
     return config
 
 
+def model_class(config, task: str):
+    """The Transformers class a run builds for `config` (no instance, no weights); None when the
+    auto mapping does not know it (a model of remote code)."""
+    try:
+        return auto_class(task)._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        return None
+
+
 COMMON_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "gemma2", "phi3", "gpt_neox", "opt", "bert", "t5")
 
 

@@ -13,21 +13,16 @@ if TYPE_CHECKING:
 
 
 def layout_problems(cfg: RunConfig) -> list[Problem]:
-    """The model's heads, tensor-parallel plan and layers against parallel.tp_size / sp_size / pp_size, read from
-    its config alone (no weights), and what the loop does not do (sequence parallel)."""
-    from overdrive.strategies import layout
+    """The model's heads, tensor-parallel plan, experts and layers against the layout, read from its
+    config alone (no weights), and what the loop does not do (sequence parallel): the rules of
+    resolving/validate_model.py, asked only when the layout or the experts ask the model's shape (a
+    cluster job's model need not be readable on the machine that writes it)."""
+    from overdrive.resolving.validate_model import asks_the_shape, model_rules
 
-    lay = layout.layout(cfg)
-    moe = cfg.model.moe  # model.moe.top_k / aux_loss_coef are refused on a model without experts (config/experts.py)
-    if (lay.tp == 1 and lay.sp == 1 and lay.pp == 1 and cfg.parallel.ep_size == 1 and cfg.peft.method != "qlora"
-            and moe.top_k is None and moe.aux_loss_coef is None):
+    if not asks_the_shape(cfg):
         return []
-    from overdrive.config.experts import qlora_problems
-    from overdrive.memory.model_shape import hf_config_for_run
-
-    hf_config = hf_config_for_run(cfg)
-    return (layout.loop_problems(cfg) + layout.model_problems(cfg, hf_config)
-            + qlora_problems(cfg.peft.method, hf_config))  # a mixture of experts' stacked experts stay unquantized
+    found, unreadable = model_rules(cfg)
+    return found + unreadable
 
 
 def cluster_problems(cfg: RunConfig, supplied: Sequence[str] = ()) -> list[Problem]:

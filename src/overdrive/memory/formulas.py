@@ -81,6 +81,9 @@ class Row:
     activations_full_bytes: int = 0
     activations_checkpointed_bytes: int = 0
     fits: bool | None = None
+    # Why train would refuse this row's strategy with the sizes asked (`<key>: <why>`, memory/refusals.py);
+    # None: it would run. A refused row never fits.
+    refused: str | None = None
     terms: list[tuple[str, str, int]] = field(default_factory=list)
     """(field, what, bytes): every addend, so each number can be traced to its cause."""
     notes: list[str] = field(default_factory=list)
@@ -99,7 +102,7 @@ class Row:
 
     def to_dict(self) -> dict:
         out = {name: getattr(self, name) for name in ("strategy", "label", *FIELDS)}
-        out.update(total_bytes=self.total_bytes, host_bytes=self.host_bytes, fits=self.fits,
+        out.update(total_bytes=self.total_bytes, host_bytes=self.host_bytes, fits=self.fits, refused=self.refused,
                    activations_saved_bytes=self.activations_saved_bytes,
                    activations_full_bytes=self.activations_full_bytes,
                    activations_checkpointed_bytes=self.activations_checkpointed_bytes,

@@ -24,6 +24,10 @@ class DataSize:
     tokens: Optional[int]
     basis: str
     exact: bool = False
+    # The training samples of an epoch where a sample is not a packed block of tokens (RL's
+    # completion slots, pairs, rows: data/estimate.Forecast.samples), already less any hold-out.
+    samples: Optional[int] = None
+    samples_basis: str = ""
 
 
 def data_size(cfg: RunConfig, cached_tokens: Optional[int] = None) -> DataSize:
@@ -71,6 +75,8 @@ class Arithmetic:
     train_tokens: Optional[int]
     steps_per_epoch: Optional[int]
     epochs: Optional[float]
+    held_out: float = 0.0  # the share of the data held out for validation (0: the run has no hold-out)
+    samples: Optional[int] = None  # training samples per epoch
 
 
 def arithmetic(cfg: RunConfig, data: DataSize, micro_batch: int) -> Arithmetic:
@@ -82,12 +88,17 @@ def arithmetic(cfg: RunConfig, data: DataSize, micro_batch: int) -> Arithmetic:
     split = batch.split(batch.with_split(cfg, micro_batch, t.gradient_accumulation_steps))
     world, global_batch = split.data_parallel, split.global_batch
     tokens_per_step = global_batch * cfg.data.max_length
-    train_tokens = steps = epochs = None
+    from overdrive.data.sources import holdout_fraction  # torch comes with data/: plan has it by now
+
+    train_tokens = steps = epochs = samples = None
     max_steps = t.max_steps
+    held_out = holdout_fraction(cfg)
     if data.tokens is not None:
-        held_out = cfg.data.validation_fraction if cfg.data.validation_split is None else 0.0
         train_tokens = int(data.tokens * (1 - held_out))
         samples = train_tokens // cfg.data.max_length  # packed blocks of max_length tokens
+    if data.samples is not None:  # counted as the run counts them (pairs, rows, completion slots)
+        samples = data.samples
+    if samples is not None:
         steps = samples // global_batch
         if t.num_epochs is not None and steps:
             from overdrive.config.length import steps_for
@@ -95,4 +106,4 @@ def arithmetic(cfg: RunConfig, data: DataSize, micro_batch: int) -> Arithmetic:
             max_steps = steps_for(t.num_epochs, steps)  # as the run will count them (config/length.py)
         epochs = max_steps / steps if steps else None
     return Arithmetic(world, micro_batch, t.gradient_accumulation_steps, cfg.data.max_length, global_batch,
-                      tokens_per_step, max_steps, train_tokens, steps, epochs)
+                      tokens_per_step, max_steps, train_tokens, steps, epochs, held_out, samples)

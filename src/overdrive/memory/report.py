@@ -47,7 +47,9 @@ def apply_verdict(est: Estimate, cap: Capacity, headroom: float = HEADROOM, node
     local = -(-est.setup.devices // max(nodes, 1))
     host_budget = cap.host_bytes * (1 - headroom)
     for row in est.rows:
-        if cap.kind == "host":
+        if row.refused:  # train would not run it, whatever its memory
+            row.fits = False
+        elif cap.kind == "host":
             # Training on the CPU: every local process draws on the same RAM.
             row.fits = (row.total_bytes + row.host_bytes) * local <= host_budget
         else:
@@ -127,7 +129,7 @@ def table_rows(est: Estimate) -> tuple[list[str], list[list[str]]]:
                "host/proc", "fits"]
     rows = []
     for r in est.rows:
-        fits = "-" if r.fits is None else ("yes" if r.fits else "no")
+        fits = "refused" if r.refused else "-" if r.fits is None else ("yes" if r.fits else "no")
         rows.append([r.strategy, gib(r.params_bytes), gib(r.grads_bytes), gib(r.optimizer_bytes),
                      gib(r.master_weights_bytes), gib(r.activations_full_bytes),
                      gib(r.activations_checkpointed_bytes), gib(r.buffers_bytes), gib(r.total_bytes),
@@ -150,8 +152,14 @@ def render(est: Estimate, cap: Capacity, best: Optional[Row], headroom: float = 
         f"capacity: {cap.source}; fits leaves {headroom:.0%} headroom.",
         f"cheapest that fits: {best.strategy} ({best.label})" if best else
         "nothing fits: add devices, lower the micro-batch or sequence length, or turn on checkpointing.",
+        *refusal_lines(est),
     ]
     print("\n".join(lines), file=file)
+
+
+def refusal_lines(est: Estimate) -> list[str]:
+    """Each row train would refuse, and why (memory/refusals.py)."""
+    return [f"refused: {r.strategy}: {r.refused}" for r in est.rows if r.refused]
 
 
 def _layout(s) -> str:
@@ -232,7 +240,7 @@ def markdown(est: Estimate, cap: Optional[Capacity] = None, best: Optional[Row] 
             "host RAM/process | fits |")
     lines = [head, "| --- " * 10 + "|"]
     for r in est.rows:
-        fits = "-" if r.fits is None else ("yes" if r.fits else "no")
+        fits = "refused" if r.refused else "-" if r.fits is None else ("yes" if r.fits else "no")
         act = f"{r.activations_full_bytes / GIB:.1f} ({r.activations_checkpointed_bytes / GIB:.1f})"
         lines.append(f"| {r.strategy} | " + " | ".join(f"{v / GIB:.1f}" for v in (
             r.params_bytes, r.grads_bytes, r.optimizer_bytes, r.master_weights_bytes)) + f" | {act} | "
@@ -243,4 +251,5 @@ def markdown(est: Estimate, cap: Optional[Capacity] = None, best: Optional[Row] 
     if cap is not None:
         notes.append(f"fits: within {cap.source} less {HEADROOM:.0%}"
                      + (f"; cheapest that fits: **{best.strategy}**." if best else "; nothing fits."))
+    notes += [f"{line}." for line in refusal_lines(est)]
     return "\n".join(lines) + "\n\n" + " ".join(notes)

@@ -10,7 +10,7 @@ from typing import Iterable, Mapping, Optional
 
 from overdrive.config.redact import redact_text
 from overdrive.errors import Problem
-from overdrive.resolving.resolve import Checks, resolve
+from overdrive.resolving.resolve import Checks, Rules, resolve
 from overdrive.resolving.resolved import Resolved
 
 
@@ -28,13 +28,14 @@ def tell_warnings(problems: Iterable[Problem]) -> None:
 
 def resolve_items(items: Iterable[str], accelerate_default: bool = True,
                   env: Optional[Mapping[str, str]] = None, tell: bool = True,
-                  checks: Optional[Checks] = None) -> Resolved:
+                  checks: Optional[Checks] = None, rules: Optional[Rules] = None) -> Resolved:
     """The resolved config of a command's FILE and KEY=VALUE items; its warnings told unless `tell`
     is false (a command that shows them in its own output, as explain does). `checks`: the command's
-    checks of the user's code and data (resolve's), reported with the config's problems."""
+    checks of the user's code and data; `rules`: its own checks of the settled config (resolve's
+    Checks and Rules), reported with the config's problems."""
     refuse_keys_as_files(list(items))
     files, cli = split_items(items)
-    resolved = resolve(files, cli=cli, accelerate_default=accelerate_default, env=env, checks=checks)
+    resolved = resolve(files, cli=cli, accelerate_default=accelerate_default, env=env, checks=checks, rules=rules)
     if tell:
         tell_warnings(resolved.warnings)
     return resolved

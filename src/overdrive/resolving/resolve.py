@@ -25,6 +25,10 @@ from overdrive.resolving.resolved import Resolved, config_directories
 # functions and data: training/user_inputs.py): (config, where(key), directories) -> (errors, warnings).
 Checks = Callable[[RunConfig, Callable[[str], str], list[Path]], tuple[list[Problem], list[Problem]]]
 
+# A command's own checks of a settled config: (config, chains) -> (errors, warnings).
+Rules = Callable[[RunConfig, Mapping[str, list]], tuple[list[Problem], list[Problem]]]
+
+
 def accelerate_default_path(environ: Mapping[str, str] | None = None) -> Path:
     """Where `accelerate config` writes its default: $HF_HOME/accelerate/default_config.yaml."""
     environ = process_environment(environ)
@@ -41,12 +45,17 @@ def resolve(
     accelerate_default: bool | str | Path = True,
     above: Sequence[str | Path] = (),
     checks: Optional[Checks] = None,
+    rules: Optional[Rules] = None,
 ) -> Resolved:
     """Resolve every layer, validate, and return the config with provenance.
 
     `above`: files applied over every layer, overrides included (a sweep trial's values:
     `overdrive sweep` writes them, labelled with their own `layer:`).
     `checks`: the command's checks of the user's code and data, reported with the config's problems.
+
+    `rules(config, chains)`: a command's own checks of the settled config, (errors, warnings),
+    reported in the same UserError as every rule here (explain and train: the model's config,
+    this machine), so one run names every problem.
 
     Raises UserError listing every problem found (unknown keys, types, ranges, cross-field
     and world-size rules). Hardware checks are separate: see `check_for_train`.
@@ -91,6 +100,10 @@ def resolve(
     user_errors, user_warnings = _checked(checks, config, chains)
     rule_warnings += user_warnings
     errors += length_errors + rule_errors + user_errors
+    if rules is not None:
+        more_errors, more_warnings = rules(config, chains)
+        errors += more_errors
+        rule_warnings += more_warnings
     warnings += length_warnings
     if errors:
         raise UserError(errors)
@@ -127,14 +140,18 @@ def _settled_later(problem: Problem, later: Sequence) -> bool:
                               for k in keys)
 
 
-def check_for_train(resolved: Resolved, hardware=None) -> None:
-    """Before training: what this machine lacks of what the config asks is an error.
+def train_hardware_problems(cfg: RunConfig, chains: Mapping[str, list], hardware=None) -> list[Problem]:
+    """What this machine lacks of what the config asks, judged as train judges it (errors).
 
     A run on the CPU (`launch.use_cpu`) asks nothing of the GPUs: they are not looked for, which
     spares a launcher process the import of torch (a second or two before its workers start)."""
     from overdrive.system import hardware as hw
-    cfg = resolved.config
     found = hardware or (hw.detect(light=True, look_for_gpus=False) if cfg.launch.use_cpu else hw.detect(light=False))
-    problems = validate.hardware_problems(cfg, resolved.chains, found)
+    return validate.hardware_problems(cfg, chains, found)
+
+
+def check_for_train(resolved: Resolved, hardware=None) -> None:
+    """Before training: what this machine lacks of what the config asks is an error."""
+    problems = train_hardware_problems(resolved.config, resolved.chains, hardware)
     if problems:
         raise UserError(problems, title="this machine cannot run the config as written")

@@ -51,6 +51,23 @@ def kernel_runs(cfg: RunConfig, device_type: str) -> str:
     return kernel
 
 
+def rescales_logits(config) -> bool:
+    """Whether the model scales its logits after the LM head (Gemma-2's soft-capping, Cohere's logit
+    scale): the loss kernels take the head's plain output, so they would compute another loss."""
+    return bool(getattr(config, "final_logit_softcapping", None)) or \
+        getattr(config, "logit_scale", None) not in (None, 1, 1.0)
+
+
+def model_rules(cfg: RunConfig, config, where: Callable[[str], str] = lambda key: "") -> list[Problem]:
+    """A loss kernel asked for by name against the model's config (no weights): train refuses the same
+    model once built (training/loss_kernels.py), this says so before launch."""
+    kernel = cfg.training.loss_kernel
+    if kernel not in ("chunked", "fused") or not rescales_logits(config):
+        return []
+    return [Problem(KEY, f"{type(config).__name__} rescales its logits after the LM head (soft-capping or a logit "
+                    "scale), which the loss kernels leave out", where(KEY), f"set {KEY}=full")]
+
+
 def loss_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
     errors: list[Problem] = []
     kernel = cfg.training.loss_kernel

@@ -195,6 +195,33 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (DDP, DEEPSPEED, FSDP)}
 NAMES = tuple(STRATEGIES)
 
 
+# Each estimator row (memory/formulas.STRATEGIES) as the settings a run would give to train it:
+# `estimate` judges every row by the rules train applies to those settings (the inverse of
+# Strategy.estimator_row, held against it by a test).
+ROW_SETTINGS: dict[str, dict[str, Any]] = {
+    "ddp": {"parallel.strategy": "ddp"},
+    "zero1": {"parallel.strategy": "deepspeed", "parallel.deepspeed.zero_stage": 1},
+    "zero2": {"parallel.strategy": "deepspeed", "parallel.deepspeed.zero_stage": 2},
+    "zero3": {"parallel.strategy": "deepspeed", "parallel.deepspeed.zero_stage": 3},
+    "fsdp2": {"parallel.strategy": "fsdp", "parallel.fsdp.version": 2},
+    "zero2_offload": {"parallel.strategy": "deepspeed", "parallel.deepspeed.zero_stage": 2,
+                      "parallel.deepspeed.offload_optimizer": "cpu"},
+    "zero3_offload_optimizer": {"parallel.strategy": "deepspeed", "parallel.deepspeed.zero_stage": 3,
+                                "parallel.deepspeed.offload_optimizer": "cpu"},
+    "zero3_offload": {"parallel.strategy": "deepspeed", "parallel.deepspeed.zero_stage": 3,
+                      "parallel.deepspeed.offload_optimizer": "cpu", "parallel.deepspeed.offload_param": "cpu"},
+    "fsdp2_offload": {"parallel.strategy": "fsdp", "parallel.fsdp.version": 2, "parallel.fsdp.offload_params": True},
+}
+
+
+def row_settings(row: str) -> dict[str, Any]:
+    """The dotted settings that train an estimator row's strategy."""
+    try:
+        return dict(ROW_SETTINGS[row])
+    except KeyError:
+        raise ValueError(f"unknown estimator row {row!r}: one of {', '.join(ROW_SETTINGS)}") from None
+
+
 def named(name: str) -> Strategy:
     try:
         return STRATEGIES[name]

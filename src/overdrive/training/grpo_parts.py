@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
-import overdrive.config.batch as batch
+from overdrive.config import batch
 from overdrive.config.schema import RunConfig
 from overdrive.data import prompts as prompts_mod
 from overdrive.strategies import registry
@@ -31,9 +31,7 @@ def prepare(cfg: RunConfig, make_tokenizer) -> tuple[Any, PromptData]:
     """(tokenizer, the prompts and their slots); every rank reads the (small) prompt set itself."""
     tokenizer = make_tokenizer(cfg, [], "")
     prompt_set = prompts_mod.encode(cfg, prompts_mod.read(cfg), tokenizer)
-    split = batch.split(cfg)
-    layout = prompts_mod.SlotLayout(split.micro, split.accumulation, split.data_parallel, cfg.rl.num_generations,
-                                    cfg.rl.num_iterations, len(prompt_set.rows), cfg.training.seed)
+    layout = prompts_mod.slot_layout(cfg, len(prompt_set.rows))
     return tokenizer, PromptData(prompt_set, layout, prompts_mod.Slots(layout))
 
 

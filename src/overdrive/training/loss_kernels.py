@@ -73,7 +73,7 @@ def _head(model: torch.nn.Module) -> torch.nn.Linear:
     """The LM head as a plain linear layer, or the key refused: a head that is not one (a LoRA
     layer on lm_head, a quantised head) or logits the model rescales after it are the model's own."""
     config = getattr(model, "config", None)
-    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) not in (None, 1, 1.0):
+    if validate_loss.rescales_logits(config):  # the rule explain and train judged before launch
         raise UserError(Problem(KEY, f"{_own_class(model).__name__} rescales its logits after the LM head "
                                 "(soft-capping or a logit scale), which the loss kernels leave out",
                                 fix=f"set {KEY}=full"))

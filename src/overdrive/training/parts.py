@@ -85,11 +85,14 @@ def _micro_batch(cfg: RunConfig) -> int:
     return mbs
 
 
-def _check_positions(config, seq_len: int) -> None:
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if limit is not None and seq_len > limit:
-        raise UserError(Problem("data.max_length", f"{seq_len} is longer than the model's {limit} positions",
-                                fix=f"set data.max_length <= {limit}"))
+def _check_positions(cfg: RunConfig, config) -> None:
+    """The rule train judged from the model's config before launch, asked again of the model built
+    (a run started from Python, not through `overdrive train`)."""
+    from overdrive.resolving.validate_model import positions_problems
+
+    found = positions_problems(cfg, config)
+    if found:
+        raise UserError(found)
 
 
 def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], None]] = None) -> Parts:
@@ -115,6 +118,16 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
         tokenizer, tokens = data_mod.prepare(cfg, build_tokenizer, build=accelerator.is_local_main_process,
                                              show=accelerator.is_main_process and cfg.logging.level != "quiet")
     cfg, derived = _counted_from_data(cfg, tokens.train, split.global_batch)
+    # The loader before the model: data too small for one global batch is refused before any weight is read.
+    collate = data_mod.collate_for(data_mod.sample_kind(cfg), tokenizer.pad_token_id, d.max_length)
+
+    def loader_at(at: batch.BatchSplit):  # at the run's split, or at the split an OOM redo settles on
+        if grpo.enabled(cfg):  # RL: prompts in completion slots
+            return grpo_parts.loader(tokens, at)
+        return data_mod.train_loader(tokens.train, at.micro, at.accumulation, at.data_parallel, t.seed, d.shuffle,
+                                     d.num_workers, d.pin_memory, collate)
+
+    train_loader = loader_at(split)
     special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
     if cfg.model.task == "sequence-classification":
         # The classifier reads the last non-pad token. A causal LM gets no pad id: packed
@@ -127,21 +140,12 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
     device = accelerator.device if staged else adapter.load_device(cfg, accelerator.device)
     model = model_mod.build_model(cfg, vocab_size=len(tokenizer), label_names=label_names,
                                   special_tokens=special, device=device)
-    _check_positions(model.config, d.max_length)
+    _check_positions(cfg, model.config)
     upcast = master_weights.upcast_trainable(cfg, model)
     balance = moe.attach(cfg, model, accelerator)  # hooked before anything wraps the model
     layers, width = model_mod.shape_of(model.config)
     # MFU against the peak of the precision the matmuls run in (bf16 weights without autocast: bf16).
     peak = telemetry.DevicePeak(accelerator.device, matmul_precision(cfg.precision.mixed_precision, model), cache_dir)
-    collate = data_mod.collate_for(data_mod.sample_kind(cfg), tokenizer.pad_token_id, d.max_length)
-
-    def loader_at(at: batch.BatchSplit):
-        if grpo.enabled(cfg):  # RL: prompts in completion slots
-            return grpo_parts.loader(tokens, at)
-        return data_mod.train_loader(tokens.train, at.micro, at.accumulation, at.data_parallel, t.seed, d.shuffle,
-                                     d.num_workers, d.pin_memory, collate)
-
-    train_loader = loader_at(split)
     if staged:
         fpt = telemetry.flops_per_token(model_mod.flop_params(model), layers, width, d.max_length)
         stages = pipeline.Pipeline(cfg, accelerator, model)
