@@ -25,6 +25,8 @@ def kernel_blocker(cfg: RunConfig) -> Optional[tuple[str, str]]:
     if cfg.model.task != "causal-lm" or cfg.data.format == "preference" or cfg.preference.method != "none":
         return ("model.task", "the loss kernels compute a causal LM's token loss; preference methods and "
                 "classification take the model's own outputs")
+    if cfg.distill.teacher is not None:
+        return ("distill.teacher", "the divergence compares the student's whole logits with the teacher's")
     lay = mesh.layout(cfg)
     for axis, key, why in (("tp", "parallel.tp_size", "a tensor-parallel LM head holds a slice of the vocabulary"),
                            ("pp", "parallel.pp_size", "the pipeline's last stage computes the model's own loss"),
