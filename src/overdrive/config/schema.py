@@ -20,6 +20,7 @@ from overdrive.config.schema_moe import MoeConfig
 from overdrive.config.schema_parallel import ParallelConfig
 from overdrive.config.schema_peft import PeftConfig
 from overdrive.config.schema_preference import PreferenceConfig
+from overdrive.config.schema_distill import DistillConfig
 from overdrive.config.schema_rl import RLConfig
 from overdrive.config.schema_recipe import OptimConfig, SchedulerConfig
 from overdrive.config.schema_resilience import LossSpikeConfig
@@ -378,6 +379,8 @@ class RunConfig(Section):
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig,
                                          description="Preference training (DPO, IPO, ORPO, SimPO).")
     rl: RLConfig = Field(default_factory=RLConfig, description="Online RL on prompts (GRPO, DAPO, Dr. GRPO).")
+    distill: DistillConfig = Field(default_factory=DistillConfig,
+                                   description="Knowledge distillation from a teacher (docs/distillation.md).")
     compile: CompileConfig = Field(default_factory=CompileConfig, description="torch.compile.")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="Processes and machines.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")

@@ -299,6 +299,23 @@ def adapter_of_run(cfg: RunConfig):
 _ADAPTERS: dict[str, Any] = {}
 
 
+def teacher_params_of_run(cfg: RunConfig) -> int:
+    """The parameters of a distillation teacher (`distill.teacher`), counted on the meta device from its
+    config (no weights); 0 without one. Cached per teacher, as the adapter is."""
+    if cfg.distill.teacher is None:
+        return 0
+    if cfg.distill.teacher not in _TEACHERS:
+        from overdrive.hf.teacher import teacher_config
+
+        with _quiet_transformers():
+            config = teacher_config(cfg)
+        _TEACHERS[cfg.distill.teacher] = model_shape(Source(config, cfg.distill.teacher)).params
+    return _TEACHERS[cfg.distill.teacher]
+
+
+_TEACHERS: dict[str, int] = {}
+
+
 def run_setup(cfg: RunConfig, target: str = "cuda", **changes):
     """The estimator's input built from a run: its Setup (memory/shape.setup_for_run) with the
     adapter it trains attached. The one place this is done: plan, estimate, the tuner and the
@@ -308,6 +325,9 @@ def run_setup(cfg: RunConfig, target: str = "cuda", **changes):
     from overdrive.memory.shape import setup_for_run
 
     setup = setup_for_run(cfg, target, **changes)
+    if cfg.distill.teacher is not None:  # a frozen teacher whole on every rank beside the student
+        setup = replace(setup, teacher_params=teacher_params_of_run(cfg),
+                        teacher_bytes=2 if cfg.model.dtype in ("bfloat16", "float16") else 4)
     adapter = changes.get("adapter", adapter_of_run(cfg))
     return replace(setup, adapter=adapter) if adapter is not None else setup
 

@@ -129,6 +129,11 @@ class Setup:
     generation_tokens: int = 0
     """RL (rl.method): the tokens of one group being generated, num_generations x (data.max_length +
     rl.max_completion_length) at most, whose KV cache the policy holds while it samples them."""
+    teacher_params: int = 0
+    """Distillation (distill.teacher): the teacher's parameters, frozen and whole on every rank, in the
+    student's dtype (training/distill.py)."""
+    teacher_bytes: int = 4
+    """Bytes of a teacher parameter: 2 where model.dtype is a 16-bit type, else 4."""
     loss_kernel: str = "full"
     """The token loss's kernel as it runs (`training.loss_kernel`, `auto` settled): full, chunked or fused."""
     logits_held: bool = False
@@ -232,7 +237,8 @@ def setup_for_run(cfg: RunConfig, target: Target = "cuda", **changes) -> Setup:
         reference_copy=_reference_copy(cfg),
         generation_tokens=_generation_tokens(cfg),
         loss_kernel=_loss_kernel(cfg, target),
-        logits_held=cfg.preference.method != "none",
+        # preference methods' log-probabilities; distillation's divergence over the whole logits
+        logits_held=cfg.preference.method != "none" or cfg.distill.teacher is not None,
         activation_offloading=cfg.training.activation_offloading,
         **_layout_of(cfg, changes.get("devices")),
     )

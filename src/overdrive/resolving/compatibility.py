@@ -29,6 +29,7 @@ OBJECTIVES = {  # name: the keys that ask for it
              "rl.reward_funcs=[{function: length, target_length: 8}]"],
     "reward": [*PRETRAINED, "data.format=preference", "preference.method=reward", "data.packing=false",
                "model.task=sequence-classification"],
+    "distill": [*PRETRAINED, "distill.teacher=org/larger-model"],
 }
 LAYOUTS = {  # name: (processes, keys)
     "1 process": (1, []),

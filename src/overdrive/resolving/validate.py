@@ -165,11 +165,15 @@ def check(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]
     peft_errors, peft_warnings = _peft_rules(cfg, chains)
     preference_errors, preference_warnings = _preference_rules(cfg, chains)
     rl_errors, rl_warnings = _rl_rules(cfg, chains)
+    from overdrive.resolving.validate_distill import distill_rules
+
+    distill_errors, distill_warnings = distill_rules(cfg, lambda key: _where(chains, key),
+                                                     lambda key: set_by_user(chains, key))
     from overdrive.resolving.validate_resilience import resilience_rules
 
     resilience_errors, resilience_warnings = resilience_rules(cfg, lambda key: _where(chains, key))
-    return (errors + peft_errors + preference_errors + rl_errors + resilience_errors,
-            warnings + peft_warnings + preference_warnings + rl_warnings + resilience_warnings)
+    return (errors + peft_errors + preference_errors + rl_errors + distill_errors + resilience_errors,
+            warnings + peft_warnings + preference_warnings + rl_warnings + distill_warnings + resilience_warnings)
 
 
 def _rl_rules(cfg: RunConfig, chains: Chains) -> tuple[list[Problem], list[Problem]]:

@@ -22,7 +22,7 @@ from overdrive.training import telemetry
 from overdrive.training import optimizers
 from overdrive.training.dtypes import matmul_precision
 from overdrive.training import activation_offload, loss_kernels
-from overdrive.training import context_parallel, forward_backward, grpo, grpo_parts, pipeline, preference, reference
+from overdrive.training import context_parallel, distill, forward_backward, grpo, grpo_parts, pipeline, preference, reference
 from overdrive.training.objective import Objective, TokenObjective
 from overdrive.training.pipeline import Pipeline
 from overdrive.training.recipe import Recipe
@@ -191,6 +191,9 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
         objective = preference.PreferenceObjective(cfg, accelerator, train_ref, eval_ref)
     elif grpo.enabled(cfg):
         objective = grpo_parts.objective(cfg, accelerator, tokenizer, tokens, reference_model)
+    elif distill.enabled(cfg):  # the student's loss against a frozen teacher's distributions
+        say(f"loading the teacher ({cfg.distill.teacher})")
+        objective = distill.objective(cfg, accelerator)
     if balance is not None:  # a mixture of experts: the router's balance term beside the token loss
         sharing = max(accelerator.num_processes // split.data_parallel // context_parallel.cp_size(cfg), 1)
         objective = moe.BalancedObjective(objective, balance, accelerator, sharing=sharing)

@@ -1,11 +1,13 @@
 """The user's own code and data checked before a model loads, in one pass with the config's rules
-(`resolve(..., checks=check)`: `explain` and `train` ask it): the reward functions (imported,
+(`resolve(..., checks=check)`: `explain` and `train` ask it): a distillation teacher's tokenizer against
+the student's (hf/teacher.py, from their files), the reward functions (imported,
 their signatures bound, called once: training/reward_checks.py) and every row of a local prompt
 set or KTO set (data/prompt_checks.py). Nothing is written. Only an RL or KTO run imports the data
 package (and torch with it) to be checked."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -18,8 +20,12 @@ def check(cfg: RunConfig, where: Callable[[str], str],
     """(errors, warnings); `directories`: where reward modules are looked for (the config files' and the
     working directory)."""
     rl, kto = cfg.rl.method != "none", cfg.preference.method == "kto"
+    from overdrive.hf import teacher
+
+    # the teacher's tokenizer against the student's, from files (no weights)
+    taught = [replace(p, where=p.where or where(p.key)) for p in teacher.fit_problems(cfg)]
     if not (rl or kto):
-        return [], []
+        return taught, []
     # Here, not above: the data package loads torch as it is imported, and `explain` of any other run needs none.
     from overdrive.data import prompt_checks
     from overdrive.data.row_table import local_table
@@ -40,5 +46,5 @@ def check(cfg: RunConfig, where: Callable[[str], str],
     if kto and table is not None:
         more_errors, warnings = prompt_checks.kto_balance(cfg, table, where)
         errors += more_errors
-    return errors, warnings
+    return taught + errors, warnings
 

@@ -1,0 +1,62 @@
+"""Distillation runs as `overdrive train` runs it: chat data (the assistant's tokens alone in the loss),
+a small Llama taught by a wider one, the same losses on one process (micro 4) and on 2 processes
+(ZeRO-2, micro 2) over gloo: the teacher whole on every rank beside a student a library wraps (DDP's
+replicas are the same case with a plainer wrapper); the split on one process is tests/test_distill.py's."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+from checkpoint_probe import records, run
+from hf_fixtures import LETTERS, make_tiny_llama
+from strategy_probe import free_port
+
+pytestmark = pytest.mark.slow
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("distill-runs")
+    make_tiny_llama(root / "student", seed=0, hidden_size=32)
+    make_tiny_llama(root / "teacher", seed=1, hidden_size=64)
+    rng = random.Random(0)
+    with open(root / "chat.jsonl", "w") as f:
+        for _ in range(48):
+            question = " ".join(rng.choice(LETTERS) for _ in range(rng.randint(2, 6)))
+            answer = " ".join(rng.choice(LETTERS) for _ in range(rng.randint(1, 5)))
+            f.write(json.dumps({"messages": [{"role": "user", "content": question},
+                                             {"role": "assistant", "content": answer}]}) + "\n")
+    return root
+
+
+def _train(work: Path, out: str, *extra: str) -> dict[int, dict]:
+    done = run([sys.executable, "-m", "overdrive.cli", "train", f"model.name_or_path={work / 'student'}",
+                "model.from_scratch=false", f"distill.teacher={work / 'teacher'}", "distill.temperature=2.0",
+                "distill.alpha=0.5", f"data.source={work / 'chat.jsonl'}", "data.format=chat", "data.packing=false",
+                "data.max_length=48", f"data.cache_dir={work / 'cache'}", f"output_dir={work / out}",
+                f"training.max_steps={STEPS}", "training.log_every_steps=1", "optim.lr=1e-3", "launch.use_cpu=true",
+                "precision.mixed_precision=no", "checkpoint.enabled=false", "checkpoint.save_final_model=false",
+                "logging.trackers=[none]", f"launch.main_process_port={free_port()}", *extra], cwd=work, timeout=600)
+    assert done.returncode == 0, out + done.stdout[-3000:] + done.stderr[-3000:]
+    return {r["step"]: r for r in records(work / out) if "loss" in r}
+
+
+def test_one_process_and_zero2_give_the_same_distillation_losses(work):
+    expected = _train(work, "one", "training.micro_batch_size=4", "training.gradient_accumulation_steps=1")
+    first = expected[1]
+    assert {"distill/loss", "distill/cross_entropy", "distill/top1_agreement"} <= set(first)
+    # alpha 0.5: the step's loss is the mean of the two, per loss token of the global batch
+    assert abs(first["loss"] - 0.5 * (first["distill/loss"] + first["distill/cross_entropy"])) <= 1e-5
+    two = ("launch.num_processes=2", "training.micro_batch_size=2", "training.gradient_accumulation_steps=1")
+    for name, extra in (("zero2", ("parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=2", *two)),):
+        got = _train(work, name, *extra)
+        assert sorted(got) == list(range(1, STEPS + 1))
+        for step in got:
+            print(name, step, got[step]["loss"], expected[step]["loss"])
+            assert abs(got[step]["loss"] - expected[step]["loss"]) <= 1e-5, (name, step)
+            assert abs(got[step]["distill/top1_agreement"] - expected[step]["distill/top1_agreement"]) <= 1e-9
