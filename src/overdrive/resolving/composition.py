@@ -97,6 +97,12 @@ ROWS: tuple[Row, ...] = (
         "the fused kernels return a summed cross entropy, and GRPO's loss needs each completion token's "
         "log-probability (chunked computes those without the logits)",
         "set training.loss_kernel=chunked (or full, or auto, which settles on full for GRPO)"),
+    # A tool-calling rollout (rl.tools) is GRPO's generation in turns: each completion continues as many
+    # times as it calls tools, so ranks call generate a different number of times. Under ZeRO-3 and FSDP2
+    # every forward of generate is taken by every rank together (synced_gpus): they would wait on each other.
+    Row(ONLINE, "tools+sharded", "rl.tools",
+        "the ranks of a sharded policy generate together, one forward each, and tool calls give each rank its own "
+        "number of turns", "train with DDP or ZeRO-1/2 (each rank holds the whole policy), or remove rl.tools"),
     Row(EVERY, "tensor-parallel+adapter", "parallel.tp_size",
         "PEFT's A and B matrices are plain tensors that Transformers' tp plan does not split, beside base weights "
         "sharded as DTensors", "shard an adapter run with FSDP (parallel.tp_size=1), which shards frozen and "
@@ -130,6 +136,10 @@ def pieces_of(cfg: RunConfig) -> set[str]:
         pieces |= {"tensor-parallel"} | ({"tensor-parallel+adapter"} if adapter else set())
     if cfg.parallel.ep_size > 1:
         pieces.add("expert-parallel")
+    if cfg.rl.method != "none" and cfg.rl.tools:
+        from overdrive.strategies import registry
+
+        pieces |= {"tools"} | (set() if registry.of(cfg).holds_whole_model(cfg) else {"tools+sharded"})
     if cfg.training.loss_kernel in KERNELS:
         pieces |= {"loss kernel"} | ({"fused loss kernel"} if cfg.training.loss_kernel == "fused" else set())
     return pieces
