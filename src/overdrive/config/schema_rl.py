@@ -84,12 +84,24 @@ class RLConfig(Section):
                            "epsilon unless `rl.epsilon_high` is set).")
     epsilon_high: Optional[float] = Field(None, gt=0.0, description="The upper clipping bound 1 + epsilon_high "
                                           "(DAPO's clip-higher, e.g. 0.28). Empty: `rl.epsilon`.")
-    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = Field(
-        "dapo", description="How the per-token losses are reduced (TRL's names; TRL's default is dapo). `grpo`: "
-        "each completion's token mean, then the mean over completions (favours short answers); `dapo` and "
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo", "gspo", "cispo", "sapo"] = Field(
+        "dapo", description="The loss and how its per-token terms are reduced (TRL's names; TRL's default is dapo). "
+        "`grpo`: each completion's token mean, then the mean over completions (favours short answers); `dapo` and "
         "`bnpo`: the mean over every completion token of the global batch; `dr_grpo`: the token sum divided by "
-        "completions x max_completion_length (no length bias). Each holds whatever the micro-batch split."
+        "completions x max_completion_length (no length bias); `gspo`: GSPO, `grpo` with one importance ratio per "
+        "sequence (TRL's loss_type=grpo with importance_sampling_level=sequence); `cispo`: MiniMax-M1's, the "
+        "ratio clipped at `rl.epsilon_high` and detached, times the advantage and the log-prob, dapo's token mean; "
+        "`sapo`: a soft sigmoid gate in place of the clip (`rl.sapo_temperature_pos` / `_neg`), grpo's mean. Each "
+        "holds whatever the micro-batch split."
     )
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token", description="The importance ratio pi / pi_old per token (`token`) or one per completion, the "
+        "exponent of its tokens' mean log-ratio (`sequence`: GSPO's; `rl.loss_type=gspo` sets it)."
+    )
+    sapo_temperature_pos: float = Field(1.0, gt=0.0, description="`sapo`: the gate's temperature for positive "
+                                        "advantages (TRL's default).")
+    sapo_temperature_neg: float = Field(1.05, gt=0.0, description="`sapo`: the gate's temperature for the other "
+                                        "advantages (TRL's default).")
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="The advantage (reward - its group's mean) divided by the standard deviation of the "
         "group's rewards (`group`), of the whole batch's (`batch`), or not at all (`none`, Dr. GRPO's)."
@@ -105,3 +117,24 @@ class RLConfig(Section):
         "the weighted sum. Each is `{function: exact_match | regex | length | module:callable, weight, name, "
         "column, pattern, target_length}`."
     )
+    tools: list[str] = Field(
+        default_factory=list, description="Tools the policy may call while it generates (TRL's `tools`): import "
+        "paths `module:function` (or `module.function`) of plain Python functions with type hints and a Google "
+        "style docstring, found beside the config file, in the working directory or on PYTHONPATH. Their schemas "
+        "are rendered by the tokenizer's chat template; a tool call the policy writes is parsed by the tokenizer's "
+        "response_template, the tool runs and its result is appended as a tool message (context, never in the "
+        "loss) before generation goes on."
+    )
+    max_tool_calling_iterations: Optional[int] = Field(
+        None, ge=0, description="Most rounds of tool calls in one completion (TRL's). Empty: no limit but "
+        "`rl.max_completion_length`, which counts the tool results' tokens too."
+    )
+    tool_timeout_s: float = Field(
+        30.0, gt=0.0, description="Seconds one tool call may take; a call still running then is answered to the "
+        "policy as an error (and counted as a failure), as a tool that raises is."
+    )
+
+    @property
+    def sequence_level(self) -> bool:
+        """One importance ratio per completion: GSPO's (`loss_type: gspo`) or asked for by name."""
+        return self.loss_type == "gspo" or self.importance_sampling_level == "sequence"

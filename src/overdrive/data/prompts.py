@@ -17,7 +17,7 @@ With `rl.num_iterations` k, k consecutive steps share one step's groups (TRL's r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -53,17 +53,23 @@ def read(cfg: RunConfig) -> list[dict]:
     return rows
 
 
-def encode(cfg: RunConfig, rows: list[dict], tokenizer) -> PromptSet:
+def encode(cfg: RunConfig, rows: list[dict], tokenizer, tools: Optional[list] = None) -> PromptSet:
+    """The prompts' token ids; `tools` (rl.tools' JSON schemas) rendered by the chat template as TRL renders them."""
     column = cfg.data.prompt_column
     prompts = [row[column] for row in rows]
     conversational = isinstance(prompts[0], list)
+    if tools and not conversational:
+        raise UserError(Problem("rl.tools", "the prompts are text, and tools are offered through the chat template's "
+                                "turns", fix="give the prompts as chat turns ([{role: user, content: ...}]), or "
+                                "remove rl.tools"))
     if conversational and not getattr(tokenizer, "chat_template", None):
         raise UserError(Problem("tokenizer.chat_template", "the prompts are chat turns, and the tokenizer has no chat "
                                 "template", fix="set tokenizer.chat_template, or give the prompts as text"))
     ids = []
     for prompt in prompts:
         if conversational:
-            out = tokenizer.apply_chat_template(prompt, tokenize=True, return_dict=True, add_generation_prompt=True)
+            out = tokenizer.apply_chat_template(prompt, tokenize=True, return_dict=True, add_generation_prompt=True,
+                                                tools=tools or None)  # None, not []: Llama renders tool text for []
             ids.append(list(out["input_ids"]))
         else:
             ids.append(list(tokenizer(text=str(prompt))["input_ids"]))

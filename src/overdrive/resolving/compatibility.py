@@ -27,6 +27,8 @@ OBJECTIVES = {  # name: the keys that ask for it
     "kto": [*PRETRAINED, "data.format=preference", "preference.method=kto", "data.packing=false"],
     "grpo": [*PRETRAINED, "data.format=prompts", "rl.method=grpo", "rl.num_generations=2",
              "rl.reward_funcs=[{function: length, target_length: 8}]"],
+    "grpo + tools": [*PRETRAINED, "data.format=prompts", "rl.method=grpo", "rl.num_generations=2",
+                     "rl.reward_funcs=[{function: length, target_length: 8}]", "rl.tools=[my_tools:calculator]"],
     "reward": [*PRETRAINED, "data.format=preference", "preference.method=reward", "data.packing=false",
                "model.task=sequence-classification"],
     "distill": [*PRETRAINED, "distill.teacher=org/larger-model"],

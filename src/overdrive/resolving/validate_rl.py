@@ -16,7 +16,9 @@ from overdrive.errors import Problem
 
 _KNOBS = ("rl.num_generations", "rl.max_completion_length", "rl.temperature", "rl.top_p", "rl.top_k", "rl.beta",
           "rl.epsilon", "rl.epsilon_high", "rl.loss_type", "rl.scale_rewards", "rl.num_iterations",
-          "rl.mask_truncated_completions", "rl.reward_funcs")
+          "rl.mask_truncated_completions", "rl.reward_funcs", "rl.importance_sampling_level",
+          "rl.sapo_temperature_pos", "rl.sapo_temperature_neg", "rl.tools", "rl.max_tool_calling_iterations",
+          "rl.tool_timeout_s")
 
 # Axes of the layout a generating policy cannot take: (key, why).
 
@@ -72,7 +74,33 @@ def rl_rules(cfg: RunConfig, where: Callable[[str], str],
                               f" completions per step do not hold whole groups of rl.num_generations="
                               f"{rl.num_generations}", where("training.micro_batch_size"),
                               "make micro_batch_size x gradient_accumulation_steps a multiple of rl.num_generations"))
-    return errors + reference_rules(cfg, where), warnings
+    return errors + reference_rules(cfg, where) + loss_rules(cfg, where, set_explicitly), warnings + tool_warnings(
+        cfg, where, set_explicitly)
+
+
+def loss_rules(cfg: RunConfig, where: Callable[[str], str], set_explicitly: Callable[[str], bool]) -> list[Problem]:
+    """The GRPO family's settings agree: GSPO is the sequence-level ratio, CISPO's cap is asked for."""
+    rl, found = cfg.rl, []
+    if rl.loss_type == "gspo" and set_explicitly("rl.importance_sampling_level") and \
+            rl.importance_sampling_level == "token":
+        found.append(Problem("rl.importance_sampling_level", "rl.loss_type=gspo is the sequence-level importance "
+                             "ratio; a token-level one is grpo", where("rl.importance_sampling_level"),
+                             "remove rl.importance_sampling_level, or set rl.loss_type=grpo"))
+    if rl.loss_type == "cispo" and rl.epsilon_high is None:
+        # TRL falls back to epsilon (0.2) as CISPO's cap on the ratio: every token's weight would be cut to 0.2.
+        found.append(Problem("rl.epsilon_high", "rl.loss_type=cispo clips the importance ratio at rl.epsilon_high "
+                             "(its ε_max), which is not set (rl.epsilon, 0.2, would cap every ratio near 1 at 0.2)",
+                             where("rl.loss_type"), "set rl.epsilon_high=5.0 (the ScaleRL paper's, TRL's advice)"))
+    return found
+
+
+def tool_warnings(cfg: RunConfig, where: Callable[[str], str], set_explicitly: Callable[[str], bool]) -> list[Problem]:
+    """Knobs of a tool-calling rollout set without a tool: they do nothing."""
+    stray = [k for k in ("rl.max_tool_calling_iterations", "rl.tool_timeout_s") if set_explicitly(k)]
+    if cfg.rl.tools or not stray:
+        return []
+    return [Problem(stray[0], "applies to tool calls only (rl.tools is empty)", where(stray[0]),
+                    "add rl.tools, or remove the key")]
 def reference_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
     """A KL term needs a reference: the adapter switched off, or a whole frozen copy per rank (not where the
     strategy shards the policy)."""

@@ -23,18 +23,22 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from overdrive.config.schema import RunConfig
 from overdrive.data.prompts import PromptSet
-from overdrive.training import grpo_loss, rewards as rewards_mod
+from overdrive.training import grpo_loss, grpo_rollout, rewards as rewards_mod, tools as tools_mod
+# The micro-batch layout, here by name as before (training/grpo_batch.py holds it)
+from overdrive.training.grpo_batch import _pad, completion_batch, recut, trained_mask  # noqa: F401
 from overdrive.training.objective import Objective
 
 # Token-level sums of the loss's forward (over every rank at a read): TRL's global masked means.
 TOKEN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 # Step-level values from the gathered batch (the same on every rank): their mean over the steps read.
+# With rl.tools: TRL's tool statistics (calls per completion, failures per call), and ours.
+TOOL_METRICS = ("tools/call_frequency", "tools/failure_frequency", "tools/turns_mean", "timing/tools_s")
 STEP_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/min_length",
                 "completions/max_length", "completions/clipped_ratio", "completions/mean_terminated_length",
                 "timing/generation_s", "timing/scoring_s", "timing/reference_s")
@@ -47,64 +51,6 @@ def enabled(cfg: RunConfig) -> bool:
 def group_seed(seed: int, group: int) -> int:
     """The sampling seed of one group: a function of the run's seed and the group's number alone."""
     return (seed * 1_000_003 + group) % (2 ** 63 - 1)
-
-
-def _pad(rows: list[list[int]], value: int, left: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max((len(r) for r in rows), default=0)
-    ids = torch.full((len(rows), width), value, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        if row:
-            span = slice(width - len(row), width) if left else slice(0, len(row))
-            ids[i, span] = torch.tensor(row, dtype=torch.long)
-            mask[i, span] = 1
-    return ids.to(device), mask.to(device)
-
-
-def _pad_float(rows: list[torch.Tensor], width: int, device) -> torch.Tensor:
-    out = torch.zeros((len(rows), width), dtype=torch.float32, device=device)
-    for i, row in enumerate(rows):
-        out[i, :len(row)] = row.to(device)
-    return out
-
-
-def completion_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], advantages: torch.Tensor,
-                     pad_id: int, device, old: Optional[list] = None, ref: Optional[list] = None) -> dict:
-    """A micro-batch of completions as the loss reads it (TRL's layout: prompts left-padded,
-    completions right-padded) plus `input_ids`/`labels` for the loop's token counts."""
-    p_ids, p_mask = _pad(prompt_ids, pad_id, True, device)
-    c_ids, c_mask = _pad(completion_ids, pad_id, False, device)
-    input_ids = torch.cat([p_ids, c_ids], dim=1)
-    labels = torch.cat([torch.full_like(p_ids, -100), c_ids.masked_fill(c_mask == 0, -100)], dim=1)
-    batch = {"prompt_ids": p_ids, "prompt_mask": p_mask, "completion_ids": c_ids, "completion_mask": c_mask,
-             "advantages": advantages.to(device), "input_ids": input_ids, "labels": labels,
-             "attention_mask": torch.cat([p_mask, c_mask], dim=1)}
-    if old is not None:
-        batch["old_per_token_logps"] = _pad_float(old, c_ids.shape[1], device)
-    if ref is not None:
-        batch["ref_per_token_logps"] = _pad_float(ref, c_ids.shape[1], device)
-    return batch
-
-
-def recut(batches: list[dict], micro: int, pad: int) -> list[dict]:
-    """The same completions, in order, `micro` to a micro-batch (their padding trimmed and redone)."""
-    prompts, completions, advantages, old, ref = [], [], [], [], []
-    for b in batches:
-        for i in range(b["completion_ids"].shape[0]):
-            prompts.append(b["prompt_ids"][i][b["prompt_mask"][i] == 1].tolist())
-            kept = b["completion_mask"][i] == 1
-            completions.append(b["completion_ids"][i][kept].tolist())
-            advantages.append(b["advantages"][i])
-            old.append(b["old_per_token_logps"][i][kept] if "old_per_token_logps" in b else None)
-            ref.append(b["ref_per_token_logps"][i][kept] if "ref_per_token_logps" in b else None)
-    device = batches[0]["completion_ids"].device
-    out = []
-    for start in range(0, len(completions), micro):
-        span = slice(start, start + micro)
-        out.append(completion_batch(prompts[span], completions[span], torch.stack(advantages[span]), pad, device,
-                                    old=old[span] if old[0] is not None else None,
-                                    ref=ref[span] if ref[0] is not None else None))
-    return out
 
 
 def completion_logps(model: Any, batch: dict, temperature: float,
@@ -133,7 +79,7 @@ class GRPOObjective(Objective):
 
     def __init__(self, cfg: RunConfig, accelerator, tokenizer, prompts: PromptSet,
                  reference: Optional[Callable[[Any], contextlib.AbstractContextManager]] = None,
-                 sharded: bool = False, kernel: str = "full"):
+                 sharded: bool = False, kernel: str = "full", tools: Sequence["tools_mod.Tool"] = ()):
         self.rl, self.seed, self.micro = cfg.rl, cfg.training.seed, cfg.training.micro_batch_size
         self.kernel = kernel  # training.loss_kernel as it runs: full or chunked (the log-probs without the logits)
         self.accelerator, self.tokenizer, self.prompts = accelerator, tokenizer, prompts
@@ -144,9 +90,13 @@ class GRPOObjective(Objective):
         self.eps_low, self.eps_high = cfg.rl.epsilon, cfg.rl.epsilon_high if cfg.rl.epsilon_high else cfg.rl.epsilon
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = {i for i in [tokenizer.eos_token_id, self.pad_id] if i is not None}
+        self.tools = list(tools)  # rl.tools, built (training/tools.py): generation runs in turns (grpo_rollout.py)
         self.names = STEP_METRICS + tuple(f"rewards/{r.name}/{s}" for r in self.rewards for s in ("mean", "std"))
+        if self.tools:  # added after the rewards' so a run without tools keeps its pending metrics' layout
+            self.names += TOOL_METRICS
         device = accelerator.device
-        self.token_sums = torch.zeros(len(TOKEN_METRICS) + 1, dtype=torch.float64, device=device)
+        # TOKEN_METRICS' sums, the trained tokens, and what the clip flags were counted over.
+        self.token_sums = torch.zeros(len(TOKEN_METRICS) + 2, dtype=torch.float64, device=device)
         self.step_sums = [0.0] * (len(self.names) + 1)  # the last counts steps
         self.cached: Optional[tuple[tuple, list]] = None  # (groups, micro-batches) under num_iterations > 1
         self.samples_path: Optional[Path] = None  # completions.jsonl: one group of each generation, for a look
@@ -167,15 +117,20 @@ class GRPOObjective(Objective):
         if any(groups[i:i + g] != [groups[i]] * g for i in firsts):
             raise RuntimeError("a group of completions is split across ranks or steps: the slot layout is wrong")
         started = time.perf_counter()
-        completion_ids = []
+        rollouts = []
         with torch.no_grad():
             for first in firsts:
-                completion_ids += self._generate(model, self.prompts.prompt_ids[prompt_rows[first]], groups[first])
+                rollouts.append(self._generate(model, self.prompts.prompt_ids[prompt_rows[first]], groups[first]))
+        completion_ids = [c for r in rollouts for c in r.completion_ids]
         generated = time.perf_counter()
         rows = [self.prompts.rows[i] for i in prompt_rows]
         prompts = [self.prompts.prompts[i] for i in prompt_rows]
-        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if self.prompts.conversational else texts
+        if self.tools:  # each completion its turns, as TRL hands them to the rewards
+            completions = [m for r in rollouts for m in r.messages]
+        else:
+            texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            completions = [[{"role": "assistant", "content": t}] for t in texts] if self.prompts.conversational else texts
+        tool_mask = [m for r in rollouts for m in r.tool_mask] if self.tools else None
         columns = rewards_mod.columns_of(rows)
         local = torch.tensor(rewards_mod.score(self.rewards, prompts, completions, completion_ids, columns,
                                                        prompt_rows),
@@ -185,9 +140,10 @@ class GRPOObjective(Objective):
         rank = self.accelerator.process_index
         mine = adv.advantages[rank * len(completions):(rank + 1) * len(completions)]
         scored = time.perf_counter()
-        batches = self._micro_batches(model, prompt_rows, completion_ids, mine)
+        batches = self._micro_batches(model, prompt_rows, completion_ids, mine, tool_mask)
         self._step_metrics(everyone, adv, completion_ids,
-                           (generated - started, scored - generated, time.perf_counter() - scored))
+                           (generated - started, scored - generated, time.perf_counter() - scored),
+                           rollouts if self.tools else None)
         if self.accelerator.is_main_process and self.samples_path is not None:
             self._keep_samples(groups[0], prompts[:g], completions[:g], adv.rewards[:g].tolist())
         self.cached = (key, batches) if self.rl.num_iterations > 1 else None
@@ -205,18 +161,29 @@ class GRPOObjective(Objective):
             with open(self.samples_path, "a") as f:
                 f.write(lines)
 
-    def _generate(self, model, prompt_ids: list[int], group: int) -> list[list[int]]:
-        """One group's completions, cut after the first end-of-sequence token (TRL's)."""
+    def _generate(self, model, prompt_ids: list[int], group: int) -> "grpo_rollout.Rollout":
+        """One group's completions, each cut after its first end-of-sequence token (TRL's); with rl.tools
+        in turns (training/grpo_rollout.py), every turn drawn from the group's own seed."""
         acc, rl = self.accelerator, self.rl
-        device = acc.device
-        ids = torch.tensor([prompt_ids] * rl.num_generations, dtype=torch.long, device=device)
-        devices = [device] if device.type == "cuda" else []
+        devices = [acc.device] if acc.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), acc.autocast():  # the training RNG stream is left as it was
             torch.manual_seed(group_seed(self.seed, group))
-            out = acc.unwrap_model(model).generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=rl.temperature,
-                top_p=rl.top_p, top_k=rl.top_k, max_new_tokens=rl.max_completion_length, pad_token_id=self.pad_id,
-                eos_token_id=self.tokenizer.eos_token_id, synced_gpus=self.sharded and acc.num_processes > 1)
+            first = self._sample(model, [prompt_ids] * rl.num_generations, rl.max_completion_length)
+            if not self.tools:
+                return grpo_rollout.Rollout(first, [], [])
+            return grpo_rollout.run(lambda inputs, room: self._sample(model, inputs, room), self.tokenizer, self.tools,
+                                    [prompt_ids] * len(first), first, rl.max_completion_length,
+                                    rl.max_tool_calling_iterations, rl.tool_timeout_s,
+                                    getattr(acc.unwrap_model(model).config, "max_position_embeddings", None))
+
+    def _sample(self, model, inputs: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """A turn of the policy after each input (left-padded where they differ), cut after its end-of-sequence."""
+        acc, rl = self.accelerator, self.rl
+        ids, mask = _pad(inputs, self.pad_id, True, acc.device)
+        out = acc.unwrap_model(model).generate(
+            input_ids=ids, attention_mask=mask, do_sample=True, temperature=rl.temperature,
+            top_p=rl.top_p, top_k=rl.top_k, max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
+            eos_token_id=self.tokenizer.eos_token_id, synced_gpus=self.sharded and acc.num_processes > 1)
         completions = []
         for row in out[:, ids.shape[1]:].tolist():
             cut = next((i + 1 for i, t in enumerate(row) if t == self.tokenizer.eos_token_id), len(row))
@@ -224,16 +191,19 @@ class GRPOObjective(Objective):
         return completions
 
     def _micro_batches(self, model, prompt_rows: list[int], completion_ids: list[list[int]],
-                       advantages: torch.Tensor) -> list[dict]:
+                       advantages: torch.Tensor, tool_mask: Optional[list[list[int]]] = None) -> list[dict]:
         """The step's completions, `micro` to a batch, with the reference's (and the old) log-probs."""
         truncated = [not ids or ids[-1] not in self.eos_ids for ids in completion_ids]
         if self.rl.mask_truncated_completions:  # DAPO: a cut completion says nothing about its reward
             completion_ids = [[] if cut else ids for ids, cut in zip(completion_ids, truncated)]
+            if tool_mask is not None:
+                tool_mask = [[] if cut else m for m, cut in zip(tool_mask, truncated)]
         batches = []
         for start in range(0, len(completion_ids), self.micro):
             span = slice(start, start + self.micro)
             batch = completion_batch([self.prompts.prompt_ids[i] for i in prompt_rows[span]], completion_ids[span],
-                                     advantages[span], self.pad_id, self.accelerator.device)
+                                     advantages[span], self.pad_id, self.accelerator.device,
+                                     tool_mask=tool_mask[span] if tool_mask is not None else None)
             with torch.no_grad():
                 if self.rl.num_iterations > 1:  # the policy that sampled them, for the ratio of later updates
                     batch["old_per_token_logps"] = completion_logps(model, batch, self.rl.temperature, self.kernel)[0]
@@ -245,9 +215,12 @@ class GRPOObjective(Objective):
         return batches
 
     def _step_metrics(self, rewards_per_func: torch.Tensor, adv: "grpo_loss.Advantages",
-                      completion_ids: list[list[int]], seconds: tuple[float, float, float]) -> None:
+                      completion_ids: list[list[int]], seconds: tuple[float, float, float],
+                      rollouts: Optional[list["grpo_rollout.Rollout"]] = None) -> None:
         acc = self.accelerator
-        lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float32, device=acc.device)
+        # The policy's own tokens (TRL's): a tool's result is not its completion
+        own = [sum(m) for r in rollouts for m in r.tool_mask] if rollouts else [len(c) for c in completion_ids]
+        lengths = torch.tensor(own, dtype=torch.float32, device=acc.device)
         cut = torch.tensor([not c or c[-1] not in self.eos_ids for c in completion_ids], device=acc.device)
         if acc.num_processes > 1:
             lengths, cut = acc.gather(lengths), acc.gather(cut)
@@ -257,7 +230,19 @@ class GRPOObjective(Objective):
                   lengths.max().item(), cut.float().mean().item(), terminated.mean().item(), *seconds]
         for j in range(len(self.rewards)):
             values += [torch.nanmean(rewards_per_func[:, j]).item(), grpo_loss.nanstd(rewards_per_func[:, j]).item()]
+        if rollouts is not None:
+            values += self._tool_metrics(rollouts, len(completion_ids))
         self.step_sums = [s + v for s, v in zip(self.step_sums, values + [1.0])]
+
+    def _tool_metrics(self, rollouts: list["grpo_rollout.Rollout"], completions: int) -> list[float]:
+        """TRL's tools/call_frequency (calls per completion) and tools/failure_frequency (per call; 0 without a
+        call), the policy's turns per completion and the seconds in tools, over every rank."""
+        acc = self.accelerator
+        local = torch.tensor([sum(r.calls for r in rollouts), sum(r.failures for r in rollouts),
+                              sum(sum(r.turns) for r in rollouts), completions,
+                              sum(r.tool_seconds for r in rollouts)], dtype=torch.float64, device=acc.device)
+        calls, failures, turns, count, seconds = (acc.reduce(local, "sum") if acc.num_processes > 1 else local).tolist()
+        return [calls / count, failures / calls if calls else 0.0, turns / count, seconds / acc.num_processes]
 
     # -------------------------------------------------------------- guards
 
@@ -286,20 +271,26 @@ class GRPOObjective(Objective):
     # -------------------------------------------------------------- the loss
 
     def counts(self, batch: dict) -> torch.Tensor:
-        return grpo_loss.units(self.rl.loss_type, batch["completion_mask"])
+        return grpo_loss.units(self.rl.loss_type, trained_mask(batch))
 
     def sums(self, model, batch: dict) -> torch.Tensor:
         """The loss type's sum over this micro-batch's units, forward included."""
         logps, entropy = completion_logps(model, batch, self.rl.temperature, self.kernel)
-        mask = batch["completion_mask"]
+        mask = trained_mask(batch)  # the policy's own tokens: a tool's result is context (rl.tools)
+        rl = self.rl
         token = grpo_loss.per_token_loss(logps, batch.get("old_per_token_logps"), batch.get("ref_per_token_logps"),
-                                         batch["advantages"], self.rl.beta, self.eps_low, self.eps_high)
-        summed = grpo_loss.reduce(token.loss, mask, self.rl.loss_type, self.rl.max_completion_length)
+                                         batch["advantages"], rl.beta, self.eps_low, self.eps_high,
+                                         loss_type=rl.loss_type, sequence_level=rl.sequence_level, mask=mask,
+                                         sapo_temperatures=(rl.sapo_temperature_pos, rl.sapo_temperature_neg))
+        summed = grpo_loss.reduce(token.loss, mask, rl.loss_type, rl.max_completion_length)
         with torch.no_grad():
             m = mask.double()
             kl = (token.kl.double() * m).sum() if token.kl is not None else m.new_zeros(())
-            values = [kl, (entropy.double() * m).sum(), (token.low_clipped * m).sum(), (token.high_clipped * m).sum(),
-                      ((token.low_clipped | token.high_clipped) * m).sum(), m.sum()]
+            # The clip flags are per token, or per completion at the sequence level (TRL's means over
+            # sequences there): each then counts once, over the completions with a trained token.
+            c = m if token.ratio.shape == m.shape else (m.sum(-1, keepdim=True) > 0).double()
+            values = [kl, (entropy.double() * m).sum(), (token.low_clipped * c).sum(), (token.high_clipped * c).sum(),
+                      ((token.low_clipped | token.high_clipped) * c).sum(), m.sum(), c.sum()]
             self.token_sums += torch.stack(values)
         return summed
 
@@ -320,10 +311,17 @@ class GRPOObjective(Objective):
     def read(self) -> dict[str, float]:
         totals = self.accelerator.reduce(self.token_sums.clone(), "sum").tolist()
         self.token_sums.zero_()
-        tokens = max(totals[-1], 1.0)
-        record = {name: value / tokens for name, value in zip(TOKEN_METRICS, totals)}
+        tokens, flagged = max(totals[-2], 1.0), max(totals[-1], 1.0)
+        record = {name: value / (flagged if name.startswith("clip_ratio") else tokens)
+                  for name, value in zip(TOKEN_METRICS, totals)}
         if self.rl.beta == 0.0:
             record.pop("kl")
+        if self.rl.loss_type in ("cispo", "sapo"):  # no two-sided clip: TRL logs cispo's own ratio, none for sapo
+            clipped = record.pop("clip_ratio/high_mean")
+            for name in ("clip_ratio/low_mean", "clip_ratio/region_mean"):
+                record.pop(name)
+            if self.rl.loss_type == "cispo":
+                record["cispo_clip_ratio"] = clipped
         steps = self.step_sums[-1]
         if steps:  # none under rl.num_iterations > 1 when every step read trained on earlier completions
             record.update({name: value / steps for name, value in zip(self.names, self.step_sums)})

@@ -22,8 +22,10 @@ from typing import Optional
 
 import torch
 
-# What each loss type's mean is over: a completion, or a completion token.
-UNIT = {"grpo": "completions", "dr_grpo": "completions", "dapo": "tokens", "bnpo": "tokens"}
+# What each loss type's mean is over: a completion, or a completion token (TRL's reductions: sapo
+# reduces as grpo, cispo as dapo; gspo is grpo's loss with one ratio per sequence).
+UNIT = {"grpo": "completions", "dr_grpo": "completions", "dapo": "tokens", "bnpo": "tokens", "gspo": "completions",
+        "sapo": "completions", "cispo": "tokens"}
 
 
 def nanstd(values: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
@@ -79,25 +81,43 @@ def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_
 class TokenLoss:
     loss: torch.Tensor  # [B, C] before the mask
     kl: Optional[torch.Tensor]  # [B, C] the k3 estimate, None without a reference (beta 0)
-    ratio: torch.Tensor  # [B, C] pi / pi_old (TRL's coef_1)
-    low_clipped: torch.Tensor  # [B, C] bool
-    high_clipped: torch.Tensor  # [B, C] bool
+    ratio: torch.Tensor  # [B, C] pi / pi_old (TRL's coef_1); [B, 1] at the sequence level
+    low_clipped: torch.Tensor  # [B, C] (or [B, 1]) bool
+    high_clipped: torch.Tensor  # [B, C] (or [B, 1]) bool; under cispo the ratios its clip cut
 
 
 def per_token_loss(logps: torch.Tensor, old_logps: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor],
-                   advantages: torch.Tensor, beta: float, epsilon_low: float, epsilon_high: float) -> TokenLoss:
-    """TRL's token-level importance-sampled clipped objective (`importance_sampling_level="token"`)."""
+                   advantages: torch.Tensor, beta: float, epsilon_low: float, epsilon_high: float,
+                   loss_type: str = "dapo", sequence_level: bool = False, mask: Optional[torch.Tensor] = None,
+                   sapo_temperatures: tuple[float, float] = (1.0, 1.05)) -> TokenLoss:
+    """TRL's `_compute_loss` up to the reduction: the importance ratio per token, or per sequence
+    (`sequence_level`, GSPO: the exponent of the mean log-ratio over `mask`'s tokens, shape [B, 1]);
+    then the clipped objective (grpo, dapo, dr_grpo, bnpo, gspo), CISPO's detached ratio clipped at
+    epsilon_high times the log-prob, or SAPO's sigmoid gate; plus beta x the k3 KL."""
     old = logps.detach() if old_logps is None else old_logps  # one update per generation: pi_old = pi
     advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-    ratio = torch.exp(logps - old)
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    loss = -torch.min(ratio * advantages, clipped * advantages)
+    log_ratio = logps - old
+    if sequence_level:
+        mask = torch.ones_like(logps) if mask is None else mask.to(logps.dtype)
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    ratio = torch.exp(log_ratio)
+    if loss_type == "cispo":
+        loss = -torch.clamp(ratio, max=epsilon_high).detach() * advantages * logps
+        low, high = torch.zeros_like(ratio, dtype=torch.bool), (ratio > epsilon_high) & (advantages > 0)
+    elif loss_type == "sapo":
+        positive, negative = sapo_temperatures
+        temperatures = torch.where(advantages > 0, positive, negative)
+        loss = -(torch.sigmoid(temperatures * (ratio - 1)) * 4 / temperatures) * advantages
+        low = high = torch.zeros_like(ratio, dtype=torch.bool)
+    else:
+        clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+        loss = -torch.min(ratio * advantages, clipped * advantages)
+        low = (ratio < 1 - epsilon_low) & (advantages < 0)
+        high = (ratio > 1 + epsilon_high) & (advantages > 0)
     kl = None
     if beta != 0.0:
         kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
         loss = loss + beta * kl
-    low = (ratio < 1 - epsilon_low) & (advantages < 0)
-    high = (ratio > 1 + epsilon_high) & (advantages > 0)
     return TokenLoss(loss, kl, ratio, low, high)
 
 
@@ -111,10 +131,11 @@ def units(loss_type: str, mask: torch.Tensor) -> torch.Tensor:
 def reduce(loss: torch.Tensor, mask: torch.Tensor, loss_type: str, max_completion_length: int) -> torch.Tensor:
     """The loss type's sum over this micro-batch's units; / the global batch's units is TRL's loss."""
     mask = mask.to(loss.dtype)
-    if loss_type == "grpo":
+    loss = loss.expand_as(mask) if loss.shape != mask.shape else loss  # [B, 1]: one sequence-level term per row
+    if loss_type in ("grpo", "gspo", "sapo"):
         return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()
     if loss_type == "dr_grpo":
         return (loss * mask).sum() / max_completion_length
-    if loss_type in ("dapo", "bnpo"):
+    if loss_type in ("dapo", "bnpo", "cispo"):
         return (loss * mask).sum()
     raise ValueError(f"unknown loss_type {loss_type!r}")

@@ -13,7 +13,8 @@ from overdrive.config import batch
 from overdrive.config.schema import RunConfig
 from overdrive.data import prompts as prompts_mod
 from overdrive.strategies import registry
-from overdrive.training import grpo, loss_kernels
+from overdrive.errors import UserError
+from overdrive.training import grpo, loss_kernels, tools as tools_mod
 
 
 @dataclass
@@ -25,14 +26,21 @@ class PromptData:
     train: Any
     validation: Optional[Any] = None
     label_names: Optional[list] = None
+    tools: tuple = ()  # rl.tools, built: the prompts were rendered with their schemas
 
 
 def prepare(cfg: RunConfig, make_tokenizer) -> tuple[Any, PromptData]:
-    """(tokenizer, the prompts and their slots); every rank reads the (small) prompt set itself."""
+    """(tokenizer, the prompts and their slots); every rank reads the (small) prompt set itself. With rl.tools
+    the tools are imported and the tokenizer's template asked whether it can run them, before the model loads."""
     tokenizer = make_tokenizer(cfg, [], "")
-    prompt_set = prompts_mod.encode(cfg, prompts_mod.read(cfg), tokenizer)
+    tools = tools_mod.build(cfg.rl.tools) if cfg.rl.tools else []
+    if tools:
+        refused = tools_mod.template_problems(tokenizer)
+        if refused:
+            raise UserError(refused)
+    prompt_set = prompts_mod.encode(cfg, prompts_mod.read(cfg), tokenizer, tools=[t.schema for t in tools])
     layout = prompts_mod.slot_layout(cfg, len(prompt_set.rows))
-    return tokenizer, PromptData(prompt_set, layout, prompts_mod.Slots(layout))
+    return tokenizer, PromptData(prompt_set, layout, prompts_mod.Slots(layout), tools=tuple(tools))
 
 
 def loader(data: PromptData, split: Optional[batch.BatchSplit] = None):
@@ -62,6 +70,7 @@ def objective(cfg: RunConfig, accelerator, tokenizer, data: PromptData, referenc
             reference = lambda model: contextlib.nullcontext(frozen)  # noqa: E731
     sharded = not registry.of(cfg).holds_whole_model(cfg)
     kernel = loss_kernels.for_run(cfg, accelerator.device)  # full or chunked (fused is refused for GRPO)
-    objective = grpo.GRPOObjective(cfg, accelerator, tokenizer, data.prompts, reference, sharded=sharded, kernel=kernel)
+    objective = grpo.GRPOObjective(cfg, accelerator, tokenizer, data.prompts, reference, sharded=sharded, kernel=kernel,
+                                   tools=data.tools)
     objective.samples_path = Path(cfg.output_dir).expanduser() / "completions.jsonl"
     return objective

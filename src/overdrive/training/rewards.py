@@ -22,9 +22,11 @@ from overdrive.errors import Problem, UserError
 
 
 def completion_text(completion: Any) -> str:
-    """The text of a completion, whether plain or a list of chat turns."""
+    """The text of a completion, whether plain or a list of chat turns: the policy's own (assistant) turns,
+    not the tools' results between them (rl.tools)."""
     if isinstance(completion, list):
-        return "".join(str(turn.get("content", "")) for turn in completion if isinstance(turn, dict))
+        return "".join(str(turn.get("content", "")) for turn in completion
+                       if isinstance(turn, dict) and turn.get("role", "assistant") == "assistant")
     return str(completion)
 
 

@@ -43,6 +43,10 @@ def check(cfg: RunConfig, where: Callable[[str], str],
             errors += prompt_checks.prompt_problems(cfg, table)
         with rewards.importable_from(directories):
             errors += reward_checks.problems(cfg, table, where)
+            if cfg.rl.tools:  # importable, with a schema Transformers can make (the template is asked at train)
+                from overdrive.training import tools
+
+                errors += [Problem(p.key, p.message, where("rl.tools"), p.fix) for p in tools.problems(cfg.rl.tools)]
     if kto and table is not None:
         more_errors, warnings = prompt_checks.kto_balance(cfg, table, where)
         errors += more_errors
