@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from overdrive.errors import Problem, UserError
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,12 +126,11 @@ def run(args: argparse.Namespace) -> int:
 
     from overdrive.commands.arguments import resolved_from
 
-    from overdrive.resolving.validate_model import explained
     from overdrive.training import user_inputs
 
-    # The model's config (no weights), the user's reward functions and data rows: judged with every
-    # other rule, as train judges them, so one pass names every problem.
-    resolved = resolved_from(args, tell=False, checks=user_inputs.check, rules=explained)  # warnings shown below
+    # The model's config (no weights), the eval tasks, the user's reward functions and data rows: judged
+    # with every other rule, as train judges them, so one pass names every problem.
+    resolved = resolved_from(args, tell=False, checks=user_inputs.check, rules=_rules)  # warnings shown below
     machine = hardware_warnings(resolved)
     # A layout axis the machine the run trains on cannot run (context parallel on CPU processes) is
     # refused here as `train` refuses it: the table of what composes answers for layouts. Other
@@ -192,3 +194,17 @@ def _resume(config) -> Any:
     from overdrive.checkpoint.resume import describe_resume
 
     return describe_resume(config)
+
+
+def _rules(config: RunConfig, chains: Mapping[str, list]) -> tuple[list[Problem], list[Problem]]:
+    """explain's own rules (resolve.Rules): the model's config as train judges it (a model not readable
+    here is a warning), and the eval tasks with their data, as train refuses them before it writes."""
+    from overdrive.resolving.validate_model import explained
+    from overdrive.training.preconditions import check_inputs
+
+    errors, warnings = explained(config, chains)
+    try:
+        check_inputs(config)
+    except UserError as error:
+        errors = errors + list(error.problems)
+    return errors, warnings

@@ -44,45 +44,14 @@ class PreferenceRows(Rows):
     preference_layouts.py; under KTO, as lists of unpaired rows (prompt, completion, desirable)."""
 
     def __init__(self, rows: Rows, cfg: RunConfig):
-        d = cfg.data
         super().__init__(rows.dataset, rows.key, None, None, rows.total, None)
-        names = _columns(rows.dataset)
-        self.data, self.unpaired = d, cfg.preference.method == "kto"
-        kto = layouts.unpaired_columns(names, d) if self.unpaired else {}
-        if not self.unpaired or "paired" in kto:
-            for key, column in (("data.chosen_column", d.chosen_column), ("data.rejected_column", d.rejected_column)):
-                if column not in names:
-                    raise UserError(Problem(key, f"no column {column!r} in {cfg.data.source}; the data has {names}",
-                                            fix=f"set {key} to the column holding that answer"))
-            self.layout = layouts.recognise_pairs(names, d)
-            self.names = layouts.pair_columns(self.layout, names, d)
-        else:
-            self.layout, self.names = "unpaired", kto
-        self.columns = tuple(dict.fromkeys(c for k, c in self.names.items() if c and k != "layout"))
-        kind = "kto|" if self.unpaired else ""
-        self.key = f"preference|{kind}{self.layout}|{'|'.join(self.columns)}|{rows.key}"
+        self.reader = PairReader(cfg, _columns(rows.dataset))
+        self.columns = self.reader.columns
+        kind = "kto|" if self.reader.unpaired else ""
+        self.key = f"preference|{kind}{self.reader.layout}|{'|'.join(self.columns)}|{rows.key}"
 
     def pair(self, row: dict, index: int):
-        """One row as {prompt, chosen, rejected}: all text, or all turns; refused by key otherwise.
-        Under KTO: a list of {prompt, completion, desirable} (a pair gives two)."""
-        if self.layout == "unpaired":
-            return [layouts.unpaired_of(self.names, row, index)]
-        cells = layouts.pair_of(self.layout, self.names, row, index, self.data)
-        if self.unpaired:  # TRL's unpair_preference_dataset: the chosen answer desirable, the rejected one not
-            return [{"prompt": cells["prompt"], "completion": cells[part], "desirable": part == "chosen"}
-                    for part in ("chosen", "rejected")]
-        conversational = isinstance(cells["chosen"], list)
-        if conversational:
-            if not cells["prompt"]:
-                raise UserError(Problem("data.prompt_column", f"row {index}: no prompt: the data has no column "
-                                        f"{self.data.prompt_column!r} and chosen and rejected share no turns to take "
-                                        "it from", fix="set data.prompt_column to the column holding the prompt"))
-            for part in ("chosen", "rejected"):
-                if cells[part]:
-                    row_checks.answer(cells[part], index, layouts.KEYS[part])
-        if cells["chosen"] == cells["rejected"]:  # nothing to prefer: dropped and counted (PreferenceEncoder)
-            cells["identical_row"] = index
-        return cells
+        return self.reader.pair(row, index)
 
     def batches(self, start: Optional[dict] = None, batch_bytes: int = 1 << 20) -> Iterator[Batch]:
         return row_batches(self.dataset, self.columns, self.pair, start, batch_bytes)
@@ -192,3 +161,67 @@ def describe_counts(counts: dict) -> str:
         text += (f"; {counts['identical']:,} dropped: chosen equals rejected, nothing to prefer (row "
                  f"{counts['first_identical_row']} first)")
     return text
+
+
+class PairReader:
+    """How one row of a preference (or KTO) set is read, decided from its column names alone: the
+    training path (PreferenceRows) and the check of a local file's every row before the model loads
+    (row_problems) read rows the same way."""
+
+    def __init__(self, cfg: RunConfig, names: list[str]):
+        d = cfg.data
+        self.data, self.unpaired = d, cfg.preference.method == "kto"
+        kto = layouts.unpaired_columns(names, d) if self.unpaired else {}
+        if not self.unpaired or "paired" in kto:
+            for key, column in (("data.chosen_column", d.chosen_column), ("data.rejected_column", d.rejected_column)):
+                if column not in names:
+                    raise UserError(Problem(key, f"no column {column!r} in {cfg.data.source}; the data has {names}",
+                                            fix=f"set {key} to the column holding that answer"))
+            self.layout = layouts.recognise_pairs(names, d)
+            self.names = layouts.pair_columns(self.layout, names, d)
+        else:
+            self.layout, self.names = "unpaired", kto
+        self.columns = tuple(dict.fromkeys(c for k, c in self.names.items() if c and k != "layout"))
+
+    def pair(self, row: dict, index: int):
+        """One row as {prompt, chosen, rejected}: all text, or all turns; refused by key otherwise.
+        Under KTO: a list of {prompt, completion, desirable} (a pair gives two)."""
+        if self.layout == "unpaired":
+            return [layouts.unpaired_of(self.names, row, index)]
+        cells = layouts.pair_of(self.layout, self.names, row, index, self.data)
+        if self.unpaired:  # TRL's unpair_preference_dataset: the chosen answer desirable, the rejected one not
+            return [{"prompt": cells["prompt"], "completion": cells[part], "desirable": part == "chosen"}
+                    for part in ("chosen", "rejected")]
+        conversational = isinstance(cells["chosen"], list)
+        if conversational:
+            if not cells["prompt"]:
+                raise UserError(Problem("data.prompt_column", f"row {index}: no prompt: the data has no column "
+                                        f"{self.data.prompt_column!r} and chosen and rejected share no turns to take "
+                                        "it from", fix="set data.prompt_column to the column holding the prompt"))
+            for part in ("chosen", "rejected"):
+                if cells[part]:
+                    row_checks.answer(cells[part], index, layouts.KEYS[part])
+        if cells["chosen"] == cells["rejected"]:  # nothing to prefer: dropped and counted (PreferenceEncoder)
+            cells["identical_row"] = index
+        return cells
+
+
+def row_problems(cfg: RunConfig, names: list[str], rows: list[dict], place) -> list[Problem]:
+    """Every row of a local preference or KTO file read as training reads it, before anything is written:
+    the problems of the first rows that fail (each with its file and line, `place(index)`)."""
+    try:
+        reader = PairReader(cfg, names)
+    except UserError as error:
+        return list(error.problems)
+    found: list[Problem] = []
+    for index, row in enumerate(rows):
+        try:
+            reader.pair({name: row.get(name) for name in names}, index)
+        except UserError as error:
+            found += [Problem(p.key, p.message, p.where or place(index), p.fix) for p in error.problems]
+        except (KeyError, TypeError, AttributeError) as error:  # a cell of a shape the layout does not read
+            found.append(Problem("data.source", f"row {index}: cannot be read as a preference row ({error})",
+                                 place(index), "fix the row, or set data.layout to the data's layout"))
+        if len(found) >= 5:  # enough to fix; the rest come after
+            break
+    return found

@@ -66,7 +66,7 @@ def _needs(column: str, names: list[str], key: str, why: str) -> None:
 
 
 def _where(index: int) -> str:
-    return f"row {index} (line {index + 1} of a jsonl file)"
+    return f"row {index + 1}"  # counted from 1, as the prompt checks and an editor's lines count
 
 
 def answer_turns(value: Any, index: int, key: str, sharegpt: bool = False) -> list[dict]:
@@ -105,6 +105,31 @@ def pair_of(layout: str, columns: dict[str, Optional[str]], row: dict, index: in
     if system and not any(t["role"] == "system" for t in cells["prompt"]):
         cells["prompt"] = [{"role": "system", "content": str(system)}] + cells["prompt"]
     return cells
+
+
+def _empty(value: Any) -> bool:
+    """Text with nothing in it, no turns, or turns with nothing in any of them."""
+    if value is None:
+        return True
+    if isinstance(value, str):
+        return not value.strip()
+    if isinstance(value, dict):
+        value = [value]
+    if isinstance(value, list):
+        return all(map(_empty_turn, value))  # no turns at all: empty too
+    return False
+
+
+def _empty_turn(turn: Any) -> bool:
+    if not isinstance(turn, dict):
+        return _empty(turn)
+    if turn.get("tool_calls"):
+        return False
+    content = turn.get("content", turn.get("value"))
+    if isinstance(content, list):  # content parts: text, or an image
+        return not any(isinstance(part, dict) and (part.get("type") == "image" or str(part.get("text") or "").strip())
+                       for part in content)
+    return _empty(content)
 
 
 def _last_text(value: Any) -> Any:
@@ -192,6 +217,9 @@ def unpaired_of(columns: dict[str, Optional[str]], row: dict, index: int) -> dic
     prompt = row[columns["prompt"]] if columns.get("prompt") else None
     if prompt is None:
         raise UserError(Problem("data.prompt_column", f"{_where(index)}: no prompt", fix="set data.prompt_column"))
+    for part, value in (("prompt", prompt), ("completion", completion)):
+        if _empty(value):  # nothing to judge, or nothing it answers: TRL would train on it silently
+            raise UserError(Problem(KEYS[part], f"{_where(index)}: an empty {part}", fix="drop or fix the row"))
     if isinstance(completion, str) and isinstance(prompt, str):
         return {"prompt": prompt, "completion": completion, "desirable": label}
     if isinstance(prompt, str):

@@ -46,6 +46,9 @@ def prompt_problems(cfg: RunConfig, table: RowTable) -> list[Problem]:
     """A prompt in every row, text or chat turns (not both kinds in one set), none empty; and the column of
     every `exact_match` reward in every row."""
     column = cfg.data.prompt_column
+    if not table.rows:
+        return [Problem("data.source", f"{table.name} has no rows", table.name,
+                        "give a prompt set with at least one row")]
     faults: dict[str, list[int]] = {}
     kinds: dict[bool, int] = {}
 

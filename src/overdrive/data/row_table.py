@@ -52,9 +52,9 @@ def local_table(source: Optional[str]) -> Optional[RowTable]:
     if suffix == ".csv":
         import csv
 
-        with path.open(newline="", errors="replace") as f:
+        with path.open(newline="", encoding="utf-8-sig", errors="replace") as f:  # a BOM is not a column
             return RowTable([dict(row) for row in csv.DictReader(f)], source)
-    text = path.read_text(errors="replace")
+    text = path.read_text(encoding="utf-8-sig", errors="replace")  # as datasets reads it: a BOM is not data
     if suffix == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)

@@ -2,8 +2,8 @@
 (`resolve(..., checks=check)`: `explain` and `train` ask it): a distillation teacher's tokenizer against
 the student's (hf/teacher.py, from their files), the reward functions (imported,
 their signatures bound, called once: training/reward_checks.py) and every row of a local prompt
-set or KTO set (data/prompt_checks.py). Nothing is written. Only an RL or KTO run imports the data
-package (and torch with it) to be checked."""
+set, preference or KTO set (data/prompt_checks.py, data/preference.py). Nothing is written. Only an
+RL or preference run imports the data package (and torch with it) to be checked."""
 
 from __future__ import annotations
 
@@ -20,11 +20,12 @@ def check(cfg: RunConfig, where: Callable[[str], str],
     """(errors, warnings); `directories`: where reward modules are looked for (the config files' and the
     working directory)."""
     rl, kto = cfg.rl.method != "none", cfg.preference.method == "kto"
+    pairs = cfg.data.format == "preference"
     from overdrive.hf import teacher
 
     # the teacher's tokenizer against the student's, from files (no weights)
     taught = [replace(p, where=p.where or where(p.key)) for p in teacher.fit_problems(cfg)]
-    if not (rl or kto):
+    if not (rl or kto or pairs):
         return taught, []
     # Here, not above: the data package loads torch as it is imported, and `explain` of any other run needs none.
     from overdrive.data import prompt_checks
@@ -47,7 +48,11 @@ def check(cfg: RunConfig, where: Callable[[str], str],
                 from overdrive.training import tools
 
                 errors += [Problem(p.key, p.message, where("rl.tools"), p.fix) for p in tools.problems(cfg.rl.tools)]
-    if kto and table is not None:
+    if pairs and table is not None:  # every row read as training reads it, before anything is written
+        from overdrive.data.preference import row_problems
+
+        errors += row_problems(cfg, table.columns, table.rows, table.place)
+    if kto and table is not None and not errors:
         more_errors, warnings = prompt_checks.kto_balance(cfg, table, where)
         errors += more_errors
     return taught + errors, warnings
