@@ -18,6 +18,12 @@ def check(cfg: RunConfig, where: Callable[[str], str],
     """(errors, warnings); `directories`: where reward modules are looked for (the config files' and the
     working directory)."""
     rl, kto = cfg.rl.method != "none", cfg.preference.method == "kto"
+    from overdrive.hf.vision import declared
+
+    if declared(cfg) and cfg.data.format == "chat":  # a vision-language run's rows: images against placeholders
+        from overdrive.data import vision_rows
+
+        return vision_rows.problems(cfg), []
     if not (rl or kto):
         return [], []
     # Here, not above: the data package loads torch as it is imported, and `explain` of any other run needs none.
