@@ -157,3 +157,69 @@ def test_the_vision_tower_and_projector_are_frozen_and_lora_targets_the_language
     projector = build_model(settled(work, "peft.method=lora", "peft.r=4", "model.vision.train_projector=true"))
     adapted = {n for n, p in projector.named_parameters() if p.requires_grad}
     assert any(".merger." in n for n in adapted) and not any(".blocks." in n for n in adapted)
+
+
+RUN = ["data.format=chat", "data.max_length=64", "data.validation_fraction=0", "peft.method=lora", "peft.r=8",
+       "peft.alpha=16", "optim.lr=0.01", "scheduler.name=constant", "scheduler.warmup_steps=0",
+       "training.log_every_steps=1", "precision.mixed_precision=no", "launch.use_cpu=true", "logging.trackers=[none]",
+       "logging.progress=false", "checkpoint.enabled=false"]
+
+
+def train(work: Path, out: str, *extra: str):
+    import sys
+
+    from checkpoint_probe import run
+
+    done = run([sys.executable, "-m", "overdrive.cli", "train", f"model.name_or_path={work / 'qwen'}",
+                f"data.source={work / 'messages.jsonl'}", f"data.cache_dir={work / 'cache'}", *RUN,
+                f"output_dir={work / out}", *extra], cwd=work, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+@pytest.mark.slow
+def test_sft_in_one_process_learns_the_colour_and_saves_what_from_pretrained_reloads(work):
+    """SFT of the language model of a tiny Qwen2-VL (its vision tower and projector frozen): the loss falls;
+    the model and the processor's files reload; `overdrive generate` on it is refused by key (images are not
+    given to it yet). The adapter's save and reload: the FSDP2 test below."""
+    import sys
+
+    import transformers
+    from checkpoint_probe import losses, run
+
+    done = train(work, "one", "training.max_steps=12", "training.micro_batch_size=4", "peft.method=none")
+    assert "vision-language model (Qwen2VLForConditionalGeneration)" in done.stdout
+    curve = losses(work / "one")
+    assert curve[12] < 0.6 * curve[1], curve
+    saved = work / "one" / "model"
+    model = transformers.AutoModelForImageTextToText.from_pretrained(saved)
+    base = transformers.AutoModelForImageTextToText.from_pretrained(work / "qwen")
+    before, after = base.state_dict(), model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before if ".visual." in k)  # frozen: unchanged
+    assert not all(torch.equal(before[k], after[k]) for k in before if "language_model" in k)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(saved)
+    image_processor = transformers.AutoImageProcessor.from_pretrained(saved)
+    assert tokenizer.chat_template and image_processor.merge_size == 2
+    refused = run([sys.executable, "-m", "overdrive.cli", "generate", str(work / "one"), "what colour is it"],
+                  cwd=work, timeout=300)
+    assert refused.returncode == 2 and "vision-language" in refused.stderr, refused.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_fsdp2_on_two_processes_gives_the_one_process_losses(work):
+    from checkpoint_probe import losses
+    from strategy_probe import free_port
+
+    train(work, "single", "training.max_steps=3", "training.micro_batch_size=4")
+    train(work, "fsdp2", "training.max_steps=3", "training.micro_batch_size=2", "launch.num_processes=2",
+          "parallel.strategy=fsdp", f"launch.main_process_port={free_port()}")
+    one, two = losses(work / "single"), losses(work / "fsdp2")
+    assert sorted(two) == [1, 2, 3]
+    for step, loss in one.items():
+        assert abs(two[step] - loss) <= 1e-4 * loss, (step, loss, two[step])
+    import transformers
+    from peft import PeftModel
+
+    base = transformers.AutoModelForImageTextToText.from_pretrained(work / "qwen")  # the adapter reloads on its base
+    model = PeftModel.from_pretrained(base, work / "fsdp2" / "model")
+    assert all("language_model" in n for n, _ in model.named_parameters() if "lora_" in n)

@@ -80,6 +80,24 @@ def family(cfg: RunConfig) -> Optional[str]:
     return (config or {}).get("model_type")
 
 
+def describe(cfg: RunConfig) -> dict:
+    """How the run's model is built, as `explain` says it: the Auto class, and for a vision-language model
+    its processor and the parts that train."""
+    if not declared(cfg):
+        auto = "AutoModelForSequenceClassification" if cfg.model.task == "sequence-classification" else \
+            "AutoModelForCausalLM"
+        return {"auto_class": auto, "vision": False, "text": f"built with {auto}"}
+    kind = family(cfg)
+    own = kind in ("qwen2_vl", "qwen2_5_vl")  # hf/vision_processor.OWN: its class needs torchvision here
+    processor = ("its tokenizer and image processor, as its processor class does it" if own
+                 else "AutoProcessor")
+    trains = sorted(trained_parts(cfg.model.vision))
+    return {"auto_class": "AutoModelForImageTextToText", "vision": True, "family": kind, "processor": processor,
+            "trains": trains, "text": f"vision-language ({kind or 'family read when it loads'}): built with "
+            f"AutoModelForImageTextToText, images through {processor}; trains the {', '.join(trains)} "
+            f"part{'s' if len(trains) > 1 else ''}{' (by LoRA)' if cfg.peft.method != 'none' else ''}"}
+
+
 def part_of(name: str) -> str:
     """`projector`, `vision` or `language`: where a module or parameter sits. Qwen2-VL's merger lives
     inside its `visual` tower and is the projector."""

@@ -62,4 +62,5 @@ def notes(cfg: RunConfig, model) -> list[str]:
         counts[0] += param.numel()
         counts[1] += param.numel() if param.requires_grad else 0
     said = ", ".join(f"{part} {trained:,} of {total:,} trained" for part, (total, trained) in sorted(sizes.items()))
-    return [f"vision-language model ({type(model).__name__}): {said}"]
+    built = getattr(model, "get_base_model", lambda: model)()  # an adapter run: the model under PEFT's wrapper
+    return [f"vision-language model ({type(built).__name__}): {said}"]
