@@ -16,7 +16,8 @@ class VisionConfig(Section):
     enabled: Optional[bool] = Field(
         None, description="Train the model as a vision-language model (built with AutoModelForImageTextToText and "
         "its processor; rows carry images). Empty: by the model's config (a `vision_config` in a local "
-        "directory's config.json, or a hub model's cached one); `true` for a hub model not read yet."
+        "directory's config.json, or a hub model's cached one); `true` for a hub model not read yet. `false` on a model "
+        "with a vision tower is refused when the run starts."
     )
     freeze: bool = Field(
         True, description="Keep the vision tower's weights as they are. `false`: train them too (in full, or "

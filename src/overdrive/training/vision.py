@@ -22,10 +22,13 @@ def settle(cfg: RunConfig) -> tuple[bool, Optional[str]]:
     from overdrive.hf.vision import FAMILIES, is_vision_config
     from overdrive.resolving import composition
 
-    if cfg.model.vision.enabled is False:
-        return False, None
     config = model_config(cfg)
     vision = is_vision_config(config)
+    if cfg.model.vision.enabled is False:
+        if vision:  # its class is chosen by its config: training it as a text model is not done here
+            raise UserError(Problem("model.vision.enabled", f"is false, but {cfg.model.name_or_path}'s config "
+                                    f"({type(config).__name__}) has a vision tower", fix="unset model.vision.enabled"))
+        return False, None
     if cfg.model.vision.enabled and not vision:
         raise UserError(Problem("model.vision.enabled", f"{cfg.model.name_or_path}'s config ({type(config).__name__})"
                                 " has no vision tower", fix="unset model.vision.enabled, or point "
