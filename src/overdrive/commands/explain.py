@@ -152,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
             "warnings": [redact_text(problem.render()) for problem in warnings],
             "resume": _resume(resolved.config),
             "layout": layout.summary(resolved.config),
+            "model": _model(resolved.config),
         }, indent=2))
         return _refuse(layout_refusals)
     rows = []
@@ -170,6 +171,9 @@ def run(args: argparse.Namespace) -> int:
         print("every value is the schema default (the embedded job); --all lists them")
     if layout.layout(resolved.config).has_axes:
         print(f"layout: {layout.summary(resolved.config)['text']}")
+    model = _model(resolved.config)
+    if model["vision"]:
+        print(f"model: {model['text']}")
     resume = _resume(resolved.config)
     if resume:
         print(f"resume: {resume['text']}")
@@ -178,6 +182,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 _LAYOUT_AXES = ("parallel.cp_size", "parallel.sp_size")
+
+
+def _model(config) -> dict:
+    """How the model is built (its Auto class; a vision-language model's processor and trained parts)."""
+    from overdrive.hf.vision import describe
+
+    return describe(config)
 
 
 def _refuse(layout_refusals: list[Problem]) -> int:

@@ -25,6 +25,7 @@ from overdrive.config.schema_rl import RLConfig
 from overdrive.config.schema_recipe import OptimConfig, SchedulerConfig
 from overdrive.config.schema_resilience import LossSpikeConfig
 from overdrive.config.schema_sweep import SweepConfig
+from overdrive.config.schema_vision import VisionConfig
 from overdrive.config.sections import Auto, PositiveInt, Section, admits_bool
 
 __all__ = ["OPEN_MAPPINGS", "RunConfig", "Section", "admits_bool"]
@@ -88,6 +89,7 @@ class ModelConfig(Section):
     )
     moe: MoeConfig = Field(default_factory=MoeConfig, description="A mixture-of-experts model's router: the "
                            "load-balancing loss's weight and scope, the experts per token.")
+    vision: VisionConfig = Field(default_factory=VisionConfig, description="A vision-language model: docs/vision.md.")
 
 
 class TokenizerConfig(Section):
@@ -149,6 +151,7 @@ class DataConfig(Section):
         "`conversations` of {from, value} turns (human, gpt, system, function_call, observation, tool); `alpaca`: "
         "instruction, input, output (and optional system, history). `auto`: recognised by the columns."
     )
+    images_column: str = Field("images", description="Chat with a vision-language model: the row's images.")
     input_column: str = Field("input", description="Chat, alpaca layout: the column added to the instruction.")
     system_column: str = Field("system", description="Chat: a column holding a system prompt for the row (when present).")
     tools_column: str = Field("tools", description="Chat: a column holding the tools offered (a list, or its JSON "

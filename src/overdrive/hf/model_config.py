@@ -12,9 +12,13 @@ from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 
 
-def auto_class(task: str):
+def auto_class(task: str, vision: bool = False):
+    """The Auto class a run's model is built with; a vision-language model (hf/vision.py) by
+    AutoModelForImageTextToText, whose classes take images beside the text."""
     import transformers
 
+    if vision and task == "causal-lm":
+        return transformers.AutoModelForImageTextToText
     return {
         "causal-lm": transformers.AutoModelForCausalLM,
         "sequence-classification": transformers.AutoModelForSequenceClassification,

@@ -56,6 +56,7 @@ def load(target: str, *, dtype: str = "float32", device: Optional[str] = None, b
         raise UserError(Problem(key, f"{name} holds neither a model (config.json) nor an adapter "
                                 "(adapter_config.json)", fix="give a run's output_dir, its model/ directory, "
                                 "a save_pretrained directory or an adapter directory"))
+    _refuse_vision(path, base, key)
     if path.is_dir() and is_adapter(path):
         model, tokenizer, base_name = load_adapter(path, base, dtype, key)
         what = f"{name} (adapter on {base_name})"
@@ -69,6 +70,27 @@ def load(target: str, *, dtype: str = "float32", device: Optional[str] = None, b
         model.to(device)
     model.eval()
     return Loaded(model, tokenizer, what)
+
+
+def _refuse_vision(path: Path, base: Optional[str], key: str) -> None:
+    """A vision-language model (or an adapter on one) answers questions about images, which these
+    commands do not give it yet: refused by key rather than loaded as a text model."""
+    import json
+
+    from overdrive.hf.vision import config_is_vision
+
+    config = path / "config.json"
+    if path.is_dir() and is_adapter(path):
+        named = base or json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+        config = Path(named).expanduser() / "config.json"
+    try:
+        vision = config.is_file() and config_is_vision(json.loads(config.read_text()))
+    except (OSError, ValueError):
+        return
+    if vision:
+        raise UserError(Problem(key, f"{path} is a vision-language model (or an adapter on one); generating and "
+                                "evaluating with images is not done by this command yet",
+                                fix="load it with AutoModelForImageTextToText and its processor (docs/vision.md)"))
 
 
 def adapter_base(path: Path, given: Optional[str] = None, key: str = KEY) -> tuple[str, str, dict]:

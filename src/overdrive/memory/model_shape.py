@@ -144,8 +144,9 @@ def build_meta_model(config: Any, task: str = "causal-lm", attn_implementation: 
     import transformers
 
     from overdrive.hf.model_config import auto_class
+    from overdrive.hf.vision import is_vision_config
 
-    cls = auto_class(task)
+    cls = auto_class(task, vision=is_vision_config(config))
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     with torch.device("meta"):
         try:

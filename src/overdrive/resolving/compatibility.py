@@ -52,10 +52,13 @@ LAYOUTS = {  # name: (processes, keys)
 ADAPTERS = {"none": [], "LoRA": ["peft.method=lora"], "QLoRA": ["peft.method=qlora"]}
 
 
-def verdict(objective: str, layout: str, adapter: str) -> str:
+VISION = ["model.vision.enabled=true"]  # a vision-language model (docs/vision.md)
+
+
+def verdict(objective: str, layout: str, adapter: str, extra: tuple[str, ...] = ()) -> str:
     """`runs`, `GPU` (runs on CUDA GPUs; refused on CPU by the key named) or `no: KEY`."""
     processes, keys = LAYOUTS[layout]
-    items = [*OBJECTIVES[objective], *keys, *ADAPTERS[adapter], f"launch.num_processes={processes}",
+    items = [*OBJECTIVES[objective], *keys, *ADAPTERS[adapter], *extra, f"launch.num_processes={processes}",
              "training.micro_batch_size=2", "launch.gpus_per_machine=" + str(processes)]
     try:
         resolved = resolve([], cli=items, env={}, accelerate_default=False)
@@ -92,7 +95,14 @@ def markdown() -> str:
             cells = [verdict(objective, layout, adapter) for layout in LAYOUTS]
             lines.append(f"| {objective} | " + " | ".join(cells) + " |")
         lines.append("")
-    lines += ["## Why a combination is refused", "",
+    lines += ["## Vision-language models (docs/vision.md)", "",
+              "A model whose config has a vision tower (`model.vision.enabled`, else read from its config), with "
+              "LoRA (without an adapter the cells are the same).", "",
+              "| objective | " + " | ".join(LAYOUTS) + " |", "|---" * (len(LAYOUTS) + 1) + "|"]
+    for objective in OBJECTIVES:
+        cells = [verdict(objective, layout, "LoRA", tuple(VISION)) for layout in LAYOUTS]
+        lines.append(f"| {objective} | " + " | ".join(cells) + " |")
+    lines += ["", "## Why a combination is refused", "",
               "| objectives | with | key | why | fix |", "|---|---|---|---|---|"]
     for row in composition.ROWS:
         lines.append(f"| {', '.join(sorted(row.objectives))} | {row.piece.replace('+', ' and ')} | `{row.key}` | "

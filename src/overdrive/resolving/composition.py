@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 from overdrive.config.mesh import layout
 from overdrive.config.schema import RunConfig
@@ -46,6 +46,56 @@ class Row:
     key: str
     why: str
     fix: str
+
+
+_SFT = "set data.format=chat (supervised fine-tuning on conversations with images) for a vision-language model"
+# A vision-language model (model.vision, hf/vision.py) trains by supervised fine-tuning on conversations with
+# images, one row per sequence, under one process, DDP or FSDP2 (docs/vision.md); what is not run with one yet
+# is refused by the key that asks for it, never accepted without its effect.
+VISION_ROWS: tuple[Row, ...] = (
+    Row(frozenset({"text"}), "vision", "data.format", "a vision-language model trains on conversations whose "
+        "rows carry images; plain text rows give it none", _SFT),
+    Row(PAIRS | frozenset({"reward"}), "vision", "preference.method", "preference pairs with images (an image "
+        "prompt, chosen and rejected text) are not run here yet", _SFT + ", or run TRL's DPOTrainer under "
+        "`overdrive launch`"),
+    Row(frozenset({"classification"}), "vision", "model.task", "a score head on a vision-language model is not "
+        "built here", "set model.task=causal-lm and data.format=chat"),
+    Row(ONLINE, "vision", "rl.method", "GRPO's prompts with images (generation through the processor) are not "
+        "run here yet", _SFT + ", or run TRL's GRPOTrainer under `overdrive launch`"),
+    Row(EVERY, "vision+packing", "data.packing", "packing rows with their images (each row's image tokens and "
+        "3-D rope positions restarted) is not built yet", "set data.packing=false (one conversation per row)"),
+    Row(EVERY, "vision+mixture", "data.sources", "a vision-language run reads one data file (data.source)",
+        "set data.source to one file holding the rows (and their images' paths)"),
+    Row(EVERY, "vision+validation split", "data.validation_split", "the validation rows are held out of "
+        "data.source by data.validation_fraction", "unset data.validation_split"),
+    Row(EVERY, "vision+deepspeed", "parallel.strategy", "DeepSpeed ZeRO with a vision tower is not checked "
+        "against one process yet", "set parallel.strategy=fsdp (FSDP2) or ddp"),
+    Row(EVERY, "vision+hsdp", "parallel.dp_replicate_size", "HSDP (FSDP2 replicated over groups) with a vision "
+        "tower is not checked against one process yet", "set parallel.dp_replicate_size=1 (FSDP2 over every rank)"),
+    Row(EVERY, "vision+tensor-parallel", "parallel.tp_size", "Transformers' tp plans split the language model, "
+        "not the vision tower beside it", "set parallel.tp_size=1 (shard with FSDP2 instead)"),
+    Row(EVERY, "vision+context-parallel", "parallel.cp_size", "context parallel splits each row over ranks; "
+        "image tokens and their 3-D positions are not split with it", "set parallel.cp_size=1"),
+    Row(EVERY, "vision+sequence-parallel", "parallel.sp_size", "sequence parallel splits each row over ranks; "
+        "image tokens are not split with it", "set parallel.sp_size=1"),
+    Row(EVERY, "vision+pipeline", "parallel.pp_size", "pipeline stages are cut from a decoder's layers; the vision "
+        "tower runs before the first", "set parallel.pp_size=1 (shard with FSDP2 instead)"),
+    Row(EVERY, "vision+expert-parallel", "parallel.ep_size", "expert parallel is run for text mixtures of experts",
+        "set parallel.ep_size=1"),
+    Row(EVERY, "vision+loss kernel", "training.loss_kernel", "the loss kernels call a causal LM's decoder and head "
+        "themselves; a vision-language model merges image features into the embeddings first",
+        "set training.loss_kernel=full (or auto, which settles on full for a vision-language model)"),
+    Row(EVERY, "vision+activation offloading", "training.activation_offloading", "offloading saved activations "
+        "is not checked with a vision tower yet", "set training.activation_offloading=false"),
+    Row(EVERY, "vision+compile", "compile.backend", "torch.compile over images of varying patch counts is not "
+        "checked yet", "unset compile.backend"),
+    Row(EVERY, "vision+async checkpoint", "checkpoint.async", "background DCP saves are not checked with a vision "
+        "tower yet", "set checkpoint.async=false (checkpoints are written in the step)"),
+    Row(EVERY, "vision+eval prompts", "eval.prompts", "answers are generated from text prompts; a vision-language "
+        "model's prompts carry images", "unset eval.prompts (the validation loss is evaluated)"),
+    Row(EVERY, "vision+eval tasks", "eval.tasks", "lm-evaluation-harness tasks score a text model",
+        "unset eval.tasks"),
+)
 
 
 ROWS: tuple[Row, ...] = (
@@ -129,7 +179,7 @@ ROWS: tuple[Row, ...] = (
         "PEFT's A and B matrices are plain tensors that Transformers' tp plan does not split, beside base weights "
         "sharded as DTensors", "shard an adapter run with FSDP (parallel.tp_size=1), which shards frozen and "
         "trained tensors alike"),
-)
+) + VISION_ROWS
 
 
 def objective_of(cfg: RunConfig) -> str:
@@ -146,10 +196,36 @@ def objective_of(cfg: RunConfig) -> str:
     return "chat" if cfg.data.format == "chat" else "text"
 
 
-def pieces_of(cfg: RunConfig) -> set[str]:
-    """The forward-backward, layout and run-level pieces a config uses, with the pairs the table names."""
+def _vision_pieces(cfg: RunConfig) -> set[str]:
+    """A vision-language model's pieces: "vision", and "vision+X" for each feature X the run asks for."""
+    from overdrive.strategies import registry
+
+    shape, t = layout(cfg), cfg.training
+    asked = {"packing": cfg.data.packing, "mixture": bool(cfg.data.sources),
+             "validation split": bool(cfg.data.validation_split),
+             "deepspeed": registry.of(cfg).deepspeed_config, "hsdp": shape.dp_replicate > 1 and shape.dp_shard > 1,
+             "tensor-parallel": shape.tp > 1, "context-parallel": shape.cp > 1, "sequence-parallel": shape.sp > 1,
+             "pipeline": shape.pp > 1, "expert-parallel": cfg.parallel.ep_size > 1,
+             "loss kernel": t.loss_kernel in KERNELS, "activation offloading": t.activation_offloading,
+             "compile": bool(cfg.compile.backend), "async checkpoint": bool(getattr(cfg.checkpoint, "async")),
+             "eval prompts": bool(cfg.eval.prompts), "eval tasks": bool(cfg.eval.tasks)}
+    return {"vision"} | {f"vision+{name}" for name, on in asked.items() if on}
+
+
+def is_vision(cfg: RunConfig) -> bool:
+    """Whether the run's model is a vision-language one (`model.vision.enabled`, else its config.json)."""
+    from overdrive.hf.vision import declared
+
+    return declared(cfg)
+
+
+def pieces_of(cfg: RunConfig, vision: Optional[bool] = None) -> set[str]:
+    """The forward-backward, layout and run-level pieces a config uses, with the pairs the table names;
+    `vision`: the model is (or is not) a vision-language one, where its Transformers config said so."""
     shape, adapter = layout(cfg), cfg.peft.method != "none"
     pieces = {"adapter"} if adapter else set()
+    if is_vision(cfg) if vision is None else vision:
+        pieces |= _vision_pieces(cfg)
     if shape.pp > 1:
         pieces |= {"pipeline"} | ({"pipeline+adapter"} if adapter else set())
     if shape.cp > 1:
@@ -169,10 +245,11 @@ def pieces_of(cfg: RunConfig) -> set[str]:
     return pieces
 
 
-def problems(cfg: RunConfig, where: Callable[[str], str] = lambda key: "") -> list[Problem]:
+def problems(cfg: RunConfig, where: Callable[[str], str] = lambda key: "", vision: Optional[bool] = None
+             ) -> list[Problem]:
     """The table's rows this config meets; with `launch.use_cpu` (the config says where it
     trains), an attention kernel that cannot run there too."""
-    objective, pieces = objective_of(cfg), pieces_of(cfg)
+    objective, pieces = objective_of(cfg), pieces_of(cfg, vision)
     found = [Problem(row.key, f"{objective} with {row.piece.replace('+', ' and ')}: {row.why}", where(row.key), row.fix)
              for row in ROWS if objective in row.objectives and row.piece in pieces]
     return found + (attention_problems(cfg, where, on_cpu=True) if cfg.launch.use_cpu else [])

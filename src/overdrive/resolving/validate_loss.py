@@ -32,6 +32,8 @@ def kernel_blocker(cfg: RunConfig, kernel: Optional[str] = None) -> Optional[tup
     if objective not in composition.TOKEN | composition.ONLINE or piece == "fused loss kernel":
         row = next(r for r in composition.ROWS if r.piece == piece)
         return (KEY, f"{objective}: {row.why}")
+    if composition.is_vision(cfg):
+        return (KEY, next(r for r in composition.ROWS if r.piece == "vision+loss kernel").why)
     lay = mesh.layout(cfg)
     for axis, key, why in (("tp", "parallel.tp_size", "a tensor-parallel LM head holds a slice of the vocabulary"),
                            ("pp", "parallel.pp_size", "the pipeline's last stage computes the model's own loss"),

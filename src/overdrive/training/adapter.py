@@ -37,12 +37,17 @@ def quantization(cfg: RunConfig):
     from transformers import BitsAndBytesConfig
 
     p = cfg.peft
+    from overdrive.hf.vision import PROJECTORS, VISION_TOWERS, declared
+
+    # A vision-language model's tower and projector stay unquantized (as LLaMA-Factory and TRL keep them):
+    # small, and read by every image token.
+    skip = {"llm_int8_skip_modules": [*VISION_TOWERS, *PROJECTORS, "lm_head"]} if declared(cfg) else {}
     if p.bits == 8:
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, **skip)
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.mixed_precision, torch.float32)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=p.quant_type,
                               bnb_4bit_use_double_quant=p.double_quant, bnb_4bit_compute_dtype=compute,
-                              bnb_4bit_quant_storage=getattr(torch, strategy_adapter.quant_storage_dtype(cfg)))
+                              bnb_4bit_quant_storage=getattr(torch, strategy_adapter.quant_storage_dtype(cfg)), **skip)
 
 
 def lora_config(cfg: RunConfig, task: Optional[str] = None):
@@ -125,7 +130,18 @@ def apply(cfg: RunConfig, model, gradient_checkpointing: bool = False):
         if misfit:
             raise UserError(misfit)
         return PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
-    return get_peft_model(model, lora_config(cfg))
+    return get_peft_model(model, _for_model(cfg, model))
+
+
+def _for_model(cfg: RunConfig, model):
+    """The LoraConfig; on a vision-language model, the parts left frozen (the vision tower and projector
+    unless `model.vision.*` trains them) excluded from the targets by name (hf/vision.py)."""
+    from overdrive.hf.vision import frozen_parts_pattern, is_vision_config
+
+    config = lora_config(cfg)
+    if is_vision_config(model.config):
+        config.exclude_modules = frozen_parts_pattern(cfg.model.vision)
+    return config
 
 
 def trainable_counts(model) -> tuple[int, int]:
@@ -196,7 +212,9 @@ def merge(cfg: RunConfig, adapter_dir, target, tokenizer) -> None:
     from overdrive.training.dtypes import DTYPES
 
     dtype = "auto" if cfg.model.dtype == "auto" else DTYPES[cfg.model.dtype]
-    base = auto_class(cfg.model.task).from_pretrained(cfg.model.name_or_path, revision=cfg.model.revision,
+    from overdrive.hf.vision import declared
+
+    base = auto_class(cfg.model.task, vision=declared(cfg)).from_pretrained(cfg.model.name_or_path, revision=cfg.model.revision,
                                                       trust_remote_code=cfg.model.trust_remote_code, dtype=dtype)
     if len(tokenizer) > base.get_input_embeddings().num_embeddings:
         base.resize_token_embeddings(len(tokenizer))

@@ -16,6 +16,7 @@ from overdrive import hub
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
 from overdrive.hf.model_config import auto_class, model_config  # noqa: F401 (the model's config, shared with memory/)
+from overdrive.hf.vision import freeze as freeze_vision, is_vision_config
 from overdrive.training import adapter
 from overdrive.training.dtypes import DTYPES, autocast_dtype  # noqa: F401 (the one dtype map, asked here too)
 
@@ -40,12 +41,15 @@ def build_model(cfg: RunConfig, vocab_size: Optional[int] = None, *, label_names
         if quantization is not None:  # bitsandbytes quantizes as the weights are loaded onto the device
             common.update(quantization_config=quantization, device_map={"": str(device or "cpu")})
         with hub.reading("model.name_or_path", m.name_or_path, revision=m.revision):
-            model = _with_loss_type(cfg, auto_class(m.task).from_pretrained(m.name_or_path, config=config,
-                                                                            revision=m.revision, **common))
+            cls = auto_class(m.task, vision=is_vision_config(config))
+            model = _with_loss_type(cfg, cls.from_pretrained(m.name_or_path, config=config, revision=m.revision,
+                                                             **common))
     if vocab_size is not None and vocab_size > model.get_input_embeddings().num_embeddings:
         # A tokenizer with added tokens: grow the table rather than index past its end.
         model.resize_token_embeddings(vocab_size)
     model = with_gradient_checkpointing(cfg, model)
+    if is_vision_config(model.config) and not adapter.enabled(cfg):  # an adapter run: PEFT freezes the base
+        freeze_vision(model, m.vision)
     if adapter.enabled(cfg) and device != "meta":
         model = adapter.apply(cfg, model, gradient_checkpointing=m.gradient_checkpointing)
     return model
@@ -67,7 +71,8 @@ def fresh_model(cfg: RunConfig, config, device: Optional[str | torch.device] = N
     if common["dtype"] == "auto":
         common.pop("dtype")
     with torch.device(device or "cpu"):
-        return _with_loss_type(cfg, auto_class(cfg.model.task).from_config(config, **common))
+        cls = auto_class(cfg.model.task, vision=is_vision_config(config))
+        return _with_loss_type(cfg, cls.from_config(config, **common))
 
 
 def _with_loss_type(cfg: RunConfig, model):
@@ -113,7 +118,9 @@ def flop_params(model, frozen: bool = False) -> int:
 
 
 def shape_of(config) -> tuple[int, int]:
-    """(layers, hidden width) of a Transformers config, for the attention FLOPs term."""
+    """(layers, hidden width) of a Transformers config, for the attention FLOPs term (a vision-language
+    model's: its language model's)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0)
     width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0)
     return int(layers or 0), int(width or 0)

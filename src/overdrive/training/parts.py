@@ -23,6 +23,7 @@ from overdrive.training import optimizers
 from overdrive.training.dtypes import matmul_precision
 from overdrive.training import activation_offload, loss_kernels
 from overdrive.training import context_parallel, distill, forward_backward, grpo, grpo_parts, pipeline, preference, reference
+from overdrive.training import vision
 from overdrive.training.objective import Objective, TokenObjective
 from overdrive.training.pipeline import Pipeline
 from overdrive.training.recipe import Recipe
@@ -112,14 +113,19 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
     say("reading the tokenizer and the data (a token cache is filled once, then reused)")
     # One process per machine trains the tokenizer and fills the token cache; the others wait
     # for those files (not in a barrier), then every process memory-maps the same token ids.
+    vision_collate = None
+    vision_model, model_type = vision.settle(cfg)  # a vision-language model: its processor, images in the rows
     if grpo.enabled(cfg):  # prompts and completion slots, no token cache (training/grpo_parts.py)
         tokenizer, tokens = grpo_parts.prepare(cfg, build_tokenizer)
+    elif vision_model:
+        tokenizer, tokens, vision_collate = vision.prepare(cfg, model_type, show=accelerator.is_main_process)
     else:
         tokenizer, tokens = data_mod.prepare(cfg, build_tokenizer, build=accelerator.is_local_main_process,
                                              show=accelerator.is_main_process and cfg.logging.level != "quiet")
     cfg, derived = _counted_from_data(cfg, tokens.train, split.global_batch)
     # The loader before the model: data too small for one global batch is refused before any weight is read.
-    collate = data_mod.collate_for(data_mod.sample_kind(cfg), tokenizer.pad_token_id, d.max_length)
+    collate = vision_collate if vision_model else data_mod.collate_for(data_mod.sample_kind(cfg),
+                                                                       tokenizer.pad_token_id, d.max_length)
 
     def loader_at(at: batch.BatchSplit):  # at the run's split, or at the split an OOM redo settles on
         if grpo.enabled(cfg):  # RL: prompts in completion slots
@@ -162,6 +168,7 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
                                     frozen_params=model_mod.flop_params(model, frozen=True) - idle[1])
     model = strategies.split_model(model, accelerator, cfg)  # tensor and expert parallel, when the layout has them
     notes = adapter.notes(cfg, model) + master_weights.note(upcast) + _passes(cfg, tokens.train, split.global_batch)
+    notes += vision.notes(cfg, model) if vision_model else []
     eval_loader = None
     if tokens.validation is not None:
         # A fixed leading subset: evaluations are comparable across steps, and the loader is

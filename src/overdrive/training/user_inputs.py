@@ -22,9 +22,14 @@ def check(cfg: RunConfig, where: Callable[[str], str],
     rl, kto = cfg.rl.method != "none", cfg.preference.method == "kto"
     pairs = cfg.data.format == "preference"
     from overdrive.hf import teacher
+    from overdrive.hf.vision import declared
 
     # the teacher's tokenizer against the student's, from files (no weights)
     taught = [replace(p, where=p.where or where(p.key)) for p in teacher.fit_problems(cfg)]
+    if declared(cfg) and cfg.data.format == "chat":  # a vision-language run's rows: images against placeholders
+        from overdrive.data import vision_rows
+
+        return taught + vision_rows.problems(cfg), []
     if not (rl or kto or pairs):
         return taught, []
     # Here, not above: the data package loads torch as it is imported, and `explain` of any other run needs none.

@@ -1,0 +1,225 @@
+"""Vision-language fine-tuning (docs/vision.md): tiny Qwen2-VL and LLaVA models built from their
+Transformers configs, coloured images whose answer is the colour.
+
+Quick: the processor steps done without Qwen2-VL's processor class equal its own `__call__`; the
+assistant-only labels with image tokens never in the loss; the three layouts give one encoding; a
+row whose images and placeholders differ is refused by key with its row; what does not compose is
+refused by key before anything launches; the vision tower and projector frozen, LoRA on the
+language model. Slow: SFT in one process (the loss falls, the saved model and processor reload)
+and FSDP2 on 2 processes equal to one process at the same global batch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from vlm_fixtures import make_tiny_llava, make_tiny_qwen2_vl, make_vision_data
+
+from overdrive.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("vlm")
+    make_tiny_qwen2_vl(root / "qwen")
+    make_tiny_llava(root / "llava")
+    for layout in ("messages", "sharegpt", "alpaca"):
+        make_vision_data(root, rows=24, layout=layout)
+    return root
+
+
+def settled(work: Path, *items: str):
+    from overdrive.resolving.resolve import resolve
+    from overdrive.training import user_inputs
+
+    return resolve([], cli=[f"model.name_or_path={work / 'qwen'}", f"data.source={work / 'messages.jsonl'}",
+                            "data.format=chat", "data.max_length=64", "launch.use_cpu=true", *items],
+                   env={}, accelerate_default=False, checks=user_inputs.check).config
+
+
+def processor_for(work: Path, name: str):
+    from overdrive.hf.vision_processor import load
+
+    return load(settled(work, f"model.name_or_path={work / name}"), "qwen2_vl" if name == "qwen" else "llava")
+
+
+def test_qwen_processor_steps_equal_the_processors_own_call(work):
+    """OwnQwenProcessor against Qwen2VLProcessor.__call__ (AutoProcessor where torchvision exists; here its
+    class built without the video processor it cannot build), and the model's own 3-D rope positions."""
+    import importlib.util
+
+    import transformers
+    from PIL import Image
+
+    own = processor_for(work, "qwen")
+    if importlib.util.find_spec("torchvision"):
+        theirs = transformers.AutoProcessor.from_pretrained(work / "qwen")
+    else:
+        theirs = object.__new__(transformers.Qwen2VLProcessor)
+        theirs.tokenizer, theirs.image_processor = own.tokenizer, own.processor.image_processor
+        theirs.image_token, theirs.video_token = "<|image_pad|>", "<|video_pad|>"
+        theirs.image_token_id = own.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        theirs.video_token_id = own.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+        theirs.chat_template = own.chat_template
+    images = [Image.open(work / "images" / f"{i}.png").convert("RGB").resize((56 + 28 * i, 84)) for i in range(2)]
+    turns = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what"}, {"type": "image"}]},
+             {"role": "assistant", "content": "red"}]
+    text = own.render(turns)
+    mine, expected = own.encode(text, images), theirs(text=[text], images=images, return_tensors="pt")
+    for key in ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw"):
+        assert torch.equal(mine[key], expected[key]), key
+    model = transformers.AutoModelForImageTextToText.from_pretrained(work / "qwen")
+    rope = model.model.get_rope_index(mine["input_ids"], mine["mm_token_type_ids"], mine["image_grid_thw"])[0]
+    assert torch.equal(rope, model.model.get_rope_index(expected["input_ids"], expected["mm_token_type_ids"],
+                                                        expected["image_grid_thw"])[0])
+    assert rope.shape[0] == 3 and not torch.equal(rope[1], rope[2])  # 3-D: height and width differ on image tokens
+
+
+@pytest.mark.parametrize("name", ["qwen", "llava"])
+def test_only_the_answer_is_in_the_loss_and_image_tokens_never(work, name):
+    from PIL import Image
+
+    from overdrive.data.vision_samples import IGNORE, encode
+
+    processor = processor_for(work, name)
+    image = Image.open(work / "images" / "0.png").convert("RGB")
+    turns = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is it"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "the answer is red"}]}]
+    row = encode(processor, turns, [image], "row 1", 64)
+    answer = row["input_ids"][row["labels"] != IGNORE]
+    assert processor.tokenizer.convert_ids_to_tokens(answer.tolist()) == ["the", "answer", "is", "red", "<|im_end|>"]
+    everything = encode(processor, turns, [image], "row 1", 64, train_on_prompt=True)
+    image_tokens = torch.isin(everything["input_ids"], torch.tensor(processor.image_token_ids))
+    assert image_tokens.sum() >= 4 and (everything["labels"][image_tokens] == IGNORE).all()
+    assert (everything["labels"][~image_tokens] != IGNORE).all()
+    with pytest.raises(UserError) as refused:  # never cut inside an image
+        encode(processor, turns, [image], "row 1", 5)
+    assert refused.value.problems[0].key == "data.max_length"
+
+
+def test_trl_and_llama_factory_layouts_give_one_encoding(work):
+    from overdrive.data.vision_samples import prepare
+
+    processor = processor_for(work, "qwen")
+    encoded = {layout: prepare(settled(work, f"data.source={work / (layout + '.jsonl')}",
+                                       "data.validation_fraction=0"), processor).train
+               for layout in ("messages", "sharegpt", "alpaca")}
+    for layout in ("sharegpt", "alpaca"):
+        for a, b in zip(encoded["messages"].rows, encoded[layout].rows):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), layout
+
+
+def test_images_and_placeholders_that_differ_are_refused_by_key_with_the_row(work):
+    rows = [json.loads(line) for line in (work / "sharegpt.jsonl").read_text().splitlines()]
+    rows[2]["images"] = rows[2]["images"] * 2
+    rows[4]["images"] = ["images/missing.png"]
+    bad = work / "bad.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(UserError) as refused:
+        settled(work, f"data.source={bad}")
+    found = {(p.key, p.where) for p in refused.value.problems}
+    assert ("data.images_column", f"{bad}:3") in found and ("data.images_column", f"{bad}:5") in found
+
+
+@pytest.mark.parametrize("item,key", [
+    ("preference.method=dpo", "preference.method"), ("rl.method=grpo", "rl.method"),
+    ("data.packing=true", "data.packing"), ("parallel.strategy=deepspeed", "parallel.strategy"),
+    ("parallel.tp_size=2", "parallel.tp_size"), ("parallel.pp_size=2", "parallel.pp_size"),
+    ("training.loss_kernel=chunked", "training.loss_kernel"), ("compile.backend=inductor", "compile.backend"),
+    ("training.activation_offloading=true", "training.activation_offloading"),
+    ("checkpoint.async=true", "checkpoint.async"), ("eval.prompts=[hello]", "eval.prompts"),
+    ("data.format=text", "data.format")])
+def test_what_does_not_compose_with_a_vlm_is_refused_by_key_before_anything_launches(item, key):
+    from overdrive.resolving.resolve import resolve
+
+    extra = {"preference.method=dpo": ["data.format=preference"], "rl.method=grpo": ["data.format=prompts"],
+             "parallel.tp_size=2": ["launch.num_processes=2"], "parallel.pp_size=2": ["launch.num_processes=2"]}
+    with pytest.raises(UserError) as refused:
+        resolve([], cli=["model.name_or_path=org/some-vlm", "model.vision.enabled=true", "data.format=chat", item,
+                         *extra.get(item, [])], env={}, accelerate_default=False)
+    assert key in {p.key for p in refused.value.problems}
+
+
+def test_the_vision_tower_and_projector_are_frozen_and_lora_targets_the_language_model(work):
+    from overdrive.training.model import build_model
+
+    plain = build_model(settled(work, "model.vision.freeze=true"))
+    trained = {n for n, p in plain.named_parameters() if p.requires_grad}
+    assert trained and all(".visual." not in n for n in trained)
+    both = build_model(settled(work, "model.vision.freeze=false", "model.vision.train_projector=true"))
+    assert all(p.requires_grad for p in both.parameters())
+    lora = build_model(settled(work, "peft.method=lora", "peft.r=4"))
+    adapted = {n for n, p in lora.named_parameters() if p.requires_grad}
+    assert adapted and all("lora_" in n and "language_model" in n for n in adapted)
+    projector = build_model(settled(work, "peft.method=lora", "peft.r=4", "model.vision.train_projector=true"))
+    adapted = {n for n, p in projector.named_parameters() if p.requires_grad}
+    assert any(".merger." in n for n in adapted) and not any(".blocks." in n for n in adapted)
+
+
+RUN = ["data.format=chat", "data.max_length=64", "data.validation_fraction=0", "peft.method=lora", "peft.r=8",
+       "peft.alpha=16", "optim.lr=0.01", "scheduler.name=constant", "scheduler.warmup_steps=0",
+       "training.log_every_steps=1", "precision.mixed_precision=no", "launch.use_cpu=true", "logging.trackers=[none]",
+       "logging.progress=false", "checkpoint.enabled=false"]
+
+
+def train(work: Path, out: str, *extra: str):
+    import sys
+
+    from checkpoint_probe import run
+
+    done = run([sys.executable, "-m", "overdrive.cli", "train", f"model.name_or_path={work / 'qwen'}",
+                f"data.source={work / 'messages.jsonl'}", f"data.cache_dir={work / 'cache'}", *RUN,
+                f"output_dir={work / out}", *extra], cwd=work, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+@pytest.mark.slow
+def test_sft_in_one_process_learns_the_colour_and_saves_what_from_pretrained_reloads(work):
+    """SFT of the language model of a tiny Qwen2-VL (its vision tower and projector frozen): the loss falls;
+    the model and the processor's files reload; `overdrive generate` on it is refused by key (images are not
+    given to it yet). The adapter's save and reload: the FSDP2 test below."""
+    import sys
+
+    import transformers
+    from checkpoint_probe import losses, run
+
+    done = train(work, "one", "training.max_steps=12", "training.micro_batch_size=4", "peft.method=none")
+    assert "vision-language model (Qwen2VLForConditionalGeneration)" in done.stdout
+    curve = losses(work / "one")
+    assert curve[12] < 0.6 * curve[1], curve
+    saved = work / "one" / "model"
+    model = transformers.AutoModelForImageTextToText.from_pretrained(saved)
+    base = transformers.AutoModelForImageTextToText.from_pretrained(work / "qwen")
+    before, after = base.state_dict(), model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before if ".visual." in k)  # frozen: unchanged
+    assert not all(torch.equal(before[k], after[k]) for k in before if "language_model" in k)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(saved)
+    image_processor = transformers.AutoImageProcessor.from_pretrained(saved)
+    assert tokenizer.chat_template and image_processor.merge_size == 2
+    refused = run([sys.executable, "-m", "overdrive.cli", "generate", str(work / "one"), "what colour is it"],
+                  cwd=work, timeout=300)
+    assert refused.returncode == 2 and "vision-language" in refused.stderr, refused.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_fsdp2_on_two_processes_gives_the_one_process_losses(work):
+    from checkpoint_probe import losses
+    from strategy_probe import free_port
+
+    train(work, "single", "training.max_steps=3", "training.micro_batch_size=4")
+    train(work, "fsdp2", "training.max_steps=3", "training.micro_batch_size=2", "launch.num_processes=2",
+          "parallel.strategy=fsdp", f"launch.main_process_port={free_port()}")
+    one, two = losses(work / "single"), losses(work / "fsdp2")
+    assert sorted(two) == [1, 2, 3]
+    for step, loss in one.items():
+        assert abs(two[step] - loss) <= 1e-4 * loss, (step, loss, two[step])
+    import transformers
+    from peft import PeftModel
+
+    base = transformers.AutoModelForImageTextToText.from_pretrained(work / "qwen")  # the adapter reloads on its base
+    model = PeftModel.from_pretrained(base, work / "fsdp2" / "model")
+    assert all("language_model" in n for n, _ in model.named_parameters() if "lora_" in n)

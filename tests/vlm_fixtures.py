@@ -1,0 +1,131 @@
+"""Tiny vision-language models built from their Transformers configs (random weights, saved with
+save_pretrained), a word-level tokenizer with a chat template that renders image parts, and a data
+set of coloured images whose answer is the colour: what tests/test_vlm.py trains."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+SPECIAL = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
+           "<image>"]
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
+WORDS = ["user", "assistant", "system", "what", "colour", "is", "it", "the", "answer", "a", "b", "c", *COLOURS]
+
+
+def _template(image: str) -> str:
+    """A ChatML template whose image parts render as `image` (the model's placeholder)."""
+    return ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+            "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}" + image + "{% else %}"
+            "{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tokenizer(image: str):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<unk>": 1, **{w: i + 2 for i, w in enumerate(SPECIAL + WORDS)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", eos_token="<|im_end|>",
+                                  additional_special_tokens=SPECIAL)
+    tok.chat_template = _template(image)
+    return tok
+
+
+def make_tiny_qwen2_vl(directory: Path, seed: int = 0, family: str = "qwen2_vl") -> Path:
+    """A 2-layer Qwen2-VL (or Qwen2.5-VL) language model (hidden 32) with a 1-block vision tower (patch 14,
+    merge 2), its PIL image processor limited to small images."""
+    import torch
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = tokenizer("<|vision_start|><|image_pad|><|vision_end|>")
+    ids = {s: tok.convert_tokens_to_ids(s) for s in SPECIAL}
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=512, pad_token_id=0,
+                eos_token_id=ids["<|im_end|>"], bos_token_id=None,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0})
+    vision = dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    if family == "qwen2_5_vl":
+        vision = dict(depth=1, hidden_size=16, out_hidden_size=32, intermediate_size=32, num_heads=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, in_channels=3, window_size=56,
+                      fullatt_block_indexes=[0])
+    config_class, model_class = ((Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration) if family == "qwen2_5_vl"
+                                 else (Qwen2VLConfig, Qwen2VLForConditionalGeneration))
+    config = config_class(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                          video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                          vision_end_token_id=ids["<|vision_end|>"], pad_token_id=0, eos_token_id=ids["<|im_end|>"])
+    torch.manual_seed(seed)
+    model_class(config).save_pretrained(directory)
+    tok.save_pretrained(directory)
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56).save_pretrained(directory)
+    return directory
+
+
+def make_tiny_llava(directory: Path, seed: int = 0) -> Path:
+    """LLaVA: a 1-layer CLIP vision tower (28-pixel images, patch 14: 4 image tokens) and a 2-layer Llama,
+    with LlavaProcessor (CLIP's PIL image processor) saved beside them."""
+    import torch
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    tok = tokenizer("<image>")
+    image = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    processor = LlavaProcessor(image_processor=image, tokenizer=tok, patch_size=14, image_token="<image>",
+                               vision_feature_select_strategy="full", num_additional_image_tokens=0,
+                               chat_template=tok.chat_template)
+    config = LlavaConfig(vision_config=CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                        num_attention_heads=2, image_size=28, patch_size=14),
+                         text_config=LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
+                                                 max_position_embeddings=256, pad_token_id=0,
+                                                 eos_token_id=tok.eos_token_id, bos_token_id=None),
+                         image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-1,
+                         vision_feature_select_strategy="full")
+    torch.manual_seed(seed)
+    LlavaForConditionalGeneration(config).save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return directory
+
+
+def make_images(directory: Path, rows: int, seed: int = 0, size: int = 56) -> list[tuple[str, str]]:
+    """(relative path, colour) of `rows` PNG images of one colour each, with noise."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    (directory / "images").mkdir(parents=True, exist_ok=True)
+    made = []
+    for i in range(rows):
+        colour = list(COLOURS)[i % len(COLOURS)]
+        pixels = np.clip(np.array(COLOURS[colour]) + rng.normal(0, 20, (size, size, 3)), 0, 255).astype("uint8")
+        Image.fromarray(pixels).save(directory / "images" / f"{i}.png")
+        made.append((f"images/{i}.png", colour))
+    return made
+
+
+def make_vision_data(directory: Path, rows: int = 24, layout: str = "messages", seed: int = 0,
+                     size: int = 56) -> Path:
+    """Rows asking the colour of an image: TRL's layout (`messages` with image parts, `images`), or
+    LLaMA-Factory's ShareGPT or Alpaca (`<image>` in the text, `images`). Written to directory/<layout>.jsonl."""
+    made = make_images(directory, rows, seed, size)
+    rng = random.Random(seed)
+    path = directory / f"{layout}.jsonl"
+    with open(path, "w") as f:
+        for image, colour in made:
+            question = "what colour is it " + rng.choice("abc")
+            if layout == "messages":
+                row = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]},
+                                    {"role": "assistant", "content": [{"type": "text", "text": f"the answer is {colour}"}]}]}
+            elif layout == "sharegpt":
+                row = {"conversations": [{"from": "human", "value": "<image>" + question},
+                                         {"from": "gpt", "value": f"the answer is {colour}"}]}
+            else:
+                row = {"instruction": "<image>" + question, "input": "", "output": f"the answer is {colour}"}
+            f.write(json.dumps({**row, "images": [image]}) + "\n")
+    return path
