@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from overdrive.config.redact import redact_text
+from overdrive.config.schema_rl import RewardFunc
 from overdrive.errors import UserError
 from overdrive.resolving import resolve
 from overdrive.training import rewards, user_inputs
@@ -186,3 +187,98 @@ def test_a_grpo_run_whose_reward_turns_nan_stops_by_name_with_its_checkpoint_and
     assert samples and all(sample["reward"] is None for sample in samples)
     for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines():
         json.loads(line, parse_constant=no_constants)
+
+
+def test_user_code_that_exits_is_refused_by_its_key_at_import_in_a_call_and_while_training(tmp_path):
+    from overdrive.training import tools
+
+    name = "exiting_rewards"
+    config = _write(tmp_path, GOOD_ROWS, f'["{name}.correct"]', "import sys\nsys.exit(0)\n", name)
+    said = {p.key: p.message for p in _problems(config)}
+    assert said["rl.reward_funcs[0].function"] == f"'{name}' called sys.exit(0) while being imported"
+    (tmp_path / "exiting_tools.py").write_text("import sys\nsys.exit(3)\n")
+    with rewards.importable_from([tmp_path]), pytest.raises(UserError) as error:
+        tools.build(["exiting_tools.add"])
+    assert error.value.problems[0].key == "rl.tools[0]" and "called sys.exit(3) while being imported" in str(error.value)
+
+    def exits(**kwargs):
+        raise SystemExit(0)
+
+    with pytest.raises(UserError) as error:  # while training: a refusal (exit 2), its checkpoint kept by the loop
+        rewards.score([rewards.Reward("judge", 1.0, exits, "rl.reward_funcs[1].function")], ["p"], ["a"], [[1]], {})
+    assert error.value.problems[0].key == "rl.reward_funcs[1].function"
+    assert "'judge' called sys.exit(0) while being called" in error.value.problems[0].message
+    tool = tools.Tool("add", exits, {}, "rl.tools[2]")
+    with pytest.raises(UserError) as error:
+        tools.call({"add": tool}, {"type": "function", "function": {"name": "add", "arguments": {}}}, 5.0)
+    assert error.value.problems[0].key == "rl.tools[2]" and "called sys.exit(0)" in error.value.problems[0].message
+
+    def interrupted(prompts, completions, **kwargs):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # a real Ctrl-C still stops the run as one
+        rewards.score([rewards.Reward("judge", 1.0, interrupted)], ["p"], ["a"], [[1]], {})
+
+
+def test_a_reward_is_refused_by_what_it_returned_unless_one_number_per_completion(tmp_path):
+    import gc
+    import warnings
+
+    import numpy
+    import torch
+
+    def scored(returned) -> list:
+        reward = rewards.Reward("judge", 1.0, lambda prompts, completions, **kw: returned)
+        return rewards.score([reward], ["p", "q"], ["a", "b"], [[1], [2]], {})
+
+    def refused(returned) -> str:
+        with pytest.raises(UserError) as error:
+            scored(returned)
+        return error.value.problems[0].message + " | " + error.value.problems[0].fix
+
+    for good in ([1.0, True], (1.0, 1), (v for v in [1.0, 1.0]), numpy.ones(2), torch.ones(2, dtype=torch.bfloat16)):
+        assert scored(good) == [[1.0], [1.0]]
+    for bad, words in (({0: 0.5, 1: 0.5}, "(dict)"), ({0.5, 1.0}, "(set)"), ("ab", "(str)"), (b"ab", "(bytes)"),
+                       (None, "None (NoneType)"), (1.0, "1.0 (float)"), (numpy.ones((2, 1)), "2-D ndarray")):
+        said = refused(bad)
+        assert words in said and "return a list of floats, one per completion" in said, said
+        assert "raised" not in said and "not iterable" not in said
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+
+        async def judged(prompts, completions, **kw):
+            return [1.0] * len(completions)
+
+        assert "async reward functions are not supported" in refused(judged(["p"], ["a"]))
+        name = "async_rewards"
+        config = _write(tmp_path, GOOD_ROWS, f'["{name}.judge"]', "async def judge(prompts, completions, **kw):\n"
+                        "    return [1.0] * len(completions)\n", name)
+        said = {p.key: p.message for p in _problems(config)}
+        assert "async reward functions are not supported" in said["rl.reward_funcs[0].function"]
+        gc.collect()
+    assert not [w for w in caught if "never awaited" in str(w.message)]
+
+
+def test_a_column_named_as_a_reward_argument_is_refused_by_the_data_not_the_reward(tmp_path):
+    name = "collision_rewards"
+    module = ("def good(prompts, completions, **kwargs):\n    return [1.0] * len(completions)\n"
+              "def crashes(prompts, completions, **kwargs):\n    return [1 / len(c) for c in completions]\n"
+              "def mapping(prompts, completions, **kwargs):\n    return {0: 1.0}\n")
+    rows = [{**row, "completions": "x"} for row in GOOD_ROWS]
+    problems = _problems(_write(tmp_path, rows, f'["{name}.good"]', module, name))
+    assert [p.key for p in problems] == ["data.source"]
+    assert "'completions'" in problems[0].message and "rename the column" in problems[0].fix
+    with pytest.raises(UserError) as error:  # a hub data set's columns, met while training
+        rewards.score(rewards.build([RewardFunc(function=f"{name}.good")]), ["p"], ["a"], [[1]], {"prompts": ["x"]})
+    assert error.value.problems[0].key == "data.source" and "'prompts'" in error.value.problems[0].message
+    # the empty completion's fix only for a reward that raised on it
+    fixes = {p.key: p.fix for p in _problems(_write(tmp_path, GOOD_ROWS, f'["{name}.crashes", "{name}.mapping"]'))}
+    assert "a completion may be empty" in fixes["rl.reward_funcs[0].function"]
+    assert "a completion may be empty" not in fixes["rl.reward_funcs[1].function"]
+
+
+def test_a_reward_name_shaped_like_a_secret_is_refused_by_its_key_and_not_echoed(tmp_path):
+    token = "hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"
+    config = _write(tmp_path, GOOD_ROWS, f"[{{function: exact_match, column: answer, name: {token}}}]")
+    problem = next(p for p in _problems(config) if p.key == "rl.reward_funcs[0].name")
+    assert "looks like a secret" in problem.message and token not in problem.render()

@@ -13,9 +13,10 @@ import inspect
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from overdrive.config.redact import is_secret_value, redact_text
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
-from overdrive.training import rewards
+from overdrive.training import rewards, user_code
 
 if TYPE_CHECKING:
     from overdrive.data.row_table import RowTable
@@ -27,7 +28,10 @@ _NAMED = ("prompts", "completions", "completion_ids")
 def problems(cfg: RunConfig, table: Optional[RowTable], where: Callable[[str], str]) -> list[Problem]:
     """Every reward's problems; `table` None: the rows are not at hand (a hub data set), only the import and
     the parts of the signature that need no columns are checked."""
-    found = []
+    found = _name_problems(cfg, where)
+    clashes = rewards.colliding(table.columns) if table is not None else []
+    # A column named as a call's argument fails every reward's call: said once, by the data, and no reward tried.
+    found += [rewards.collision_problem(c, where("data.source")) for c in clashes]
     for index, spec in enumerate(cfg.rl.reward_funcs):
         key = f"rl.reward_funcs[{index}]"
         here = where("rl.reward_funcs")
@@ -42,6 +46,8 @@ def problems(cfg: RunConfig, table: Optional[RowTable], where: Callable[[str], s
             continue
         if spec.function in ("exact_match", "regex", "length"):
             continue  # ours: the data's columns are checked with the rows (data/prompt_checks.py)
+        if clashes:
+            continue
         columns = [c for c in table.columns if c not in rewards.HANDED] if table is not None else None
         unbound = _unbound(built.function, columns)
         if unbound:
@@ -52,9 +58,17 @@ def problems(cfg: RunConfig, table: Optional[RowTable], where: Callable[[str], s
         if table is not None and table.rows:
             failed = _trial(cfg, built, table)
             if failed:
-                found.append(Problem(f"{key}.function", failed, here,
-                                     "a completion may be empty: return a number (or None) for any text"))
+                found.append(Problem(f"{key}.function", failed[0], here, failed[1]))
     return found
+
+
+def _name_problems(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
+    """A reward's name shaped like a secret (a hub token, an API key): it becomes the metric names
+    `rewards/<name>/mean` in metrics.jsonl and every tracker, where no mask reaches."""
+    return [Problem(f"rl.reward_funcs[{index}].name", f"the name {redact_text(spec.name)!r} looks like a secret "
+                    "(a token or an API key): it would be written into metrics.jsonl as rewards/<name>/mean",
+                    where("rl.reward_funcs"), "name the reward by what it judges, e.g. name: correctness")
+            for index, spec in enumerate(cfg.rl.reward_funcs) if spec.name and is_secret_value(spec.name)]
 
 
 def _unbound(function: Callable, columns: Optional[list[str]]) -> str:
@@ -77,30 +91,36 @@ def _unbound(function: Callable, columns: Optional[list[str]]) -> str:
     return ""
 
 
-def _trial(cfg: RunConfig, reward: "rewards.Reward", table: RowTable) -> str:
-    """The trial call on an empty completion of the first row with a prompt: what went wrong ('' when nothing,
-    or no answer in time)."""
+def _trial(cfg: RunConfig, reward: "rewards.Reward", table: RowTable) -> Optional[tuple[str, str]]:
+    """The trial call on an empty completion of the first row with a prompt: what went wrong and its fix (None
+    when nothing, or no answer in time)."""
     first = next((i for i, r in enumerate(table.rows) if r.get(cfg.data.prompt_column)), None)
     if first is None:  # no row has a prompt: data/prompt_checks.py says so
-        return ""
+        return None
     row = table.rows[first]
     prompt = row.get(cfg.data.prompt_column)
     completion: Any = [{"role": "assistant", "content": ""}] if isinstance(prompt, list) else ""
     columns = {name: [row.get(name)] for name in table.columns if name not in rewards.HANDED}
-    outcome: list[str] = []
+    outcome: list[Optional[Problem]] = []
 
     def call() -> None:
         try:
             rewards.score([reward], [prompt], [completion], [[]], columns, rows=[first])
-            outcome.append("")
+            outcome.append(None)
         except UserError as error:
-            outcome.append(error.problems[0].message.replace(f"the reward {reward.name!r} ", "", 1))
-        except BaseException as error:  # noqa: BLE001 - the user's code: whatever it raises is reported
-            outcome.append(f"raised {type(error).__name__}: {error}")
+            outcome.append(error.problems[0])
+        except BaseException as error:  # noqa: BLE001 - a real Ctrl-C in this thread: reported, not lost
+            outcome.append(Problem("", user_code.what_it_did(error), fix=rewards.RAISED_FIX))
 
     worker = threading.Thread(target=call, name=f"reward trial {reward.name}", daemon=True)
     worker.start()
     worker.join(TRIAL_SECONDS)
-    if not outcome or not outcome[0]:
-        return ""
-    return f"called once on an empty completion of {table.place(first)}, it {outcome[0]}"
+    if not outcome or outcome[0] is None:
+        return None
+    said = outcome[0].message.replace(f"the reward {reward.name!r} ", "", 1)
+    # An exception on the empty completion is most likely its emptiness; a wrong return type or an exit is not.
+    fix = _EMPTY_FIX if outcome[0].fix == rewards.RAISED_FIX else outcome[0].fix
+    return f"called once on an empty completion of {table.place(first)}, it {said}", fix
+
+
+_EMPTY_FIX = "a completion may be empty: return a number (or None) for any text"

@@ -9,7 +9,7 @@ row) becomes NaN, left out of the means as TRL leaves it out.
 from __future__ import annotations
 
 import contextlib
-import importlib
+import inspect
 import math
 import re
 import sys
@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from overdrive.config.schema_rl import BUILTIN_REWARDS, RewardFunc
 from overdrive.errors import Problem, UserError
+from overdrive.training import user_code
 
 
 def completion_text(completion: Any) -> str:
@@ -57,6 +58,20 @@ def length(target: int) -> Callable[..., list[float]]:
 # The arguments every call names itself; each other column of the data is handed by its name, one value
 # per completion (TRL's `**kwargs`).
 HANDED = ("prompt", "completion", "completion_ids")
+# The keyword arguments every call passes itself: a data column of one of these names cannot be handed too.
+CALLED_WITH = ("prompts", "completions", "completion_ids")
+
+
+def colliding(columns: Sequence[str]) -> list[str]:
+    """The data's columns named as an argument each reward call passes (a `completions` column): handed as
+    well, the call would fail with "got multiple values for keyword argument" in every reward."""
+    return [c for c in columns if c in CALLED_WITH and c not in HANDED]
+
+
+def collision_problem(column: str, where: str = "") -> Problem:
+    return Problem("data.source", f"the data has a column {column!r}, the name of the argument {column!r} every "
+                   "reward function is called with (TRL's), so it cannot also be handed as a column", where,
+                   f"rename the column (e.g. to '{column}_given') and read it by that name in the reward")
 
 
 def columns_of(rows: list[dict]) -> dict[str, list]:
@@ -69,6 +84,7 @@ class Reward:
     name: str
     weight: float
     function: Callable[..., list]
+    key: str = "rl.reward_funcs"  # the config key a refusal names: rl.reward_funcs[i].function once built
 
 
 @contextlib.contextmanager
@@ -90,18 +106,16 @@ def _imported(path: str, key: str) -> Callable[..., list]:
     if not module_name:
         raise UserError(Problem(key, f"{path!r} is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) nor an "
                                 "import path", fix="write `package.module:function` (or `package.module.function`)"))
-    try:
-        function = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
-        raise UserError(Problem(key, f"cannot import {path!r}: {error}",
-                                fix="put the module beside the config file or in the working directory (or on "
-                                "PYTHONPATH), and check the function's name")) from None
-    except Exception as error:  # the user's module itself fails as it is imported
-        raise UserError(Problem(key, f"importing {module_name!r} failed: {type(error).__name__}: {error}",
-                                fix="fix the module (python -c 'import " + module_name + "' shows the traceback)")) from None
-    if not callable(function):
-        raise UserError(Problem(key, f"{path!r} is not callable", fix="name a function"))
+    function = user_code.import_attribute(path, module_name, attribute, key)
+    if _is_async(function):  # its call returns a coroutine, never the rewards: refused before it is ever called
+        raise UserError(Problem(key, f"{path!r} is an async function: async reward functions are not supported",
+                                fix="define it with def (run any awaiting inside it, e.g. with asyncio.run)"))
     return function
+
+
+def _is_async(function: Callable[..., Any]) -> bool:
+    """An `async def` function, or an object whose __call__ is one."""
+    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(getattr(function, "__call__", None))
 
 
 def build(funcs: list[RewardFunc]) -> list[Reward]:
@@ -120,7 +134,8 @@ def build(funcs: list[RewardFunc]) -> list[Reward]:
             function = length(spec.target_length)
         else:
             function = _imported(spec.function, key)
-        rewards.append(Reward(spec.name or getattr(function, "__name__", f"reward_{index}"), spec.weight, function))
+        rewards.append(Reward(spec.name or getattr(function, "__name__", f"reward_{index}"), spec.weight, function,
+                              key))
     return rewards
 
 
@@ -132,45 +147,86 @@ def _shown(value: Any) -> str:
 def _refusal(reward: Reward, rows: Sequence[int], what: str, fix: str) -> UserError:
     rows = sorted(set(rows))
     where = f"data.source row{'s' if len(rows) > 1 else ''} {', '.join(str(r + 1) for r in rows[:8])}" if rows else ""
-    return UserError(Problem("rl.reward_funcs", f"the reward {reward.name!r} {what}", where, fix),
+    return UserError(Problem(reward.key, f"the reward {reward.name!r} {what}", where, fix),
                      title="a reward function failed while training")
+
+
+# The fix of a reward that raised: reward_checks.py tells it apart, a raise on its empty completion.
+RAISED_FIX = ("fix the function (it is called with TRL's arguments: prompts, completions, completion_ids and the "
+              "data's other columns)")
+RETURN_FIX = "return a list of floats, one per completion (None where the reward does not apply)"
 
 
 def score(rewards: list[Reward], prompts: list, completions: list, completion_ids: list[list[int]],
           columns: dict[str, list], rows: Sequence[int] | None = None) -> list[list[float]]:
     """[completion][function] rewards, None as NaN (does not apply). What a user's function raises or answers
-    wrongly (the wrong count, text, NaN or inf) is refused naming the reward and the prompt's row (0-based
-    `rows`, data order): a NaN would train with a loss of 0 and no word, text would fail deep in torch."""
+    wrongly (not a list, the wrong count, text, NaN or inf) is refused naming the reward and the prompt's row
+    (0-based `rows`, data order): a NaN would train with a loss of 0 and no word, text would fail deep in torch."""
+    clashes = colliding(list(columns))
+    if clashes:  # every call would fail on it: the data's fault, not the first reward's
+        raise UserError(collision_problem(clashes[0]), title="the data cannot be handed to the reward functions")
     table = [[math.nan] * len(rewards) for _ in completions]
     rows = list(rows or [])
     for j, reward in enumerate(rewards):
-        try:
-            values = reward.function(prompts=prompts, completions=completions, completion_ids=completion_ids,
-                                     **columns)
-            values = list(values)
-        except UserError:
-            raise
-        except Exception as error:
-            raise _refusal(reward, rows, f"raised {type(error).__name__}: {error}",
-                           "fix the function (it is called with TRL's arguments: prompts, completions, "
-                           "completion_ids and the data's other columns)") from None
+        values = _called(reward, rows, prompts=prompts, completions=completions, completion_ids=completion_ids,
+                         **columns)
         if len(values) != len(completions):
             raise _refusal(reward, rows, f"returned {len(values)} rewards for {len(completions)} completions",
                            "return one reward per completion")
         for i, value in enumerate(values):
-            row = rows[i:i + 1]
-            if value is None:
-                continue
-            if not _is_number(value):
-                raise _refusal(reward, row, f"returned {_shown(value)} ({type(value).__name__}) for completion "
-                               f"{i + 1}: a reward is a number, or None where it does not apply",
-                               "return floats (None for rows the reward does not judge)")
-            number = float(value)
-            if not math.isfinite(number):
-                raise _refusal(reward, row, f"returned {number} for completion {i + 1}: a non-finite reward has "
-                               "no advantage to train on", "return a finite number, or None where it does not apply")
-            table[i][j] = number
+            if value is not None:
+                table[i][j] = _number(reward, rows[i:i + 1], i, value)
     return table
+
+
+def _called(reward: Reward, rows: list[int], **arguments: Any) -> list:
+    """The function's rewards as a list: what it raises (a generator's body too) or exits with is refused."""
+    try:
+        return _as_list(reward, rows, reward.function(**arguments))
+    except UserError:
+        raise
+    except BaseException as error:  # the user's code: sys.exit() too, which would end the run silently
+        if isinstance(error, user_code.PASSED_THROUGH):
+            raise
+        raise _refusal(reward, rows, f"{user_code.what_it_did(error)} while being called",
+                       RAISED_FIX if isinstance(error, Exception) else "return the rewards; never exit the "
+                       "process from a reward function") from None
+
+
+def _as_list(reward: Reward, rows: list[int], returned: Any) -> list:
+    """The rewards a function returned: a list, tuple, generator, or 1-D numpy array or torch tensor. A dict or
+    a set would iterate over its keys, text over its characters: each is refused by what it is."""
+    if isinstance(returned, (list, tuple)):
+        return list(returned)
+    if inspect.isgenerator(returned):
+        return list(returned)
+    if inspect.isawaitable(returned):
+        if inspect.iscoroutine(returned):
+            returned.close()  # never awaited: closed, so Python warns of no un-awaited coroutine
+        raise _refusal(reward, rows, "returned a coroutine (an async call's result, never awaited): async reward "
+                       "functions are not supported", "define it with def and " + RETURN_FIX)
+    ndim = getattr(returned, "ndim", None)
+    if isinstance(ndim, int) and hasattr(returned, "tolist") and not isinstance(returned, (str, bytes)):
+        if ndim == 1:  # numpy's ndarray, torch's Tensor
+            return returned.tolist()
+        shape = tuple(getattr(returned, "shape", ()))
+        raise _refusal(reward, rows, f"returned a {ndim}-D {type(returned).__name__} of shape {shape}, not one "
+                       "reward per completion", RETURN_FIX + ", or a 1-D array")
+    raise _refusal(reward, rows, f"returned {_shown(returned)} ({type(returned).__name__}), not a list of rewards",
+                   RETURN_FIX)
+
+
+def _number(reward: Reward, row: Sequence[int], i: int, value: Any) -> float:
+    """One completion's reward as a finite float, or a refusal saying what it was."""
+    if not _is_number(value):
+        raise _refusal(reward, row, f"returned {_shown(value)} ({type(value).__name__}) for completion "
+                       f"{i + 1}: a reward is a number, or None where it does not apply",
+                       "return floats (None for rows the reward does not judge)")
+    number = float(value)
+    if not math.isfinite(number):
+        raise _refusal(reward, row, f"returned {number} for completion {i + 1}: a non-finite reward has "
+                       "no advantage to train on", "return a finite number, or None where it does not apply")
+    return number
 
 
 def _is_number(value: Any) -> bool:

@@ -18,12 +18,12 @@ template.
 
 from __future__ import annotations
 
-import importlib
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from overdrive.errors import Problem, UserError
+from overdrive.training import user_code
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class Tool:
     name: str
     function: Callable[..., Any]
     schema: dict
+    key: str = "rl.tools"  # the config key a refusal names: rl.tools[i] once built
 
 
 def _imported(path: str, key: str) -> Callable[..., Any]:
@@ -38,18 +39,7 @@ def _imported(path: str, key: str) -> Callable[..., Any]:
     if not module_name:
         raise UserError(Problem(key, f"{path!r} is not an import path",
                                 fix="write `package.module:function` (or `package.module.function`)"))
-    try:
-        function = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
-        raise UserError(Problem(key, f"cannot import {path!r}: {error}",
-                                fix="put the module beside the config file or in the working directory (or on "
-                                "PYTHONPATH), and check the function's name")) from None
-    except Exception as error:  # the user's module itself fails as it is imported
-        raise UserError(Problem(key, f"importing {module_name!r} failed: {type(error).__name__}: {error}",
-                                fix=f"fix the module (python -c 'import {module_name}' shows the traceback)")) from None
-    if not callable(function):
-        raise UserError(Problem(key, f"{path!r} is not callable", fix="name a function"))
-    return function
+    return user_code.import_attribute(path, module_name, attribute, key)
 
 
 def _schema(function: Callable[..., Any], path: str, key: str) -> dict:
@@ -77,7 +67,7 @@ def build(paths: Sequence[str]) -> list[Tool]:
         if any(t.name == name for t in tools):
             raise UserError(Problem(key, f"two tools are named {name!r}: the policy calls a tool by its name",
                                     fix="rename one of the functions"))
-        tools.append(Tool(name, function, schema))
+        tools.append(Tool(name, function, schema, key))
     return tools
 
 
@@ -168,7 +158,7 @@ def call(tools: dict[str, Tool], tool_call: dict, timeout_s: float) -> tuple[str
     def run() -> None:
         try:
             box["result"] = tools[name].function(**arguments)
-        except Exception as error:
+        except BaseException as error:  # a SystemExit here would end this thread silently, the call "answered" None
             box["error"] = error
 
     thread = threading.Thread(target=run, name=f"tool-{name}", daemon=True)
@@ -177,8 +167,18 @@ def call(tools: dict[str, Tool], tool_call: dict, timeout_s: float) -> tuple[str
     if thread.is_alive():
         return name, {"error": f"Tool {name} did not answer within {timeout_s:g} s (rl.tool_timeout_s)."}, True
     if "error" in box:
+        if not isinstance(box["error"], Exception):  # sys.exit() and the like: the program is broken, not the call
+            raise _exited(tools[name], box["error"])
         return name, {"error": str(box["error"])}, True
     return name, box.get("result"), False
+
+
+def _exited(tool: Tool, error: BaseException) -> UserError:
+    """A tool that exited (or raised a BaseException, a KeyboardInterrupt too: in this thread it is never a
+    real Ctrl-C): in the main thread TRL's call would have ended the run, here it is refused by the tool's key."""
+    return UserError(Problem(tool.key, f"the tool {tool.name!r} {user_code.what_it_did(error)} while being called",
+                             fix="return the result (or raise an exception: it is answered to the policy as an "
+                             "error); never exit the process from a tool"), title="a tool failed while training")
 
 
 def suffix_ids(tokenizer: Any, tool_messages: list[dict]) -> list[int]:
