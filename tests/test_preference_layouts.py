@@ -65,7 +65,7 @@ def test_standard_text_pairs_stay_text_and_a_system_column_opens_the_prompt(llam
 def test_a_bad_sharegpt_answer_is_refused_by_key_and_line(llama, tmp_path):
     with pytest.raises(UserError) as error:
         first_pair(llama, tmp_path, {"conversations": [{"from": "human", "value": USER}], "chosen": 3, "rejected": OTHER})
-    assert error.value.problems[0].key == "data.chosen_column" and "row 0" in error.value.render()
+    assert error.value.problems[0].key == "data.chosen_column" and "row 1" in error.value.render()
     with pytest.raises(UserError) as error:
         first_pair(llama, tmp_path, {"conversations": [{"from": "alien", "value": USER}],
                                      "chosen": {"from": "gpt", "value": ANSWER}, "rejected": {"from": "gpt", "value": OTHER}})

@@ -195,7 +195,7 @@ class PairReader:
         conversational = isinstance(cells["chosen"], list)
         if conversational:
             if not cells["prompt"]:
-                raise UserError(Problem("data.prompt_column", f"row {index}: no prompt: the data has no column "
+                raise UserError(Problem("data.prompt_column", f"row {index + 1}: no prompt: the data has no column "
                                         f"{self.data.prompt_column!r} and chosen and rejected share no turns to take "
                                         "it from", fix="set data.prompt_column to the column holding the prompt"))
             for part in ("chosen", "rejected"):
@@ -220,7 +220,7 @@ def row_problems(cfg: RunConfig, names: list[str], rows: list[dict], place) -> l
         except UserError as error:
             found += [Problem(p.key, p.message, p.where or place(index), p.fix) for p in error.problems]
         except (KeyError, TypeError, AttributeError) as error:  # a cell of a shape the layout does not read
-            found.append(Problem("data.source", f"row {index}: cannot be read as a preference row ({error})",
+            found.append(Problem("data.source", f"row {index + 1}: cannot be read as a preference row ({error})",
                                  place(index), "fix the row, or set data.layout to the data's layout"))
         if len(found) >= 5:  # enough to fix; the rest come after
             break

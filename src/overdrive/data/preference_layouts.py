@@ -66,7 +66,7 @@ def _needs(column: str, names: list[str], key: str, why: str) -> None:
 
 
 def _where(index: int) -> str:
-    return f"row {index + 1}"  # counted from 1, as the prompt checks and an editor's lines count
+    return f"row {index + 1} (line {index + 1} of a jsonl file)"  # counted from 1, as an editor counts lines
 
 
 def answer_turns(value: Any, index: int, key: str, sharegpt: bool = False) -> list[dict]:
