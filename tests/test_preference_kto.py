@@ -168,7 +168,7 @@ def test_a_kto_run_raises_the_desirable_undesirable_reward_gap(tmp_path):
                cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     said = done.stdout + done.stderr
-    assert "training: kto on preference pairs, 30 steps" in said
+    assert "training: kto on desirable and undesirable completions, 30 steps" in said
     assert "rewards/margins 0.0000 -> " in said  # the final lines: the gap from the first log point to the last
     logged = [r for r in records(tmp_path / "out") if "loss" in r]
     assert abs(logged[0]["loss"] - 0.5) < 1e-4 and logged[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)

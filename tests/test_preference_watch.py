@@ -27,11 +27,11 @@ def test_the_progress_line_shows_accuracies_and_margins():
 
 
 def test_the_last_lines_and_summary_md_carry_the_preference_metrics(tmp_path):
-    from overdrive.commands.train import _preference_lines
+    from overdrive.commands.train import _objective_lines
     from overdrive.reports.summary import load_run, summarize, summary_markdown
 
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
-    lines = _preference_lines(tmp_path)
+    lines = _objective_lines(tmp_path)
     assert "rewards/accuracies 0.0000 -> 0.8750" in lines and "rewards/margins 0.0000 -> 0.2100" in lines
     run = load_run(tmp_path)
     s = summarize(run)
@@ -39,7 +39,12 @@ def test_the_last_lines_and_summary_md_carry_the_preference_metrics(tmp_path):
     text = summary_markdown(run, s, [])
     assert "| final rewards/accuracies | 0.875 |" in text and "| final eval rewards/margins | 0.18 |" in text
     assert "kl" not in text  # not recorded: not shown
-    assert _preference_lines(tmp_path / "nowhere") == []
+    assert _objective_lines(tmp_path / "nowhere") == []
+    # An RL run's reward, the number its loss does not show
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.0, "reward": r}) + "\n"
+                                                    for s, r in ((1, 0.25), (2, 1.0))))
+    assert _objective_lines(tmp_path) == ["reward 0.2500 -> 1.0000"]
+    assert summarize(load_run(tmp_path))["final_reward"] == 1.0
 
 
 def test_a_short_run_logs_at_least_about_20_times_unless_told():

@@ -215,8 +215,10 @@ def _how_to_resume(path, signum: int, in_worker: bool) -> None:
         print(f"overdrive: {why}; {where}. To resume, run the same command again:\n  {command}", file=sys.stderr)
 
 
-def _preference_lines(out) -> list[str]:
-    """A preference run's rewards at its first and last log points (TRL's names), from metrics.jsonl."""
+def _objective_lines(out) -> list[str]:
+    """What the objective optimises beside its loss, at the first and last log points (TRL's names), from
+    metrics.jsonl: a preference run's rewards and margins, an RL run's reward, distillation's divergence
+    and agreement with the teacher (metrics.OBJECTIVE_REPORTED, where logged)."""
     from overdrive.training import metrics
 
     path = metrics.path_in(out)
@@ -224,7 +226,7 @@ def _preference_lines(out) -> list[str]:
     def number(record: dict, name: str) -> bool:  # a value not finite is logged as null
         return isinstance(record.get(name), (int, float))
 
-    names = [n for n in metrics.PREFERENCE_REPORTED if logged and number(logged[-1], n)]
+    names = [n for n in metrics.OBJECTIVE_REPORTED if logged and number(logged[-1], n)]
     if not names:
         return []
     first = {name: next(r[name] for r in logged if number(r, name)) for name in names}
@@ -240,8 +242,7 @@ def _summary(result, cfg: RunConfig, items=None) -> None:
     if result.first_loss is not None:
         lines.append(f"loss {result.first_loss:.3f} -> {result.final_loss:.3f} in {result.steps} steps, "
                      f"{result.elapsed_s:.0f}s, {result.tokens_per_s:,.0f} tokens/s")
-    if cfg.preference.method != "none":
-        lines += _preference_lines(out)
+    lines += _objective_lines(out)
     if result.eval:
         lines.append("eval: " + "  ".join(f"{k} {v:.4g}" for k, v in result.eval.items()))
     lines += [

@@ -49,7 +49,7 @@ def _loss(ax, run: Run) -> bool:
     if elosses:
         ax.plot(esteps, elosses, color="C1", marker="s", ms=5, lw=1.5, label="eval loss")
     ax.set_title("Loss")
-    ax.set_ylabel("cross-entropy")
+    ax.set_ylabel("loss (the objective's own)")
     ax.legend(fontsize=8)
     return True
 
@@ -196,7 +196,7 @@ def plot_compare(a: Run, b: Run, out: Path, labels: Optional[tuple[str, str]] = 
         if elosses:
             ax.plot(esteps, elosses, color=color, ls="--", marker="s", ms=5, label=f"{label} eval")
     ax.set_title("Loss: " + " vs ".join(labels))
-    ax.set_ylabel("cross-entropy")
+    ax.set_ylabel("loss (the objective's own)")
     _finish(ax)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -212,9 +212,10 @@ def summarize(run: Run) -> dict[str, Any]:
 
 
 def _preference(train: list[dict[str, Any]], evals: list[dict[str, Any]]) -> dict[str, Optional[float]]:
-    """A preference run's last logged rewards, margins, accuracies (and KTO's KL), train and eval."""
+    """The objective's own last logged values beside the loss, train and eval: a preference run's rewards,
+    margins, accuracies (and KTO's KL), an RL run's reward, distillation's divergence and agreement."""
     out: dict[str, Optional[float]] = {}
-    for name in metrics_file.PREFERENCE_REPORTED:
+    for name in metrics_file.OBJECTIVE_REPORTED:
         out[f"final_{name}"] = _number(next((r[name] for r in reversed(train) if name in r), None))
         out[f"final_eval_{name}"] = _number(next((r[f"eval_{name}"] for r in reversed(evals) if f"eval_{name}" in r),
                                                  None))
@@ -283,7 +284,7 @@ METRICS = (
     ("min_eval_loss", "min eval loss", ""),
     ("final_eval_accuracy", "final eval accuracy", ""),
     *((f"final_{prefix}{name}", f"final {prefix.replace('_', ' ')}{name}", "") for prefix in ("", "eval_")
-      for name in metrics_file.PREFERENCE_REPORTED),
+      for name in metrics_file.OBJECTIVE_REPORTED),
     ("mean_tokens_per_s", "mean tokens/s", ""),
     ("mean_mfu", "mean MFU", "percent"),
     ("peak_memory_bytes", "peak memory", "bytes"),

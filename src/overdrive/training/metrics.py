@@ -29,6 +29,10 @@ FILE_NAME = "metrics.jsonl"
 # lines show first, then what its report adds.
 PREFERENCE_WATCHED = ("rewards/accuracies", "rewards/margins", "kl")
 PREFERENCE_REPORTED = PREFERENCE_WATCHED + ("rewards/chosen", "rewards/rejected")
+# What each objective optimises beside its loss, shown at the end of a run and in its report where logged:
+# a preference run's rewards, an RL run's reward (its loss near zero says little), distillation's divergence
+# and agreement with the teacher.
+OBJECTIVE_REPORTED = PREFERENCE_REPORTED + ("reward", "reward_std", "distill/loss", "distill/top1_agreement")
 
 
 def path_in(output_dir: str | Path) -> Path:

@@ -67,7 +67,8 @@ class PreferenceObjective(Objective):
                  eval_reference: Optional[Callable[[Any, dict], torch.Tensor]] = None):
         p = cfg.preference
         self.method, self.beta, self.smoothing, self.gamma = p.method, p.beta, p.label_smoothing, p.simpo_gamma
-        self.name = f"{p.method} on preference pairs"
+        self.name = f"{p.method} on " + ("desirable and undesirable completions" if p.method == "kto" else
+                                         "preference pairs")
         self.centering = p.center_rewards_coefficient
         self.accelerator, self.reference, self.eval_reference = accelerator, reference, eval_reference
         # KTO (unpaired rows): its own loss and sums (preference_kto.py)
