@@ -62,3 +62,15 @@ def test_every_preference_pair_is_read_before_training(tmp_path):
     table = local_table(str(path))
     [problem] = row_problems(cfg, table.columns, table.rows, table.place)
     assert problem.key == "data.rejected_column" and problem.where.endswith("pairs.jsonl:4")
+
+
+def test_a_document_mask_on_rl_prompts_is_refused_by_its_key():
+    """RL prompts are never packed: the mask would be accepted with no effect."""
+    import pytest
+
+    from overdrive.errors import UserError
+
+    with pytest.raises(UserError) as error:
+        cfg_of(MODEL, "rl.method=grpo", "data.format=prompts", "data.source=p.jsonl", "data.document_mask=true",
+               "rl.reward_funcs=[{function: exact_match, column: answer}]")
+    assert "data.document_mask" in [p.key for p in error.value.problems]

@@ -86,10 +86,13 @@ def loss_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
                                   where(KEY), "pip install 'overdrive[liger]', or set training.loss_kernel=chunked"))
     lay = mesh.layout(cfg)
     if cfg.data.document_mask:
-        if cfg.model.task != "causal-lm" or cfg.data.format in ("chat", "preference"):
+        # Only packed text has documents to keep apart: chat rows are packed apart already (data.packing),
+        # preference pairs and RL prompts are never packed, a teacher scores whole rows.
+        if (cfg.model.task != "causal-lm" or cfg.data.format in ("chat", "preference", "prompts")
+                or cfg.rl.method != "none"):
             errors.append(Problem("data.document_mask", "applies to packed text of a causal LM (packed chat rows "
-                                  "already keep conversations apart: data.packing)", where("data.document_mask"),
-                                  "set data.document_mask=false"))
+                                  "already keep conversations apart: data.packing; preference pairs and RL prompts "
+                                  "are not packed)", where("data.document_mask"), "set data.document_mask=false"))
         for axis, key in (("cp", "parallel.cp_size"), ("sp", "parallel.sp_size"), ("pp", "parallel.pp_size")):
             if getattr(lay, axis) > 1:
                 errors.append(Problem("data.document_mask", f"{key}={getattr(lay, axis)} splits the sequence (or "
