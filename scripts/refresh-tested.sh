@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Refresh the tested set: move .venv to the newest releases pyproject.toml's ranges allow, run the
 # full suite (the README's test command) on them, and only if it passes write their versions into
-# src/overdrive/system/tested_versions.txt. If the suite fails, the file is left as it was, and
+# src/overdrive/system/constraints.txt. If the suite fails, the file is left as it was, and
 # `bash scripts/setup.sh` puts .venv back on the tested set; docs/installing.md says what next.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-TESTED=src/overdrive/system/tested_versions.txt
+TESTED=src/overdrive/system/constraints.txt
 bash scripts/setup.sh --latest
 echo "+ the full suite on the newest releases:"
 .venv/bin/python -m overdrive env --no-hardware | sed -n '/### Versions/,/^$/p;/^| /p' | head -20

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create or reuse .venv in the checkout and install overdrive with everything it runs on, at the
-# tested versions: src/overdrive/system/tested_versions.txt, the exact set the full suite passed
+# tested versions: src/overdrive/system/constraints.txt, the exact set the full suite passed
 # on, given to pip as constraints (an existing .venv is moved onto it).
 #
 #   bash scripts/setup.sh             the tested set (what CI and the README's commands install)
@@ -30,7 +30,7 @@ esac
 PYTHON="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
-TESTED=src/overdrive/system/tested_versions.txt
+TESTED=src/overdrive/system/constraints.txt
 TORCH_PIN=$(grep -m1 '^torch==' "$TESTED")
 
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then

@@ -1,4 +1,4 @@
-"""The tested set of versions (src/overdrive/system/tested_versions.txt) against pyproject.toml's
+"""The tested set of versions (src/overdrive/system/constraints.txt) against pyproject.toml's
 ranges, the drift `overdrive env` and `overdrive train` say, and the code right on an Accelerate
 without MS-AMP (1.16 removed it)."""
 
@@ -41,7 +41,7 @@ def test_every_dependency_is_pinned_in_the_tested_set_within_pyproject_s_range()
             unpinned.append(requirement.name)
         elif not requirement.specifier.contains(version, prereleases=True):
             outside.append(f"{requirement.name}=={version} not in {requirement.specifier}")
-    assert not unpinned, f"not in tested_versions.txt: {unpinned}"
+    assert not unpinned, f"not in constraints.txt: {unpinned}"
     assert not outside, f"the tested set and pyproject.toml's ranges disagree: {outside}"
 
 
@@ -49,7 +49,7 @@ def test_every_key_package_is_pinned_and_setup_installs_the_file():
     pins = tested.tested_versions()
     assert [p for p in tested.KEY_PACKAGES if tested.canonical(p) not in pins] == []
     setup = (REPO / "scripts" / "setup.sh").read_text()
-    assert "src/overdrive/system/tested_versions.txt" in setup and "-c " in setup
+    assert "src/overdrive/system/constraints.txt" in setup and "-c " in setup
 
 
 def test_drift_names_what_differs_and_ignores_local_labels():
@@ -101,6 +101,6 @@ def test_the_deepspeed_plugin_accepts_what_is_passed_on_the_installed_accelerate
 
 
 def test_tested_versions_ship_with_the_package():
-    assert (Path(tested.__file__).parent / "tested_versions.txt").is_file()
+    assert (Path(tested.__file__).parent / "constraints.txt").is_file()
     pyproject = (REPO / "pyproject.toml").read_text()
-    assert "system/tested_versions.txt" in pyproject
+    assert "system/constraints.txt" in pyproject

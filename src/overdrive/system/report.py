@@ -93,7 +93,7 @@ def collect(config_layers: dict[str, Any], with_hardware: bool = True) -> dict[s
 
     report: dict[str, Any] = {"versions": versions()}
     pins = tested_versions()
-    # Beside each installed version, the one the suite passed on (system/tested_versions.txt).
+    # Beside each installed version, the one the suite passed on (system/constraints.txt).
     report["tested_versions"] = {name: pins.get(canonical(name)) for name in PACKAGES}
     report["untested"] = [d.package for d in drift(report["versions"], pins)]
     report["hardware"] = hardware() if with_hardware else None

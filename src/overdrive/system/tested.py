@@ -1,4 +1,4 @@
-"""The tested set of dependency versions (tested_versions.txt, beside this module) against what
+"""The tested set of dependency versions (constraints.txt, beside this module) against what
 is installed.
 
 The file is the pip constraints file scripts/setup.sh installs: every package at the version the
@@ -30,7 +30,7 @@ def canonical(name: str) -> str:
 def tested_versions(text: Optional[str] = None) -> dict[str, str]:
     """Package (canonical name) -> the exact version pinned in the tested set."""
     if text is None:
-        text = resources.files("overdrive.system").joinpath("tested_versions.txt").read_text()
+        text = resources.files("overdrive.system").joinpath("constraints.txt").read_text()
     pins: dict[str, str] = {}
     for line in text.splitlines():
         match = _PIN.match(line)
