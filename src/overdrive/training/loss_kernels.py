@@ -33,7 +33,7 @@ completions' logits. `fused`'s kernels return a summed cross entropy only: GRPO 
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +85,17 @@ def _head(model: torch.nn.Module) -> torch.nn.Linear:
     return head
 
 
+def _backward_buffers(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype):
+    """The head in the forward's dtype, and the gradients a chunked backward fills slice by slice (fp32
+    accumulators for the head's weight and bias; None where autograd asks for none)."""
+    w = weight.to(dtype)
+    b = bias.to(dtype) if bias is not None else None
+    grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+    grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+    grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
+    return w, b, grad_hidden, grad_weight, grad_bias
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Summed cross entropy of linear(hidden, weight, bias) against targets, a slice of tokens at a
     time. Forward keeps only its inputs; backward recomputes each slice's logits, turns them into
@@ -107,11 +118,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total):
         hidden, weight, bias, targets = ctx.saved_tensors
         dtype, step = ctx.dtype, ctx.step
-        w = weight.to(dtype)
-        b = bias.to(dtype) if bias is not None else None
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
+        w, b, grad_hidden, grad_weight, grad_bias = _backward_buffers(ctx, hidden, weight, bias, dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], step):
                 h = hidden[start:start + step].to(dtype)
@@ -238,11 +245,7 @@ class _ChunkedLogps(torch.autograd.Function):
     def backward(ctx, grad_logps, _grad_entropy):
         hidden, weight, bias, targets = ctx.saved_tensors
         dtype, step, temperature = ctx.dtype, ctx.step, ctx.temperature
-        w = weight.to(dtype)
-        b = bias.to(dtype) if bias is not None else None
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
+        w, b, grad_hidden, grad_weight, grad_bias = _backward_buffers(ctx, hidden, weight, bias, dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], step):
                 h = hidden[start:start + step].to(dtype)
