@@ -6,7 +6,8 @@ torch and transformers are imported inside the functions: `overdrive plan` and `
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+from contextlib import contextmanager
+from typing import Iterator, Mapping, Optional, Sequence
 
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
@@ -101,3 +102,17 @@ def unknown_model_type(key: str, model_type: str, where: str = "") -> Optional[P
     hint = f"did you mean {' or '.join(close)}? " if close else ""
     return Problem(key, f"unknown model_type {model_type!r}", where,
                    f"{hint}common ones: {', '.join(COMMON_MODEL_TYPES)} ({len(known)} in this Transformers)")
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Transformers' log level at error while a config is read, then back to what it was: config
+    validation warns about the token ids of a small inline vocabulary, noise before a run or an estimate."""
+    from transformers.utils import logging
+
+    before = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(before)

@@ -8,12 +8,12 @@ imported here, inside functions, so `overdrive --help` stays light.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from overdrive.errors import Problem, UserError
+from overdrive.hf.model_config import quiet_transformers
 from overdrive.memory.shape import ModelShape
 
 if TYPE_CHECKING:
@@ -33,21 +33,6 @@ class Source:
     attn_implementation: Optional[str] = None
 
 
-@contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """Transformers' log level at error while a config is read, then back to what it was.
-
-    Config validation warns about token ids of a small inline vocabulary: noise for an estimate."""
-    from transformers.utils import logging
-
-    before = logging.get_verbosity()
-    logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        logging.set_verbosity(before)
-
-
 def load_run_config(path: Optional[str], cli: list[str] = ()):
     """A RunConfig from files and key=value items, through the layered resolver."""
     from overdrive.resolving import resolve
@@ -61,7 +46,7 @@ def hf_config_for_run(cfg: RunConfig) -> Any:
 
     vocab = None if cfg.model.name_or_path else cfg.tokenizer.vocab_size
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             return model_config(cfg, vocab)
     except UserError:
         raise
@@ -71,7 +56,7 @@ def hf_config_for_run(cfg: RunConfig) -> Any:
 
 
 def resolve_source(spec: str, cli: list[str] = ()) -> Source:
-    with _quiet_transformers():
+    with quiet_transformers():
         return _resolve_source(spec, cli)
 
 
@@ -308,7 +293,7 @@ def teacher_params_of_run(cfg: RunConfig) -> int:
     if cfg.distill.teacher not in _TEACHERS:
         from overdrive.hf.teacher import teacher_config
 
-        with _quiet_transformers():
+        with quiet_transformers():
             config = teacher_config(cfg)
         _TEACHERS[cfg.distill.teacher] = model_shape(Source(config, cfg.distill.teacher)).params
     return _TEACHERS[cfg.distill.teacher]

@@ -50,11 +50,11 @@ def read(cfg: RunConfig) -> tuple[Any, list[Problem]]:
     """(the Transformers config the run builds, or None; the problems reading it met). A model
     that cannot be read is a problem keyed by UNREADABLE_KEYS; model.moe.* refused on the model
     (config/experts.apply_overrides) is keyed by its own key."""
-    from overdrive.hf.model_config import model_config
+    from overdrive.hf.model_config import model_config, quiet_transformers
 
     vocab = None if cfg.model.name_or_path else cfg.tokenizer.vocab_size
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             return model_config(cfg, vocab), []
     except UserError as error:
         refused = list(error.problems)
@@ -111,25 +111,6 @@ def _placed(problems: list[Problem], where: Where) -> list[Problem]:
     from dataclasses import replace
 
     return [p if p.where else replace(p, where=where(p.key)) for p in problems]
-
-
-def _quiet_transformers():
-    """Transformers' log level at error while the config is read (an inline vocabulary's token
-    ids are warned about: noise before a run)."""
-    from contextlib import contextmanager
-
-    @contextmanager
-    def quiet():
-        from transformers.utils import logging
-
-        before = logging.get_verbosity()
-        logging.set_verbosity_error()
-        try:
-            yield
-        finally:
-            logging.set_verbosity(before)
-
-    return quiet()
 
 
 def explained(config: RunConfig, chains) -> tuple[list[Problem], list[Problem]]:
