@@ -84,11 +84,25 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: -seconds(item))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--fresh-interpreters", action="store_true",
+                     help="run every `overdrive` command a test starts in a new interpreter, as a user's shell "
+                          "does (tests/warm_start.py's warm start off)")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """The whole of a test, its fixtures' set-up and tear-down included, under `machine_share`."""
-    with machine_share(item.get_closest_marker("alone") is not None):
-        yield
+    """The whole of a test, its fixtures' set-up and tear-down included, under `machine_share`;
+    in new interpreters only when asked (`--fresh-interpreters`, or the test's `fresh_interpreter` mark)."""
+    import warm_start
+
+    fresh = item.config.getoption("--fresh-interpreters") or item.get_closest_marker("fresh_interpreter") is not None
+    before = warm_start.fresh_interpreters(fresh)
+    try:
+        with machine_share(item.get_closest_marker("alone") is not None):
+            yield
+    finally:
+        warm_start.fresh_interpreters(before)
 
 
 @pytest.fixture(autouse=True)

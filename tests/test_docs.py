@@ -156,8 +156,8 @@ def scratch_dir(tmp_path: Path) -> Path:
 
 
 def stand_ins(tmp_path: Path) -> Path:
-    """Commands the docs show that this machine has no real use for, and `overdrive` started
-    warm, put first on PATH."""
+    """Commands the docs show that this machine has no real use for, and `overdrive` (warm, or a
+    new interpreter under tests/warm_start.py's fresh_interpreters), put first on PATH."""
     from warm_start import stand_in
 
     bin_dir = tmp_path / "bin"
@@ -183,6 +183,7 @@ def test_the_docs_have_commands():
 
 
 @pytest.mark.slow
+@pytest.mark.fresh_interpreter  # as a user's shell runs them: once per suite, nothing imported ahead
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: p.name)
 def test_every_command_block_runs(path, tmp_path, shared_cache):
     # One scratch directory per page: its blocks build on each other (train, then report).

@@ -4,7 +4,9 @@ of the global batch, however the batch is split into micro-batch x accumulation 
 Chat material with assistant-only loss and answers of very different lengths (1 to 14 words),
 so micro-batches hold very different numbers of loss tokens: a mean of per-micro-batch means
 weighs a 2-token answer as much as a 15-token one, and the splits disagree from step 1 on.
-LoRA on a 2-layer Llama saved with save_pretrained, fp32, 6 steps at a large lr.
+LoRA on a 2-layer Llama saved with save_pretrained, fp32, 6 steps at a large lr; 40 rows are 5
+global batches of 8, so step 5 ends the epoch and step 6 begins the next: a step's micro-batches
+are drawn ahead, and the loader's end must not end a step's accumulation early.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def make_uneven_chat(path: Path, rows: int = 64, seed: int = 0) -> Path:
 def work(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("loss-split")
     make_tiny_llama(root / "base")
-    make_uneven_chat(root / "chat.jsonl")
+    make_uneven_chat(root / "chat.jsonl", rows=40)
     return root
 
 

@@ -35,7 +35,9 @@ def test_ddp_kwargs_are_explicit():
     kwargs = accelerator_kwargs(cfg_of("precision.mixed_precision=bf16", "training.gradient_accumulation_steps=4",
                                        "parallel.ddp.bucket_cap_mb=50", "launch.use_cpu=true"), 2)
     assert kwargs["mixed_precision"] == "bf16"
-    assert kwargs["gradient_accumulation_steps"] == 4
+    plugin = kwargs["gradient_accumulation_plugin"]
+    # The step ends after its micro-batches, never at the loader's end (the loop draws a step ahead).
+    assert plugin.num_steps == 4 and plugin.sync_with_dataloader is False
     assert kwargs["cpu"] is True
     assert isinstance(kwargs["dynamo_plugin"], TorchDynamoPlugin)
     handlers = {type(h): h for h in kwargs["kwargs_handlers"]}

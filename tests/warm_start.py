@@ -17,6 +17,10 @@ own (signals, a Popen it reads as it goes). As in a fresh interpreter, the comma
 ends when everything it started has ended, numpy's global generator is seeded anew, and
 non-daemon threads are waited for; what stays the server's is Python's string hash seed.
 `overdrive tune` forks its trials the same way (overdrive/tune/processes.py).
+
+The switch `fresh_interpreters(True)` (pytest `--fresh-interpreters`, and every test marked
+`fresh_interpreter`) turns the warm start off: every command is a new interpreter, as a user's
+shell starts it, so nothing the server imported ahead can hide an import-order or start-up fault.
 """
 
 from __future__ import annotations
@@ -136,16 +140,26 @@ def _warm_server() -> _Server:
         return _server
 
 
+_fresh = False  # every command a new interpreter (fresh_interpreters)
+
+
+def fresh_interpreters(on: bool) -> bool:
+    """Every command from now on in a new interpreter (True) or forked warm where it can be
+    (False); returns the setting it replaced."""
+    global _fresh
+    before, _fresh = _fresh, on
+    return before
+
+
 def run_overdrive(argv: list[str], env: dict[str, str], cwd: Optional[Path] = None,
                   timeout: float = 600) -> subprocess.CompletedProcess:
     """`python -m overdrive.cli ARGV` with this environment and working directory, its output
     caught: forked from the warm server when the environment allows, else a fresh interpreter."""
     cwd = Path(cwd or os.getcwd())
-    server = _warm_server()
-    if not server.serves(env):
+    if _fresh or not _warm_server().serves(env):
         return subprocess.run([sys.executable, "-m", "overdrive.cli", *argv], capture_output=True, text=True,
                               env=env, cwd=cwd, timeout=timeout)
-    return server.run(argv, env, cwd, timeout)
+    return _warm_server().run(argv, env, cwd, timeout)
 
 
 # ------------------------------------------------------------------ `overdrive` typed in a shell
@@ -154,6 +168,10 @@ def run_overdrive(argv: list[str], env: dict[str, str], cwd: Optional[Path] = No
 # directory and standard streams to the test worker's relay (tests/warm_client.py).
 STAND_IN = """#!/bin/sh
 OVERDRIVE_WARM_RELAY={socket} exec {python} -S {client} "$@"
+"""
+# The same command under fresh_interpreters: a new interpreter, as the installed entry point is.
+FRESH_STAND_IN = """#!/bin/sh
+exec {python} -m overdrive.cli "$@"
 """
 # What a forked command can open again through /proc and share with its caller: a pipe (what a
 # test reads), a terminal, /dev/null. A regular file would be a second open file, its offset
@@ -166,8 +184,11 @@ def stand_in(bin_dir: Path) -> Path:
     runs (a docs block) is then forked from the warm server, with the shell's own standard
     streams, and signals sent to it reach the command. Returns `bin_dir`."""
     path = bin_dir / "overdrive"
-    path.write_text(STAND_IN.format(socket=shlex.quote(_relay()), python=shlex.quote(sys.executable),
-                                    client=shlex.quote(str(TESTS / "warm_client.py"))))
+    if _fresh:
+        path.write_text(FRESH_STAND_IN.format(python=shlex.quote(sys.executable)))
+    else:
+        path.write_text(STAND_IN.format(socket=shlex.quote(_relay()), python=shlex.quote(sys.executable),
+                                        client=shlex.quote(str(TESTS / "warm_client.py"))))
     path.chmod(0o755)
     return bin_dir
 

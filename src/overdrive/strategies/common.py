@@ -19,7 +19,7 @@ def base_kwargs(cfg: RunConfig, world_size: int, gpus: int | None = None) -> dic
     ACCELERATE_MIXED_PRECISION / ACCELERATE_GRADIENT_ACCUMULATION_STEPS / ACCELERATE_DYNAMO_*
     variables it would otherwise read.
     """
-    from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
+    from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, InitProcessGroupKwargs
 
     handlers: list[Any] = []
     # Only when there is a process group to make: a lone DDP process has none, and naming a
@@ -36,7 +36,11 @@ def base_kwargs(cfg: RunConfig, world_size: int, gpus: int | None = None) -> dic
         handlers.append(recipe)
     return {
         "mixed_precision": cfg.precision.mixed_precision,
-        "gradient_accumulation_steps": cfg.training.gradient_accumulation_steps,
+        # The step ends after its accumulation's micro-batches, never at the end of the data: the loop
+        # draws a step's micro-batches ahead, so the loader is at its end while the last step of an
+        # epoch still has micro-batches to run (Accelerate would sync, and the optimizer step, at each).
+        "gradient_accumulation_plugin": GradientAccumulationPlugin(
+            num_steps=cfg.training.gradient_accumulation_steps, sync_with_dataloader=False),
         "cpu": cpu.construct_with_cpu_flag(cfg, gpus),
         "dynamo_plugin": dynamo_plugin(cfg),
         "kwargs_handlers": handlers,

@@ -3,8 +3,9 @@
     forward_backward(loop, micro_batches, totals) -> the step's loss (this rank's share, on the device)
 
 Each runs the objective (training/objective.py) on the micro-batches it is given, backward
-included, with the step's global unit counts `totals` (step_loss.py); the loop keeps the books
-(clipping, the optimizer, the schedule) once, whichever ran.
+included, with the step's global unit counts `totals` (step_loss.py), and leaves the step's
+gradients whole; it never steps the optimizer: the loop keeps the books (clipping, the guards,
+the optimizer, the schedule) once, whichever ran.
 
 - `plain`: each micro-batch forward and backward under `accelerator.accumulate`, its sequences
   first sharded over the context-parallel group where the layout has one (context_parallel.py);
@@ -33,12 +34,11 @@ class Books(Protocol):
     spikes: Any  # training/loss_spikes.py: the step's loss, judged before the optimizer steps
     oom: Any  # training/oom_retry.py: backward, with an out-of-memory error agreed over the ranks
 
-    def optimizer_update(self) -> None: ...
-
 
 def plain(loop: Books, micro_batches: list, totals: torch.Tensor) -> torch.Tensor:
-    """Forward and backward of each micro-batch; the optimizer steps at the last one (Accelerate's
-    accumulation: its `optimizer.step` is a no-op until the gradients are synchronised)."""
+    """Forward and backward of each micro-batch under Accelerate's accumulation: the gradients
+    are synchronised over the data-parallel ranks at the last one (and DeepSpeed's engine ends
+    its accumulation there)."""
     acc, model, objective = loop.parts.accelerator, loop.parts.model, loop.parts.objective
     # Under context parallel each rank's slice adds its own tokens' losses, and the gradient
     # reduction averages over data-parallel x cp ranks: the slices' sum is scaled back too.
@@ -55,10 +55,7 @@ def plain(loop: Books, micro_batches: list, totals: torch.Tensor) -> torch.Tenso
                 # undone by the accumulation and data-parallel averaging; an out-of-memory error
                 # agreed over the ranks (oom_retry.py)
                 loop.oom.backward(acc, share * scale)
-            loop.observe.enter("optimizer")
-            if acc.sync_gradients:
-                loop.optimizer_update()
         loss += share.detach().float()
-    if not acc.sync_gradients:
-        raise RuntimeError("accumulation out of step with the data: optimizer did not step")
+    if not acc.sync_gradients:  # Accelerate counts micro-batches: its count must end with the step's
+        raise RuntimeError("accumulation out of step with the data: the gradients were not synchronised")
     return loss

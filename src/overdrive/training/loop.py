@@ -307,7 +307,9 @@ class Loop:
         drawn = [next(self.data) for _ in range(self.split.accumulation)]
         micro_batches = self.spikes.injected(objective, objective.prepare(self.parts.model, drawn), state.step + 1)
         totals = step_loss.global_counts(acc, micro_batches, self.model_parallel, objective.counts)
-        loss = self.parts.forward_backward(self, micro_batches, totals)
+        loss = self.parts.forward_backward(self, micro_batches, totals)  # the step's gradients, whole
+        self.observe.enter("optimizer")
+        self.optimizer_update()
         state.loss_sum += loss
         state.micro_steps += len(micro_batches)
         tokens = sum(b["input_ids"].numel() for b in micro_batches) * self.split.data_parallel  # host-side shapes
@@ -328,8 +330,8 @@ class Loop:
         self.progress.step(state.step)
 
     def optimizer_update(self) -> None:
-        """Called by the forward-backward once the step's gradients are whole: the norm (clipped
-        when asked), the non-finite guard, the optimizer."""
+        """Once the step's gradients are whole: the norm (clipped when asked), the guards'
+        decisions (non-finite, loss spike), the optimizer."""
         clipping = self.cfg.training.gradient_clipping
         if clipping is not None or self.guard.needs_norm or self.spikes.needs_norm:
             # Clipping to infinity measures the norm (over all ranks) and changes nothing.

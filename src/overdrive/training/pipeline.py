@@ -149,13 +149,11 @@ class Pipeline:
 
     def forward_backward(self, loop: Books, micro_batches: list, totals: torch.Tensor) -> torch.Tensor:
         """The step's forward-backward under stages (training/forward_backward.py's contract): the
-        schedule over the microbatches, then the optimizer update; this replica's share of the loss."""
+        schedule over the microbatches; this replica's share of the loss."""
         input_ids, labels = self.padded(micro_batches)
         loop.observe.enter("forward")  # the schedule interleaves forward and backward
         with loop.parts.accelerator.autocast():
             loss = self.step(input_ids, labels, totals[0])
-        loop.observe.enter("optimizer")
-        loop.optimizer_update()
         return loss.float()
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
