@@ -143,7 +143,7 @@ def bench_size(megabytes: int, work: Path, env: dict) -> dict:
     if tokens_dir.exists():
         tokens_dir.rename(moved)
     script = ("import sys; from overdrive import data; from overdrive.config.schema import RunConfig; "
-              "from overdrive.training.tokenizer import build_tokenizer; "
+              "from overdrive.training.build.tokenizer import build_tokenizer; "
               "cfg = RunConfig.model_validate({'data': {'source': sys.argv[1], 'cache_dir': sys.argv[2]}}); "
               "data.prepare(cfg, build_tokenizer, show=True)")
     seconds, peaks, code = timed([sys.executable, "-c", script, str(corpus), str(cache)], env,

@@ -43,7 +43,7 @@ from accelerate.utils import set_seed
 from transformers import GPT2Config, GPT2LMHeadModel
 from overdrive import data as data_mod
 from overdrive.resolving import resolve
-from overdrive.training.tokenizer import build_tokenizer
+from overdrive.training.build.tokenizer import build_tokenizer
 
 cfg = resolve([], cli=sys.argv[1:], env={}, accelerate_default=False).config
 accelerator = Accelerator(cpu=True)

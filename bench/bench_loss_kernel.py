@@ -83,7 +83,7 @@ def _loss_path(kernel: str, weight, ids) -> int:
     random final hidden states, above what was resident before (bytes)."""
     import torch
 
-    from overdrive.training import loss_kernels
+    from overdrive.training.step import loss_kernels
 
     hidden = torch.randn(TOKENS - 1, HIDDEN, requires_grad=True)
     targets = ids[0, 1:].clone()
@@ -103,7 +103,7 @@ def child(kernel: str, offload: bool, checkpointing: bool, grads_out: str, lora:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from overdrive.training import activation_offload, loss_kernels, step_loss
+    from overdrive.training.step import activation_offload, loss_kernels, step_loss
 
     torch.set_num_threads(2)
     floor = _rss()
@@ -155,7 +155,7 @@ def fsdp_child(kernel: str, out_dir: str) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from overdrive import build_accelerator, load_config
-    from overdrive.training import step_loss
+    from overdrive.training.step import step_loss
 
     torch.set_num_threads(1)  # two ranks on the machine's cores
     floor = _rss()

@@ -39,7 +39,7 @@ def held_state_bytes(name: str) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from overdrive.resolving import resolve
-    from overdrive.training import optimizers
+    from overdrive.training.build import optimizers
 
     cfg = resolve(cli=[f"optim.name={name}", *EXTRA.get(name, [])], accelerate_default=False).config
     arch = dict(cfg.model.architecture)

@@ -27,8 +27,8 @@ import torch
 from overdrive import data as data_mod
 from overdrive.training import loop as trainer
 from overdrive.config.schema import RunConfig
-from overdrive.training.model import build_model
-from overdrive.training.tokenizer import build_tokenizer
+from overdrive.training.build.model import build_model
+from overdrive.training.build.tokenizer import build_tokenizer
 
 HERE = Path(__file__).resolve().parent
 TARGET = 0.98  # overdrive's median tokens/s over the hand-written loop's, at least; exit 1 below
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
 
 def write_table(args, cfg: RunConfig, tokenizer, results: dict[str, list[float]]) -> float:
     """Writes the table; returns overdrive's median tokens/s over the hand-written loop's."""
-    from overdrive.training.model import flop_params
+    from overdrive.training.build.model import flop_params
 
     n_params = flop_params(build_model(cfg, vocab_size=len(tokenizer), device="meta"))
     base = statistics.median(results["accelerate (hand-written)"])

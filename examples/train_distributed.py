@@ -22,8 +22,8 @@ from overdrive import build_accelerator
 
 from overdrive import load_config
 from overdrive.data import eval_loader, prepare, train_loader
-from overdrive.training.model import build_model
-from overdrive.training.tokenizer import build_tokenizer
+from overdrive.training.build.model import build_model
+from overdrive.training.build.tokenizer import build_tokenizer
 
 
 def main(argv: list[str]) -> int:

@@ -123,7 +123,7 @@ def main() -> None:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from overdrive.training.optimization import param_groups
+    from overdrive.training.build.optimization import param_groups
 
     torch.manual_seed(0)
     arch = {k: v for k, v in cfg.model.architecture.items() if k != "model_type"}

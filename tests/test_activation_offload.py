@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from overdrive.training import activation_offload
+from overdrive.training.step import activation_offload
 
 
 def _hooks_open() -> bool:

@@ -115,7 +115,8 @@ def test_no_two_packages_import_each_other_in_a_loop():
     assert loops == []
 
 
-@pytest.mark.parametrize("package", sorted({p.parent.name for p in SOURCE.rglob("__init__.py") if p.parent != SOURCE}))
+@pytest.mark.parametrize("package", sorted({p.parent.relative_to(SOURCE).as_posix() for p in SOURCE.rglob("__init__.py")
+                                             if p.parent != SOURCE}))
 def test_a_package_init_only_hands_names_on(package):
     tree = ast.parse((SOURCE / package / "__init__.py").read_text())
     defined = [node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
@@ -144,7 +145,7 @@ def test_the_code_is_ruff_clean():
 
 
 def test_every_module_path_the_docs_and_docstrings_name_exists():
-    """A path like `training/step_loss.py` in docs/, README.md or a module's text names a file of
+    """A path like `training/step/step_loss.py` in docs/, README.md or a module's text names a file of
     the project (src/overdrive, the repository, tests/) or of an installed library."""
     import re
     import sysconfig

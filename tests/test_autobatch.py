@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from overdrive.training import autobatch
+from overdrive.training.build import autobatch
 from overdrive.config.schema import RunConfig
 from overdrive.errors import UserError
 from overdrive.memory.report import Capacity
@@ -118,7 +118,7 @@ DEEPSPEED = """
 import json, sys
 from overdrive.resolving import load_config
 from overdrive import build_accelerator
-from overdrive.training import autobatch
+from overdrive.training.build import autobatch
 from overdrive.memory.report import Capacity
 cap = Capacity(8 * 2**30, 8 * 2**30, "host", "test")
 cfg = autobatch.predicted_config(load_config(cli=sys.argv[1:]), capacity=cap)

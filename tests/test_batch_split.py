@@ -54,7 +54,7 @@ def test_the_same_config_gives_the_same_split_in_train_tune_plan_and_a_resumed_r
     from overdrive.checkpoint import fingerprint, session, store
     from overdrive.strategies.deepspeed_config import ds_config
     from overdrive.memory.plan import DataSize, arithmetic
-    from overdrive.training import settle
+    from overdrive.training.build import settle
     from overdrive.tune.space import Facts, build_space
 
     run = resolved(tmp_path, "training.global_batch_size=32", "training.micro_batch_size=4")

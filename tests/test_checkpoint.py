@@ -10,7 +10,7 @@ import signal
 import pytest
 import torch
 
-from overdrive.training import nonfinite
+from overdrive.training.guards import nonfinite
 from overdrive.checkpoint import fingerprint as fp
 from overdrive.checkpoint import session, store
 from overdrive.checkpoint.signals import StopRequest

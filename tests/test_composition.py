@@ -15,9 +15,9 @@ import torch
 
 from overdrive import cli
 from overdrive.config.schema import RunConfig
-from overdrive.training import step_loss
-from overdrive.training.objective import TokenObjective
-from overdrive.training.preference import PreferenceObjective
+from overdrive.training.step import step_loss
+from overdrive.training.objectives.objective import TokenObjective
+from overdrive.training.objectives.preference import PreferenceObjective
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, ROWS, LENGTH = 23, 8, 12
@@ -101,8 +101,8 @@ def test_every_objectives_step_loss_is_the_same_whatever_the_split(objective):
 
 
 def test_orpo_is_trls_mean_nll_over_the_batchs_chosen_tokens_plus_the_mean_odds_ratio_term():
-    from overdrive.training import preference_loss as losses
-    from overdrive.training.preference import sequence_scores
+    from overdrive.training.objectives import preference_loss as losses
+    from overdrive.training.objectives.preference import sequence_scores
 
     model = _tiny()
     batch = _rows("chat")
@@ -176,7 +176,7 @@ def test_a_pipeline_step_padded_to_one_length_gives_the_token_mean_of_the_unpadd
     """The pipeline's forward-backward pads each micro-batch to data.max_length (one tensor to split,
     stage messages of one size) and its last stage's loss of each microbatch is the summed token loss
     over the step's tokens: the shares add up to the one-process step loss of the unpadded rows."""
-    from overdrive.training.pipeline import Pipeline, StepTokenMean
+    from overdrive.training.step.pipeline import Pipeline, StepTokenMean
 
     model = _tiny()
     batch = _rows("chat")

@@ -66,7 +66,7 @@ def test_the_auto_micro_batch_probe_trains_the_lora_adapter_not_every_weight(tmp
 
     from hf_fixtures import make_tiny_llama
     from overdrive.resolving import resolve
-    from overdrive.training import adapter, autobatch
+    from overdrive.training.build import adapter, autobatch
 
     base = make_tiny_llama(tmp_path / "base")
     cfg = resolve([], cli=[f"model.name_or_path={base}", "peft.method=lora", "peft.r=4", "data.max_length=16",

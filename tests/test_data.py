@@ -11,7 +11,7 @@ import pytest
 
 from overdrive import data
 
-from overdrive.training import tokenizer
+from overdrive.training.build import tokenizer
 from overdrive.config.schema import RunConfig
 from overdrive.errors import UserError
 

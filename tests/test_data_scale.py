@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from overdrive.training import tokenizer as tokenizer_mod
+from overdrive.training.build import tokenizer as tokenizer_mod
 
 PROBE = Path(__file__).resolve().parent / "data_probe.py"
 

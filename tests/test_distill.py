@@ -1,4 +1,4 @@
-"""Distillation (`distill.*`, training/distill.py): the loss is TRL's generalized_jsd_loss on the same
+"""Distillation (`distill.*`, training/objectives/distill.py): the loss is TRL's generalized_jsd_loss on the same
 batch, normalised over the global batch's loss tokens, and what is not built yet is refused by key."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _batch(rows: int = 4, length: int = 12, seed: int = 0) -> dict:
 @pytest.mark.parametrize("beta", [0.0, 1.0, 0.5, 0.3])
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 def test_the_divergence_is_trls_generalized_jsd_loss(beta, temperature):
-    from overdrive.training import distill_loss
+    from overdrive.training.objectives import distill_loss
 
     generator = torch.Generator().manual_seed(1)
     student, teacher = torch.randn(3, 7, 37, generator=generator), torch.randn(3, 7, 37, generator=generator) * 2
@@ -69,7 +69,7 @@ def test_the_divergence_is_trls_generalized_jsd_loss(beta, temperature):
 
 
 def _objective(models: Path, *items: str):
-    from overdrive.training import distill
+    from overdrive.training.objectives import distill
 
     cfg = cfg_of(f"model.name_or_path={models / 'student'}", f"distill.teacher={models / 'teacher'}",
                  "model.from_scratch=false", *items)
@@ -82,7 +82,7 @@ def test_step_one_loss_is_trls_on_the_same_batch(models, loss, beta):
     (its shift, its mask, its normalisation) on the same student, teacher and batch."""
     from transformers import AutoModelForCausalLM
 
-    from overdrive.training import step_loss
+    from overdrive.training.step import step_loss
 
     _, objective = _objective(models, f"distill.loss={loss}", "distill.temperature=2.0")
     student = AutoModelForCausalLM.from_pretrained(models / "student")
@@ -105,7 +105,7 @@ def test_the_split_does_not_change_the_loss_or_the_gradient(models):
     loss over the global batch's tokens, with the data's cross entropy mixed in by alpha."""
     from transformers import AutoModelForCausalLM
 
-    from overdrive.training import step_loss
+    from overdrive.training.step import step_loss
 
     _, objective = _objective(models, "distill.alpha=0.25", "distill.temperature=1.5")
     batch = _batch(seed=3)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from overdrive.training import model as model_mod
+from overdrive.training.build import model as model_mod
 from overdrive.training import loop as trainer
 from overdrive.config.schema import RunConfig
 

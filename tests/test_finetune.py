@@ -33,7 +33,7 @@ def test_lora_rank_below_one_and_adapter_on_random_weights_are_refused_by_key():
 
 
 def test_target_modules_that_match_nothing_name_the_linear_layers(llama):
-    from overdrive.training import adapter
+    from overdrive.training.build import adapter
 
     cfg = resolve([], cli=[f"model.name_or_path={llama}", "peft.method=lora", "peft.target_modules=[q_projj,v_proj]",
                            "peft.modules_to_save=[head]"]).config
@@ -64,7 +64,7 @@ def test_bad_input_exits_2_by_key_without_a_traceback(llama, tmp_path, capsys):
 
 def test_a_chat_row_without_an_assistant_turn_is_refused_by_key(llama, tmp_path):
     from overdrive.data import prepare
-    from overdrive.training.tokenizer import build_tokenizer
+    from overdrive.training.build.tokenizer import build_tokenizer
 
     path = tmp_path / "chat.jsonl"
     rows = [{"messages": [{"role": "user", "content": "a b"}, {"role": "assistant", "content": "yes"}]},

@@ -177,7 +177,7 @@ def test_an_fp8_engine_that_is_not_installed_is_named_not_swapped():
 
 def test_deepspeed_fp16_overflows_are_the_loss_scalers_not_bad_steps():
     from overdrive.strategies import loss_scaler_owns_overflows
-    from overdrive.training import nonfinite
+    from overdrive.training.guards import nonfinite
 
     cfg = cfg_of("parallel.strategy=deepspeed", "precision.mixed_precision=fp16")
     assert loss_scaler_owns_overflows(cfg)
@@ -196,7 +196,7 @@ def test_deepspeed_fp16_overflows_are_the_loss_scalers_not_bad_steps():
 
 
 def test_the_gpu_probe_counts_what_forward_and_backward_do_not_allocate():
-    from overdrive.training import autobatch
+    from overdrive.training.build import autobatch
 
     cfg = cfg_of("training.micro_batch_size=auto", "training.global_batch_size=16",
                  "parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=1", "launch.num_processes=2")
@@ -213,7 +213,7 @@ def test_the_gpu_probe_counts_what_forward_and_backward_do_not_allocate():
 def test_sharded_strategies_are_not_probed_with_a_whole_model(monkeypatch):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
-    from overdrive.training import autobatch
+    from overdrive.training.build import autobatch
 
     def whole_model(*args, **kwargs):
         raise AssertionError("built the whole model on one device")
@@ -230,7 +230,7 @@ def test_sharded_strategies_are_not_probed_with_a_whole_model(monkeypatch):
 
 
 def test_cublas_allocation_failures_are_out_of_memory():
-    from overdrive.training import autobatch
+    from overdrive.training.build import autobatch
 
     assert autobatch._is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
     assert not autobatch._is_oom(RuntimeError("CUDA error: an illegal memory access was encountered"))
@@ -239,7 +239,7 @@ def test_cublas_allocation_failures_are_out_of_memory():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_probe_measures_on_a_real_gpu():
-    from overdrive.training import autobatch
+    from overdrive.training.build import autobatch
 
     cfg = cfg_of("training.micro_batch_size=auto", "training.global_batch_size=8")
     assert autobatch.make_probe(cfg, torch.device("cuda", 0))(1) is None
@@ -251,8 +251,8 @@ def test_the_probe_measures_on_a_real_gpu():
 
 ZERO_INIT = """
 import json, os, torch, deepspeed
-from overdrive.training.optimization import param_groups
-from overdrive.training.model import flop_params
+from overdrive.training.build.optimization import param_groups
+from overdrive.training.build.model import flop_params
 deepspeed.init_distributed(dist_backend="gloo")
 config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
 with deepspeed.zero.Init(config_dict_or_path=config):

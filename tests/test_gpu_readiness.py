@@ -78,7 +78,7 @@ def test_preflight_takes_its_local_rank_s_gpu_before_nccl_starts_and_measures_nc
 
 
 def test_mfu_is_read_against_the_peak_of_the_precision_the_matmuls_run_in():
-    from overdrive.training.dtypes import matmul_precision
+    from overdrive.training.build.dtypes import matmul_precision
     from overdrive.training.telemetry import gpu_peak_flops
 
     bf16_weights = torch.nn.Linear(8, 8).to(torch.bfloat16)

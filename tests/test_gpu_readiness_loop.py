@@ -21,7 +21,7 @@ def _resilience_off(loop) -> None:
     """The loop's oom retry and loss-spike guard, as a run without training.oom_retry and
     training.loss_spike has them (they pass the step through)."""
     from overdrive.config.fault_injection import Injection
-    from overdrive.training import loss_spikes, oom_retry
+    from overdrive.training.guards import loss_spikes, oom_retry
 
     loop.spikes = loss_spikes.LossSpikes(loop.cfg, loop.parts.accelerator, loop.state, Injection(), 1)
     loop.oom = oom_retry.OomRetry(loop.cfg, loop.parts.accelerator, Injection())
@@ -62,10 +62,12 @@ def _bare_loop(cfg, acc, model, optimizer, scheduler, data, scaler=None):
     """A Loop over a recording accelerator: the step's real pieces (the objective, the plain
     forward-backward, the books), nothing of the run around it (checkpoint, observer, display)."""
     from overdrive.config import batch
-    from overdrive.training import context_parallel, forward_backward, loss_scale, nonfinite, telemetry
+    from overdrive.training import telemetry
+    from overdrive.training.step import context_parallel, forward_backward
+    from overdrive.training.guards import loss_scale, nonfinite
     from overdrive.training.loop import Loop, LoopState
-    from overdrive.training.loss_tokens import LossTokens
-    from overdrive.training.objective import TokenObjective
+    from overdrive.training.step.loss_tokens import LossTokens
+    from overdrive.training.objectives.objective import TokenObjective
 
     loop = object.__new__(Loop)
     loop.cfg, loop.state, loop.split = cfg, LoopState(), batch.split(cfg)
@@ -147,7 +149,7 @@ def _unscale(model) -> None:
 
 
 def test_fp16_mixed_precision_trains_fp16_weights_in_fp32():
-    from overdrive.training import master_weights
+    from overdrive.training.build import master_weights
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)).half()
     with pytest.raises(ValueError, match="unscale FP16 gradients"):

@@ -11,7 +11,7 @@ from hf_fixtures import make_tiny_llama
 from overdrive.data.prompts import SlotLayout, Slots
 from overdrive.errors import UserError
 from overdrive.resolving import resolve
-from overdrive.training import rewards
+from overdrive.training.objectives import rewards
 
 
 @pytest.fixture(scope="module")

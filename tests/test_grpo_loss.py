@@ -1,4 +1,4 @@
-"""GRPO's arithmetic (training/grpo_loss.py, training/grpo.py) against TRL 1.16's GRPOTrainer itself.
+"""GRPO's arithmetic (training/objectives/grpo_loss.py, training/objectives/grpo.py) against TRL 1.16's GRPOTrainer itself.
 
 TRL's own methods run on a trainer object given only the attributes they read: its
 `_generate_and_score_completions` (generation replaced by fixed completions) for the advantages and
@@ -22,7 +22,7 @@ from hf_fixtures import make_tiny_llama
 
 trl = pytest.importorskip("trl")
 
-from overdrive.training import grpo, grpo_loss  # noqa: E402
+from overdrive.training.objectives import grpo, grpo_loss  # noqa: E402
 
 G = 4  # completions per prompt
 MAX_LEN = 6

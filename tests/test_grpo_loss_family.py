@@ -16,7 +16,7 @@ import torch
 
 trl = pytest.importorskip("trl")
 
-from overdrive.training import grpo_loss  # noqa: E402
+from overdrive.training.objectives import grpo_loss  # noqa: E402
 
 B, C, MAX_LEN = 6, 5, 7
 

@@ -14,7 +14,8 @@ import torch
 from tool_fixtures import make_tool_llama, warm, write_prompts, write_tools_module
 
 from overdrive.errors import UserError
-from overdrive.training import grpo, grpo_rollout, rewards, tools
+from overdrive.training.objectives import grpo, rewards
+from overdrive.training.generation import grpo_rollout, tools
 
 CALL = ("<tool_call> <function=calculator> <parameter=a> 3 </parameter> <parameter=b> 4 </parameter> </function> "
         "</tool_call> <eos>")
@@ -137,7 +138,7 @@ def _explain(work: Path, *extra: str) -> list[str]:
     """The keys `overdrive explain rl_tools.yaml ...` refuses, in process: the config's rules and the user's
     tools imported from beside the config file, as `explain` and `train` check them."""
     from overdrive.resolving.resolve import resolve
-    from overdrive.training import user_inputs
+    from overdrive.training.build import user_inputs
 
     config = work / "rl_tools.yaml"
     config.write_text(RL_TOOLS)

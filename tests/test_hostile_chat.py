@@ -23,7 +23,7 @@ def llama(tmp_path_factory) -> Path:
 
 def refusal(llama: Path, tmp_path: Path, rows: list, *items: str) -> UserError:
     from overdrive.data import prepare
-    from overdrive.training.tokenizer import build_tokenizer
+    from overdrive.training.build.tokenizer import build_tokenizer
 
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps({"messages": turns}) + "\n" for turns in rows))

@@ -94,7 +94,7 @@ def test_a_local_path_and_other_errors_pass_through(tmp_path, online):
 def test_the_model_config_of_a_run_refuses_a_missing_hub_model(monkeypatch):
     """Through the real AutoConfig, offline: the message names model.name_or_path."""
     monkeypatch.setattr(hub, "unreachable", lambda: "huggingface.co cannot be resolved (test)")
-    from overdrive.training.model import model_config
+    from overdrive.training.build.model import model_config
 
     cfg = resolve([], cli=[f"model.name_or_path={NAME}"]).config
     with pytest.raises(UserError) as caught:

@@ -16,7 +16,7 @@ from overdrive.config.fault_injection import Injection, parse
 from overdrive.config.schema import RunConfig
 from overdrive.errors import UserError
 from overdrive.resolving.validate_resilience import resilience_rules
-from overdrive.training.oom_retry import smaller_split
+from overdrive.training.guards.oom_retry import smaller_split
 
 # No dropout: runs of different splits are compared loss for loss.
 RUN = ["model.architecture.resid_pdrop=0", "model.architecture.embd_pdrop=0", "model.architecture.attn_pdrop=0",
@@ -60,10 +60,10 @@ def test_the_features_are_refused_where_they_cannot_work():
 def test_each_objective_says_what_a_spike_is_measured_by_and_what_a_bad_batch_of_it_is():
     from types import SimpleNamespace
 
-    from overdrive.training.grpo import GRPOObjective
-    from overdrive.training.moe import BalancedObjective
-    from overdrive.training.objective import TokenObjective
-    from overdrive.training.preference import PreferenceObjective
+    from overdrive.training.objectives.grpo import GRPOObjective
+    from overdrive.training.objectives.moe import BalancedObjective
+    from overdrive.training.objectives.objective import TokenObjective
+    from overdrive.training.objectives.preference import PreferenceObjective
 
     assert TokenObjective("causal-lm").spike_measure == "loss"
     assert PreferenceObjective.spike_measure == GRPOObjective.spike_measure == "grad_norm"
@@ -89,7 +89,7 @@ def test_each_objective_says_what_a_spike_is_measured_by_and_what_a_bad_batch_of
 def test_a_spike_is_judged_against_a_positive_mean_once_the_window_is_full():
     from types import SimpleNamespace
 
-    from overdrive.training.loss_spikes import LossSpikes
+    from overdrive.training.guards.loss_spikes import LossSpikes
 
     cfg = RunConfig.model_validate({"training": {"loss_spike": {"factor": 2, "window": 2}}})
     state = SimpleNamespace(loss_window=None, spikes_in_a_row=0, step=0)

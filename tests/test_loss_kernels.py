@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from overdrive.training import step_loss
+from overdrive.training.step import step_loss
 
 VOCAB = 3000
 
@@ -65,7 +65,7 @@ def test_chunked_gives_grpos_per_token_log_probs_entropies_and_gradients(monkeyp
     """GRPO under chunked: each completion token's log-prob (at a temperature) and entropy, and the
     gradients of a loss of them, as from the completions' logits, several slices per row."""
     from overdrive.config import loss_kernel
-    from overdrive.training import grpo, grpo_loss
+    from overdrive.training.objectives import grpo, grpo_loss
 
     monkeypatch.setattr(loss_kernel, "CHUNK_LOGITS_BYTES", 4 * VOCAB * 5)  # 5-token slices
     model = _llama()

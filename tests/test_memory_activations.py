@@ -4,7 +4,7 @@ Measured = unique storages of the tensors autograd saves for backward (saved_ten
 plus tensors created in the forward pass that are still alive after it (the logits the
 caller holds, the layer inputs non-reentrant checkpointing keeps), minus parameters and
 anything that existed before the forward pass. The model is the schema's default
-(`model.architecture`, vocabulary `tokenizer.vocab_size`), built by overdrive.training.model as the
+(`model.architecture`, vocabulary `tokenizer.vocab_size`), built by overdrive.training.build.model as the
 trainer builds it, in training mode (dropout on).
 """
 
@@ -74,7 +74,7 @@ def _config(checkpointing: bool, seq_len: int) -> RunConfig:
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["full", "checkpointed"])
 @pytest.mark.parametrize("seq_len", [128, 512])
 def test_activation_estimate_matches_measurement(checkpointing, seq_len):
-    from overdrive.training.model import build_model
+    from overdrive.training.build.model import build_model
 
     cfg = _config(checkpointing, seq_len)
     batch, vocab = 4, cfg.tokenizer.vocab_size

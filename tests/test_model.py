@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from overdrive.training import model as model_mod
+from overdrive.training.build import model as model_mod
 from overdrive.config.schema import RunConfig
 from overdrive.errors import UserError
 

@@ -9,7 +9,7 @@ from hf_fixtures import make_text_data, make_tiny_llama, make_tiny_qwen3_moe
 from overdrive.errors import UserError
 from overdrive.resolving import resolve
 from overdrive.resolving.validate_model import explained
-from overdrive.training.preconditions import before_launch
+from overdrive.training.build.preconditions import before_launch
 
 
 @pytest.fixture(scope="module")

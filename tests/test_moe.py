@@ -8,7 +8,8 @@ import torch
 
 from overdrive.config.schema import RunConfig
 from overdrive.errors import UserError
-from overdrive.training import moe, step_loss
+from overdrive.training.objectives import moe
+from overdrive.training.step import step_loss
 from overdrive.training.metrics import read
 from tests.conftest import free_port, run_cli
 
@@ -46,7 +47,7 @@ def _batch(rows: int = 3, seed: int = 1) -> dict:
 def _optimised(model, balance, batch) -> torch.Tensor:
     """The loss the loop optimises on one micro-batch that is the whole global batch: the token
     objective with the balance term beside it, normalised by step_loss.py."""
-    from overdrive.training.objective import TokenObjective
+    from overdrive.training.objectives.objective import TokenObjective
 
     objective = moe.BalancedObjective(TokenObjective("causal-lm"), balance, _OneProcess(), sharing=1)
     totals = step_loss.global_counts(_OneProcess(), [batch], 1, objective.counts)
@@ -280,7 +281,7 @@ def test_lora_on_experts_says_which_parts_it_adapts_and_the_estimator_counts_the
     from overdrive.config.schema_peft import PeftConfig
     from overdrive.memory.adapter import adapter_shape
     from overdrive.memory.model_shape import build_meta_model
-    from overdrive.training import adapter
+    from overdrive.training.build import adapter
 
     cfg = RunConfig(model={"architecture": ARCH}, peft={"method": "lora", "r": 4, "target_modules": targets})
     model = adapter.apply(cfg, _tiny_qwen3_moe())
@@ -365,7 +366,7 @@ def test_a_users_script_is_not_launched_with_an_expert_parallel_degree(tmp_path)
 
 
 def test_model_moe_keys_on_a_dense_model_are_refused_before_anything_launches(tmp_path):
-    from overdrive.training.preconditions import check_model_layout
+    from overdrive.training.build.preconditions import check_model_layout
 
     cfg = _resolve(tmp_path, "model.architecture.model_type=gpt2", "model.architecture.n_layer=1",
                    "model.architecture.n_embd=32", "model.architecture.n_head=2", "model.architecture.n_positions=64",

@@ -84,7 +84,7 @@ def test_stages_cut_from_a_model_give_its_own_logits():
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    from overdrive.training.pipeline_stage import cut
+    from overdrive.training.step.pipeline_stage import cut
 
     torch.manual_seed(0)
     models = [LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, vocab_size=64,

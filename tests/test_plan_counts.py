@@ -54,7 +54,7 @@ def _rows(path, count: int) -> None:
 def test_a_row_objectives_epoch_is_its_pairs_or_rows_less_the_hold_out_exact_once_cached(llama, tmp_path, capsys,
                                                                                          objective):
     from overdrive.data import prepare
-    from overdrive.training.tokenizer import build_tokenizer
+    from overdrive.training.build.tokenizer import build_tokenizer
 
     data_file = tmp_path / "data.jsonl"
     if objective == "classification":
@@ -69,7 +69,7 @@ def test_a_row_objectives_epoch_is_its_pairs_or_rows_less_the_hold_out_exact_onc
     estimated = _plan(capsys, *items)
     cfg = resolve((), cli=items, env={}).config
     _, tokens = prepare(cfg, build_tokenizer)  # the token cache the run fills, and its train set
-    samples = len(tokens.train)  # what training/parts.py counts an epoch in
+    samples = len(tokens.train)  # what training/build/parts.py counts an epoch in
     assert abs(estimated["samples_per_epoch"] - samples) <= 0.05 * samples, (estimated["samples_per_epoch"], samples)
     exact = _plan(capsys, *items)
     assert exact["samples_per_epoch"] == samples and exact["steps_per_epoch"] == samples // 4

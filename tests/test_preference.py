@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from hf_fixtures import make_preference_data, make_tiny_llama
 from overdrive.resolving import resolve
 from overdrive.errors import UserError
-from overdrive.training import preference_loss as losses
+from overdrive.training.objectives import preference_loss as losses
 
 torch.manual_seed(0)
 N = 6

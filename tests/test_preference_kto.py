@@ -43,7 +43,7 @@ def test_kto_loss_of_one_batch_equals_trls_kto_trainer(models, tmp_path):
     from trl import KTOConfig, KTOTrainer
 
     from overdrive.data.preference_unpaired import UnpairedCollator
-    from overdrive.training.preference import PreferenceObjective, frozen_reference
+    from overdrive.training.objectives.preference import PreferenceObjective, frozen_reference
 
     policy_dir, reference_dir = models
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)

@@ -17,7 +17,7 @@ from overdrive.config.schema import RunConfig
 from overdrive.errors import UserError
 from overdrive.memory.model_shape import Source, model_shape
 from overdrive.memory.shape import setup_for_run
-from overdrive.training import optimization, optimizers
+from overdrive.training.build import optimization, optimizers
 
 ARCH = {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 64, "vocab_size": 128}
 

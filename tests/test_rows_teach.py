@@ -25,7 +25,7 @@ def llama(tmp_path_factory) -> Path:
 
 def _prepare(llama: Path, tmp_path: Path, rows: list, *items: str, show: bool = False):
     from overdrive.data import prepare
-    from overdrive.training.tokenizer import build_tokenizer
+    from overdrive.training.build.tokenizer import build_tokenizer
 
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))

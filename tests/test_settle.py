@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from overdrive.resolving import Resolved, resolve
-from overdrive.training import settle
+from overdrive.training.build import settle
 
 
 def resolved_in(tmp_path, *cli):

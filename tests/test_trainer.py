@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import run_cli
 
-from overdrive.training import optimization
+from overdrive.training.build import optimization
 
 from overdrive.training import loop as trainer
 from overdrive.config.schema import RunConfig
@@ -79,7 +79,7 @@ def test_warmup_then_cosine_to_the_floor():
 
 
 def test_no_weight_decay_on_biases_and_norms():
-    from overdrive.training.model import build_model
+    from overdrive.training.build.model import build_model
 
     model = build_model(RunConfig.model_validate({"model": {"architecture": TINY_ARCH}}), vocab_size=100)
     decay, no_decay = optimization.param_groups(model, 0.1)

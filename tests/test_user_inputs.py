@@ -14,7 +14,8 @@ from overdrive.config.redact import redact_text
 from overdrive.config.schema_rl import RewardFunc
 from overdrive.errors import UserError
 from overdrive.resolving import resolve
-from overdrive.training import rewards, user_inputs
+from overdrive.training.objectives import rewards
+from overdrive.training.build import user_inputs
 from overdrive.training.metrics import MetricsLog
 
 RL = """\
@@ -190,7 +191,7 @@ def test_a_grpo_run_whose_reward_turns_nan_stops_by_name_with_its_checkpoint_and
 
 
 def test_user_code_that_exits_is_refused_by_its_key_at_import_in_a_call_and_while_training(tmp_path):
-    from overdrive.training import tools
+    from overdrive.training.generation import tools
 
     name = "exiting_rewards"
     config = _write(tmp_path, GOOD_ROWS, f'["{name}.correct"]', "import sys\nsys.exit(0)\n", name)

@@ -33,7 +33,7 @@ def work(tmp_path_factory) -> Path:
 
 def settled(work: Path, *items: str):
     from overdrive.resolving.resolve import resolve
-    from overdrive.training import user_inputs
+    from overdrive.training.build import user_inputs
 
     return resolve([], cli=[f"model.name_or_path={work / 'qwen'}", f"data.source={work / 'messages.jsonl'}",
                             "data.format=chat", "data.max_length=64", "launch.use_cpu=true", *items],
@@ -144,7 +144,7 @@ def test_what_does_not_compose_with_a_vlm_is_refused_by_key_before_anything_laun
 
 
 def test_the_vision_tower_and_projector_are_frozen_and_lora_targets_the_language_model(work):
-    from overdrive.training.model import build_model
+    from overdrive.training.build.model import build_model
 
     plain = build_model(settled(work, "model.vision.freeze=true"))
     trained = {n for n, p in plain.named_parameters() if p.requires_grad}

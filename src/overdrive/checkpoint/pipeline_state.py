@@ -1,7 +1,7 @@
 """Checkpoints of pipeline stages, through torch.distributed.checkpoint.
 
 Under pipeline parallel Accelerate holds neither the model nor the optimizer (each rank holds
-its stages: training/pipeline.py), so `save_state` writes the rest (schedule, RNG, samplers)
+its stages: training/step/pipeline.py), so `save_state` writes the rest (schedule, RNG, samplers)
 and the stages' weights and optimizer state go into one DCP directory, keyed by the whole
 model's parameter names (a stage's own prefix taken off) with the optimizer state flattened
 per parameter (torch's `flatten_optimizer_state_dict`, as torchtitan saves several optimizers

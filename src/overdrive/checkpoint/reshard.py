@@ -198,7 +198,7 @@ def _from_ddp(path: Path, groups: list[list[str]], shapes: dict, optimizer: Any)
                                                                             map_location="cpu")
     saved = torch.load(path / "optimizer.bin", map_location="cpu", weights_only=False)
     # DDP's optimizer state is keyed by position; the same model and parameter groups give the
-    # same positions in every strategy (training/optimization.py param_groups).
+    # same positions in every strategy (training/build/optimization.py param_groups).
     ids = [i for g in saved["param_groups"] for i in g["params"]]
     optim_sd = _full_optimizer_state(groups, optimizer, saved["param_groups"],
                                      lambda index, name: dict(saved["state"].get(ids[index], {})))

@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
 
     from overdrive.commands.arguments import resolved_from
 
-    from overdrive.training import user_inputs
+    from overdrive.training.build import user_inputs
 
     # The model's config (no weights), the eval tasks, the user's reward functions and data rows: judged
     # with every other rule, as train judges them, so one pass names every problem.
@@ -211,7 +211,7 @@ def _rules(config: RunConfig, chains: Mapping[str, list]) -> tuple[list[Problem]
     """explain's own rules (resolve.Rules): the model's config as train judges it (a model not readable
     here is a warning), and the eval tasks with their data, as train refuses them before it writes."""
     from overdrive.resolving.validate_model import explained
-    from overdrive.training.preconditions import check_inputs
+    from overdrive.training.build.preconditions import check_inputs
 
     errors, warnings = explained(config, chains)
     try:

@@ -191,7 +191,7 @@ def _stage_lines(stages: dict, gib) -> list[str]:
 
 
 def _lr_points(cfg: RunConfig) -> list[tuple[int, float]]:
-    from overdrive.training.optimization import lr_curve
+    from overdrive.training.build.optimization import lr_curve
 
     return lr_curve(cfg)
 
@@ -235,7 +235,7 @@ def _tokenize_forecast(cfg: RunConfig):
     """Measured on a sample of this machine's data (data/estimate.py); None when it cannot be read."""
     from overdrive.data import estimate
     from overdrive.errors import UserError
-    from overdrive.training.tokenizer import build_tokenizer, train_bpe
+    from overdrive.training.build.tokenizer import build_tokenizer, train_bpe
 
     try:
         return estimate.forecast(cfg, build_tokenizer, lambda texts: train_bpe(texts, cfg.tokenizer.vocab_size))

@@ -73,8 +73,9 @@ def run(args: argparse.Namespace) -> int:
         if untested:
             print(untested, file=sys.stderr)
     from overdrive.resolving.resolved import config_directories
-    from overdrive.training import rewards, user_inputs
-    from overdrive.training.preconditions import before_launch
+    from overdrive.training.objectives import rewards
+    from overdrive.training.build import user_inputs
+    from overdrive.training.build.preconditions import before_launch
 
     # Every check before launch (the user's code and data, this machine, the model's config, the
     # adapter) is judged with the resolver's rules: one message names every problem. --print-launch

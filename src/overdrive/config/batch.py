@@ -4,12 +4,12 @@
     split(settled).global_batch             # what every consumer reads
 
 The split is settled once, when a config is resolved (`settle`, called by `resolving.resolve`
-and again by training/settle.py for a RunConfig built in Python): with
+and again by training/build/settle.py for a RunConfig built in Python): with
 `training.global_batch_size` set and an integer micro-batch, the accumulation is derived
 from it (global / (micro x data-parallel degree)), as torchtitan and DeepSpeed derive it.
 A global batch that does not divide, or an accumulation the user also set that says
 otherwise, is refused by key (`problems`). With `training.micro_batch_size: auto` the global
-batch is what the auto micro-batch keeps (training/autobatch.py splits it on the device).
+batch is what the auto micro-batch keeps (training/build/autobatch.py splits it on the device).
 
 Train, tune, plan, estimate, resume, DeepSpeed's config and the loaders all read `split(cfg)`
 of the settled config: nothing else multiplies the three factors.

@@ -1,7 +1,7 @@
 """A mixture-of-experts model as Transformers describes it: how many experts, how many a token
 uses, which parameters are experts, and so how many parameters one token meets (the active ones).
 
-One rule (config/, so every floor asks it) for the model that trains (training/moe.py: the router's loss, FLOPs and MFU) and for
+One rule (config/, so every floor asks it) for the model that trains (training/objectives/moe.py: the router's loss, FLOPs and MFU) and for
 the estimator (memory/: total and active parameters, expert weights per expert-parallel rank).
 Pure: it reads a config's attributes and parameter names, imports neither torch nor transformers.
 """

@@ -2,7 +2,7 @@
 
 `full` is the model's own loss: its LM head writes the logits (tokens x vocabulary, fp32 for the
 cross entropy), the log-softmax keeps as many, and backward adds two more. `chunked` and `fused`
-never hold them whole (training/loss_kernels.py); `auto` picks `fused` only where a fused GPU kernel
+never hold them whole (training/step/loss_kernels.py); `auto` picks `fused` only where a fused GPU kernel
 is installed (Liger, on CUDA) and `full` otherwise, so a run that does not ask keeps today's numbers.
 Pure: no torch import, so `explain` and `estimate` stay fast.
 """

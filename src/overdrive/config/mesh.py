@@ -57,7 +57,7 @@ class Layout:
     @property
     def is_nd(self) -> bool:
         """True when Accelerate needs a ParallelismConfig: anything beyond one data-parallel axis
-        (with pipeline stages the mesh is overdrive's own: training/pipeline.py builds it)."""
+        (with pipeline stages the mesh is overdrive's own: training/step/pipeline.py builds it)."""
         if self.pp > 1:
             return False
         return self.tp * self.cp * self.sp > 1 or (self.dp_replicate > 1 and self.dp_shard > 1)

@@ -1,7 +1,7 @@
 """What each `optim.name` is, described once, for validation, the memory estimator and the builders.
 
 Pure: imports neither torch nor the optimizers' packages, so `explain`, `plan` and `estimate`
-stay fast. The builders (training/optimizers.py) construct what this names.
+stay fast. The builders (training/build/optimizers.py) construct what this names.
 
 `state_bytes` is the optimizer's own state per trainable parameter, in bytes, for a model whose
 parameters are split as `Counts` says (Adafactor's factored moments and Muon's split depend on

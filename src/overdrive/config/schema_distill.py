@@ -4,7 +4,7 @@ The names and meanings are TRL's GKDConfig's, so a TRL user finds the knob they 
 (the generalised Jensen-Shannon interpolation: 0 = forward KL, 1 = reverse KL), `temperature`
 (both logits divided by it, no T^2 factor, as TRL's `generalized_jsd_loss`), `lmbda` (the share of
 on-policy batches). `alpha` adds the data's own cross entropy beside the divergence. The loss is
-training/distill_loss.py's, checked against TRL's function (docs/distillation.md).
+training/objectives/distill_loss.py's, checked against TRL's function (docs/distillation.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The values override the Transformers config's own (`router_aux_loss_coef`,
 `num_experts_per_tok`); empty keeps the model's. The router's load-balancing loss is the
 model's own statistic (Transformers' `load_balancing_loss_func`, Switch Transformer eq. 4-6),
-added to the loss the loop optimises (training/moe.py); `aux_loss_scope` says over which
+added to the loss the loop optimises (training/objectives/moe.py); `aux_loss_scope` says over which
 tokens it is taken, and so whether the split of the global batch changes it.
 """
 

@@ -1,7 +1,7 @@
 """`peft.*`: fine-tuning through an adapter (PEFT's LoRA), and QLoRA's quantized base.
 
 The values are handed to PEFT's own `LoraConfig` and Transformers' `BitsAndBytesConfig`
-(training/adapter.py); nothing of either is re-implemented. The names follow theirs:
+(training/build/adapter.py); nothing of either is re-implemented. The names follow theirs:
 `r`, `alpha` (lora_alpha), `dropout` (lora_dropout), `target_modules`, `modules_to_save`,
 `use_dora`, `use_rslora`; for qlora `bits`, `quant_type`, `double_quant`, `storage_dtype`.
 """

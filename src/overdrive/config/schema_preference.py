@@ -4,7 +4,7 @@ The names are TRL's, so a TRL user finds the knob they know: `beta` (DPOConfig, 
 ORPOConfig's `beta` is the paper's lambda), `label_smoothing`, `simpo_gamma`
 (CPOConfig with `loss_type="simpo"`), `precompute_ref_log_probs` (here
 `precompute_reference`), `center_rewards_coefficient` (RewardConfig), `desirable_weight` / `undesirable_weight` (KTOConfig). The losses are TRL's
-(training/preference_loss.py).
+(training/objectives/preference_loss.py).
 """
 
 from __future__ import annotations

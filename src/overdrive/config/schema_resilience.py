@@ -14,7 +14,7 @@ from overdrive.config.sections import Section
 
 class LossSpikeConfig(Section):
     """A step far above its recent average (its loss, or its gradient norm where the objective's loss
-    is no positive scale: training/loss_spikes.py): skipped, not trained on.
+    is no positive scale: training/guards/loss_spikes.py): skipped, not trained on.
 
     Off by default: judging a step needs its measure on the host before the optimizer steps, one
     host-device sync per step that an unwatched run does not pay."""

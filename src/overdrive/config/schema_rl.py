@@ -3,7 +3,7 @@
 The names are TRL's GRPOConfig's, so a TRL user finds the knob they know: `num_generations`,
 `max_completion_length`, `temperature`, `top_p`, `beta`, `epsilon`, `epsilon_high`, `loss_type`,
 `scale_rewards`, `num_iterations`, `reward_funcs` (with `reward_weights` as each entry's
-`weight`). The losses, advantages and KL are TRL's (training/grpo_loss.py).
+`weight`). The losses, advantages and KL are TRL's (training/objectives/grpo_loss.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pydantic import Field, field_validator, model_validator
 
 from overdrive.config.sections import Section
 
-# The rewards overdrive ships, by name (training/rewards.py); anything else is an import path.
+# The rewards overdrive ships, by name (training/objectives/rewards.py); anything else is an import path.
 BUILTIN_REWARDS = ("exact_match", "regex", "length")
 
 

@@ -30,7 +30,7 @@ def training_arguments(cfg: RunConfig, cls: Any = None, **overrides: Any) -> Any
 
 def peft_config(cfg: RunConfig) -> Any:
     """PEFT's LoraConfig for the run's `peft:` section, or None without an adapter. A qlora base
-    also needs `quantization_config=overdrive.training.adapter.quantization(cfg)` at load time."""
+    also needs `quantization_config=overdrive.training.build.adapter.quantization(cfg)` at load time."""
     if cfg.peft.method == "none":
         return None
     from overdrive.hf.lora import lora_config

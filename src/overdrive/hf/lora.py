@@ -1,5 +1,5 @@
 """PEFT's LoraConfig from a run's `peft:` section: the one builder, for the model that trains
-(training/adapter.py), the estimator's count of trainable parameters (memory/adapter.py),
+(training/build/adapter.py), the estimator's count of trainable parameters (memory/adapter.py),
 `overdrive export --peft` and scripts' own `get_peft_model` or TRL's `peft_config=`; and an adapter that
 exists read back (`adapter_config`: PEFT's adapter_config.json, for peft.adapter_path and `overdrive merge`)."""
 

@@ -1,5 +1,5 @@
 """The Transformers config a run builds, without weights: for the model that trains
-(training/model.py) and for the memory estimator (memory/), which sizes that same model.
+(training/build/model.py) and for the memory estimator (memory/), which sizes that same model.
 
 torch and transformers are imported inside the functions: `overdrive plan` and `estimate` reach here.
 """

@@ -125,13 +125,13 @@ class Setup:
     """An adapter run (memory/adapter.AdapterShape): frozen base, trained adapter."""
     reference_copy: bool = False
     """Preference training (DPO, IPO) of every parameter: a frozen copy of the starting weights
-    is the reference model, whole on every rank (training/reference.py)."""
+    is the reference model, whole on every rank (training/objectives/reference.py)."""
     generation_tokens: int = 0
     """RL (rl.method): the tokens of one group being generated, num_generations x (data.max_length +
     rl.max_completion_length) at most, whose KV cache the policy holds while it samples them."""
     teacher_params: int = 0
     """Distillation (distill.teacher): the teacher's parameters, frozen and whole on every rank, in the
-    student's dtype (training/distill.py)."""
+    student's dtype (training/objectives/distill.py)."""
     teacher_bytes: int = 4
     """Bytes of a teacher parameter: 2 where model.dtype is a 16-bit type, else 4."""
     loss_kernel: str = "full"

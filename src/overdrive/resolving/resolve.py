@@ -22,7 +22,7 @@ from overdrive.resolving.problems import pydantic_problems
 from overdrive.resolving.resolved import Resolved, config_directories
 
 # A command's checks of what the config points at, from a package above this one (the user's reward
-# functions and data: training/user_inputs.py): (config, where(key), directories) -> (errors, warnings).
+# functions and data: training/build/user_inputs.py): (config, where(key), directories) -> (errors, warnings).
 Checks = Callable[[RunConfig, Callable[[str], str], list[Path]], tuple[list[Problem], list[Problem]]]
 
 # A command's own checks of a settled config: (config, chains) -> (errors, warnings).

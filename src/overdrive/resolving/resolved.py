@@ -26,7 +26,7 @@ class Resolved:
     origins: dict[str, Origin]
     chains: dict[str, list[Setting]] = field(default_factory=dict)
     warnings: list[Problem] = field(default_factory=list)
-    # The resume judged once, by whoever starts the run (training/settle.py): the checkpoint
+    # The resume judged once, by whoever starts the run (training/build/settle.py): the checkpoint
     # it resumes ({"checkpoint": path or None, "force": bool, "notes": [...]}), handed to
     # the workers in the resolved file so they do not judge it again.
     resume: dict[str, Any] | None = None

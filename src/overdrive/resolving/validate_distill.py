@@ -1,10 +1,10 @@
 """Rules of distillation (`distill.*`): what it runs with, and what is not built yet, refused by key.
 
-Distillation is an objective (training/distill.py) on the token data every text and chat format
+Distillation is an objective (training/objectives/distill.py) on the token data every text and chat format
 gives; the layouts it does not compose with are rows of resolving/composition.py's table, the loss
 kernels are refused in validate_loss.py (the divergence needs the student's whole logits). The
 teacher's tokenizer against the student's is read from files, before launch (hf/teacher.py, through
-training/user_inputs.py).
+training/build/user_inputs.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Rules of the memory keys around the loss: `training.loss_kernel`, `training.activation_offloading`,
 `data.document_mask`. What does not compose is refused here by key, before anything launches.
 
-The loss kernels run inside the LM head's own call (training/loss_kernels.py), so a head sharded at
+The loss kernels run inside the LM head's own call (training/step/loss_kernels.py), so a head sharded at
 rest (FSDP2, ZeRO-3) is gathered there by the strategy's own hooks, as for the model's own loss.
 What does not compose: a tensor-parallel head holds a slice of the vocabulary, a pipeline's last
 stage computes its own loss, and context and sequence parallel's shards carry pre-shifted labels.
@@ -25,7 +25,7 @@ def kernel_blocker(cfg: RunConfig, kernel: Optional[str] = None) -> Optional[tup
     """(key, why) when `kernel` (the config's training.loss_kernel unless given; chunked or fused)
     cannot run in this config; None when it can. An objective the kernel does not compute is a row
     of the table of what composes (resolving/composition.py), refused by training.loss_kernel itself:
-    GRPO takes `chunked` (its per-token log-probs, training/loss_kernels.py), not `fused`."""
+    GRPO takes `chunked` (its per-token log-probs, training/step/loss_kernels.py), not `fused`."""
     kernel = kernel or cfg.training.loss_kernel
     objective = composition.objective_of(cfg)
     piece = "fused loss kernel" if objective in composition.ONLINE and kernel == "fused" else "loss kernel"
@@ -62,7 +62,7 @@ def rescales_logits(config) -> bool:
 
 def model_rules(cfg: RunConfig, config, where: Callable[[str], str] = lambda key: "") -> list[Problem]:
     """A loss kernel asked for by name against the model's config (no weights): train refuses the same
-    model once built (training/loss_kernels.py), this says so before launch."""
+    model once built (training/step/loss_kernels.py), this says so before launch."""
     kernel = cfg.training.loss_kernel
     if kernel not in ("chunked", "fused") or not rescales_logits(config):
         return []

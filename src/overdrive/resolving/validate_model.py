@@ -95,7 +95,7 @@ def shape_rules(cfg: RunConfig, config: Any, where: Where = lambda key: "") -> l
 
 def checkpointing_problems(cfg: RunConfig, config: Any) -> list[Problem]:
     """`model.gradient_checkpointing` on a model class that does not support it (a class attribute:
-    known from the config's class, as training/model.py finds it on the model built)."""
+    known from the config's class, as training/build/model.py finds it on the model built)."""
     if not cfg.model.gradient_checkpointing:
         return []
     from overdrive.hf.model_config import model_class

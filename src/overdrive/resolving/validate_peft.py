@@ -1,7 +1,7 @@
 """Cross-field rules of fine-tuning: `peft.*` against the model, data and strategy.
 
 What needs the model's structure (which module names `peft.target_modules` matches) is
-checked where the model is known, by training/adapter.py; these rules need the config alone.
+checked where the model is known, by training/build/adapter.py; these rules need the config alone.
 """
 
 from __future__ import annotations

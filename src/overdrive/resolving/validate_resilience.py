@@ -1,5 +1,5 @@
 """Where `training.oom_retry`, `training.loss_spike` and `checkpoint.async` can work, judged
-before anything launches (what each does: training/oom_retry.py, training/loss_spikes.py,
+before anything launches (what each does: training/guards/oom_retry.py, training/guards/loss_spikes.py,
 checkpoint/background.py)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Rules of online RL (`rl.*` with `data.format: prompts`): what GRPO composes with, refused by key.
 
-GRPO is an objective with a generation phase (training/grpo.py): the policy generates whole
+GRPO is an objective with a generation phase (training/objectives/grpo.py): the policy generates whole
 sequences with `generate`, which pipeline stages (a rank holds some layers) and context parallel
 (a rank holds a slice of every sequence) cannot do, and a tensor-parallel model's generate is not
 rehearsed; those are refused. Each rank generates and normalises whole groups: its micro x

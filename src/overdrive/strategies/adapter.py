@@ -1,5 +1,5 @@
 """What each strategy needs of an adapter run (LoRA, QLoRA): asked by resolving/validate_peft.py,
-training/adapter.py and checkpoint/adapter_state.py.
+training/build/adapter.py and checkpoint/adapter_state.py.
 
 - FSDP puts a block's tensors into one unit: FSDP2 shards each tensor on its own, so frozen and
   trained tensors share a unit as they are; FSDP1 flattens them into one, which needs

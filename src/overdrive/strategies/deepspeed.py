@@ -47,7 +47,7 @@ def forces_ds_cpu_optimizer(cfg: RunConfig) -> bool:
     torch optimizer by DeepSpeedCPUAdam at prepare time (accelerate.utils.deepspeed.
     map_pytorch_optim_to_deepspeed): right for Adam and AdamW, silently wrong for SGD or Lion.
     So it stays on only for Adam/AdamW where DeepSpeedCPUAdam builds; the trainer hands Lion
-    DeepSpeed's own DeepSpeedCPULion itself (training/optimizers.py) and every other
+    DeepSpeed's own DeepSpeedCPULion itself (training/build/optimizers.py) and every other
     optimizer runs as torch code on the offloaded fp32 master weights."""
     import overdrive.config.optimizer_catalog as optimizer_catalog
 

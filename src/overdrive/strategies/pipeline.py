@@ -1,6 +1,6 @@
 """Pipeline parallel, the layout's fifth axis: the rules by key, the split of decoder layers
 into stages, and the bubble of each schedule. Pure: imports neither torch nor Transformers
-(training/pipeline.py runs torch.distributed.pipelining on what this module decides).
+(training/step/pipeline.py runs torch.distributed.pipelining on what this module decides).
 
     stage_count(cfg)            pp_size x stages per rank
     layer_split(8, 4)           [(0, 2), (2, 4), (4, 6), (6, 8)]: decoder layers per stage

@@ -34,7 +34,7 @@ def run_config(run, *, metric: str = "eval_loss", report: Optional[Callable[[int
     """Train `run` (a RunConfig from `load_config`, or a Resolved) in a child process, as
     `overdrive train` would, in its output_dir; return the metric's last value there."""
     from overdrive.sweep.execute import execute
-    from overdrive.training.settle import as_resolved
+    from overdrive.training.build.settle import as_resolved
     from overdrive.tune import starter_for
 
     resolved = as_resolved(run)

@@ -95,7 +95,7 @@ def _whole_model(cfg: RunConfig, parts: Any, out: Path) -> Iterator[tuple[Option
             acc.wait_for_everyone()
         return
     from overdrive.hf.saved_model import load
-    from overdrive.training.parts import save_final
+    from overdrive.training.build.parts import save_final
 
     staged = out / ".eval-model"
     # The final save's own path, whatever the run says about saving at its end.

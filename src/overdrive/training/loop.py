@@ -1,7 +1,7 @@
 """The training loop, readable top to bottom.
 
-`train(resolved)` settles the run config once (training/settle.py), builds everything from
-it (training/parts.py: accelerator, tokenizer, model, data, optimizer, schedule), then runs
+`train(resolved)` settles the run config once (training/build/settle.py), builds everything from
+it (training/build/parts.py: accelerator, tokenizer, model, data, optimizer, schedule), then runs
 `training.max_steps` optimizer steps. The outer loop (`_steps`) is short: each pass calls the
 named steps, each with its own "due":
 
@@ -39,11 +39,13 @@ from overdrive.config.redact import redact
 from overdrive.config.schema import RunConfig
 from overdrive.storage import faults
 from overdrive.strategies import registry
-from overdrive.training import context_parallel, loss_scale, loss_spikes, nonfinite, oom_retry, step_loss, telemetry
+from overdrive.training import telemetry
+from overdrive.training.step import context_parallel, step_loss
+from overdrive.training.guards import loss_scale, loss_spikes, nonfinite, oom_retry
 from overdrive.training import benchmark_eval
-from overdrive.training.loss_tokens import LossTokens
+from overdrive.training.step.loss_tokens import LossTokens
 from overdrive.training.loop_state import LoopState, TrainResult, batches  # noqa: F401  (asked for here too)
-from overdrive.training.parts import Parts, build_parts, save_final
+from overdrive.training.build.parts import Parts, build_parts, save_final
 
 
 def train(run, force: bool = False, observer=None) -> TrainResult:
@@ -55,7 +57,7 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
     heartbeats, stragglers): the profiler and the bench pass their own.
     """
     from overdrive.launch.process import build_accelerator
-    from overdrive.training.settle import as_resolved, settle
+    from overdrive.training.build.settle import as_resolved, settle
 
     from overdrive.launch.process import quiet_deprecated_collectives
 
@@ -72,7 +74,7 @@ def train(run, force: bool = False, observer=None) -> TrainResult:
     if main:
         out.mkdir(parents=True, exist_ok=True)
         faults.write_text(out / "resolved.json", settled.resolved.to_json(), "output_dir")
-    from overdrive.training.startup import Stages
+    from overdrive.training.build.startup import Stages
 
     say = Stages(main and cfg.logging.level != "quiet")  # each stage before the first step, as it begins
     parts = build_parts(cfg, accelerator, say=say)

@@ -142,7 +142,7 @@ def device_peak(device: torch.device, mixed_precision: str, cache_dir: Optional[
         flops = gpu_peak_flops(torch.cuda.get_device_name(device), mixed_precision)
         return flops, "data sheet" if flops else ""
     if device.type == "cpu":
-        from overdrive.training.model import autocast_dtype
+        from overdrive.training.build.model import autocast_dtype
 
         dtype = autocast_dtype(mixed_precision) or torch.float32
         return cpu_peak(dtype, cache_dir)
@@ -268,7 +268,7 @@ class ProgressDisplay:
             self.bar = None
 
 
-# What a preference run is watched by (TRL's names, training/preference.py), on its progress lines.
+# What a preference run is watched by (TRL's names, training/objectives/preference.py), on its progress lines.
 PREFERENCE_SHOWN = tuple((f"{prefix}{name}", f"{prefix}{name} {{:.4f}}") for prefix in ("", "eval_")
                          for name in metrics_file.PREFERENCE_WATCHED)
 

@@ -186,7 +186,7 @@ def prepare_data(path: str) -> int:
     """Build the tokenizer and the token cache once, before any trial is timed."""
     from overdrive import data
     from overdrive.resolving import Resolved
-    from overdrive.training.tokenizer import build_tokenizer
+    from overdrive.training.build.tokenizer import build_tokenizer
 
     cfg = Resolved.from_json(Path(path).read_text()).config
     data.prepare(cfg, build_tokenizer)

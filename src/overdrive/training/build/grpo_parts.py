@@ -1,0 +1,78 @@
+"""What an RL run (`rl.method`) builds in place of the token cache and the preference objective:
+the tokenizer and the prompts (data/prompts.py), the loader of completion slots, and the GRPO
+objective with its reference (training/objectives/grpo.py). training/build/parts.py asks these three builders."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional
+
+from overdrive.config import batch
+from overdrive.config.schema import RunConfig
+from overdrive.data import prompts as prompts_mod
+from overdrive.strategies import registry
+from overdrive.errors import UserError
+from overdrive.training.objectives import grpo
+from overdrive.training.step import loss_kernels
+from overdrive.training.generation import tools as tools_mod
+
+
+@dataclass
+class PromptData:
+    """The run's data as build_parts reads a token cache's: `train` (the slots), no validation."""
+
+    prompts: prompts_mod.PromptSet
+    layout: prompts_mod.SlotLayout
+    train: Any
+    validation: Optional[Any] = None
+    label_names: Optional[list] = None
+    tools: tuple = ()  # rl.tools, built: the prompts were rendered with their schemas
+
+
+def prepare(cfg: RunConfig, make_tokenizer) -> tuple[Any, PromptData]:
+    """(tokenizer, the prompts and their slots); every rank reads the (small) prompt set itself. With rl.tools
+    the tools are imported and the tokenizer's template asked whether it can run them, before the model loads."""
+    tokenizer = make_tokenizer(cfg, [], "")
+    tools = tools_mod.build(cfg.rl.tools) if cfg.rl.tools else []
+    if tools:
+        refused = tools_mod.template_problems(tokenizer)
+        if refused:
+            raise UserError(refused)
+    prompt_set = prompts_mod.encode(cfg, prompts_mod.read(cfg), tokenizer, tools=[t.schema for t in tools])
+    layout = prompts_mod.slot_layout(cfg, len(prompt_set.rows))
+    return tokenizer, PromptData(prompt_set, layout, prompts_mod.Slots(layout), tools=tuple(tools))
+
+
+def loader(data: PromptData, split: Optional[batch.BatchSplit] = None):
+    """The completion slots' loader, at the run's split or at `split` (training.oom_retry's redo):
+    the slots land where a run started at that split puts them."""
+    layout = data.layout if split is None else replace(data.layout, micro=split.micro, accumulation=split.accumulation)
+    return prompts_mod.loader(layout)
+
+
+def _lora_reference(accelerator):
+    @contextlib.contextmanager
+    def reference(model):
+        with accelerator.unwrap_model(model).disable_adapter():
+            yield model
+
+    return reference
+
+
+def objective(cfg: RunConfig, accelerator, tokenizer, data: PromptData, reference_model) -> "grpo.GRPOObjective":
+    """The GRPO objective, its reference the adapter switched off (LoRA) or a frozen copy (beta > 0)."""
+    reference = None
+    if cfg.rl.beta != 0.0:
+        if cfg.peft.method != "none":
+            reference = _lora_reference(accelerator)
+        else:
+            frozen = reference_model.to(accelerator.device)
+            reference = lambda model: contextlib.nullcontext(frozen)  # noqa: E731
+    sharded = not registry.of(cfg).holds_whole_model(cfg)
+    kernel = loss_kernels.for_run(cfg, accelerator.device)  # full or chunked (fused is refused for GRPO)
+    objective = grpo.GRPOObjective(cfg, accelerator, tokenizer, data.prompts, reference, sharded=sharded, kernel=kernel,
+                                   tools=data.tools)
+    objective.samples_path = Path(cfg.output_dir).expanduser() / "completions.jsonl"
+    return objective

@@ -1,0 +1,64 @@
+"""The user's own code and data checked before a model loads, in one pass with the config's rules
+(`resolve(..., checks=check)`: `explain` and `train` ask it): a distillation teacher's tokenizer against
+the student's (hf/teacher.py, from their files), the reward functions (imported,
+their signatures bound, called once: training/objectives/reward_checks.py) and every row of a local prompt
+set, preference or KTO set (data/prompt_checks.py, data/preference.py). Nothing is written. Only an
+RL or preference run imports the data package (and torch with it) to be checked."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Sequence
+
+from overdrive.config.schema import RunConfig
+from overdrive.errors import Problem, UserError
+
+
+def check(cfg: RunConfig, where: Callable[[str], str],
+          directories: Sequence[Path]) -> tuple[list[Problem], list[Problem]]:
+    """(errors, warnings); `directories`: where reward modules are looked for (the config files' and the
+    working directory)."""
+    rl, kto = cfg.rl.method != "none", cfg.preference.method == "kto"
+    pairs = cfg.data.format == "preference"
+    from overdrive.hf import teacher
+    from overdrive.hf.vision import declared
+
+    # the teacher's tokenizer against the student's, from files (no weights)
+    taught = [replace(p, where=p.where or where(p.key)) for p in teacher.fit_problems(cfg)]
+    if declared(cfg) and cfg.data.format == "chat":  # a vision-language run's rows: images against placeholders
+        from overdrive.data import vision_rows
+
+        return taught + vision_rows.problems(cfg), []
+    if not (rl or kto or pairs):
+        return taught, []
+    # Here, not above: the data package loads torch as it is imported, and `explain` of any other run needs none.
+    from overdrive.data import prompt_checks
+    from overdrive.data.row_table import local_table
+    from overdrive.training.objectives import reward_checks, rewards
+
+    errors: list[Problem] = []
+    warnings: list[Problem] = []
+    table = None
+    try:
+        table = local_table(cfg.data.source)
+    except UserError as error:
+        errors += error.problems
+    if rl:
+        if table is not None:
+            errors += prompt_checks.prompt_problems(cfg, table)
+        with rewards.importable_from(directories):
+            errors += reward_checks.problems(cfg, table, where)
+            if cfg.rl.tools:  # importable, with a schema Transformers can make (the template is asked at train)
+                from overdrive.training.generation import tools
+
+                errors += [Problem(p.key, p.message, where("rl.tools"), p.fix) for p in tools.problems(cfg.rl.tools)]
+    if pairs and table is not None:  # every row read as training reads it, before anything is written
+        from overdrive.data.preference import row_problems
+
+        errors += row_problems(cfg, table.columns, table.rows, table.place)
+    if kto and table is not None and not errors:
+        more_errors, warnings = prompt_checks.kto_balance(cfg, table, where)
+        errors += more_errors
+    return taught + errors, warnings
+

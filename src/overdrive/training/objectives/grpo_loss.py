@@ -1,0 +1,141 @@
+"""GRPO's arithmetic as TRL 1.16's GRPOTrainer defines it (`_generate_and_score_completions`,
+`_compute_loss`), on plain tensors, so tests hold it against TRL's own code:
+
+    token_scores      per-token log-probs and entropies of the completion tokens at the sampling
+                      temperature (TRL's fused LM head divides the logits by it)
+    group_advantages  the weighted reward sum, minus its group's mean, over the group's (or batch's)
+                      standard deviation + 1e-4; rows every function left unscored get 0
+    per_token_loss    the clipped ratio times the advantage, plus beta x the k3 KL to the reference
+    reduce            the loss type's sum over its units (completions or tokens), which the loop
+                      divides by the units of the whole global batch: the same normalisation
+                      whatever the micro-batch split (training/step/step_loss.py)
+
+TRL normalises per micro-batch and divides by the accumulation steps; with one micro-batch per
+step that is exactly the global-batch normalisation here. `bnpo` is TRL's token mean over the
+local batch; over the global batch, as here, it is `dapo`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+# What each loss type's mean is over: a completion, or a completion token (TRL's reductions: sapo
+# reduces as grpo, cispo as dapo; gspo is grpo's loss with one ratio per sequence).
+UNIT = {"grpo": "completions", "dr_grpo": "completions", "dapo": "tokens", "bnpo": "tokens", "gspo": "completions",
+        "sapo": "completions", "cispo": "tokens"}
+
+
+def nanstd(values: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """The standard deviation ignoring NaNs, with Bessel's correction (TRL's `nanstd`)."""
+    mean = torch.nanmean(values, dim=dim, keepdim=True)
+    variance = torch.nanmean((values - mean) ** 2, dim=dim, keepdim=True)
+    count = torch.sum(~torch.isnan(values), dim=dim, keepdim=True)
+    correction = torch.where(count > 1, count / (count - 1), torch.full_like(count / 1.0, float("nan")))
+    std = torch.sqrt(variance * correction)
+    return std.squeeze() if dim is None else std.squeeze(dim)
+
+
+def token_scores(logits: torch.Tensor, completion_ids: torch.Tensor, temperature: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, entropies) [B, C] of the completion tokens; `logits` [B, C, V] are those that
+    predict them (positions -C-1 .. -2 of the sequence)."""
+    logps = torch.log_softmax(logits.float() / temperature, dim=-1)
+    chosen = torch.gather(logps, -1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logps.exp() * logps).sum(-1)
+    return chosen, entropy
+
+
+@dataclass
+class Advantages:
+    advantages: torch.Tensor  # [B] per completion
+    rewards: torch.Tensor  # [B] the weighted sum (NaN where no function scored the completion)
+    std_rewards: torch.Tensor  # [B] the standard deviation each advantage was scaled by
+    is_std_zero: torch.Tensor  # [B] bool: a group whose completions all got the same reward
+
+
+def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
+                     scale_rewards: str) -> Advantages:
+    """TRL's `sum_then_normalize` over the whole (gathered) batch [B, F]; groups are consecutive rows."""
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = (rewards_per_func * weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable] = torch.nan
+    grouped = rewards.view(-1, num_generations)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations, dim=0)
+    if scale_rewards in ("group", "none"):  # "none" keeps the group std for the zero-std count only
+        std = nanstd(grouped, dim=1).repeat_interleave(num_generations, dim=0)
+    elif scale_rewards == "batch":
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    else:
+        raise ValueError(f"scale_rewards must be group, batch or none, not {scale_rewards!r}")
+    advantages = rewards - mean
+    if scale_rewards != "none":
+        advantages = advantages / (std + 1e-4)
+    is_std_zero = torch.isclose(std, torch.zeros_like(std))
+    return Advantages(torch.nan_to_num(advantages, nan=0.0), rewards, std, is_std_zero)
+
+
+@dataclass
+class TokenLoss:
+    loss: torch.Tensor  # [B, C] before the mask
+    kl: Optional[torch.Tensor]  # [B, C] the k3 estimate, None without a reference (beta 0)
+    ratio: torch.Tensor  # [B, C] pi / pi_old (TRL's coef_1); [B, 1] at the sequence level
+    low_clipped: torch.Tensor  # [B, C] (or [B, 1]) bool
+    high_clipped: torch.Tensor  # [B, C] (or [B, 1]) bool; under cispo the ratios its clip cut
+
+
+def per_token_loss(logps: torch.Tensor, old_logps: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor],
+                   advantages: torch.Tensor, beta: float, epsilon_low: float, epsilon_high: float,
+                   loss_type: str = "dapo", sequence_level: bool = False, mask: Optional[torch.Tensor] = None,
+                   sapo_temperatures: tuple[float, float] = (1.0, 1.05)) -> TokenLoss:
+    """TRL's `_compute_loss` up to the reduction: the importance ratio per token, or per sequence
+    (`sequence_level`, GSPO: the exponent of the mean log-ratio over `mask`'s tokens, shape [B, 1]);
+    then the clipped objective (grpo, dapo, dr_grpo, bnpo, gspo), CISPO's detached ratio clipped at
+    epsilon_high times the log-prob, or SAPO's sigmoid gate; plus beta x the k3 KL."""
+    old = logps.detach() if old_logps is None else old_logps  # one update per generation: pi_old = pi
+    advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    log_ratio = logps - old
+    if sequence_level:
+        mask = torch.ones_like(logps) if mask is None else mask.to(logps.dtype)
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    ratio = torch.exp(log_ratio)
+    if loss_type == "cispo":
+        loss = -torch.clamp(ratio, max=epsilon_high).detach() * advantages * logps
+        low, high = torch.zeros_like(ratio, dtype=torch.bool), (ratio > epsilon_high) & (advantages > 0)
+    elif loss_type == "sapo":
+        positive, negative = sapo_temperatures
+        temperatures = torch.where(advantages > 0, positive, negative)
+        loss = -(torch.sigmoid(temperatures * (ratio - 1)) * 4 / temperatures) * advantages
+        low = high = torch.zeros_like(ratio, dtype=torch.bool)
+    else:
+        clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+        loss = -torch.min(ratio * advantages, clipped * advantages)
+        low = (ratio < 1 - epsilon_low) & (advantages < 0)
+        high = (ratio > 1 + epsilon_high) & (advantages > 0)
+    kl = None
+    if beta != 0.0:
+        kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        loss = loss + beta * kl
+    return TokenLoss(loss, kl, ratio, low, high)
+
+
+def units(loss_type: str, mask: torch.Tensor) -> torch.Tensor:
+    """What this micro-batch adds to the global batch's count: its completions, or its completion tokens."""
+    if UNIT[loss_type] == "completions":
+        return torch.tensor(mask.shape[0], dtype=torch.long, device=mask.device)
+    return mask.sum().long()
+
+
+def reduce(loss: torch.Tensor, mask: torch.Tensor, loss_type: str, max_completion_length: int) -> torch.Tensor:
+    """The loss type's sum over this micro-batch's units; / the global batch's units is TRL's loss."""
+    mask = mask.to(loss.dtype)
+    loss = loss.expand_as(mask) if loss.shape != mask.shape else loss  # [B, 1]: one sequence-level term per row
+    if loss_type in ("grpo", "gspo", "sapo"):
+        return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()
+    if loss_type == "dr_grpo":
+        return (loss * mask).sum() / max_completion_length
+    if loss_type in ("dapo", "bnpo", "cispo"):
+        return (loss * mask).sum()
+    raise ValueError(f"unknown loss_type {loss_type!r}")

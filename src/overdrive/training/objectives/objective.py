@@ -1,0 +1,126 @@
+"""The objective of a run: what a micro-batch's loss is, one piece of the composed step.
+
+    objective.counts(batch)       the units of each loss term, on the device (step_loss.py sums
+                                  them over the global batch once per step)
+    objective.sums(model, batch)  each term summed over its units: forward included
+    objective.read()              the metrics it names (TRL's names where TRL has them), summed on
+                                  the device since the last read; read at the loop's log point
+    objective.evaluate(...)       the validation pass, normalised as a training step is
+
+The forward-backward (training/step/forward_backward.py, training/step/pipeline.py) calls it; the loop's
+books (training/loop.py, step_loss.py) never ask which objective it is. A new objective is one
+class here or beside it, and one row of the table of what composes (resolving/composition.py).
+
+- `TokenObjective`: causal LM and chat (one term: the token cross entropy over loss tokens) and
+  sequence classification (rows);
+- training/objectives/preference.py's `PreferenceObjective`: the preference methods (pairs) and the reward
+  model (pairs of scalar scores).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from overdrive.training.step import step_loss
+
+
+class Objective:
+    """The defaults every objective shares: one term, no metrics of its own, nothing pending."""
+
+    #: what the run's first line says it trains
+    name = "causal-lm"
+    #: what training.loss_spike judges (training/guards/loss_spikes.py): "loss", the step's loss per unit,
+    #: where that is a positive scale a bad batch lifts; "grad_norm" where the loss is not one
+    spike_measure = "loss"
+
+    def counts(self, batch: dict) -> torch.Tensor:
+        return step_loss.loss_token_count(batch)
+
+    def sums(self, model: Any, batch: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def prepare(self, model: Any, micro_batches: list) -> list:
+        """The step's micro-batches as the objective trains on them (an online method generates here)."""
+        return micro_batches
+
+    def read(self) -> dict[str, float]:
+        return {}
+
+    def corrupt(self, batch: dict, generator: torch.Generator) -> dict:
+        """A bad batch of this objective (the spike test hook, OVERDRIVE_FAULT_INJECT=spike): random
+        token ids where there were labels, a batch the model cannot predict."""
+        labels = batch["labels"]
+        high = int(batch["input_ids"].max()) + 1
+        noise = torch.randint(0, high, labels.shape, generator=generator).to(labels.device, labels.dtype)
+        return {**batch, "labels": torch.where(labels == step_loss.IGNORE, labels, noise)}
+
+    def snapshot(self) -> Any:
+        """The metric sums a step adds to, before it (put back by `rewind` when the step is redone)."""
+        return None
+
+    def rewind(self, snapshot: Any) -> None:
+        return None
+
+    def resplit(self, micro: int) -> None:
+        """The step's micro-batches are `micro` rows from now on (training.oom_retry's redo)."""
+        return None
+
+    def pending(self) -> Optional[list]:
+        return None
+
+    def restore(self, pending: Optional[list]) -> None:
+        return None
+
+    def evaluate(self, model: Any, loader: Any, accelerator: Any) -> dict[str, float]:
+        raise NotImplementedError
+
+
+class TokenObjective(Objective):
+    """The model's own loss: next-token cross entropy (causal LM, chat), or a class per row."""
+
+    def __init__(self, task: str, kernel: str = "full"):
+        self.task = self.name = task
+        self.kernel = kernel  # training.loss_kernel as it runs (training/step/loss_kernels.py): full, chunked or fused
+
+    def sums(self, model: Any, batch: dict) -> torch.Tensor:
+        return step_loss.summed_loss(model, batch, self.kernel)
+
+    def corrupt(self, batch: dict, generator: torch.Generator) -> dict:
+        """Token labels scrambled; a classifier's rows each given another class, one it has (a
+        class at most the batch's highest, or class 1: every classifier has two)."""
+        if self.task != "sequence-classification":
+            return super().corrupt(batch, generator)
+        labels = batch["labels"]
+        return {**batch, "labels": (labels + 1) % max(int(labels.max()) + 1, 2)}
+
+    def evaluate(self, model: Any, loader: Any, accelerator: Any) -> dict[str, float]:
+        """Mean loss (and accuracy for classification) over the validation subset."""
+        acc = accelerator
+        loss_sum, tokens = torch.zeros((), device=acc.device), torch.zeros((), device=acc.device)
+        correct, seen = torch.zeros((), device=acc.device), 0
+        # No gradients here: the chunked loop is the kernel that keeps no logits without them.
+        kernel = "full" if self.kernel == "full" else "chunked"
+        model.eval()
+        with torch.no_grad():
+            for batch in loader:
+                tokens += step_loss.loss_token_count(batch)
+                if self.task != "sequence-classification":
+                    loss_sum += step_loss.summed_loss(model, batch, kernel).detach().float()
+                else:
+                    out = model(**batch)
+                    loss_sum += out.loss.detach().float() * batch["labels"].shape[0]
+                    preds, labels = acc.gather_for_metrics((out.logits.argmax(dim=-1), batch["labels"]))
+                    correct += (preds == labels).sum()
+                    seen += labels.numel()
+        model.train()
+        # sync point: every rank's sums (a tensor-parallel group's ranks alike, so the ratio holds)
+        mean_loss = (acc.reduce(loss_sum, "sum") / acc.reduce(tokens, "sum").clamp(min=1)).item()
+        result = {"eval_loss": mean_loss}
+        if self.task == "causal-lm":
+            result["eval_perplexity"] = math.exp(min(mean_loss, 50.0))
+        else:
+            result["eval_accuracy"] = correct.item() / max(seen, 1)
+        return result
