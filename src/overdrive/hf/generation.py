@@ -1,5 +1,7 @@
-"""A model's answers to prompts: the one place overdrive generates text, for the sample answers
-of a run (`eval.prompts`), `overdrive generate`, and online RL's rollouts later.
+"""A model's answers to prompts, as text: the sample answers of a run (`eval.prompts`) and
+`overdrive generate`. (An objective that samples while it trains, GRPO, draws batched token ids
+from the training model itself, seeded per group: training/objectives/grpo.py and
+training/generation/.)
 
 Given a model (a Transformers model or a PeftModel), its tokenizer, the prompts and the sampling
 settings, `answers` returns the text each prompt gets. A prompt is given as one user turn through

@@ -84,8 +84,8 @@ def construct_accelerator(cfg: RunConfig, world_size: int | None = None, **extra
     if found:
         raise UserError(found)
 
-    # 1. The process environment (DS_ACCELERATOR, rank variables) was set by the caller:
-    #    launch/process.py, the one place that writes it.
+    # 1. The process environment Accelerate and DeepSpeed read (DS_ACCELERATOR, rank variables)
+    #    was set by the caller: launch/process.py, the one place that writes those.
     # 2. Arguments from the config: every plugin built here, explicitly.
     kwargs = accelerator_kwargs(cfg, world)
     for key, value in extra_kwargs.items():

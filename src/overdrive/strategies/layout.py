@@ -1,6 +1,7 @@
 """The N-D layout: how the world splits into data-parallel replicas and shards, tensor,
 context and sequence parallel groups (Accelerate's ParallelismConfig, after torchtitan's
-ParallelDims). The one place these sizes are worked out; the rest of overdrive asks it.
+ParallelDims). The sizes are worked out in config/mesh.py (the batch split needs them below
+strategies/); this module adds the strategy's say in them, their rules and Accelerate's objects.
 
     lay = layout(cfg)                  # Layout(dp_replicate=2, dp_shard=2, tp=1, cp=1, sp=1)
     lay.data_parallel                  # dp_replicate x dp_shard: config/batch.py's data-parallel degree
