@@ -14,7 +14,7 @@ the optimizer, the schedule) once, whichever ran.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -22,17 +22,23 @@ from overdrive.config.batch import BatchSplit
 from overdrive.config.schema import RunConfig
 from overdrive.training.step import context_parallel, step_loss
 
+if TYPE_CHECKING:
+    from overdrive.observe.run import RunObserver
+    from overdrive.training.build.parts import Parts
+    from overdrive.training.guards.loss_spikes import LossSpikes
+    from overdrive.training.guards.oom_retry import OomRetry
+
 
 class Books(Protocol):
     """What a forward-backward asks of the loop that keeps the books (training/loop.py's Loop)."""
 
     cfg: RunConfig
-    parts: Any  # training/build/parts.py's Parts: the accelerator, the model, the objective
+    parts: "Parts"  # the accelerator, the model, the objective
     split: BatchSplit
     cp: int  # ranks that each take a slice of every sequence
-    observe: Any  # observe.RunObserver: where the step's time goes
-    spikes: Any  # training/guards/loss_spikes.py: the step's loss, judged before the optimizer steps
-    oom: Any  # training/guards/oom_retry.py: backward, with an out-of-memory error agreed over the ranks
+    observe: "RunObserver"  # where the step's time goes
+    spikes: "LossSpikes"  # the step's loss, judged before the optimizer steps
+    oom: "OomRetry"  # backward, with an out-of-memory error agreed over the ranks
 
 
 def plain(loop: Books, micro_batches: list, totals: torch.Tensor) -> torch.Tensor:
