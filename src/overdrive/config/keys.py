@@ -274,3 +274,9 @@ def dotted_value(config: ConfigLike, dotted: str) -> Any:
     for part in dotted.split("."):
         node = node[part] if isinstance(node, Mapping) else getattr(node, part)
     return node
+
+
+def differs_from_default(config: RunConfig, dotted: str) -> bool:
+    """Whether the setting at `dotted` is other than the schema's default (a key set to its
+    default changes nothing, wherever it applies)."""
+    return dotted_value(config, dotted) != dotted_value(RunConfig(), dotted)

@@ -10,6 +10,7 @@ import importlib.metadata
 import importlib.util
 from typing import TYPE_CHECKING, Callable, Mapping
 
+from overdrive.config.keys import differs_from_default
 from overdrive.errors import Problem
 from overdrive.strategies import adapter as strategy_adapter
 
@@ -77,7 +78,13 @@ def peft_rules(cfg: RunConfig, where, set_explicitly: Mapping[str, bool], on_cpu
                                   "set model.name_or_path (or tokenizer.name_or_path)"))
     else:
         stray = [k for k in _CHAT_KEYS if set_explicitly.get(k)]
-        if stray:
+        # Never accepted with no effect: a value that would change a chat run, on data declared not to be
+        # chat, is refused; with data.format=auto the rows decide, so it is only said.
+        refused = [k for k in stray if cfg.data.format != "auto" and differs_from_default(cfg, k)]
+        for key in refused:
+            errors.append(Problem(key, f"applies to chat data only (data.format is {cfg.data.format}): it would "
+                                  "change nothing", where(key), f"set data.format=chat, or leave {key} out"))
+        if stray and not refused:
             warnings.append(Problem(stray[0], "applies to chat data only (data.format is "
                                     f"{cfg.data.format})", where(stray[0]), "set data.format=chat"))
     return errors, warnings

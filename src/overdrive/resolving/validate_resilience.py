@@ -40,8 +40,9 @@ def resilience_rules(cfg: RunConfig, where: Where) -> tuple[list[Problem], list[
                                   "scaler without its update", where("training.loss_spike.factor"),
                                   "use precision.mixed_precision=bf16, or leave training.loss_spike.factor empty"))
     if getattr(cfg.checkpoint, "async") and not strategy.saves_through_dcp(cfg):
-        warnings.append(Problem("checkpoint.async", f"{strategy.label(cfg)} does not save through DCP: its "
-                                "checkpoints stay synchronous", where("checkpoint.async"),
-                                "parallel.strategy=fsdp with parallel.fsdp.state_dict_type=sharded_state_dict saves "
-                                "in the background"))
+        # Never accepted with no effect: the checkpoints would be written in the step all the same.
+        errors.append(Problem("checkpoint.async", f"{strategy.label(cfg)} does not save through DCP: its "
+                              "checkpoints would stay synchronous", where("checkpoint.async"),
+                              "set checkpoint.async=false, or parallel.strategy=fsdp with "
+                              "parallel.fsdp.state_dict_type=sharded_state_dict to save in the background"))
     return errors, warnings
