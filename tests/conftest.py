@@ -135,6 +135,15 @@ def _fresh_accelerate_state() -> None:
     GradientState._reset_state()
 
 
+@pytest.fixture(scope="session")
+def llama(tmp_path_factory) -> Path:
+    """The small Llama of hf_fixtures.make_tiny_llama, saved once per test worker: read it, never
+    write into it (a test that changes a model copies it first)."""
+    from hf_fixtures import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("llama") / "base")
+
+
 def free_port() -> int:
     """A port nothing listens on now, for a job's rendezvous (a second job could still take
     it first: single-machine jobs move to another port themselves)."""
@@ -151,6 +160,23 @@ def cfg_of(*cli: str):
     from overdrive.resolving import load_config
 
     return load_config(cli=list(cli), env={})
+
+
+def refusal(*cli: str, files: tuple = (), env: dict | None = None):
+    """The UserError resolving these command-line items (after `files`, with `env` as the
+    environment) ends in, as `overdrive explain` would meet it: the tests' one way to ask what a
+    config's problems are (`.problems` by key; `.render()` as the user reads them)."""
+    from overdrive.errors import UserError
+    from overdrive.resolving import resolve
+
+    with pytest.raises(UserError) as error:
+        resolve(list(files), cli=list(cli), env=env or {}, accelerate_default=False)
+    return error.value
+
+
+def problems_of(*cli: str, files: tuple = (), env: dict | None = None) -> str:
+    """The refusal of these items as the user reads it (`refusal(...).render()`)."""
+    return refusal(*cli, files=files, env=env).render()
 
 
 def run_here(*args: str) -> subprocess.CompletedProcess:

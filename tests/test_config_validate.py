@@ -6,16 +6,10 @@ import json
 
 import pytest
 
-from conftest import PEER_CONFIGS, run_cli
+from conftest import PEER_CONFIGS, problems_of, run_cli
 from overdrive.resolving import check_for_train, hardware_warnings, resolve
 from overdrive.errors import UserError
 from overdrive.system.hardware import Gpu, Hardware
-
-
-def problems_of(*files, cli=(), env=None) -> str:
-    with pytest.raises(UserError) as error:
-        resolve(files, cli=cli, env=env or {})
-    return error.value.render()
 
 
 @pytest.mark.slow
@@ -51,7 +45,7 @@ def test_deepspeed_explicit_values_that_contradict_the_run_config(tmp_path):
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
                               "gradient_clipping": 1.0, "zero_optimization": {"stage": 2}}, indent=2))
-    text = problems_of(ds, cli=["accum=8", "mbs=2", "clip=0.5"])
+    text = problems_of("accum=8", "mbs=2", "clip=0.5", files=(ds,))
     for key in ("training.gradient_accumulation_steps", "training.micro_batch_size", "training.gradient_clipping"):
         assert key in text
     assert f"{ds}:3" in text and '"auto"' in text  # names the JSON line and the fix
@@ -61,7 +55,7 @@ def test_train_batch_size_must_be_micro_times_accum_times_world(tmp_path):
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": "auto",
                               "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 1}}))
-    text = problems_of(ds, cli=["mbs=8", "accum=2", "launch.num_processes=2"])
+    text = problems_of("mbs=8", "accum=2", "launch.num_processes=2", files=(ds,))
     assert "parallel.deepspeed.train_batch_size: is 64, but micro-batch 8 x accumulation 2 x world size 2 = 32" in text
     assert resolve([ds], cli=["mbs=8", "accum=4", "launch.num_processes=2"], env={}).config.parallel.deepspeed.train_batch_size == 64
 
@@ -69,22 +63,21 @@ def test_train_batch_size_must_be_micro_times_accum_times_world(tmp_path):
 def test_fp16_and_bf16_both_enabled(tmp_path):
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"fp16": {"enabled": True}, "bf16": {"enabled": True}}))
-    assert "fp16 and bf16 are both enabled" in problems_of(ds)
+    assert "fp16 and bf16 are both enabled" in problems_of(files=(ds,))
 
 
 def test_strategy_rules():
-    assert "needs ZeRO-3" in problems_of(cli=["strategy=deepspeed", "zero=2", "parallel.deepspeed.offload_param=cpu"])
-    assert "nvme offload needs a directory" in problems_of(cli=["strategy=deepspeed", "parallel.deepspeed.offload_optimizer=nvme"])
+    assert "needs ZeRO-3" in problems_of("strategy=deepspeed", "zero=2", "parallel.deepspeed.offload_param=cpu")
+    assert "nvme offload needs a directory" in problems_of("strategy=deepspeed", "parallel.deepspeed.offload_optimizer=nvme")
     both = problems_of(env={"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_USE_FSDP": "true"})
     assert "FSDP and DeepSpeed are both chosen" in both
 
 
 def test_world_size_rules():
-    assert "do not divide evenly over 2 machines" in problems_of(
-        cli=["launch.num_processes=3", "launch.num_machines=2", "launch.main_process_ip=10.1.1.1"])
-    assert "ranks go 0..1" in problems_of(cli=["launch.num_machines=2", "launch.num_processes=2",
-                                                "launch.machine_rank=2", "launch.main_process_ip=10.1.1.1"])
-    text = problems_of(cli=["launch.num_machines=2", "launch.num_processes=2"])
+    assert "do not divide evenly over 2 machines" in problems_of("launch.num_processes=3", "launch.num_machines=2", "launch.main_process_ip=10.1.1.1")
+    assert "ranks go 0..1" in problems_of("launch.num_machines=2", "launch.num_processes=2",
+                                                "launch.machine_rank=2", "launch.main_process_ip=10.1.1.1")
+    text = problems_of("launch.num_machines=2", "launch.num_processes=2")
     assert "launch.main_process_ip: is required with several machines" in text
 
 

@@ -4,18 +4,12 @@ loss mask, packing kept apart by the model's own attention, and the adapter's me
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from hf_fixtures import CHAT_TEMPLATE, CHAT_TEMPLATE_GENERATION, make_chat_data, make_tiny_llama
 from overdrive.resolving import resolve
 from overdrive.errors import UserError
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("llama") / "base")
 
 
 def keys_of(error: UserError) -> list[str]:

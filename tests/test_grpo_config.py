@@ -7,16 +7,10 @@ from collections import Counter
 
 import pytest
 
-from hf_fixtures import make_tiny_llama
 from overdrive.data.prompts import SlotLayout, Slots
 from overdrive.errors import UserError
 from overdrive.resolving import resolve
 from overdrive.training.objectives import rewards
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return make_tiny_llama(tmp_path_factory.mktemp("rl") / "base")
 
 
 @pytest.fixture

@@ -9,16 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from hf_fixtures import make_tiny_llama
 from overdrive.resolving import resolve
 from overdrive.errors import UserError
 
 GOOD = [{"role": "user", "content": "a b"}, {"role": "assistant", "content": "yes"}]
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("llama") / "base")
 
 
 def refusal(llama: Path, tmp_path: Path, rows: list, *items: str) -> UserError:

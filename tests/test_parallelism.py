@@ -6,7 +6,7 @@ tests/test_parallelism_multiprocess.py."""
 from __future__ import annotations
 
 import pytest
-from conftest import cfg_of
+from conftest import cfg_of, problems_of
 from conftest import run_cli
 
 from overdrive.config import batch
@@ -17,12 +17,6 @@ from overdrive.strategies import accelerator_kwargs, cpu, layout
 
 LLAMA = ["model.architecture.model_type=llama", "model.architecture.num_attention_heads=8",
          "model.architecture.num_key_value_heads=2"]
-
-
-def problems_of(*cli: str) -> str:
-    with pytest.raises(UserError) as error:
-        cfg_of(*cli)
-    return error.value.render()
 
 
 def test_the_rest_of_the_world_is_the_data_parallel_degree():

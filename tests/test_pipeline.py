@@ -9,7 +9,7 @@ import json
 
 import pytest
 from conftest import cfg_of as shared_cfg_of
-from conftest import run_here
+from conftest import problems_of, run_here
 
 from overdrive.config import batch
 from overdrive.resolving import resolve
@@ -21,12 +21,6 @@ PP = ["checkpoint.enabled=false"]
 
 def cfg_of(*cli: str):
     return shared_cfg_of(*[*PP, *cli])
-
-
-def problems_of(*cli: str) -> str:
-    with pytest.raises(UserError) as error:
-        cfg_of(*cli)
-    return error.value.render()
 
 
 def test_the_data_parallel_degree_is_the_world_over_the_pipeline_too():

@@ -20,7 +20,7 @@ from overdrive.errors import UserError
 SPACE = {"optim.lr": {"low": 1e-4, "high": 1e-2, "log": True}, "training.micro_batch_size": [4, 8]}
 
 
-def problems_of(space: dict, **sweep) -> dict[str, str]:
+def space_problems_of(space: dict, **sweep) -> dict[str, str]:
     with pytest.raises(UserError) as caught:
         resolve(overrides={"sweep.space": space, **{f"sweep.{k}": v for k, v in sweep.items()}})
     found: dict[str, str] = {}
@@ -44,7 +44,7 @@ def test_a_space_becomes_typed_entries():
 
 
 def test_every_bad_entry_is_refused_by_its_key_at_load():
-    found = problems_of({
+    found = space_problems_of({
         "optim.lrr": {"low": 1e-4, "high": 1e-2},
         "optim.weight_decay": {"low": 0.5, "high": 0.1},
         "training.micro_batch_size": [4, "big"],
@@ -67,12 +67,12 @@ def test_every_bad_entry_is_refused_by_its_key_at_load():
 
 
 def test_values_the_schema_refuses_and_the_grid_are_checked_too():
-    found = problems_of({"lr": {"low": 0.0, "high": 1e-2}, "optim.lr": [1e-3]})
+    found = space_problems_of({"lr": {"low": 0.0, "high": 1e-2}, "optim.lr": [1e-3]})
     assert "greater than 0" in found["sweep.space.lr"]  # the schema's own reason (optim.lr > 0)
     assert "names optim.lr again" in found["sweep.space.optim.lr"]
-    found = problems_of({"optim.lr": {"low": 1e-4, "high": 1e-2}}, sampler="grid")
+    found = space_problems_of({"optim.lr": {"low": 1e-4, "high": 1e-2}}, sampler="grid")
     assert "without a step" in found["sweep.space.optim.lr"]
-    found = problems_of({"training.micro_batch_size": [4, 8]}, sampler="grid", trials=3)
+    found = space_problems_of({"training.micro_batch_size": [4, 8]}, sampler="grid", trials=3)
     assert "grid has 2 points" in found["sweep.trials"]
     warnings = resolve(overrides={"sweep.space": SPACE, "sweep.metric": "eval_los"}).warnings
     assert any(w.key == "sweep.metric" and "eval_loss" in w.message for w in warnings)
