@@ -9,7 +9,8 @@ import sys
 import pytest
 from conftest import REPO, run_cli
 
-pytestmark = pytest.mark.slow  # every test here starts processes or trains
+# Every test here starts processes; each command a new interpreter, as a user's shell starts it.
+pytestmark = [pytest.mark.slow, pytest.mark.fresh_interpreter]
 
 HEAVY = ("torch", "transformers", "deepspeed", "accelerate", "datasets")
 

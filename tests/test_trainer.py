@@ -196,6 +196,7 @@ def test_trackers_write_tensorboard_events(tmp_path, cache_dir):
 # ---------------------------------------------------------------- as a user runs it
 
 @pytest.mark.slow
+@pytest.mark.fresh_interpreter  # as the README's command starts it: nothing imported ahead
 def test_default_run_from_the_command_line(tmp_path, cache_dir):
     """`overdrive train` as the README's first command, shortened: the embedded default on
     a slice of the standard library, 40 steps (warm-up shortened to match). The full default
