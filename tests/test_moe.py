@@ -254,6 +254,20 @@ def test_the_model_must_have_experts_that_divide_by_ep_size():
     assert "no routed experts" in problems({"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2}, 2)[0]
 
 
+def test_a_balance_term_under_pipeline_stages_is_refused_by_key_and_none_is_hooked_there():
+    from overdrive.hf.model_config import model_config
+    from overdrive.resolving.validate_model import shape_rules
+
+    def keys(*moe):
+        cfg = RunConfig.model_validate({"model": {"architecture": {**ARCH, "router_aux_loss_coef": 0.01}, "moe": dict(moe)},
+                                        "data": {"max_length": 32},
+                                        "parallel": {"pp_size": 2}, "launch": {"num_processes": 2}})
+        return [p.key for p in shape_rules(cfg, model_config(cfg, 64))]
+
+    assert keys() == ["parallel.pp_size"]  # each stage holds some of the routers: the term would be dropped
+    assert keys(("aux_loss_coef", 0.0)) == []  # trained without it: nothing to drop
+
+
 def test_megatrons_expert_parallel_and_moe_arguments_are_read_onto_their_keys(tmp_path):
     path = tmp_path / "megatron.yaml"
     path.write_text("distributed_type: MEGATRON_LM\nnum_processes: 2\nmegatron_lm_config:\n"

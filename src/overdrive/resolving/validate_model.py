@@ -90,7 +90,23 @@ def shape_rules(cfg: RunConfig, config: Any, where: Where = lambda key: "") -> l
 
     return _placed(positions_problems(cfg, config) + layout.model_problems(cfg, config)
                    + qlora_problems(cfg.peft.method, config)  # stacked experts stay unquantized
-                   + loss_rules(cfg, config) + checkpointing_problems(cfg, config), where)
+                   + loss_rules(cfg, config) + checkpointing_problems(cfg, config)
+                   + staged_experts_problems(cfg, config), where)
+
+
+def staged_experts_problems(cfg: RunConfig, config: Any) -> list[Problem]:
+    """A mixture of experts' router balance term under pipeline stages: the term sums every MoE
+    layer's router, and each stage holds some of the layers, so it would be dropped."""
+    from overdrive.config.experts import experts_of
+
+    experts = experts_of(config)
+    if (experts is None or not experts.aux_loss_coef or layout.layout(cfg).pp <= 1
+            or cfg.model.task != "causal-lm" or cfg.preference.method != "none"):
+        return []
+    return [Problem("parallel.pp_size", f"the router balance term of this mixture of experts (coefficient "
+                    f"{experts.aux_loss_coef:g}) sums every MoE layer's router, and each pipeline stage holds some of "
+                    "the layers: the term would be dropped", fix="set parallel.pp_size=1 (parallel.ep_size spreads "
+                    "the experts instead), or model.moe.aux_loss_coef=0 to train without the balance term")]
 
 
 def checkpointing_problems(cfg: RunConfig, config: Any) -> list[Problem]:

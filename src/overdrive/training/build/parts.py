@@ -146,7 +146,9 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
                                   special_tokens=special, device=device)
     _check_positions(cfg, model.config)
     upcast = master_weights.upcast_trainable(cfg, model)
-    balance = moe.attach(cfg, model, accelerator)  # hooked before anything wraps the model
+    # Hooked before anything wraps the model; pipeline stages take no balance term (refused where the model
+    # has one: resolving/validate_model.py), so no hook is left catching router logits there.
+    balance = None if staged else moe.attach(cfg, model, accelerator)
     layers, width = model_mod.shape_of(model.config)
     # MFU against the peak of the precision the matmuls run in (bf16 weights without autocast: bf16).
     peak = telemetry.DevicePeak(accelerator.device, matmul_precision(cfg.precision.mixed_precision, model), cache_dir)
