@@ -37,8 +37,9 @@ from overdrive.checkpoint import fingerprint as fp
 from overdrive.checkpoint import pipeline_state, reshard, store
 from overdrive.checkpoint.room import CheckpointRoom
 from overdrive.checkpoint.resume import (START_OVER, TRAINER_STATE, ResumePlan, judge, plan_resume,  # noqa: F401
-                                         read_state, with_plan)
+                                         read_state, saved_config, with_plan)
 from overdrive.config.schema import RunConfig
+from overdrive.config.stored import CONFIG_VERSION
 from overdrive.errors import Problem, UserError
 
 
@@ -135,7 +136,7 @@ class Checkpointer:
         saved = read_state(path)
         route = self.plan.route
         if path != self.plan.checkpoint or route is None:  # an older checkpoint than the judged one
-            route = judge(saved, self.cfg, path.name, self.plan.force).route
+            route = judge(saved_config(saved, path), self.cfg, path.name, self.plan.force).route
         adapter_state.check_base(saved, self.cfg, path.name)
         self.lineage = saved.get("lineage") or self.lineage
         started = time.perf_counter()
@@ -265,13 +266,13 @@ class Checkpointer:
         world = self.acc.num_processes
         loop = state.state_dict()
         record = {
-            "format": 1, "step": state.step, "saved_at": time.time(), "lineage": self.lineage,
+            "format": 1, "config_version": CONFIG_VERSION, "step": state.step, "saved_at": time.time(), "lineage": self.lineage,
             "loop": loop,
             "samples_in_epoch": state.batch_in_epoch * t.micro_batch_size * self._data_parallel,
             "world_size": world, "micro_batch_size": t.micro_batch_size,
-            "gradient_accumulation_steps": t.gradient_accumulation_steps, "global_batch": fp.global_batch(config),
-            "strategy": cfg.parallel.strategy, "sharded": fp.sharded(config),
-            "fingerprint": fp.fingerprint(config), "config": redact(config),
+            "gradient_accumulation_steps": t.gradient_accumulation_steps, "global_batch": fp.global_batch(cfg),
+            "strategy": cfg.parallel.strategy, "sharded": fp.sharded(cfg),
+            "fingerprint": fp.fingerprint(cfg), "config": redact(config),
             "metrics_bytes": self.metrics_path.stat().st_size if self.metrics_path.exists() else 0,
             "pending_loss": losses, "pending_micro_steps": loop["micro_steps"],
             "extra": {"first_loss": loop["first_loss"], "final_loss": loop["final_loss"]},  # as earlier versions read it

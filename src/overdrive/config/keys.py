@@ -260,17 +260,3 @@ def set_dotted(values: dict[str, Any], key: str, value: Any) -> None:
         if not isinstance(node, dict):
             return
     node[parts[-1]] = value
-
-
-# A RunConfig, or its JSON form (a checkpoint's saved config, a plan's input, read before it is
-# validated again): what the readers that take either say they take; `dotted_value` reads both.
-ConfigLike = Union[RunConfig, Mapping[str, Any]]
-
-
-def dotted_value(config: ConfigLike, dotted: str) -> Any:
-    """The value at `dotted` of a RunConfig, or of its JSON form (a checkpoint's saved config,
-    read before it is validated again): the one reader of both shapes."""
-    node = config
-    for part in dotted.split("."):
-        node = node[part] if isinstance(node, Mapping) else getattr(node, part)
-    return node

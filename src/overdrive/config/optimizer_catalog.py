@@ -16,11 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from overdrive.config.keys import dotted_value as _get  # a RunConfig or its JSON dump, read alike
-
 if TYPE_CHECKING:
     from overdrive.config.schema import RunConfig
-    from overdrive.config.keys import ConfigLike
 
 
 @dataclass(frozen=True)
@@ -54,8 +51,8 @@ class OptimizerKind:
         return self._state_bytes(counts, cfg)
 
 
-def _sgd_state(counts: Counts, cfg: ConfigLike) -> float:
-    momentum = 0.9 if cfg is None or _get(cfg, "optim.momentum") is None else _get(cfg, "optim.momentum")
+def _sgd_state(counts: Counts, cfg: Optional[RunConfig]) -> float:
+    momentum = 0.9 if cfg is None or cfg.optim.momentum is None else cfg.optim.momentum
     return 4.0 * counts.total if momentum > 0 else 0.0
 
 
@@ -94,8 +91,8 @@ CLASS_PATH = OptimizerKind("class_path", "optim.class_path", "", None, True, Non
                            "unknown: taken as Adam-like, 8 bytes/param")
 
 
-def of(cfg: ConfigLike) -> OptimizerKind:
-    """The optimizer a run config (RunConfig or its JSON dump) builds."""
-    if _get(cfg, "optim.class_path"):
+def of(cfg: RunConfig) -> OptimizerKind:
+    """The optimizer a run config builds."""
+    if cfg.optim.class_path:
         return CLASS_PATH
-    return KINDS[_get(cfg, "optim.name")]
+    return KINDS[cfg.optim.name]
