@@ -139,12 +139,12 @@ class Change:
 
 @dataclass
 class Comparison:
+    route: routes.Route  # how the checkpoint's files get into this run
     changes: list[Change] = field(default_factory=list)
     # Set when the world size changed and the accumulation must change to keep the global batch.
     accumulation: Optional[int] = None
     world_note: str = ""
     refusal: str = ""  # a world-size or strategy change that cannot be made (not divisible, no reader)
-    route: Optional[routes.Route] = None  # how the checkpoint's files get into this run
 
     def of(self, kind: str) -> list[Change]:
         return [c for c in self.changes if c.kind == kind]

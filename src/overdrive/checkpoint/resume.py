@@ -80,7 +80,7 @@ class ResumePlan:
 
     def record(self) -> dict[str, Any]:
         """The plan as the resolved file carries it to the workers (`resume` in resolved.json)."""
-        record = {"checkpoint": str(self.checkpoint) if self.checkpoint else None, "force": self.force,
+        record: dict[str, Any] = {"checkpoint": str(self.checkpoint) if self.checkpoint else None, "force": self.force,
                   "notes": list(self.notes)}
         if self.route is not None:
             record["route"] = dataclasses.asdict(self.route)
@@ -100,7 +100,7 @@ def judge(saved: RunConfig, cfg: RunConfig, name: str, force: bool,
     comparison = comparison or fp.compare(saved, cfg)
     route = comparison.route
     problems = []
-    if comparison.refusal and route is not None and route.how == "refused":
+    if comparison.refusal and route.how == "refused":
         keys = [c.key for c in comparison.of("layout")] or ["launch.num_processes"]
         old = ", ".join(f"{c.key}={c.old}" for c in comparison.of("layout")) or \
             f"launch.num_processes={route.source_world}"
@@ -260,7 +260,7 @@ def _split_that_fit(cfg: RunConfig, saved: dict[str, Any], stored: RunConfig) ->
     same_world = batch.data_parallel_degree(stored) == batch.data_parallel_degree(cfg)
     if not same_world or saved.get("global_batch") != fp.global_batch(cfg):
         return None
-    return micro, int(accumulation)
+    return (micro, accumulation) if isinstance(accumulation, int) else None
 
 
 def describe_resume(cfg: RunConfig) -> Optional[dict[str, Any]]:

@@ -28,7 +28,7 @@ Nothing here imports torch: `plan_resume` asks before anything is built.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from overdrive.config.batch import combinations as batch_combinations  # noqa: F401 (asked for by refusals here)
 from overdrive.strategies import layout as nd
@@ -115,7 +115,7 @@ def route(saved: RunConfig, current: RunConfig) -> Route:
     """How the checkpoint written under `saved` loads into a run of `current` (or why it cannot)."""
     w_old, w_new = saved.launch.num_processes, current.launch.num_processes
     a, b = _layout(saved), _layout(current)
-    base = dict(source=label(saved), target=label(current), source_world=w_old, target_world=w_new)
+    base: dict[str, Any] = dict(source=label(saved), target=label(current), source_world=w_old, target_world=w_new)
     if "pipeline" in a + b and (a != b or w_old != w_new or nd.layout(saved).mesh != nd.layout(current).mesh):
         if a[1:] == ("pipeline",) and (b[0] == "ddp" or b[1:] == ("pipeline",)):
             return Route("dcp", **base, reader="torch.distributed.checkpoint resharding")

@@ -112,7 +112,9 @@ class Checkpointer:
 
         name = None
         if self.main:
-            search = store.latest_complete(self.root, checksums=True, at_most=store.step_of(self.plan.checkpoint),
+            judged = self.plan.checkpoint
+            search = store.latest_complete(self.root, checksums=True,
+                                           at_most=store.step_of(judged) if judged is not None else None,
                                            put_aside=True)
             for message in search.messages():
                 self.say(f"checkpoint: {message}")
@@ -212,15 +214,15 @@ class Checkpointer:
         tmp = store.temp_dir_for(self.root, step)
         losses = acc.gather(state.loss_sum.detach().float().reshape(1)).tolist()
         parts = self.room.save_parts(acc, tmp, step)
-        parts.part(lambda: self.main and self.room.check_then_begin(step, self.say))
+        parts.part(lambda: self.room.check_then_begin(step, self.say) if self.main else None)
         if self.in_background:
             return self._save_in_background(state, tmp, losses, parts, started, waited)
         with _quiet_tied_weights():
             parts.part(lambda: pipeline_state.save_state(acc, tmp, *self.stages, **self.save_kwargs))
         # every rank's files are written (the part agreed) before the manifest lists them
-        parts.part(lambda: self.main and self._write_trainer_state(tmp, state, losses))
+        parts.part(lambda: self._write_trainer_state(tmp, state, losses) if self.main else None)
         final = self.root / store.name_for(step)
-        parts.part(lambda: self.main and self._commit(tmp, step))
+        parts.part(lambda: self._commit(tmp, step) if self.main else None)
         self.last_saved = step
         self.say(f"checkpoint: step {step}: training blocked {time.perf_counter() - started:.3f} s")
         return final
@@ -231,7 +233,7 @@ class Checkpointer:
         step, futures = state.step, []
         with _quiet_tied_weights():
             parts.part(lambda: futures.extend(background.stage(self.acc, tmp)))
-        parts.part(lambda: self.main and self._write_trainer_state(tmp, state, losses))
+        parts.part(lambda: self._write_trainer_state(tmp, state, losses) if self.main else None)
         seal = (lambda: self._commit(tmp, step)) if self.main else None
         self.pending = background.Pending(step, tmp, futures, seal, stall=self.stall_at == step)
         self.last_saved = step

@@ -55,6 +55,13 @@ class BatchSplit:
                                     fix=f"make it a multiple of {self.data_parallel} (launch.num_processes)"))
         return g // self.data_parallel
 
+    def settled_micro(self) -> int:
+        """The micro-batch of a split that trains (`auto` is settled on the device before the parts are built)."""
+        if self.micro is None:
+            raise UserError(Problem(MICRO, "`auto` must be settled before the run's parts are built",
+                                    fix="train() settles it (overdrive.training.autobatch); or set an integer"))
+        return self.micro
+
     def required_global(self) -> int:
         if self.global_batch is None:
             raise UserError(Problem(GLOBAL, "is needed with training.micro_batch_size=auto: it is the batch per "
@@ -111,7 +118,7 @@ def _explicit(chains: Optional[Mapping[str, list[Setting]]], key: str, value: An
     if chains is None:
         return value != default
     chain = chains.get(key)
-    return bool(chain) and chain[-1].origin.layer != "default"
+    return bool(chain and chain[-1].origin.layer != "default")
 
 
 def _derived(config: RunConfig) -> Optional[int]:

@@ -7,6 +7,8 @@ import functools
 import json
 from typing import Any, Iterable, Mapping, Union, get_args, get_origin
 
+from typing_extensions import TypeGuard
+
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from overdrive.config.schema import OPEN_MAPPINGS, RunConfig, admits_bool
@@ -42,7 +44,7 @@ ALIASES: dict[str, str] = {
 }
 
 
-def _is_section(annotation: Any) -> bool:
+def _is_section(annotation: Any) -> TypeGuard[type[BaseModel]]:
     return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 

@@ -94,7 +94,7 @@ def load_run(path: str | Path) -> Run:
             # Runs written before secrets were masked in resolved.json: masked on the way in.
             stored = data if "config" in data else {"config": data}  # a bare config, written by hand
             run.config = read_stored({**stored, "config": redact(stored["config"])}, str(resolved))
-            origins = data.get("origins") if isinstance(data.get("origins"), dict) else {}
+            origins = data["origins"] if isinstance(data.get("origins"), dict) else {}
             run.origins = {k: redact_text(str(v)) for k, v in origins.items()}
     return run
 
@@ -128,7 +128,8 @@ def steady_rate(records: list[dict[str, Any]], key: str) -> Optional[float]:
     when logged, else are taken as equal. The first window includes start-up and
     torch.compile, so it is left out when there are three or more.
     """
-    points, previous = [], None
+    points: list[tuple[float, Optional[float]]] = []
+    previous: Optional[float] = None
     for record in records:
         rate, tokens = _number(record.get(key)), _number(record.get("tokens"))
         weight = tokens - previous if tokens is not None and previous is not None else None

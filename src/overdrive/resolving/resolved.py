@@ -67,15 +67,15 @@ class Resolved:
         if not isinstance(data, dict) or not isinstance(data.get("config"), dict):
             raise UserError(Problem("", "not a resolved config (no \"config\" mapping)", where,
                                     "pass the resolved.json written by overdrive for this run"))
-        config = dict(data["config"])
+        stored = dict(data["config"])
         environ = process_environment(environ)
         try:
             secrets = json.loads(environ.get(SECRETS_VARIABLE) or "{}")
         except ValueError:
             secrets = {}
         for key, value in (secrets if isinstance(secrets, dict) else {}).items():
-            set_dotted(config, key, value)
-        config = read_stored({**data, "config": config}, where)
+            set_dotted(stored, key, value)
+        config = read_stored({**data, "config": stored}, where)
         records = data.get("origin_records") or {}
         try:
             origins = {key: Origin(*record) for key, record in records.items()}
