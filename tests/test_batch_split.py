@@ -8,6 +8,7 @@ import json
 import pytest
 
 from overdrive.config import batch
+from overdrive.config.stored import read_stored
 from overdrive.resolving import resolve
 from overdrive.errors import UserError
 
@@ -84,7 +85,8 @@ def test_the_same_config_gives_the_same_split_in_train_tune_plan_and_a_resumed_r
     again = resolved(tmp_path, "training.global_batch_size=32", "training.micro_batch_size=4")
     plan = settle.resume_plan(again)
     assert plan.checkpoint is not None and batch.split(plan.config) == expected
-    assert fingerprint.global_batch(json.loads(json.dumps(run.config.model_dump(mode="json")))) == 32
+    stored = json.loads(json.dumps({"config": run.config.model_dump(mode="json")}))
+    assert fingerprint.global_batch(read_stored(stored, "trainer_state.json")) == 32
     # ... and on two processes the derived accumulation keeps that global batch, with nothing to adjust
     two = resolved(tmp_path, "training.global_batch_size=32", "training.micro_batch_size=4", "launch.num_processes=2")
     moved = settle.resume_plan(two)

@@ -15,6 +15,7 @@ from overdrive.checkpoint import fingerprint as fp
 from overdrive.checkpoint import session, store
 from overdrive.checkpoint.signals import StopRequest
 from overdrive.config.schema import RunConfig
+from overdrive.config.stored import read_stored
 from overdrive.errors import UserError
 
 
@@ -105,8 +106,9 @@ def test_truncate_cuts_a_log_back(tmp_path):
 
 # ---------------------------------------------------------------- config comparison
 
-def dump(**sections) -> dict:
-    return RunConfig.model_validate(sections).model_dump(mode="json")
+def dump(**sections) -> RunConfig:
+    """A config as a checkpoint's is compared: read back into a RunConfig (config/stored.py)."""
+    return read_stored({"config": RunConfig.model_validate(sections).model_dump(mode="json")}, "trainer_state.json")
 
 
 def test_harmless_changes_are_listed_and_math_changes_named():

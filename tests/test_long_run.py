@@ -14,6 +14,7 @@ from conftest import free_port
 
 from overdrive.config.fault_injection import Injection, parse
 from overdrive.config.schema import RunConfig
+from overdrive.config.stored import CONFIG_VERSION
 from overdrive.errors import UserError
 from overdrive.resolving.validate_resilience import resilience_rules
 from overdrive.training.guards.oom_retry import smaller_split
@@ -144,6 +145,7 @@ def test_an_out_of_memory_step_is_redone_at_half_the_micro_batch(tmp_path, cache
     assert str(resolved["origins"]["training.micro_batch_size"]).startswith("oom_retry")
     saved = json.loads((tmp_path / "oom" / "checkpoints" / "step-00000005" / "trainer_state.json").read_text())
     assert (saved["micro_batch_size"], saved["gradient_accumulation_steps"]) == (2, 2)
+    assert saved["config_version"] == resolved["config_version"] == CONFIG_VERSION  # read back by config/stored.py
 
     # The split that fit resumes: the same command, two more steps (--force: the run had finished), at micro-batch 2.
     proc = train(tmp_path / "oom", cache, "training.micro_batch_size=4", "training.max_steps=7",

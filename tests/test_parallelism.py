@@ -272,9 +272,7 @@ def test_the_wizard_asks_for_the_layout_under_fsdp(tmp_path):
 def test_resume_routes_between_layouts():
     from overdrive.checkpoint import fingerprint as fp
 
-    def dump(*cli):
-        return cfg_of(*cli).model_dump(mode="json")
-
+    dump = cfg_of  # a checkpoint's config is compared as a RunConfig (read back: config/stored.py)
     tp2 = dump("parallel.tp_size=2", "launch.num_processes=2", "training.micro_batch_size=8")
     one = dump("launch.num_processes=1", "training.micro_batch_size=8")
     to_one = fp.compare(tp2, one)

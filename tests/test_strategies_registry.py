@@ -32,10 +32,12 @@ def test_ddp_shards_nothing_and_its_type_follows_the_launch():
     assert registry.of(cfg_of("parallel.strategy=fsdp")).distributed_type(cfg_of()) == "FSDP"
 
 
-def test_questions_read_a_json_dump_as_well_as_a_run_config():
+def test_questions_read_a_stored_config_read_back_as_a_run_config():
+    from overdrive.config.stored import read_stored
+
     cfg = cfg_of("parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3", "parallel.deepspeed.offload_param=cpu",
                  "parallel.deepspeed.offload_optimizer=cpu")
-    dump = cfg.model_dump(mode="json")
+    dump = read_stored({"config": cfg.model_dump(mode="json")}, "resolved.json")
     strategy = registry.of(dump)
     assert strategy is registry.of(cfg) is registry.DEEPSPEED
     assert strategy.estimator_row(dump) == strategy.estimator_row(cfg) == "zero3_offload"

@@ -128,8 +128,9 @@ def dataset_cached(name: str) -> bool:
     return (root / name.replace("/", "___")).is_dir()
 
 
-def _chain(error: BaseException) -> list[BaseException]:
-    found, seen = [], set()
+def _chain(error: Optional[BaseException]) -> list[BaseException]:
+    found: list[BaseException] = []
+    seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         found.append(error)

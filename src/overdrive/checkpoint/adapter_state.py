@@ -30,8 +30,8 @@ def base_record(cfg: RunConfig) -> Optional[dict[str, Any]]:
         return None
     name = cfg.model.name_or_path
     record: dict[str, Any] = {"name_or_path": name, "revision": cfg.model.revision}
-    path = Path(name).expanduser()
-    if path.is_dir():
+    path = Path(name).expanduser() if name else None  # none: a model built from model.architecture
+    if path is not None and path.is_dir():
         digest = hashlib.sha256()
         for f in sorted(p for p in path.iterdir() if p.is_file()):
             st = f.stat()

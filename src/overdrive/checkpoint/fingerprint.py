@@ -25,12 +25,15 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from overdrive.checkpoint import routes
 import overdrive.config.batch as batch
 from overdrive.config.keys import flatten  # open mappings (model.architecture, deepspeed extra) entry by entry
 from overdrive.strategies import registry
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 # key or prefix -> why a change matters. The longest matching entry wins, so an exception
 # to a section ("data.num_workers" inside "data.") is written as a longer entry.
@@ -80,7 +83,15 @@ _BATCH_KEYS = {"training.micro_batch_size", "training.gradient_accumulation_step
                "launch.num_processes", "launch.num_machines"}
 # Values counted from another key and the data when the run starts (config/length.py): with that key
 # set on both sides, the other key decides, and a config not yet counted is not a change.
-_COUNTED = {"training.max_steps": "training.num_epochs", "scheduler.warmup_steps": "scheduler.warmup_ratio"}
+_COUNTED: dict[str, Callable[[RunConfig], Any]] = {
+    "training.max_steps": lambda cfg: cfg.training.num_epochs,
+    "scheduler.warmup_steps": lambda cfg: cfg.scheduler.warmup_ratio,
+}
+
+
+def _counted(key: str, config: RunConfig) -> bool:
+    """Whether `key`'s value is counted from the data when the run starts (its other key is set)."""
+    return key in _COUNTED and _COUNTED[key](config) is not None
 MOVED_BY = "moved by"  # a layout change that a reader in routes.py carries across
 GLOBAL_BATCH_WHY = "the samples per optimizer step, so every update and the data position"
 
@@ -93,21 +104,21 @@ def kind_of(key: str) -> tuple[str, str]:
     return _RULES.get(best, ("math", "an unclassified setting (treated as changing the math)"))
 
 
-def global_batch(config: Mapping[str, Any]) -> int:
+def global_batch(config: RunConfig) -> int:
     """The settled split's global batch (with `auto`, the given one: the micro-batch is found at start-up)."""
     return batch.split(config).required_global()
 
 
-def sharded(config: Mapping[str, Any]) -> bool:
+def sharded(config: RunConfig) -> bool:
     """True when the strategy writes optimizer state (or weights) as one shard per rank."""
     return registry.of(config).checkpoint_per_rank(config)
 
 
-def fingerprint(config: Mapping[str, Any]) -> str:
+def fingerprint(config: RunConfig) -> str:
     """sha256 of the values that decide the numbers (math and layout keys, and the global batch)."""
-    flat = flatten(config)
+    flat = flatten(config.model_dump(mode="json"))
     kept = {k: v for k, v in flat.items() if k not in _BATCH_KEYS and kind_of(k)[0] != "harmless"
-            and flat.get(_COUNTED.get(k, ""), None) is None}
+            and not _counted(k, config)}
     kept["global_batch"] = global_batch(config)
     text = json.dumps(kept, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -128,12 +139,12 @@ class Change:
 
 @dataclass
 class Comparison:
+    route: routes.Route  # how the checkpoint's files get into this run
     changes: list[Change] = field(default_factory=list)
     # Set when the world size changed and the accumulation must change to keep the global batch.
     accumulation: Optional[int] = None
     world_note: str = ""
     refusal: str = ""  # a world-size or strategy change that cannot be made (not divisible, no reader)
-    route: Optional[routes.Route] = None  # how the checkpoint's files get into this run
 
     def of(self, kind: str) -> list[Change]:
         return [c for c in self.changes if c.kind == kind]
@@ -142,12 +153,14 @@ class Comparison:
 _MISSING = object()
 
 
-def compare(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Comparison:
-    """Every difference between the checkpoint's config and this one, classified.
-    Both sides are compared as stored: secrets masked (trainer_state.json never holds them)."""
+def compare(saved: RunConfig, current: RunConfig) -> Comparison:
+    """Every difference between the checkpoint's config (read back: config/stored.py) and this
+    one, classified. Both sides are compared as stored: secrets masked (trainer_state.json never
+    holds them)."""
     from overdrive.config.redact import redact
 
-    old, new = flatten(redact(dict(saved))), flatten(redact(dict(current)))
+    old = flatten(redact(saved.model_dump(mode="json")))
+    new = flatten(redact(current.model_dump(mode="json")))
     result = Comparison(route=routes.route(saved, current))
     # The layout changes have a reader (another strategy, or DCP into another mesh): listed, not refused.
     movable = result.route.how in ("across", "dcp", "as saved", "accelerate", "universal")
@@ -160,7 +173,7 @@ def compare(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Comparison:
         if key in _BATCH_KEYS:
             result.changes.append(Change(key, a, b, "harmless"))
             continue
-        if key in _COUNTED and old.get(_COUNTED[key]) is not None and new.get(_COUNTED[key]) is not None:
+        if _counted(key, saved) and _counted(key, current):
             continue  # counted from the data by the same rule on both sides
         kind, why = kind_of(key)
         if kind == "layout" and movable:
@@ -172,13 +185,12 @@ def compare(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Comparison:
 
     g_old, g_new = global_batch(saved), global_batch(current)
     w_old, w_new = batch.data_parallel_degree(saved), batch.data_parallel_degree(current)
-    micro = current["training"]["micro_batch_size"]
+    micro = current.training.micro_batch_size
     if w_old != w_new:
         if micro == "auto":  # autobatch keeps training.global_batch_size on any world size
             if g_new != g_old:
                 result.changes.append(Change("training.global_batch_size", g_old, g_new, "math", GLOBAL_BATCH_WHY))
             return result
-        micro = int(micro)
         if g_new != g_old:
             result.accumulation = batch.keeping(g_old, micro, w_new)
             if result.accumulation is None:
@@ -186,7 +198,7 @@ def compare(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Comparison:
                                   f"{micro}: {g_old} / ({micro} x {w_new}) is not a whole number. It is kept "
                                   + batch.combinations(g_old, micro, w_new))
                 return result
-        accumulation = result.accumulation or int(current["training"]["gradient_accumulation_steps"])
+        accumulation = result.accumulation or current.training.gradient_accumulation_steps
         result.world_note = (f"{w_old} -> {w_new} processes: keeping the global batch of {g_old} "
                              f"(micro-batch {micro} x accumulation {accumulation} x {w_new})")
     elif g_new != g_old:

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Optional
 
 from overdrive.checkpoint import store
-from overdrive.checkpoint.resume import read_state
+from overdrive.checkpoint.resume import read_state, saved_config
+from overdrive.errors import UserError
 from overdrive.resolving import Resolved
 
 
@@ -22,14 +23,14 @@ def finished(resolved: Resolved) -> Optional[str]:
         return None  # cut short since: the run sets it aside and resumes from the one before
     try:
         saved = read_state(path)
-        step, training = int(saved["step"]), saved["config"]["training"]
-    except (OSError, ValueError, KeyError, TypeError):
+        step, training = int(saved["step"]), saved_config(saved, path).training
+    except (OSError, ValueError, KeyError, TypeError, UserError):
         return None  # the run judges it again, and says what is wrong
     wanted = cfg.training.max_steps
     if wanted is None:  # the length is counted from the data: the same epochs as the run that finished
-        if training.get("num_epochs") != cfg.training.num_epochs:
+        if training.num_epochs != cfg.training.num_epochs:
             return None
-        wanted = training.get("max_steps")
+        wanted = training.max_steps
     if not wanted or step < wanted:
         return None
     out = Path(cfg.output_dir)

@@ -27,6 +27,7 @@ from overdrive.config import Origin
 import overdrive.config.batch as batch
 from overdrive.resolving import Resolved
 from overdrive.config.schema import RunConfig
+from overdrive.config.stored import read_stored
 from overdrive.errors import Problem, UserError
 
 TRAINER_STATE = "trainer_state.json"
@@ -56,6 +57,12 @@ def read_state(path: Path) -> dict[str, Any]:
     return json.loads((path / TRAINER_STATE).read_text())
 
 
+def saved_config(state: dict[str, Any], path: Path) -> RunConfig:
+    """The config checkpoint `path` was written under (its trainer state `state`), read back as
+    a RunConfig (config/stored.py: a key it was written without gets its default)."""
+    return read_stored(state, str(path / TRAINER_STATE))
+
+
 @dataclass
 class ResumePlan:
     """What a run will resume from, decided before anything is built.
@@ -73,7 +80,7 @@ class ResumePlan:
 
     def record(self) -> dict[str, Any]:
         """The plan as the resolved file carries it to the workers (`resume` in resolved.json)."""
-        record = {"checkpoint": str(self.checkpoint) if self.checkpoint else None, "force": self.force,
+        record: dict[str, Any] = {"checkpoint": str(self.checkpoint) if self.checkpoint else None, "force": self.force,
                   "notes": list(self.notes)}
         if self.route is not None:
             record["route"] = dataclasses.asdict(self.route)
@@ -87,13 +94,13 @@ class ResumePlan:
                    list(record.get("notes", [])), bool(record.get("force", force)), Route(**route) if route else None)
 
 
-def judge(saved: dict[str, Any], cfg: RunConfig, name: str, force: bool,
+def judge(saved: RunConfig, cfg: RunConfig, name: str, force: bool,
           comparison: Optional[fp.Comparison] = None) -> fp.Comparison:
-    """Compare the checkpoint's config with `cfg`; raise on what cannot or may not resume."""
-    comparison = comparison or fp.compare(saved["config"], cfg.model_dump(mode="json"))
+    """Compare the checkpoint's config `saved` with `cfg`; raise on what cannot or may not resume."""
+    comparison = comparison or fp.compare(saved, cfg)
     route = comparison.route
     problems = []
-    if comparison.refusal and route is not None and route.how == "refused":
+    if comparison.refusal and route.how == "refused":
         keys = [c.key for c in comparison.of("layout")] or ["launch.num_processes"]
         old = ", ".join(f"{c.key}={c.old}" for c in comparison.of("layout")) or \
             f"launch.num_processes={route.source_world}"
@@ -104,7 +111,7 @@ def judge(saved: dict[str, Any], cfg: RunConfig, name: str, force: bool,
         if comparison.refusal:
             problems.append(Problem("launch.num_processes", comparison.refusal,
                                     fix=f"resume with one of those, or launch.num_processes="
-                                    f"{saved['config']['launch']['num_processes']}, or {START_OVER}"))
+                                    f"{saved.launch.num_processes}, or {START_OVER}"))
     if problems:
         raise UserError(problems, title=f"cannot resume from {name}")
     math = comparison.of("math")
@@ -133,7 +140,8 @@ class Found:
 
     path: Path
     step: int
-    saved: dict[str, Any]
+    saved: dict[str, Any]  # its trainer state
+    config: RunConfig  # the config it was written under, read back
     comparison: fp.Comparison
     finished: bool  # its step is its run's max_steps: nothing left to resume
     different: list[str]  # keys whose change a finished run cannot take without --force
@@ -170,16 +178,18 @@ def decide(cfg: RunConfig) -> Optional[Found]:
     except (OSError, ValueError) as error:
         raise UserError(Problem("checkpoint.resume", f"{path}/{TRAINER_STATE} is unreadable: {error}",
                                 fix=START_OVER)) from None
-    comparison = fp.compare(saved["config"], cfg.model_dump(mode="json"))
+    stored = saved_config(saved, path)
+    comparison = fp.compare(stored, cfg)
     different = [c.key for c in comparison.of("math") + comparison.of("layout")]
     different += [c.key for c in comparison.of("harmless") if c.why.startswith(fp.MOVED_BY)]  # another strategy
     if comparison.world_note or comparison.refusal:
         different.append("launch.num_processes")
-    finished = search.found.step >= saved["config"]["training"]["max_steps"]
-    extends = finished and _only_longer(comparison, saved["config"]["training"]["max_steps"], cfg)
+    saved_steps = stored.training.max_steps
+    finished = saved_steps is not None and search.found.step >= saved_steps
+    extends = finished and saved_steps is not None and _only_longer(comparison, saved_steps, cfg)
     if extends:  # what the finished run's message offers ("raise training.max_steps"): taken as asked
         different = []
-    return Found(path, search.found.step, saved, comparison, finished, different, extends)
+    return Found(path, search.found.step, saved, stored, comparison, finished, different, extends)
 
 
 def _only_longer(comparison: fp.Comparison, saved_steps: int, cfg: RunConfig) -> bool:
@@ -211,7 +221,7 @@ def plan_resume(cfg: RunConfig, force: bool = False) -> ResumePlan:
     if refused is not None:
         raise refused
     path, saved, comparison = found.path, found.saved, found.comparison
-    judge(saved, cfg, path.name, force or found.extends, comparison)
+    judge(found.config, cfg, path.name, force or found.extends, comparison)
     plan.checkpoint, plan.saved = path, saved
     harmless = [c.render() for c in comparison.of("harmless")]
     if harmless:
@@ -230,7 +240,7 @@ def plan_resume(cfg: RunConfig, force: bool = False) -> ResumePlan:
     if comparison.accumulation is not None:
         t = cfg.training.model_copy(update={"gradient_accumulation_steps": comparison.accumulation})
         plan.config = cfg.model_copy(update={"training": t})
-    smaller = _split_that_fit(plan.config, saved)
+    smaller = _split_that_fit(plan.config, saved, found.config)
     if smaller is not None:
         t = plan.config.training.model_copy(update={"micro_batch_size": smaller[0],
                                                     "gradient_accumulation_steps": smaller[1]})
@@ -240,18 +250,17 @@ def plan_resume(cfg: RunConfig, force: bool = False) -> ResumePlan:
     return plan
 
 
-def _split_that_fit(cfg: RunConfig, saved: dict[str, Any]) -> Optional[tuple[int, int]]:
+def _split_that_fit(cfg: RunConfig, saved: dict[str, Any], stored: RunConfig) -> Optional[tuple[int, int]]:
     """With training.oom_retry, a checkpoint saved at a smaller micro-batch than this config's (the
     same global batch and data-parallel degree) resumes at its split: the larger one ran out of memory."""
     micro, accumulation = saved.get("micro_batch_size"), saved.get("gradient_accumulation_steps")
     current = cfg.training.micro_batch_size
     if not cfg.training.oom_retry or not isinstance(micro, int) or not isinstance(current, int) or micro >= current:
         return None
-    config = cfg.model_dump(mode="json")
-    same_world = batch.data_parallel_degree(saved["config"]) == batch.data_parallel_degree(config)
-    if not same_world or saved.get("global_batch") != fp.global_batch(config):
+    same_world = batch.data_parallel_degree(stored) == batch.data_parallel_degree(cfg)
+    if not same_world or saved.get("global_batch") != fp.global_batch(cfg):
         return None
-    return micro, int(accumulation)
+    return (micro, accumulation) if isinstance(accumulation, int) else None
 
 
 def describe_resume(cfg: RunConfig) -> Optional[dict[str, Any]]:

@@ -28,10 +28,13 @@ Nothing here imports torch: `plan_resume` asks before anything is built.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from overdrive.config.batch import combinations as batch_combinations  # noqa: F401 (asked for by refusals here)
 from overdrive.strategies import layout as nd
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 # (from, to) strategy families a checkpoint can move between, and the reader of the source.
 _ACROSS = {
@@ -44,35 +47,35 @@ _INTO_DEEPSPEED = ("DeepSpeed reads only its own checkpoints (or its universal f
                    "writes)")
 
 
-def label(config: Mapping[str, Any]) -> str:
+def label(config: RunConfig) -> str:
     """The strategy as a person names it: DDP, ZeRO-2 (optimizer offload), FSDP2."""
-    p = config["parallel"]
-    if p["strategy"] == "deepspeed":
-        ds = p["deepspeed"]
-        offload = [f"{what} offload to {ds[key]}" for what, key in (("optimizer", "offload_optimizer"),
-                                                                    ("parameter", "offload_param"))
-                   if ds.get(key, "none") != "none"]
-        return f"ZeRO-{ds['zero_stage']}" + (f" ({', '.join(offload)})" if offload else "")
+    p = config.parallel
+    if p.strategy == "deepspeed":
+        ds = p.deepspeed
+        offload = [f"{what} offload to {device}" for what, device in (("optimizer", ds.offload_optimizer),
+                                                                      ("parameter", ds.offload_param))
+                   if device != "none"]
+        return f"ZeRO-{ds.zero_stage}" + (f" ({', '.join(offload)})" if offload else "")
     mesh = nd.layout(config).mesh
     described = " x ".join(f"{name} {size}" for name, size in mesh if name not in ("dp_replicate", "dp_shard")
                            or len(mesh) > 1)
-    if p["strategy"] == "fsdp":
-        return f"FSDP{p['fsdp']['version']}" + (f" ({described})" if described else "")
-    return p["strategy"].upper() + (f" ({described})" if described else "")
+    if p.strategy == "fsdp":
+        return f"FSDP{p.fsdp.version}" + (f" ({described})" if described else "")
+    return p.strategy.upper() + (f" ({described})" if described else "")
 
 
-def _layout(config: Mapping[str, Any]) -> tuple:
+def _layout(config: RunConfig) -> tuple:
     """What decides the files' format (offload does not: ZeRO saves the same files with or without it)."""
-    p = config["parallel"]
+    p = config.parallel
     if nd.layout(config).pp > 1:
-        return (p["strategy"], "pipeline")  # one DCP directory under the whole model's names
-    if p["strategy"] == "deepspeed":
-        return ("deepspeed", int(p["deepspeed"]["zero_stage"]))
-    if p["strategy"] == "fsdp":
-        return ("fsdp", int(p["fsdp"]["version"]), p["fsdp"]["state_dict_type"])
+        return (p.strategy, "pipeline")  # one DCP directory under the whole model's names
+    if p.strategy == "deepspeed":
+        return ("deepspeed", p.deepspeed.zero_stage)
+    if p.strategy == "fsdp":
+        return ("fsdp", p.fsdp.version, p.fsdp.state_dict_type)
     if nd.layout(config).tp > 1:
-        return (p["strategy"], "tensor parallel")  # a DCP directory, not Accelerate's files
-    return (p["strategy"],)
+        return (p.strategy, "tensor parallel")  # a DCP directory, not Accelerate's files
+    return (p.strategy,)
 
 
 def _processes(n: int) -> str:
@@ -108,11 +111,11 @@ class Route:
                 f"{_processes(self.target_world)} ({via})")
 
 
-def route(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Route:
+def route(saved: RunConfig, current: RunConfig) -> Route:
     """How the checkpoint written under `saved` loads into a run of `current` (or why it cannot)."""
-    w_old, w_new = int(saved["launch"]["num_processes"]), int(current["launch"]["num_processes"])
+    w_old, w_new = saved.launch.num_processes, current.launch.num_processes
     a, b = _layout(saved), _layout(current)
-    base = dict(source=label(saved), target=label(current), source_world=w_old, target_world=w_new)
+    base: dict[str, Any] = dict(source=label(saved), target=label(current), source_world=w_old, target_world=w_new)
     if "pipeline" in a + b and (a != b or w_old != w_new or nd.layout(saved).mesh != nd.layout(current).mesh):
         if a[1:] == ("pipeline",) and (b[0] == "ddp" or b[1:] == ("pipeline",)):
             return Route("dcp", **base, reader="torch.distributed.checkpoint resharding")
@@ -135,8 +138,7 @@ def route(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Route:
         if (a[0] == "fsdp" and a[1] == 2) or a[1:] == ("tensor parallel",):
             return Route("dcp", **base, reader="torch.distributed.checkpoint resharding")
         if a[0] == "deepspeed" and a[1] >= 1:
-            nvme = "nvme" in (saved["parallel"]["deepspeed"].get("offload_optimizer"),
-                              current["parallel"]["deepspeed"].get("offload_optimizer"))
+            nvme = "nvme" in (saved.parallel.deepspeed.offload_optimizer, current.parallel.deepspeed.offload_optimizer)
             if nvme:
                 return Route("refused", **base, refusal="ZeRO with NVMe optimizer offload keeps per-rank swap "
                              "files that the universal checkpoint does not cover")

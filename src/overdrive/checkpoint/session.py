@@ -37,8 +37,9 @@ from overdrive.checkpoint import fingerprint as fp
 from overdrive.checkpoint import pipeline_state, reshard, store
 from overdrive.checkpoint.room import CheckpointRoom
 from overdrive.checkpoint.resume import (START_OVER, TRAINER_STATE, ResumePlan, judge, plan_resume,  # noqa: F401
-                                         read_state, with_plan)
+                                         read_state, saved_config, with_plan)
 from overdrive.config.schema import RunConfig
+from overdrive.config.stored import CONFIG_VERSION
 from overdrive.errors import Problem, UserError
 
 
@@ -111,7 +112,9 @@ class Checkpointer:
 
         name = None
         if self.main:
-            search = store.latest_complete(self.root, checksums=True, at_most=store.step_of(self.plan.checkpoint),
+            judged = self.plan.checkpoint
+            search = store.latest_complete(self.root, checksums=True,
+                                           at_most=store.step_of(judged) if judged is not None else None,
                                            put_aside=True)
             for message in search.messages():
                 self.say(f"checkpoint: {message}")
@@ -135,7 +138,7 @@ class Checkpointer:
         saved = read_state(path)
         route = self.plan.route
         if path != self.plan.checkpoint or route is None:  # an older checkpoint than the judged one
-            route = judge(saved, self.cfg, path.name, self.plan.force).route
+            route = judge(saved_config(saved, path), self.cfg, path.name, self.plan.force).route
         adapter_state.check_base(saved, self.cfg, path.name)
         self.lineage = saved.get("lineage") or self.lineage
         started = time.perf_counter()
@@ -211,15 +214,15 @@ class Checkpointer:
         tmp = store.temp_dir_for(self.root, step)
         losses = acc.gather(state.loss_sum.detach().float().reshape(1)).tolist()
         parts = self.room.save_parts(acc, tmp, step)
-        parts.part(lambda: self.main and self.room.check_then_begin(step, self.say))
+        parts.part(lambda: self.room.check_then_begin(step, self.say) if self.main else None)
         if self.in_background:
             return self._save_in_background(state, tmp, losses, parts, started, waited)
         with _quiet_tied_weights():
             parts.part(lambda: pipeline_state.save_state(acc, tmp, *self.stages, **self.save_kwargs))
         # every rank's files are written (the part agreed) before the manifest lists them
-        parts.part(lambda: self.main and self._write_trainer_state(tmp, state, losses))
+        parts.part(lambda: self._write_trainer_state(tmp, state, losses) if self.main else None)
         final = self.root / store.name_for(step)
-        parts.part(lambda: self.main and self._commit(tmp, step))
+        parts.part(lambda: self._commit(tmp, step) if self.main else None)
         self.last_saved = step
         self.say(f"checkpoint: step {step}: training blocked {time.perf_counter() - started:.3f} s")
         return final
@@ -230,7 +233,7 @@ class Checkpointer:
         step, futures = state.step, []
         with _quiet_tied_weights():
             parts.part(lambda: futures.extend(background.stage(self.acc, tmp)))
-        parts.part(lambda: self.main and self._write_trainer_state(tmp, state, losses))
+        parts.part(lambda: self._write_trainer_state(tmp, state, losses) if self.main else None)
         seal = (lambda: self._commit(tmp, step)) if self.main else None
         self.pending = background.Pending(step, tmp, futures, seal, stall=self.stall_at == step)
         self.last_saved = step
@@ -265,13 +268,13 @@ class Checkpointer:
         world = self.acc.num_processes
         loop = state.state_dict()
         record = {
-            "format": 1, "step": state.step, "saved_at": time.time(), "lineage": self.lineage,
+            "format": 1, "config_version": CONFIG_VERSION, "step": state.step, "saved_at": time.time(), "lineage": self.lineage,
             "loop": loop,
             "samples_in_epoch": state.batch_in_epoch * t.micro_batch_size * self._data_parallel,
             "world_size": world, "micro_batch_size": t.micro_batch_size,
-            "gradient_accumulation_steps": t.gradient_accumulation_steps, "global_batch": fp.global_batch(config),
-            "strategy": cfg.parallel.strategy, "sharded": fp.sharded(config),
-            "fingerprint": fp.fingerprint(config), "config": redact(config),
+            "gradient_accumulation_steps": t.gradient_accumulation_steps, "global_batch": fp.global_batch(cfg),
+            "strategy": cfg.parallel.strategy, "sharded": fp.sharded(cfg),
+            "fingerprint": fp.fingerprint(cfg), "config": redact(config),
             "metrics_bytes": self.metrics_path.stat().st_size if self.metrics_path.exists() else 0,
             "pending_loss": losses, "pending_micro_steps": loop["micro_steps"],
             "extra": {"first_loss": loop["first_loss"], "final_loss": loop["final_loss"]},  # as earlier versions read it

@@ -48,6 +48,11 @@ def step_of(path: Path) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
+def _listed_step(path: Path) -> int:
+    """The step of a directory `candidates` listed (named as a checkpoint, so it has one)."""
+    return step_of(path) or 0
+
+
 # ---------------------------------------------------------------- durability
 
 def fsync_path(path: Path) -> None:
@@ -190,8 +195,8 @@ def candidates(root: Path) -> list[Path]:
     """Checkpoint directories (final names only), newest step first."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None]
-    return sorted(found, key=lambda p: step_of(p), reverse=True)
+    found = {p: step for p in root.iterdir() if p.is_dir() and (step := step_of(p)) is not None}
+    return sorted(found, key=found.__getitem__, reverse=True)
 
 
 @dataclass
@@ -212,7 +217,7 @@ def latest_complete(root: Path, checksums: bool = True, at_most: Optional[int] =
     `put_aside`, the newer ones that fail verification are set aside (a run about to resume)."""
     search = Search()
     for path in candidates(root):
-        if at_most is not None and step_of(path) > at_most:
+        if at_most is not None and _listed_step(path) > at_most:
             continue
         verdict = verify(path, checksums)
         if verdict.ok:
@@ -272,7 +277,7 @@ def prune(root: Path, keep_last: int, current_step: int,
     removed = []
     kept = 0
     for path in candidates(root):
-        if step_of(path) > current_step or kept >= keep_last or (belongs is not None and not belongs(path)):
+        if _listed_step(path) > current_step or kept >= keep_last or (belongs is not None and not belongs(path)):
             _remove(path)
             removed.append(path)
         else:

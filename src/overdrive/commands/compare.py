@@ -21,7 +21,6 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from overdrive.console import get_console, print_table
-    from overdrive.config.keys import flatten
     from overdrive.storage.faults import output_file
     from overdrive.reports.summary import config_differences, load_run, metric_rows, summarize
 
@@ -51,15 +50,15 @@ def run(args: argparse.Namespace) -> int:
     if args.quiet:
         return 0
     name_a, name_b = f"A: {a.name}", f"B: {b.name}"
-    if not a.config or not b.config:
-        missing = [str(r.path) for r in (a, b) if not r.config]
+    if a.config is None or b.config is None:
+        missing = [str(r.path) for r in (a, b) if r.config is None]
         get_console(stderr=True).print(f"No resolved.json in {', '.join(missing)}: config differences cannot be shown.")
     elif differences:
         print_table(["config key", name_a, name_b], differences, title="Config differences", console=console)
     else:
         console.print("Configs are identical.")
-    if args.verbose and a.config and b.config:
-        same = sorted(set(flatten(a.config)) & set(flatten(b.config)) - {k for k, _, _ in differences})
+    if args.verbose and a.config is not None and b.config is not None:
+        same = sorted(set(a.values()) & set(b.values()) - {k for k, _, _ in differences})
         console.print(f"{len(same)} equal keys: " + ", ".join(same), markup=False)
     console.print("")
     print_table(["metric", name_a, name_b, "B vs A"], metrics, title="Results", console=console)

@@ -18,19 +18,21 @@ of the settled config: nothing else multiplies the three factors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from overdrive.config import mesh
-from overdrive.config.keys import dotted_value
 from overdrive.config.provenance import Origin, Setting, where
 from overdrive.errors import Problem, UserError
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 GLOBAL = "training.global_batch_size"
 ACCUMULATION = "training.gradient_accumulation_steps"
 MICRO = "training.micro_batch_size"
 
 
-def data_parallel_degree(config: Any) -> int:
+def data_parallel_degree(config: RunConfig) -> int:
     """Processes that each take different samples: the layout's dp_replicate x dp_shard, that is
     world / (pp x tp x cp x sp) (config/mesh.py). The ranks of one pipeline, tensor, context or
     sequence parallel group share a batch."""
@@ -53,6 +55,13 @@ class BatchSplit:
                                     fix=f"make it a multiple of {self.data_parallel} (launch.num_processes)"))
         return g // self.data_parallel
 
+    def settled_micro(self) -> int:
+        """The micro-batch of a split that trains (`auto` is settled on the device before the parts are built)."""
+        if self.micro is None:
+            raise UserError(Problem(MICRO, "`auto` must be settled before the run's parts are built",
+                                    fix="train() settles it (overdrive.training.build.autobatch); or set an integer"))
+        return self.micro
+
     def required_global(self) -> int:
         if self.global_batch is None:
             raise UserError(Problem(GLOBAL, "is needed with training.micro_batch_size=auto: it is the batch per "
@@ -74,15 +83,13 @@ def of(micro: int, accumulation: int, data_parallel: int) -> BatchSplit:
     return BatchSplit(int(micro), int(accumulation), int(data_parallel), int(micro) * int(accumulation) * int(data_parallel))
 
 
-def split(config: Any) -> BatchSplit:
-    """The split of a settled config (a RunConfig or its JSON form)."""
-    micro = dotted_value(config, "training.micro_batch_size")
-    accumulation = int(dotted_value(config, "training.gradient_accumulation_steps"))
+def split(config: RunConfig) -> BatchSplit:
+    """The split of a settled config."""
+    t = config.training
     dp = data_parallel_degree(config)
-    if micro == "auto":
-        given = dotted_value(config, "training.global_batch_size")
-        return BatchSplit(None, accumulation, dp, int(given) if given is not None else None)
-    return of(micro, accumulation, dp)
+    if t.micro_batch_size == "auto":
+        return BatchSplit(None, t.gradient_accumulation_steps, dp, t.global_batch_size)
+    return of(t.micro_batch_size, t.gradient_accumulation_steps, dp)
 
 
 def keeping(global_batch: int, micro: int, data_parallel: int) -> Optional[int]:
@@ -92,7 +99,7 @@ def keeping(global_batch: int, micro: int, data_parallel: int) -> Optional[int]:
     return global_batch // per_step if global_batch % per_step == 0 else None
 
 
-def refused(config: Any, chains: Optional[Mapping[str, list[Setting]]] = None) -> Any:
+def refused(config: RunConfig, chains: Optional[Mapping[str, list[Setting]]] = None) -> RunConfig:
     """`config`, once `problems` finds nothing: else those problems, raised by key."""
     found = problems(config, chains)
     if found:
@@ -100,7 +107,7 @@ def refused(config: Any, chains: Optional[Mapping[str, list[Setting]]] = None) -
     return config
 
 
-def settled(config: Any, chains: Optional[Mapping[str, list[Setting]]] = None) -> Any:
+def settled(config: RunConfig, chains: Optional[Mapping[str, list[Setting]]] = None) -> RunConfig:
     """`settle`, refusing what `problems` finds (a RunConfig built in Python)."""
     return settle(refused(config, chains), chains)[0]
 
@@ -111,10 +118,10 @@ def _explicit(chains: Optional[Mapping[str, list[Setting]]], key: str, value: An
     if chains is None:
         return value != default
     chain = chains.get(key)
-    return bool(chain) and chain[-1].origin.layer != "default"
+    return bool(chain and chain[-1].origin.layer != "default")
 
 
-def _derived(config: Any) -> Optional[int]:
+def _derived(config: RunConfig) -> Optional[int]:
     """The accumulation `training.global_batch_size` gives, or None (not set, auto, or it does not divide)."""
     t = config.training
     if t.global_batch_size is None or t.micro_batch_size == "auto":
@@ -157,7 +164,7 @@ def _dividing(global_batch: int, micro: int, dp: int) -> str:
     return text
 
 
-def problems(config: Any, chains: Optional[Mapping[str, list[Setting]]] = None) -> list[Problem]:
+def problems(config: RunConfig, chains: Optional[Mapping[str, list[Setting]]] = None) -> list[Problem]:
     """A global batch that does not divide, or contradicts an accumulation also set."""
     t = config.training
     if t.global_batch_size is None:
@@ -182,7 +189,7 @@ def problems(config: Any, chains: Optional[Mapping[str, list[Setting]]] = None) 
     return []
 
 
-def settle(config: Any, chains: Optional[Mapping[str, list[Setting]]] = None) -> tuple[Any, Optional[Origin]]:
+def settle(config: RunConfig, chains: Optional[Mapping[str, list[Setting]]] = None) -> tuple[RunConfig, Optional[Origin]]:
     """`config` with the accumulation derived from `training.global_batch_size`, and the
     origin to record for it (None when nothing was derived). Leaves the config as it is
     when `problems` has something to say: the caller refuses it."""
@@ -200,7 +207,7 @@ def settle(config: Any, chains: Optional[Mapping[str, list[Setting]]] = None) ->
     return config.model_copy(update={"training": training}), origin
 
 
-def with_split(config: Any, micro: int, accumulation: int) -> Any:
+def with_split(config: RunConfig, micro: int, accumulation: int) -> RunConfig:
     """`config` with another micro-batch and accumulation (the auto micro-batch's answer, a
     tuner candidate); the global batch is the caller's to keep."""
     training = config.training.model_copy(update={"micro_batch_size": micro, "gradient_accumulation_steps": accumulation})

@@ -7,6 +7,8 @@ import functools
 import json
 from typing import Any, Iterable, Mapping, Union, get_args, get_origin
 
+from typing_extensions import TypeGuard
+
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from overdrive.config.schema import OPEN_MAPPINGS, RunConfig, admits_bool
@@ -42,7 +44,7 @@ ALIASES: dict[str, str] = {
 }
 
 
-def _is_section(annotation: Any) -> bool:
+def _is_section(annotation: Any) -> TypeGuard[type[BaseModel]]:
     return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
@@ -262,21 +264,10 @@ def set_dotted(values: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-# A RunConfig, or its JSON form (a checkpoint's saved config, a plan's input, read before it is
-# validated again): what the readers that take either say they take; `dotted_value` reads both.
-ConfigLike = Union[RunConfig, Mapping[str, Any]]
-
-
-def dotted_value(config: ConfigLike, dotted: str) -> Any:
-    """The value at `dotted` of a RunConfig, or of its JSON form (a checkpoint's saved config,
-    read before it is validated again): the one reader of both shapes."""
-    node = config
-    for part in dotted.split("."):
-        node = node[part] if isinstance(node, Mapping) else getattr(node, part)
-    return node
-
-
 def differs_from_default(config: RunConfig, dotted: str) -> bool:
-    """Whether the setting at `dotted` is other than the schema's default (a key set to its
-    default changes nothing, wherever it applies)."""
-    return dotted_value(config, dotted) != dotted_value(RunConfig(), dotted)
+    """Whether the setting at `dotted` (a key of the schema) is other than the schema's default:
+    a key set to its default changes nothing, wherever it applies."""
+    given, default = config, RunConfig()
+    for part in dotted.split("."):
+        given, default = getattr(given, part), getattr(default, part)
+    return given != default

@@ -17,9 +17,9 @@ about 20 log points in a shorter run (`log_interval`: a 20-step run logs every s
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from overdrive.config.provenance import Origin
+from overdrive.config.provenance import Origin, Setting
 from overdrive.errors import Problem
 
 if TYPE_CHECKING:
@@ -28,14 +28,16 @@ if TYPE_CHECKING:
 PAIRS = (("training.max_steps", "training.num_epochs"), ("scheduler.warmup_steps", "scheduler.warmup_ratio"))
 
 
-def _last_set(chain) -> Optional[object]:
+def _last_set(chain: Optional[list[Setting]]) -> Optional[Setting]:
     return next((s for s in reversed(chain or []) if s.origin.layer != "default"), None)
 
 
 def settle(config, chains, order: dict[int, int]):
     """(config, {key: origin} of derived values, problems, warnings) by the rule above."""
     origins: dict[str, Origin] = {}
-    problems, warnings, cleared = [], [], {}
+    problems: list[Problem] = []
+    warnings: list[Problem] = []
+    cleared: dict[str, Any] = {}
     for steps_key, other_key in PAIRS:
         section, name = other_key.split(".")
         if getattr(getattr(config, section), name) is None:

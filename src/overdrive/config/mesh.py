@@ -10,12 +10,10 @@ split included; strategies/layout.py adds the rules and Accelerate's objects.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Optional
-
-from overdrive.config.keys import dotted_value
+from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from overdrive.config.keys import ConfigLike
+    from overdrive.config.schema import RunConfig
 
 # Accelerate's canonical mesh order (ParallelismConfig._get_mesh): outermost first. Ranks
 # next to each other share the innermost axis, so TP stays within a machine. Pipeline stages
@@ -71,26 +69,19 @@ class Layout:
         return " x ".join(f"{name} {size}" for name, size in self.mesh) or "one rank"
 
 
-def world_of(cfg: ConfigLike, world: Optional[int] = None) -> int:
-    return int(world or dotted_value(cfg, "launch.num_processes"))
+def world_of(cfg: RunConfig, world: Optional[int] = None) -> int:
+    return int(world or cfg.launch.num_processes)
 
 
-def _parallel(cfg: ConfigLike, key: str) -> Any:
-    """A `parallel.*` size; a checkpoint's saved config from before an axis existed has none."""
-    if isinstance(cfg, Mapping):
-        return (cfg.get("parallel") or {}).get(key, None if key == "dp_shard_size" else 1)
-    return dotted_value(cfg, f"parallel.{key}")
-
-
-def layout(cfg: ConfigLike, world: Optional[int] = None, shard_the_rest: bool = False) -> Layout:
-    """The layout a run config (RunConfig or its JSON dump) asks for on `world` ranks. The rest
+def layout(cfg: RunConfig, world: Optional[int] = None, shard_the_rest: bool = False) -> Layout:
+    """The layout a run config asks for on `world` ranks. The rest
     of the world (world / the axes given) is data parallel: sharded when `shard_the_rest` (the
     strategy shards parameters and dp_shard_size is left empty), replicated otherwise. The
     data-parallel degree is the same either way."""
     world = world_of(cfg, world)
-    tp, cp, sp, pp = (int(_parallel(cfg, key) or 1) for key in ("tp_size", "cp_size", "sp_size", "pp_size"))
-    replicate = int(_parallel(cfg, "dp_replicate_size") or 1)
-    shard = _parallel(cfg, "dp_shard_size")
+    p = cfg.parallel
+    tp, cp, sp, pp = p.tp_size, p.cp_size, p.sp_size, p.pp_size
+    replicate, shard = p.dp_replicate_size, p.dp_shard_size
     rest = max(world // max(pp * tp * cp * sp * replicate, 1), 1)
     if not shard_the_rest and shard is None:
         return Layout(dp_replicate=replicate * rest, dp_shard=1, tp=tp, cp=cp, sp=sp, pp=pp)

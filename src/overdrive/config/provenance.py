@@ -60,4 +60,4 @@ def where(chains: Optional[Mapping[str, list[Setting]]], key: str, unset: str = 
 def set_by_user(chains: Mapping[str, list[Setting]], key: str) -> bool:
     """Whether a layer above the schema's defaults set `key`."""
     chain = chains.get(key)
-    return bool(chain) and chain[-1].origin.layer != "default"
+    return bool(chain and chain[-1].origin.layer != "default")

@@ -10,7 +10,9 @@ the Python standard library's own source, with a BPE tokenizer trained on the fl
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union
+
+from typing_extensions import TypeAlias
 
 from pydantic import Field, create_model
 
@@ -224,10 +226,11 @@ def _source_entry_model() -> type:
     """`data.sources` entries: name, source, weight, and the describing keys of `data` (empty: data's)."""
     from pydantic import create_model
 
-    describing = {}
+    describing: dict[str, Any] = {}
     for name in SOURCE_DESCRIPTION:
         info = DataConfig.model_fields[name]
-        checked = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation  # ge, lt kept
+        arguments = (info.annotation, *info.metadata)  # ge, lt kept
+        checked = Annotated[arguments] if info.metadata else info.annotation
         describing[name] = (Optional[checked], Field(None, description=f"As `data.{name}`, for this source. "
                                                      "Empty: the `data` value."))
     return create_model(
@@ -349,11 +352,14 @@ class _CheckpointKeys(Section):
 
 # `async` is a Python keyword: the field is added by name (read it with `getattr(section, "async")`,
 # or checkpoint/background.py's `wanted(cfg)`).
-CheckpointConfig = create_model(
-    "CheckpointConfig", __base__=_CheckpointKeys, __doc__="Saving and resuming.",
-    **{"async": (bool, Field(False, description="Save through DCP's async_save where the strategy saves through DCP "
-                             "(FSDP2 sharded): the state staged to host memory, written in the background; training "
-                             "waits only for the staging. The checkpoint still appears whole or not at all."))})
+if TYPE_CHECKING:
+    CheckpointConfig = _CheckpointKeys  # the same keys but `async`, which is read by name anyway
+else:
+    CheckpointConfig = create_model(
+        "CheckpointConfig", __base__=_CheckpointKeys, __doc__="Saving and resuming.",
+        **{"async": (bool, Field(False, description="Save through DCP's async_save where the strategy saves through DCP "
+                                 "(FSDP2 sharded): the state staged to host memory, written in the background; training "
+                                 "waits only for the staging. The checkpoint still appears whole or not at all."))})
 
 
 class LoggingConfig(Section):
@@ -398,5 +404,9 @@ class RunConfig(Section):
 OPEN_MAPPINGS = frozenset({"model.architecture", "parallel.deepspeed.extra", "optim.kwargs"})
 
 
-DataSourceConfig = _source_entry_model()
+if TYPE_CHECKING:
+    # Built by create_model from data's own keys: to the type checker an entry is any model.
+    DataSourceConfig: TypeAlias = Any
+else:
+    DataSourceConfig = _source_entry_model()
 DataConfig.model_rebuild()

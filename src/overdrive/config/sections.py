@@ -44,7 +44,8 @@ class Section(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        annotation = cls.model_fields[info.field_name].annotation
+        field = cls.model_fields.get(info.field_name or "")  # "*": every field, so always named
+        annotation = field.annotation if field is not None else None
         if isinstance(value, bool) and not admits_bool(annotation):
             if admits_text(annotation):  # `pattern: yes`: YAML 1.1 read the word as a boolean
                 raise ValueError(f"expected text, got the boolean {str(value).lower()}: YAML reads an unquoted yes, "

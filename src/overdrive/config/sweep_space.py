@@ -112,7 +112,7 @@ def _range(cfg: RunConfig, key: str, spec: Mapping[str, Any], name: str) -> tupl
                       "a range has low, high, log and step"]
     low, high, log, step = (spec.get(f) for f in RANGE_FIELDS)
     missing = [f for f, v in (("low", low), ("high", high)) if v is None]
-    if missing:
+    if missing or low is None or high is None:
         return None, [f"a range needs {' and '.join(missing)}"]
     bad = [f"{f} is {v!r}, not a number" for f, v in (("low", low), ("high", high), ("step", step))
            if v is not None and not _is_number(v)]

@@ -37,7 +37,7 @@ class Conversations(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         start, end = self.span(i)
-        ids = self.ids[start:end].astype(np.int64)
+        ids: np.ndarray = self.ids[start:end].astype(np.int64)
         return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(_labels(ids, self.mask[start:end]))}
 
     def __getstate__(self):

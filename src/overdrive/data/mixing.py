@@ -93,10 +93,10 @@ class DrawCounts:
 
     def __init__(self, edges: np.ndarray, offset: float):
         self.edges, self.offset = edges, offset
-        self.before = [np.zeros(len(edges), dtype=np.int64)]  # counts before block b
+        self.before: list[np.ndarray] = [np.zeros(len(edges), dtype=np.int64)]  # counts before block b
 
     def _labels(self, block: int) -> np.ndarray:
-        k = np.arange(block * _CHUNK, (block + 1) * _CHUNK, dtype=np.int64)
+        k: np.ndarray = np.arange(block * _CHUNK, (block + 1) * _CHUNK, dtype=np.int64)
         return source_of(k, self.edges, self.offset)
 
     def at(self, k: int) -> np.ndarray:

@@ -105,7 +105,8 @@ class UnpairedRows(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         start, end = row_span(self.ends, i)
-        ids, mask = self.ids[start:end].astype(np.int64), self.mask[start:end]
+        ids: np.ndarray = self.ids[start:end].astype(np.int64)
+        mask = self.mask[start:end]
         prompt = int(np.argmax(mask != 0)) if mask.any() else len(mask)
         return {"prompt_ids": torch.from_numpy(ids[:prompt]), "completion_ids": torch.from_numpy(ids[prompt:]),
                 "desirable": torch.tensor(bool(mask[-1] == DESIRABLE))}

@@ -93,7 +93,7 @@ class LabeledTexts(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         start, end = row_span(self.ends, i)
-        ids = self.ids[start:end].astype(np.int64)
+        ids: np.ndarray = self.ids[start:end].astype(np.int64)
         return {"input_ids": torch.from_numpy(ids), "labels": torch.tensor(int(self.labels[i]))}
 
     def __getstate__(self):

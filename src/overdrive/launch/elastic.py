@@ -115,7 +115,8 @@ _RENDEZVOUS_ERRORS = ("DistNetworkError", "DistStoreError", "RendezvousError", "
 def rendezvous_failure(error: BaseException, args: Any) -> Optional[str]:
     """A failure of the rendezvous (the store's port taken, the store unreachable) as one line
     naming the port and launch.main_process_port, or None for any other error."""
-    chain, seen = [], error
+    chain: list[BaseException] = []
+    seen: Optional[BaseException] = error
     while seen is not None and len(chain) < 8:
         chain.append(seen)
         seen = seen.__cause__ or seen.__context__

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional, Sequence
 
 from overdrive.errors import Problem, UserError
 from overdrive.hf.model_config import quiet_transformers
@@ -18,6 +18,7 @@ from overdrive.memory.shape import ModelShape
 
 if TYPE_CHECKING:
     from overdrive.config.schema import RunConfig
+    from overdrive.memory.shape import Setup, Target
 
 _YAML = (".yaml", ".yml")
 
@@ -33,7 +34,7 @@ class Source:
     attn_implementation: Optional[str] = None
 
 
-def load_run_config(path: Optional[str], cli: list[str] = ()):
+def load_run_config(path: Optional[str], cli: Sequence[str] = ()) -> RunConfig:
     """A RunConfig from files and key=value items, through the layered resolver."""
     from overdrive.resolving import resolve
 
@@ -55,12 +56,12 @@ def hf_config_for_run(cfg: RunConfig) -> Any:
                                 fix="give a local directory with config.json, or a config.json file")) from None
 
 
-def resolve_source(spec: str, cli: list[str] = ()) -> Source:
+def resolve_source(spec: str, cli: Sequence[str] = ()) -> Source:
     with quiet_transformers():
         return _resolve_source(spec, cli)
 
 
-def _resolve_source(spec: str, cli: list[str]) -> Source:
+def _resolve_source(spec: str, cli: Sequence[str]) -> Source:
     path = Path(spec).expanduser()
     if path.suffix.lower() in _YAML:
         if not path.is_file():
@@ -203,7 +204,8 @@ def shape_of_model(model, name: str) -> ModelShape:
             gated = True
     if output is not None and not isinstance(output, torch.nn.Linear):
         autocast_params += sum(p.numel() for p in output.parameters())
-    norm = "rmsnorm" if any("RMSNorm" in type(m).__name__ for m in model.modules()) else "layernorm"
+    norm: Literal["layernorm", "rmsnorm"] = (
+        "rmsnorm" if any("RMSNorm" in type(m).__name__ for m in model.modules()) else "layernorm")
     splits = _tp_splits(model)
     hidden = int(_first(config, "hidden_size", "n_embd", "d_model"))
     heads = int(_first(config, "num_attention_heads", "n_head"))
@@ -302,7 +304,7 @@ def teacher_params_of_run(cfg: RunConfig) -> int:
 _TEACHERS: dict[str, int] = {}
 
 
-def run_setup(cfg: RunConfig, target: str = "cuda", **changes):
+def run_setup(cfg: RunConfig, target: Target = "cuda", **changes: Any) -> Setup:
     """The estimator's input built from a run: its Setup (memory/shape.setup_for_run) with the
     adapter it trains attached. The one place this is done: plan, estimate, the tuner and the
     auto micro-batch all size what trains."""
@@ -318,7 +320,7 @@ def run_setup(cfg: RunConfig, target: str = "cuda", **changes):
     return replace(setup, adapter=adapter) if adapter is not None else setup
 
 
-def run_estimate(cfg: RunConfig, target: str = "cuda", shape: Optional[ModelShape] = None, **changes):
+def run_estimate(cfg: RunConfig, target: Target = "cuda", shape: Optional[ModelShape] = None, **changes):
     """The estimate of a run config's own strategy: the one place the estimator's input is
     built from a run (the plan, the tuner, the auto micro-batch). `changes` go to the Setup."""
     from overdrive.memory import estimate

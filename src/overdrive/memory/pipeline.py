@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 from overdrive.memory.activations import estimate_activations
 from overdrive.memory.formulas import model_state_row, uses_autocast
-from overdrive.memory.shape import ModelShape, setup_for_run
+from overdrive.memory.shape import ModelShape, Target, setup_for_run
 from overdrive.strategies import pipeline as rules
 
 if TYPE_CHECKING:
-    from overdrive.config.keys import ConfigLike
+    from overdrive.config.schema import RunConfig
 
 
 def _in_flight(name: str, pp: int, rank: int, microbatches: int, per_rank: int) -> int:
@@ -35,7 +35,7 @@ def _in_flight(name: str, pp: int, rank: int, microbatches: int, per_rank: int) 
     return min(microbatches * per_rank, (pp - rank - 1) * 2 + (per_rank - 1) * pp + 1)
 
 
-def stages(cfg: ConfigLike, shape: ModelShape, target: str = "cuda") -> dict[str, Any]:
+def stages(cfg: RunConfig, shape: ModelShape, target: Target = "cuda") -> dict[str, Any]:
     """Per pipeline rank: the bytes of its stages' model state and in-flight activations."""
     pp, per_rank, m = rules.pp_size(cfg), rules.stages_per_rank(cfg), rules.microbatches(cfg)
     name, count = cfg.parallel.pp_schedule, rules.stage_count(cfg)

@@ -86,7 +86,7 @@ def arithmetic(cfg: RunConfig, data: DataSize, micro_batch: int) -> Arithmetic:
 
     t = cfg.training
     split = batch.split(batch.with_split(cfg, micro_batch, t.gradient_accumulation_steps))
-    world, global_batch = split.data_parallel, split.global_batch
+    world, global_batch = split.data_parallel, split.required_global()
     tokens_per_step = global_batch * cfg.data.max_length
     from overdrive.data.sources import holdout_fraction  # torch comes with data/: plan has it by now
 

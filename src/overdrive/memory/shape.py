@@ -179,7 +179,7 @@ class Setup:
         counts = optimizer_catalog.Counts(total=shape.params, matrices=sum(r * c for r, c in matrices),
                                           matrix_sides=sum(r + c for r, c in matrices),
                                           hidden_matrices=shape.hidden_matrix_params)
-        return kind.state_bytes(counts, {"optim": {"momentum": self.momentum}}) / max(shape.params, 1)
+        return kind.state_bytes(counts, self.momentum) / max(shape.params, 1)
 
     def optimizer_words(self) -> str:
         return optimizer_catalog.KINDS.get(self.optimizer, optimizer_catalog.CLASS_PATH).state_words

@@ -1,9 +1,11 @@
 """`overdrive report` and `overdrive compare`: what a finished run did, as plots and markdown.
 
 Reads `<run>/metrics.jsonl` (one JSON object per line: train lines carry `loss`, eval lines
-`eval_loss`) and, when present, `<run>/resolved.json` (`{"config": {...}, "origins": {...}}`).
-Every field is optional: a run from an older trainer, a CPU run without MFU or a run killed
-half-way still gets a report of whatever it recorded.
+`eval_loss`) and, when present, `<run>/resolved.json` (`{"config": {...}, "origins": {...}}`),
+its config read back as a RunConfig (config/stored.py: a key an older run did not write gets its
+default; a config that cannot be read is an error naming the file). Every metrics field is
+optional: a run from an older trainer, a CPU run without MFU or a run killed half-way still
+gets a report of whatever it recorded.
 """
 
 from __future__ import annotations
@@ -13,16 +15,15 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
+from overdrive.config.schema import RunConfig
 from overdrive.config.schema_eval import is_benchmark_metric
 from overdrive.config.keys import flatten
+from overdrive.config.stored import read_stored
 from overdrive.errors import UserError
 from overdrive.reports import ranks
 from overdrive.training import metrics as metrics_file
-
-if TYPE_CHECKING:
-    from overdrive.config.keys import ConfigLike
 
 # Peak memory has been logged under several names and units; all are read, in bytes.
 _MEMORY_KEY = re.compile(r"^(peak|max)_mem(ory)?(_allocated|_reserved)?(_(?P<unit>bytes|b|kb|kib|mb|mib|gb|gib))?$")
@@ -34,13 +35,17 @@ class Run:
     path: Path
     train: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
-    config: dict[str, Any] = field(default_factory=dict)
+    config: Optional[RunConfig] = None  # None: no resolved.json
     origins: dict[str, str] = field(default_factory=dict)
     bad_lines: int = 0
 
     @property
     def name(self) -> str:
         return self.path.resolve().name
+
+    def values(self) -> dict[str, Any]:
+        """{dotted key: value} of the run's config, as its origins name them ({} without one)."""
+        return flatten(self.config.model_dump(mode="json")) if self.config is not None else {}
 
 
 def _number(value: Any) -> Optional[float]:
@@ -87,8 +92,9 @@ def load_run(path: str | Path) -> Run:
             from overdrive.config.redact import redact, redact_text
 
             # Runs written before secrets were masked in resolved.json: masked on the way in.
-            run.config = redact(data.get("config", data)) if isinstance(data.get("config", data), dict) else {}
-            origins = data.get("origins") if isinstance(data.get("origins"), dict) else {}
+            stored = data if "config" in data else {"config": data}  # a bare config, written by hand
+            run.config = read_stored({**stored, "config": redact(stored["config"])}, str(resolved))
+            origins = data["origins"] if isinstance(data.get("origins"), dict) else {}
             run.origins = {k: redact_text(str(v)) for k, v in origins.items()}
     return run
 
@@ -104,15 +110,6 @@ def series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[f
         steps.append(step if step is not None else float(index))
         values.append(value)
     return steps, values
-
-
-def _get(config: dict[str, Any], dotted: str) -> Any:
-    node: Any = config
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
 
 
 def _last(records: list[dict[str, Any]], key: str) -> Any:
@@ -131,7 +128,8 @@ def steady_rate(records: list[dict[str, Any]], key: str) -> Optional[float]:
     when logged, else are taken as equal. The first window includes start-up and
     torch.compile, so it is left out when there are three or more.
     """
-    points, previous = [], None
+    points: list[tuple[float, Optional[float]]] = []
+    previous: Optional[float] = None
     for record in records:
         rate, tokens = _number(record.get(key)), _number(record.get("tokens"))
         weight = tokens - previous if tokens is not None and previous is not None else None
@@ -148,16 +146,14 @@ def steady_rate(records: list[dict[str, Any]], key: str) -> Optional[float]:
     return sum(weights) / sum(w / r for (r, _), w in zip(points, weights))
 
 
-def _data_parallel(cfg: ConfigLike, world: Any) -> Any:
+def _data_parallel(cfg: Optional[RunConfig], world: Any) -> Any:
     """The data-parallel degree of the run's config (config/batch.py's one answer), else the world."""
     from overdrive.config.batch import data_parallel_degree
 
-    if not isinstance(world, int) or not isinstance(cfg, dict) or "launch" not in cfg:
+    if not isinstance(world, int) or cfg is None:
         return world
-    try:
-        return data_parallel_degree({**cfg, "launch": {**cfg["launch"], "num_processes": world}})
-    except (KeyError, TypeError, ValueError):
-        return world
+    launch = cfg.launch.model_copy(update={"num_processes": world})
+    return data_parallel_degree(cfg.model_copy(update={"launch": launch}))
 
 
 def summarize(run: Run) -> dict[str, Any]:
@@ -169,29 +165,31 @@ def summarize(run: Run) -> dict[str, Any]:
     _, memory = series(train + evals, "memory")
     elapsed = [v for r in train + evals if (v := _number(r.get("elapsed_s"))) is not None]
     stamps = [v for r in train + evals if (v := _number(r.get("time", r.get("timestamp")))) is not None]
-    micro = _get(cfg, "training.micro_batch_size")
+    t = cfg.training if cfg is not None else None
+    micro: Any = t.micro_batch_size if t is not None else None
     if micro in (None, "auto"):
         micro = _last(train, "micro_batch_size") or micro
-    accum = _get(cfg, "training.gradient_accumulation_steps") or _last(train, "gradient_accumulation_steps")
-    world = _last(train, "world_size") or _last(train, "num_processes") or _get(cfg, "launch.num_processes")
+    accum = (t.gradient_accumulation_steps if t is not None else None) or _last(train, "gradient_accumulation_steps")
+    world = (_last(train, "world_size") or _last(train, "num_processes")
+             or (cfg.launch.num_processes if cfg is not None else None))
     data_parallel = _data_parallel(cfg, world)
     min_index = min(range(len(losses)), key=losses.__getitem__) if losses else None
     return {
         "run": str(run.path),
         "model": _model_name(cfg),
         "strategy": _strategy(cfg),
-        "precision": _get(cfg, "precision.mixed_precision") or _last(train, "mixed_precision"),
+        "precision": (cfg.precision.mixed_precision if cfg is not None else None) or _last(train, "mixed_precision"),
         "micro_batch_size": micro,
         "gradient_accumulation_steps": accum,
         "world_size": world,
         "data_parallel": data_parallel,  # world / (tp x cp x sp): the ranks that take different samples
         "global_batch": (micro * accum * data_parallel
                          if all(isinstance(v, int) for v in (micro, accum, data_parallel)) else None),
-        "seq_len": _last(train, "seq_len") or _get(cfg, "data.max_length"),
-        "lr": _get(cfg, "optim.lr"),
-        "scheduler": _get(cfg, "scheduler.name"),
+        "seq_len": _last(train, "seq_len") or (cfg.data.max_length if cfg is not None else None),
+        "lr": cfg.optim.lr if cfg is not None else None,
+        "scheduler": cfg.scheduler.name if cfg is not None else None,
         "steps": max(loss_steps) if loss_steps else _last(evals, "step"),
-        "max_steps": _get(cfg, "training.max_steps"),
+        "max_steps": t.max_steps if t is not None else None,
         "first_loss": losses[0] if losses else None,
         "final_loss": losses[-1] if losses else None,
         "min_loss": losses[min_index] if min_index is not None else None,
@@ -222,27 +220,22 @@ def _preference(train: list[dict[str, Any]], evals: list[dict[str, Any]]) -> dic
     return out
 
 
-def _model_name(cfg: dict[str, Any]) -> Optional[str]:
-    name = _get(cfg, "model.name_or_path")
-    if name:
-        return str(name)
-    arch = _get(cfg, "model.architecture")
-    if isinstance(arch, dict) and arch:
+def _model_name(cfg: Optional[RunConfig]) -> Optional[str]:
+    if cfg is None:
+        return None
+    if cfg.model.name_or_path:
+        return cfg.model.name_or_path
+    arch = cfg.model.architecture
+    if arch:
         shape = f", {arch['n_layer']} layers x {arch['n_embd']} wide" if "n_layer" in arch and "n_embd" in arch else ""
         return f"{arch.get('model_type', 'model')}{shape}, from scratch"
     return None
 
 
-def _strategy(cfg: dict[str, Any]) -> Optional[str]:
+def _strategy(cfg: Optional[RunConfig]) -> Optional[str]:
     from overdrive.strategies import registry
 
-    name = _get(cfg, "parallel.strategy")
-    if name not in registry.STRATEGIES:  # a run from an older or foreign config: say what it says
-        return name
-    try:
-        return registry.named(name).label(cfg)
-    except (KeyError, AttributeError, TypeError):  # a partial config: the name is all there is
-        return name
+    return registry.of(cfg).label(cfg) if cfg is not None else None
 
 
 # ---------------------------------------------------------------- formatting
@@ -310,10 +303,11 @@ def summary_markdown(run: Run, summary: dict[str, Any], images: list[Path]) -> s
     explicit = {k: v for k, v in run.origins.items() if not v.startswith("default")}
     if explicit:
         out += ["", "Set explicitly (everything else is a schema default):", ""]
-        out += [f"- `{k}` = `{_get(run.config, k)}` from {v}" for k, v in sorted(explicit.items())[:40]]
+        values = run.values()  # keyed as the origins are: by dotted name
+        out += [f"- `{k}` = `{values.get(k)}` from {v}" for k, v in sorted(explicit.items())[:40]]
         if len(explicit) > 40:
             out.append(f"- ... and {len(explicit) - 40} more (see resolved.json)")
-    if not run.config:
+    if run.config is None:
         out += ["", "No resolved.json in the run directory: config values come from metrics.jsonl only."]
     out += ["", "## Results", "", "| | |", "| --- | --- |"]
     for key, label, kind in METRICS:
@@ -335,7 +329,7 @@ def summary_markdown(run: Run, summary: dict[str, Any], images: list[Path]) -> s
 
 
 def config_differences(a: Run, b: Run) -> list[tuple[str, Any, Any]]:
-    fa, fb = flatten(a.config), flatten(b.config)
+    fa, fb = a.values(), b.values()
     return [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
 
 

@@ -8,15 +8,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from pydantic import ValidationError
-
 from overdrive.config.env_report import process_environment
 from overdrive.config.keys import flatten, set_dotted
 from overdrive.config.redact import masked_item
 from overdrive.config.provenance import Origin, Setting
 from overdrive.config.schema import RunConfig
+from overdrive.config.stored import CONFIG_VERSION, read_stored
 from overdrive.errors import Problem, UserError
-from overdrive.resolving.problems import pydantic_problems
 
 @dataclass
 class Resolved:
@@ -41,6 +39,7 @@ class Resolved:
         from overdrive.config.redact import redact, redact_text
 
         data: dict[str, Any] = {
+            "config_version": CONFIG_VERSION,
             "config": redact(self.config.model_dump(mode="json")),
             "origins": {key: redact_text(str(origin)) for key, origin in sorted(self.origins.items())},
             "origin_records": {key: [o.layer, redact_text(str(o.source)), o.line] for key, o in sorted(self.origins.items())},
@@ -68,18 +67,15 @@ class Resolved:
         if not isinstance(data, dict) or not isinstance(data.get("config"), dict):
             raise UserError(Problem("", "not a resolved config (no \"config\" mapping)", where,
                                     "pass the resolved.json written by overdrive for this run"))
-        config = data["config"]
+        stored = dict(data["config"])
         environ = process_environment(environ)
         try:
             secrets = json.loads(environ.get(SECRETS_VARIABLE) or "{}")
         except ValueError:
             secrets = {}
         for key, value in (secrets if isinstance(secrets, dict) else {}).items():
-            set_dotted(config, key, value)
-        try:
-            config = RunConfig.model_validate(config)
-        except ValidationError as error:
-            raise UserError(pydantic_problems(error, {}), title=f"{where} is not a valid run config") from None
+            set_dotted(stored, key, value)
+        config = read_stored({**data, "config": stored}, where)
         records = data.get("origin_records") or {}
         try:
             origins = {key: Origin(*record) for key, record in records.items()}

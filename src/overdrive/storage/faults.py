@@ -76,7 +76,7 @@ def _exists(path: Path) -> bool:
 
 def _mounts() -> list[tuple[str, str]]:
     """(mount point, file-system type) of every mount this process sees (Linux /proc)."""
-    found = []
+    found: list[tuple[str, str]] = []
     try:
         lines = Path("/proc/self/mountinfo").read_text().splitlines()
     except OSError:
@@ -111,7 +111,7 @@ def free_bytes(path: Union[str, Path]) -> Optional[int]:
     return file_system(path).free
 
 
-def _chain(error: BaseException) -> Iterator[BaseException]:
+def _chain(error: Optional[BaseException]) -> Iterator[BaseException]:
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))

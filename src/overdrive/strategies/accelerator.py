@@ -3,6 +3,7 @@ workarounds, what the strategy cannot do on this machine, and the model split fo
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 from overdrive.config.schema import RunConfig
@@ -10,16 +11,24 @@ from overdrive.errors import Problem
 from overdrive.strategies import registry
 
 
+def _strategy_module(name: str) -> ModuleType:
+    """The module that builds Accelerate's plugin for strategy `name` (imported when asked: DeepSpeed's is heavy)."""
+    if name == "deepspeed":
+        from overdrive.strategies import deepspeed
+        return deepspeed
+    if name == "fsdp":
+        from overdrive.strategies import fsdp
+        return fsdp
+    from overdrive.strategies import ddp
+    return ddp
+
+
 def accelerator_kwargs(cfg: RunConfig, world_size: int = 1, gpus: int | None = None) -> dict[str, Any]:
     """Keyword arguments for `Accelerator(...)`, from the config and the world size alone.
     `gpus`: describe the machine (its GPU count) instead of asking torch on this one."""
-    if cfg.parallel.strategy == "deepspeed":
-        from overdrive.strategies import deepspeed as module
-    elif cfg.parallel.strategy == "fsdp":
-        from overdrive.strategies import fsdp as module
-    else:
-        from overdrive.strategies import ddp as module
     from overdrive.strategies import cpu, layout
+
+    module = _strategy_module(cfg.parallel.strategy)
 
     kwargs = module.accelerator_kwargs(cfg, world_size, gpus)
     if not cpu.on_cpu(cfg, gpus):

@@ -65,7 +65,8 @@ def checkpoint_writer(cfg: RunConfig) -> str:
 
 def problems(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
     """What this strategy cannot do with the `peft:` section asked for."""
-    p, strategy, found = cfg.peft, registry.of(cfg), []
+    p, strategy = cfg.peft, registry.of(cfg)
+    found: list[Problem] = []
     if p.method == "none":
         return found
     f = cfg.parallel.fsdp

@@ -167,7 +167,7 @@ def _expected(cfg: RunConfig, world_size: int) -> dict[str, tuple[Any, str]]:
         "scheduler.params.total_num_steps": (t.max_steps, "training.max_steps"),
         "scheduler.params.cos_min_ratio": (s.min_lr_ratio, "scheduler.min_lr_ratio"),
     }
-    if micro != AUTO:  # else Accelerate fills both from the DataLoader at prepare time
+    if isinstance(micro, int):  # else (AUTO) Accelerate fills both from the DataLoader at prepare time
         values["train_micro_batch_size_per_gpu"] = (micro, "training.micro_batch_size")
         values["train_batch_size"] = (
             batch.of(micro, t.gradient_accumulation_steps, world_size).global_batch,

@@ -39,25 +39,20 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
-from overdrive.config.keys import dotted_value as _get
 from overdrive.config.mesh import layout as _mesh_layout
 from overdrive.errors import Problem
 from overdrive.strategies.registry import of
 
 if TYPE_CHECKING:
     from overdrive.config.schema import RunConfig
-    from overdrive.config.keys import ConfigLike
 
 
-def ep_size(cfg: ConfigLike) -> int:
-    """parallel.ep_size; 1 for a checkpoint's saved config from before the key existed."""
-    try:
-        return int(_get(cfg, "parallel.ep_size") or 1)
-    except (KeyError, AttributeError):
-        return 1
+def ep_size(cfg: RunConfig) -> int:
+    """parallel.ep_size (a checkpoint's config from before the key existed reads back with its default, 1)."""
+    return cfg.parallel.ep_size
 
 
-def problems(cfg: ConfigLike, world: Optional[int] = None) -> list[Problem]:
+def problems(cfg: RunConfig, world: Optional[int] = None) -> list[Problem]:
     """The degrees and the composition, by key: ep within the data-parallel group (dividing its
     degree), DDP alone beside it, no adapter."""
     ep = ep_size(cfg)
@@ -76,13 +71,13 @@ def problems(cfg: ConfigLike, world: Optional[int] = None) -> list[Problem]:
                              fix="set parallel.strategy=fsdp (or ddp)"))
     elif strategy == "fsdp" and _mesh_layout(cfg, world, shard_the_rest=True).dp_replicate > 1:
         found.append(Problem("parallel.ep_size", "is composed with FSDP2 sharding over every data-parallel rank, "
-                             f"not with HSDP (parallel.dp_replicate_size={_get(cfg, 'parallel.dp_replicate_size')})",
+                             f"not with HSDP (parallel.dp_replicate_size={cfg.parallel.dp_replicate_size})",
                              fix="set parallel.dp_replicate_size=1, or parallel.ep_size=1"))
     for axis, size in (("tp", lay.tp), ("cp", lay.cp), ("sp", lay.sp), ("pp", lay.pp)):
         if size > 1:
             found.append(Problem("parallel.ep_size", f"is not composed with parallel.{axis}_size={size} here",
                                  fix=f"set parallel.{axis}_size=1, or parallel.ep_size=1"))
-    if str(_get(cfg, "peft.method")) != "none":
+    if cfg.peft.method != "none":
         found.append(Problem("parallel.ep_size", "is not composed with an adapter (peft.method) here",
                              fix="set peft.method=none, or parallel.ep_size=1"))
     return found

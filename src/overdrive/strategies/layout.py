@@ -21,13 +21,11 @@ from typing import TYPE_CHECKING, Any, Optional
 from overdrive.errors import Problem
 from overdrive.config import mesh
 from overdrive.config.mesh import KEYS, MESH_ORDER, Layout  # noqa: F401  (asked for here by the rest)
-from overdrive.config.keys import dotted_value as _get
 from overdrive.strategies import pipeline
 from overdrive.strategies.registry import of
 
 if TYPE_CHECKING:
     from overdrive.config.schema import RunConfig
-    from overdrive.config.keys import ConfigLike
 
 def layout(cfg: RunConfig, world: Optional[int] = None) -> Layout:
     """The layout a run config asks for on `world` ranks (config/mesh.py's arithmetic): the rest
@@ -52,15 +50,15 @@ def summary(cfg: RunConfig, world: Optional[int] = None) -> dict[str, Any]:
             "model_parallel": lay.model_parallel, "text": text}
 
 
-def problems(cfg: ConfigLike, world: Optional[int] = None) -> list[Problem]:
+def problems(cfg: RunConfig, world: Optional[int] = None) -> list[Problem]:
     """Every rule of the layout, named by key: the sizes against the world, the strategy each
     axis needs, the sequence length CP and SP split. (The model's heads and its tensor-parallel
     plan: `model_problems`.)"""
     world = _world(cfg, world)
     lay, strategy, found = layout(cfg, world), of(cfg).name, []
-    p = lambda key: _get(cfg, f"parallel.{key}")  # noqa: E731
-    given = int(p("dp_replicate_size")) * lay.model_parallel  # the axes set; the rest of the world is data parallel
-    if p("dp_shard_size") is not None and lay.world != world:
+    p = cfg.parallel
+    given = p.dp_replicate_size * lay.model_parallel  # the axes set; the rest of the world is data parallel
+    if p.dp_shard_size is not None and lay.world != world:
         pp = f" x pp {lay.pp}" if lay.pp > 1 else ""
         found.append(Problem("parallel.dp_shard_size", f"dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x tp "
                              f"{lay.tp} x cp {lay.cp} x sp {lay.sp}{pp} = {lay.world}, but there are {world} processes",
@@ -70,7 +68,7 @@ def problems(cfg: ConfigLike, world: Optional[int] = None) -> list[Problem]:
         key = next((KEYS[n] for n in ("pp", "tp", "cp", "sp", "dp_replicate") if getattr(lay, n) > 1), "parallel.tp_size")
         found.append(Problem(key, f"dp_replicate x pp x tp x cp x sp = {given} does not divide {world} processes",
                              fix=f"make launch.num_processes a multiple of {given}"))
-    if strategy == "ddp" and p("dp_shard_size") not in (None, 1):
+    if strategy == "ddp" and p.dp_shard_size not in (None, 1):
         found.append(Problem("parallel.dp_shard_size", "shards the model, which needs parallel.strategy=fsdp (it is ddp)",
                              fix="set parallel.strategy=fsdp, or remove parallel.dp_shard_size"))
     if strategy != "fsdp" and lay.cp > 1:
@@ -85,13 +83,13 @@ def problems(cfg: ConfigLike, world: Optional[int] = None) -> list[Problem]:
         found.append(Problem("parallel.tp_size", "is not composed with DeepSpeed by Accelerate's ParallelismConfig "
                              "(DeepSpeed takes only sp_size)", fix="set parallel.strategy=fsdp"))
     if strategy == "fsdp":
-        if int(_get(cfg, "parallel.fsdp.version")) != 2 and lay.is_nd:
+        if p.fsdp.version != 2 and lay.is_nd:
             found.append(Problem("parallel.fsdp.version", f"the layout {lay.describe()} needs FSDP2",
                                  fix="set parallel.fsdp.version=2"))
         if lay.dp_replicate > 1 and lay.dp_shard == 1:
             found.append(Problem("parallel.dp_replicate_size", "replicas without shards are plain data parallel",
                                  fix="set parallel.strategy=ddp, or parallel.dp_shard_size > 1 for HSDP"))
-        elif lay.tp > 1 and lay.cp == 1 and lay.pp == 1 and world == given and p("dp_shard_size") in (None, 1):
+        elif lay.tp > 1 and lay.cp == 1 and lay.pp == 1 and world == given and p.dp_shard_size in (None, 1):
             # Accelerate raises inside prepare: "FSDP is enabled but the parallelism config has no dimension
             # for FSDP to shard across".
             found.append(Problem("parallel.tp_size", f"every one of the {world} processes is in the tensor-parallel "
@@ -104,7 +102,7 @@ def problems(cfg: ConfigLike, world: Optional[int] = None) -> list[Problem]:
     if lay.cp > 1 and lay.sp > 1:
         found.append(Problem("parallel.sp_size", "context and sequence parallel are mutually exclusive (Accelerate)",
                              fix="set parallel.cp_size=1 or parallel.sp_size=1"))
-    seq = int(_get(cfg, "data.max_length"))
+    seq = cfg.data.max_length
     if lay.cp > 1 and seq % (2 * lay.cp):
         found.append(Problem("data.max_length", f"{seq} does not divide into 2 x cp_size = {2 * lay.cp} chunks (torch's "
                              "load-balanced ring attention gives each rank two)",
@@ -112,12 +110,12 @@ def problems(cfg: ConfigLike, world: Optional[int] = None) -> list[Problem]:
     if lay.sp > 1 and seq % lay.sp:
         found.append(Problem("data.max_length", f"{seq} does not divide by parallel.sp_size {lay.sp}",
                              fix=f"make data.max_length a multiple of {lay.sp}"))
-    fixed = p("sp_seq_length")
-    if lay.sp > 1 and fixed is not None and int(fixed) % lay.sp:
+    fixed = p.sp_seq_length
+    if lay.sp > 1 and fixed is not None and fixed % lay.sp:
         found.append(Problem("parallel.sp_seq_length", f"{fixed} does not divide by parallel.sp_size {lay.sp}",
                              fix=f"make it a multiple of {lay.sp}"))
-    micro = _get(cfg, "training.micro_batch_size")
-    samples = None if micro == "auto" else int(micro) * int(_get(cfg, "training.gradient_accumulation_steps"))
+    micro = cfg.training.micro_batch_size
+    samples = None if micro == "auto" else micro * cfg.training.gradient_accumulation_steps
     from overdrive.strategies import expert_parallel
 
     return found + pipeline.problems(cfg, world, samples) + expert_parallel.problems(cfg, world)
@@ -163,26 +161,26 @@ def model_problems(cfg: RunConfig, hf_config: Any) -> list[Problem]:
     return found + pipeline.model_problems(cfg, hf_config) + expert_parallel.model_problems(cfg, hf_config)
 
 
-def parallelism_kwargs(cfg: ConfigLike, world: Optional[int] = None) -> Optional[dict[str, Any]]:
+def parallelism_kwargs(cfg: RunConfig, world: Optional[int] = None) -> Optional[dict[str, Any]]:
     """The arguments of Accelerate's ParallelismConfig for this run, or None when the run has
     only one data-parallel axis (plain DDP, FSDP, ZeRO: no mesh needed)."""
     lay = layout(cfg, world)
     if not lay.is_nd:
         return None
-    p = lambda key: _get(cfg, f"parallel.{key}")  # noqa: E731
+    p = cfg.parallel
     kwargs: dict[str, Any] = {"dp_replicate_size": lay.dp_replicate, "dp_shard_size": lay.dp_shard,
                               "tp_size": lay.tp, "cp_size": lay.cp, "sp_size": lay.sp}
     if lay.cp > 1:
         kwargs["cp_backend"] = "torch"
-        kwargs["cp_handler"] = {"cp_comm_strategy": p("cp_comm_strategy")}
+        kwargs["cp_handler"] = {"cp_comm_strategy": p.cp_comm_strategy}
     if lay.sp > 1:
         kwargs["sp_backend"] = "deepspeed"
         # DeepSpeed's batch (train_batch_size) counts dp_replicate x dp_shard as its data-parallel world.
         kwargs["dp_shard_size"] = lay.dp_shard * lay.dp_replicate
         kwargs["dp_replicate_size"] = 1
-        kwargs["sp_handler"] = {"sp_seq_length": p("sp_seq_length") or int(_get(cfg, "data.max_length")),
-                                "sp_seq_length_is_variable": bool(p("sp_seq_length_is_variable")),
-                                "sp_attn_implementation": p("sp_attn_implementation")}
+        kwargs["sp_handler"] = {"sp_seq_length": p.sp_seq_length or cfg.data.max_length,
+                                "sp_seq_length_is_variable": p.sp_seq_length_is_variable,
+                                "sp_attn_implementation": p.sp_attn_implementation}
     return kwargs
 
 

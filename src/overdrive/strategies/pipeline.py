@@ -17,12 +17,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from overdrive.errors import Problem
-from overdrive.config.keys import dotted_value as _get
 from overdrive.strategies.registry import of
 
 if TYPE_CHECKING:
     from overdrive.config.schema import RunConfig
-    from overdrive.config.keys import ConfigLike
 
 
 @dataclass(frozen=True)
@@ -43,41 +41,33 @@ SCHEDULES = {
 }
 
 
-def _p(cfg: ConfigLike, key: str, default: Any = None) -> Any:
-    try:
-        value = _get(cfg, f"parallel.{key}")
-    except (KeyError, AttributeError):  # a checkpoint's config from before the pipeline axis
-        return default
-    return default if value is None else value
+def pp_size(cfg: RunConfig) -> int:
+    return cfg.parallel.pp_size
 
 
-def pp_size(cfg: ConfigLike) -> int:
-    return int(_p(cfg, "pp_size", 1))
+def schedule(cfg: RunConfig) -> Schedule:
+    return SCHEDULES[cfg.parallel.pp_schedule]
 
 
-def schedule(cfg: ConfigLike) -> Schedule:
-    return SCHEDULES[_p(cfg, "pp_schedule", "1f1b")]
-
-
-def stages_per_rank(cfg: ConfigLike) -> int:
-    given = _p(cfg, "pp_stages_per_rank")
-    return int(given) if given is not None else (2 if schedule(cfg).multi else 1)
+def stages_per_rank(cfg: RunConfig) -> int:
+    given = cfg.parallel.pp_stages_per_rank
+    return given if given is not None else (2 if schedule(cfg).multi else 1)
 
 
 def stage_count(cfg: RunConfig) -> int:
     return pp_size(cfg) * stages_per_rank(cfg)
 
 
-def microbatches(cfg: ConfigLike) -> int:
+def microbatches(cfg: RunConfig) -> int:
     """pp_microbatches, or else the step's micro-batches when there are at least pp_size of
     them, else one sample per microbatch (the smallest bubble the step's samples allow)."""
-    given = _p(cfg, "pp_microbatches")
+    given = cfg.parallel.pp_microbatches
     if given is not None:
-        return int(given)
-    accumulation, micro = int(_get(cfg, "training.gradient_accumulation_steps")), _get(cfg, "training.micro_batch_size")
+        return given
+    accumulation, micro = cfg.training.gradient_accumulation_steps, cfg.training.micro_batch_size
     if accumulation >= pp_size(cfg) or micro == "auto":
         return accumulation
-    return accumulation * int(micro)
+    return accumulation * micro
 
 
 def stages_of_rank(pp_rank: int, pp: int, per_rank: int, v_shape: bool) -> list[int]:
@@ -114,14 +104,14 @@ def bubble_fraction(pp: int, microbatches_: int, per_rank: int = 1) -> float:
     return (pp - 1) / (per_rank * microbatches_ + pp - 1)
 
 
-def problems(cfg: ConfigLike, world: int, samples_per_replica: Optional[int]) -> list[Problem]:
+def problems(cfg: RunConfig, world: int, samples_per_replica: Optional[int]) -> list[Problem]:
     """The pipeline's rules, named by key (none when pp_size is 1). `samples_per_replica` is
     micro x accumulation (None while the micro-batch is `auto`)."""
     pp = pp_size(cfg)
     if pp == 1:
         return []
     found: list[Problem] = []
-    sched, name = schedule(cfg), _p(cfg, "pp_schedule", "1f1b")
+    sched, name = schedule(cfg), cfg.parallel.pp_schedule
     per_rank, m = stages_per_rank(cfg), microbatches(cfg)
     if not sched.multi and per_rank != 1:
         found.append(Problem("parallel.pp_stages_per_rank", f"{name} runs one stage per rank (it is {per_rank})",
@@ -143,8 +133,8 @@ def problems(cfg: ConfigLike, world: int, samples_per_replica: Optional[int]) ->
         found.append(Problem("parallel.pp_microbatches", f"the {samples_per_replica} samples a replica takes per step "
                              f"(micro_batch_size x gradient_accumulation_steps) do not split into {m} microbatches",
                              fix=f"choose a pp_microbatches that divides {samples_per_replica}"))
-    for axis in ("cp_size", "sp_size"):
-        if int(_get(cfg, f"parallel.{axis}")) > 1:
+    for axis, size in (("cp_size", cfg.parallel.cp_size), ("sp_size", cfg.parallel.sp_size)):
+        if size > 1:
             found.append(Problem(f"parallel.{axis}", "pipeline stages are composed with tensor parallel and data "
                                  "parallel replicas, not with context or sequence parallel",
                                  fix=f"set parallel.{axis}=1 with parallel.pp_size > 1"))
@@ -153,31 +143,31 @@ def problems(cfg: ConfigLike, world: int, samples_per_replica: Optional[int]) ->
         found.append(Problem("parallel.strategy", "DeepSpeed's engine wraps the whole model, which a stage does not "
                              "hold (its own PipelineModule is not run here)",
                              fix="set parallel.strategy=ddp or fsdp with parallel.pp_size > 1"))
-    if strategy == "fsdp" and int(_get(cfg, "parallel.fsdp.version")) != 2:
+    if strategy == "fsdp" and cfg.parallel.fsdp.version != 2:
         found.append(Problem("parallel.fsdp.version", "pipeline stages are sharded by FSDP2 (fully_shard)",
                              fix="set parallel.fsdp.version=2"))
-    if strategy == "fsdp" and int(_get(cfg, "parallel.dp_replicate_size")) > 1:
+    if strategy == "fsdp" and cfg.parallel.dp_replicate_size > 1:
         found.append(Problem("parallel.dp_replicate_size", "pipeline stages are sharded over one data-parallel axis "
                              "(HSDP beside stages is not composed here)", fix="set parallel.dp_replicate_size=1"))
-    if _get(cfg, "training.micro_batch_size") == "auto":
+    if cfg.training.micro_batch_size == "auto":
         found.append(Problem("training.micro_batch_size", "`auto` probes the whole model on one device; a pipeline "
                              "stage holds a part of it", fix="set an integer micro_batch_size with parallel.pp_size > 1"))
-    if _get(cfg, "precision.mixed_precision") == "fp16":
+    if cfg.precision.mixed_precision == "fp16":
         found.append(Problem("precision.mixed_precision", "fp16 needs a loss scaler across the pipeline's stages, "
                              "which is not run here", fix="use bf16 (or no) with parallel.pp_size > 1"))
-    if _get(cfg, "compile.backend"):
+    if cfg.compile.backend:
         found.append(Problem("compile.backend", "torch.compile of pipeline stages is not run here",
                              fix="leave compile.backend empty with parallel.pp_size > 1"))
     return found
 
 
-def model_problems(cfg: ConfigLike, hf_config: Any) -> list[Problem]:
+def model_problems(cfg: RunConfig, hf_config: Any) -> list[Problem]:
     """The model's decoder layers against the stages asked for (no weights needed)."""
     if pp_size(cfg) == 1:
         return []
     layers = getattr(hf_config, "num_hidden_layers", None) or getattr(hf_config, "n_layer", None)
     stages, found = stage_count(cfg), []
-    world = int(_get(cfg, "launch.num_processes"))
+    world = cfg.launch.num_processes
     if not layers:
         return [Problem("parallel.pp_size", f"{type(hf_config).__name__} does not say how many decoder layers it has",
                         fix="set parallel.pp_size=1")]

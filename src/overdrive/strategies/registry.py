@@ -5,8 +5,8 @@ description of the run's strategy (`of(cfg)`) what it needs to know (does it sha
 parameters? is its checkpoint one shard per rank? which Accelerate distributed type?).
 
 Pure: imports neither torch nor accelerate, so `overdrive explain` and `--help` stay fast.
-Every question takes the run config, as a RunConfig or as its JSON dump (a resolved.json
-or a checkpoint's saved config): both are read through `_get`.
+Every question takes the run config as a RunConfig (a resolved.json or a checkpoint's saved
+config is read into one first: config/stored.py).
 """
 
 from __future__ import annotations
@@ -14,12 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from overdrive.config.keys import dotted_value as _get
 from overdrive.strategies import settings
 
 if TYPE_CHECKING:
     from overdrive.config.schema import RunConfig
-    from overdrive.config.keys import ConfigLike
 
 
 @dataclass(frozen=True)
@@ -56,15 +54,15 @@ class Strategy:
     native_file: Optional[str]
     # The run hands DeepSpeed a config dict (strategies/deepspeed_config.py), checked before launch.
     deepspeed_config: bool
-    _sharding: Callable[[Any], Sharding]
-    _holds_whole_model: Callable[[Any], bool]
-    _setting_problems: Callable[[Any, settings.Where], settings.Found]
-    _checkpoint_per_rank: Callable[[Any], bool]
-    _estimator_row: Callable[[Any], str]
-    _label: Callable[[Any], str]
+    _sharding: Callable[[RunConfig], Sharding]
+    _holds_whole_model: Callable[[RunConfig], bool]
+    _setting_problems: Callable[[RunConfig, settings.Where], settings.Found]
+    _checkpoint_per_rank: Callable[[RunConfig], bool]
+    _estimator_row: Callable[[RunConfig], str]
+    _label: Callable[[RunConfig], str]
     # What the optimizer's step is given: "whole" tensors, "flat partitions" (ZeRO: one flattened
     # fp32 buffer per rank, tensors cut anywhere) or "shards" (FSDP2: DTensor pieces of each tensor).
-    _optimizer_sees: Callable[[Any], str] = lambda cfg: "whole"
+    _optimizer_sees: Callable[[RunConfig], str] = lambda cfg: "whole"
     # The fp8 backends Accelerate runs under this strategy (it refuses MS-AMP with FSDP when the
     # model is prepared).
     fp8_backends: tuple[str, ...] = ("TE", "AO", "MSAMP")
@@ -85,20 +83,20 @@ class Strategy:
         """(errors, warnings) of this strategy's own settings; `where(key)`: where a value was set."""
         return self._setting_problems(cfg, where)
 
-    def skips_overflowing_steps(self, cfg: ConfigLike) -> bool:
+    def skips_overflowing_steps(self, cfg: RunConfig) -> bool:
         """The strategy's engine skips a step whose fp16 gradients overflow and lowers the loss
         scale itself: DeepSpeed with dynamic loss scaling (`loss_scale: 0`; a fixed scale skips nothing)."""
-        return (self.engine_steps_optimizer and _get(cfg, "precision.mixed_precision") == "fp16"
-                and not _get(cfg, "parallel.deepspeed.loss_scale"))
+        return (self.engine_steps_optimizer and cfg.precision.mixed_precision == "fp16"
+                and not cfg.parallel.deepspeed.loss_scale)
 
     def checkpoint_per_rank(self, cfg: RunConfig) -> bool:
         """True when the checkpoint's optimizer state (or weights) is written as one shard per rank."""
         return self._checkpoint_per_rank(cfg)
 
-    def saves_through_dcp(self, cfg: ConfigLike) -> bool:
+    def saves_through_dcp(self, cfg: RunConfig) -> bool:
         """True when Accelerate writes the model and optimizer through torch.distributed.checkpoint
         (FSDP's sharded state dict): what `checkpoint.async` can hand to DCP's async_save."""
-        return self.name == "fsdp" and _get(cfg, "parallel.fsdp.state_dict_type") == "sharded_state_dict"
+        return self.name == "fsdp" and cfg.parallel.fsdp.state_dict_type == "sharded_state_dict"
 
     def estimator_row(self, cfg: RunConfig) -> str:
         """The memory estimator's row (overdrive.memory.formulas.STRATEGIES) this run selects."""
@@ -108,43 +106,48 @@ class Strategy:
         """One line for reports: the strategy and what it was set to."""
         return self._label(cfg)
 
-    def distributed_type(self, cfg: ConfigLike) -> str:
+    def distributed_type(self, cfg: RunConfig) -> str:
         """Accelerate's DistributedType for this run (an Accelerate YAML's `distributed_type`)."""
         if self.accelerate_type:
             return self.accelerate_type
-        if _get(cfg, "launch.num_processes") == 1 and _get(cfg, "launch.num_machines") == 1:
+        if cfg.launch.num_processes == 1 and cfg.launch.num_machines == 1:
             return "NO"
-        return "MULTI_CPU" if _get(cfg, "launch.use_cpu") else "MULTI_GPU"
+        return "MULTI_CPU" if cfg.launch.use_cpu else "MULTI_GPU"
 
-    def activation_checkpointing(self, cfg: ConfigLike) -> bool:
+    def activation_checkpointing(self, cfg: RunConfig) -> bool:
         """The strategy's own activation checkpointing (beside model.gradient_checkpointing)."""
-        return self.name == "fsdp" and bool(_get(cfg, "parallel.fsdp.activation_checkpointing"))
+        return self.name == "fsdp" and cfg.parallel.fsdp.activation_checkpointing
 
     def owns(self, key: str) -> bool:
         """True when a dotted key belongs to this strategy's settings section."""
         return bool(self.section) and key.startswith(f"{self.section}.")
 
 
-def _zero_sharding(cfg: ConfigLike) -> Sharding:
-    stage = int(_get(cfg, "parallel.deepspeed.zero_stage"))
+def _zero_stage(cfg: RunConfig) -> int:
+    return cfg.parallel.deepspeed.zero_stage
+
+
+def _zero_sharding(cfg: RunConfig) -> Sharding:
+    ds = cfg.parallel.deepspeed
+    stage = ds.zero_stage
     return Sharding(parameters=stage >= 3, gradients=stage >= 2, optimizer_state=stage >= 1,
-                    offload_parameters=stage >= 3 and _get(cfg, "parallel.deepspeed.offload_param") != "none",
-                    offload_optimizer_state=stage >= 1 and _get(cfg, "parallel.deepspeed.offload_optimizer") != "none")
+                    offload_parameters=stage >= 3 and ds.offload_param != "none",
+                    offload_optimizer_state=stage >= 1 and ds.offload_optimizer != "none")
 
 
-def _fsdp_sharding(cfg: ConfigLike) -> Sharding:
+def _fsdp_sharding(cfg: RunConfig) -> Sharding:
     # FSDP2 always shards all three between uses; reshard_after_forward decides whether the
     # gathered parameters are freed after forward (ZeRO-3-like) or kept to backward (ZeRO-2-like).
-    offload = bool(_get(cfg, "parallel.fsdp.offload_params"))
-    return Sharding(parameters=bool(_get(cfg, "parallel.fsdp.reshard_after_forward")), gradients=True,
-                    optimizer_state=True, offload_parameters=offload, offload_optimizer_state=offload)
+    fsdp = cfg.parallel.fsdp
+    return Sharding(parameters=fsdp.reshard_after_forward, gradients=True, optimizer_state=True,
+                    offload_parameters=fsdp.offload_params, offload_optimizer_state=fsdp.offload_params)
 
 
-def _zero_row(cfg: ConfigLike) -> str:
-    stage = int(_get(cfg, "parallel.deepspeed.zero_stage"))
-    offload_opt = _get(cfg, "parallel.deepspeed.offload_optimizer") != "none"
+def _zero_row(cfg: RunConfig) -> str:
+    ds = cfg.parallel.deepspeed
+    stage, offload_opt = ds.zero_stage, ds.offload_optimizer != "none"
     if stage == 3:
-        if _get(cfg, "parallel.deepspeed.offload_param") != "none":
+        if ds.offload_param != "none":
             return "zero3_offload"
         return "zero3_offload_optimizer" if offload_opt else "zero3"
     if stage == 0:
@@ -154,17 +157,16 @@ def _zero_row(cfg: ConfigLike) -> str:
     return f"zero{stage}"
 
 
-def _zero_label(cfg: ConfigLike) -> str:
-    text = f"deepspeed ZeRO-{_get(cfg, 'parallel.deepspeed.zero_stage')}"
-    offload = [f"{what} to {dev}" for what, dev in (
-        ("optimizer", _get(cfg, "parallel.deepspeed.offload_optimizer")),
-        ("params", _get(cfg, "parallel.deepspeed.offload_param"))) if dev not in (None, "none")]
-    return text + (f" (offload {', '.join(offload)})" if offload else "")
+def _zero_label(cfg: RunConfig) -> str:
+    ds = cfg.parallel.deepspeed
+    offload = [f"{what} to {dev}" for what, dev in (("optimizer", ds.offload_optimizer), ("params", ds.offload_param))
+               if dev not in (None, "none")]
+    return f"deepspeed ZeRO-{ds.zero_stage}" + (f" (offload {', '.join(offload)})" if offload else "")
 
 
-def _fsdp_label(cfg: ConfigLike) -> str:
-    return (f"fsdp{_get(cfg, 'parallel.fsdp.version') or ''} "
-            f"(reshard_after_forward={_get(cfg, 'parallel.fsdp.reshard_after_forward')})")
+def _fsdp_label(cfg: RunConfig) -> str:
+    fsdp = cfg.parallel.fsdp
+    return f"fsdp{fsdp.version or ''} (reshard_after_forward={fsdp.reshard_after_forward})"
 
 
 DDP = Strategy(
@@ -177,18 +179,18 @@ DDP = Strategy(
 DEEPSPEED = Strategy(
     name="deepspeed", title="DeepSpeed ZeRO", accelerate_type="DEEPSPEED", section="parallel.deepspeed",
     always_grouped=True, engine_steps_optimizer=True, native_file="deepspeed.json", deepspeed_config=True,
-    _sharding=_zero_sharding, _holds_whole_model=lambda cfg: int(_get(cfg, "parallel.deepspeed.zero_stage")) < 3,
+    _sharding=_zero_sharding, _holds_whole_model=lambda cfg: _zero_stage(cfg) < 3,
     _setting_problems=settings.deepspeed,
-    _checkpoint_per_rank=lambda cfg: int(_get(cfg, "parallel.deepspeed.zero_stage")) >= 1,
+    _checkpoint_per_rank=lambda cfg: _zero_stage(cfg) >= 1,
     _estimator_row=_zero_row, _label=_zero_label,
-    _optimizer_sees=lambda cfg: "flat partitions" if int(_get(cfg, "parallel.deepspeed.zero_stage")) >= 1 else "whole")
+    _optimizer_sees=lambda cfg: "flat partitions" if _zero_stage(cfg) >= 1 else "whole")
 
 FSDP = Strategy(
     name="fsdp", title="PyTorch FSDP2", accelerate_type="FSDP", section="parallel.fsdp",
     always_grouped=True, engine_steps_optimizer=False, native_file=None, deepspeed_config=False,
     _sharding=_fsdp_sharding, _holds_whole_model=lambda cfg: False, _setting_problems=settings.fsdp,
-    _checkpoint_per_rank=lambda cfg: _get(cfg, "parallel.fsdp.state_dict_type") == "sharded_state_dict",
-    _estimator_row=lambda cfg: "fsdp2_offload" if _get(cfg, "parallel.fsdp.offload_params") else "fsdp2",
+    _checkpoint_per_rank=lambda cfg: cfg.parallel.fsdp.state_dict_type == "sharded_state_dict",
+    _estimator_row=lambda cfg: "fsdp2_offload" if cfg.parallel.fsdp.offload_params else "fsdp2",
     _label=_fsdp_label, _optimizer_sees=lambda cfg: "shards", fp8_backends=("TE", "AO"))
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (DDP, DEEPSPEED, FSDP)}
@@ -229,6 +231,6 @@ def named(name: str) -> Strategy:
         raise ValueError(f"unknown strategy {name!r}: one of {', '.join(NAMES)}") from None
 
 
-def of(cfg: ConfigLike) -> Strategy:
-    """The strategy a run config (RunConfig, or its JSON dump) uses."""
-    return named(_get(cfg, "parallel.strategy"))
+def of(cfg: RunConfig) -> Strategy:
+    """The strategy a run config uses."""
+    return named(cfg.parallel.strategy)

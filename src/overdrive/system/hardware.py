@@ -68,7 +68,8 @@ class Hardware:
 
 def cpu_info() -> tuple[str, frozenset[str]]:
     """CPU model name and feature flags from /proc/cpuinfo (Linux); elsewhere platform's guess."""
-    model, flags = "", frozenset()
+    model = ""
+    flags: frozenset[str] = frozenset()
     try:
         text = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Union
 
 import torch
 
@@ -27,18 +27,31 @@ from overdrive.training.objectives.objective import Objective, TokenObjective
 from overdrive.training.step import activation_offload, context_parallel, forward_backward, loss_kernels, pipeline
 from overdrive.training.step.pipeline import Pipeline
 
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+    from transformers import PreTrainedTokenizerBase, ProcessorMixin
+
+
+class LearningRateSchedule(Protocol):
+    """torch's LRScheduler, or Accelerate's AcceleratedScheduler around one: what the loop asks of it."""
+
+    def step(self) -> None: ...
+
+    def get_last_lr(self) -> list[float]: ...
+
 
 @dataclass
 class Parts:
     """What the loop is built from, and the pieces its step is composed of."""
 
-    accelerator: Any
-    model: Any
-    optimizer: Any
-    scheduler: Any
-    train_loader: Any
-    eval_loader: Any
-    tokenizer: Any
+    accelerator: Accelerator
+    model: torch.nn.Module  # prepared: DDP, FSDP2, DeepSpeed's engine (or this rank's pipeline stages)
+    optimizer: torch.optim.Optimizer  # Accelerate's AcceleratedOptimizer around the one built
+    scheduler: LearningRateSchedule
+    train_loader: DataLoader
+    eval_loader: Optional[DataLoader]
+    tokenizer: Union[PreTrainedTokenizerBase, ProcessorMixin]  # a vision-language model's processor
     flops_per_token: float
     peak: telemetry.DevicePeak
     seq_len: int
@@ -48,19 +61,21 @@ class Parts:
     recipe: Optional[Recipe] = None  # what the loop asks of the optimizer and the data mixture
     notes: list[str] = field(default_factory=list)  # said once the run starts (trainable parameters, packing)
     config: Optional[RunConfig] = None  # the config as it runs: steps counted from the data (training.num_epochs)
-    derived: dict = field(default_factory=dict)  # key -> how the data derived it
+    derived: dict[str, Any] = field(default_factory=dict)  # key -> how the data derived it
     pipeline: Optional["Pipeline"] = None  # under parallel.pp_size > 1 (model: this rank's stages)
     # the training loader at a split, as a run started at it builds it (training.oom_retry's redo)
-    loader_at: Optional[Callable[[batch.BatchSplit], Any]] = None
+    loader_at: Optional[Callable[[batch.BatchSplit], DataLoader]] = None
 
-    def resplit(self, split: batch.BatchSplit) -> Any:
+    def resplit(self, split: batch.BatchSplit) -> DataLoader:
         """The training loader at `split` (the same data, sampler and collation, prepared as the first
         was) and the objective cut to its micro-batch: what a redo at another split needs."""
+        if self.loader_at is None:
+            raise ValueError("these parts were built without a loader at another split (a pipeline's)")
         acc, old = self.accelerator, self.train_loader
         self.train_loader = acc.prepare_data_loader(self.loader_at(split))
         # save_state walks the loaders Accelerate prepared: the one left behind is no longer the run's.
         acc._dataloaders = [d for d in acc._dataloaders if d is not old]
-        self.objective.resplit(split.micro)
+        self.objective.resplit(split.settled_micro())
         return self.train_loader
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
@@ -120,7 +135,7 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
     else:
         tokenizer, tokens = data_mod.prepare(cfg, build_tokenizer, build=accelerator.is_local_main_process,
                                              show=accelerator.is_main_process and cfg.logging.level != "quiet")
-    cfg, derived = _counted_from_data(cfg, tokens.train, split.global_batch)
+    cfg, derived = _counted_from_data(cfg, tokens.train, split.required_global())
     # The loader before the model: data too small for one global batch is refused before any weight is read.
     collate = vision_collate if vision_model else data_mod.collate_for(data_mod.sample_kind(cfg),
                                                                        tokenizer.pad_token_id, d.max_length)
@@ -128,7 +143,7 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
     def loader_at(at: batch.BatchSplit):  # at the run's split, or at the split an OOM redo settles on
         if grpo.enabled(cfg):  # RL: prompts in completion slots
             return grpo_parts.loader(tokens, at)
-        return data_mod.train_loader(tokens.train, at.micro, at.accumulation, at.data_parallel, t.seed, d.shuffle,
+        return data_mod.train_loader(tokens.train, at.settled_micro(), at.accumulation, at.data_parallel, t.seed, d.shuffle,
                                      d.num_workers, d.pin_memory, collate)
 
     train_loader = loader_at(split)
@@ -139,7 +154,7 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
         special["pad_token_id"] = tokenizer.pad_token_id
     set_seed(t.seed)  # same initial weights on every rank and every run
     say(f"building the model ({cfg.model.name_or_path or 'from scratch'})")
-    label_names = ["reward"] if preference.trains_reward_model(cfg) else tokens.label_names  # one scalar
+    label_names = ["reward"] if preference.trains_reward_model(cfg) else (tokens.label_names or [])  # one scalar
     # Pipeline stages are cut from the whole model on this rank's device; otherwise prepare() places it.
     device = accelerator.device if staged else adapter.load_device(cfg, accelerator.device)
     model = model_mod.build_model(cfg, vocab_size=len(tokenizer), label_names=label_names,
@@ -167,7 +182,7 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
     fpt = telemetry.flops_per_token(model_mod.flop_params(model) - idle[0], layers, width, d.max_length,
                                     frozen_params=model_mod.flop_params(model, frozen=True) - idle[1])
     model = strategies.split_model(model, accelerator, cfg)  # tensor and expert parallel, when the layout has them
-    notes = adapter.notes(cfg, model) + master_weights.note(upcast) + _passes(cfg, tokens.train, split.global_batch)
+    notes = adapter.notes(cfg, model) + master_weights.note(upcast) + _passes(cfg, tokens.train, split.required_global())
     notes += vision.notes(cfg, model) if vision_model else []
     eval_loader = None
     if tokens.validation is not None:
@@ -194,7 +209,7 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
     if preference.enabled(cfg):
         validation = tokens.validation if eval_loader is not None else None
         train_ref, eval_ref = reference.for_run(cfg, accelerator, model, reference_model, tokens.train, collate,
-                                                split.micro, Path(cfg.output_dir).expanduser(), validation)
+                                                split.settled_micro(), Path(cfg.output_dir).expanduser(), validation)
         objective = preference.PreferenceObjective(cfg, accelerator, train_ref, eval_ref)
     elif grpo.enabled(cfg):
         objective = grpo_parts.objective(cfg, accelerator, tokenizer, tokens, reference_model)
@@ -254,7 +269,7 @@ def _gathered(model: Any):
     collectives the other ranks (not saving) never join."""
     config = getattr(model, "config", None)
     held = getattr(config, "distributed_config", None)
-    if held is None:
+    if config is None or held is None:
         yield
         return
     config.distributed_config = None
@@ -273,7 +288,8 @@ def save_final(cfg: RunConfig, parts: Parts, out: Path) -> None:
     acc.wait_for_everyone()
     if not cfg.checkpoint.save_final_model:
         return
-    parts.recipe.eval_mode()  # a schedule-free optimizer's weights: its averaged point
+    if parts.recipe is not None:
+        parts.recipe.eval_mode()  # a schedule-free optimizer's weights: its averaged point
     # Every rank takes part: under ZeRO-3 or FSDP the full weights are gathered from shards.
     state_dict = full_tensors(acc.get_state_dict(parts.model))
     if adapter.enabled(cfg):  # PEFT's adapter directory (and the merged model when asked)
