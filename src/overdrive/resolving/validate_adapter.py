@@ -7,17 +7,21 @@ that disagrees is named in a warning, since PEFT trains the adapter as it was sa
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from overdrive.errors import Problem
 from overdrive.hf.lora import adapter_config
 
 if TYPE_CHECKING:
     from overdrive.config.schema import RunConfig
+    from overdrive.config.schema_peft import PeftConfig
 
-# peft.* key -> PEFT's adapter_config.json key
-KEYS = {"peft.r": "r", "peft.alpha": "lora_alpha", "peft.dropout": "lora_dropout", "peft.target_modules": "target_modules",
-        "peft.use_dora": "use_dora", "peft.use_rslora": "use_rslora", "peft.modules_to_save": "modules_to_save"}
+# peft.* key -> (PEFT's adapter_config.json key, the run's value of it)
+KEYS: dict[str, tuple[str, Callable[["PeftConfig"], Any]]] = {
+    "peft.r": ("r", lambda p: p.r), "peft.alpha": ("lora_alpha", lambda p: p.alpha),
+    "peft.dropout": ("lora_dropout", lambda p: p.dropout), "peft.target_modules": ("target_modules", lambda p: p.target_modules),
+    "peft.use_dora": ("use_dora", lambda p: p.use_dora), "peft.use_rslora": ("use_rslora", lambda p: p.use_rslora),
+    "peft.modules_to_save": ("modules_to_save", lambda p: p.modules_to_save)}
 
 
 def _same(key: str, ours, theirs) -> bool:
@@ -46,8 +50,8 @@ def adapter_rules(cfg: RunConfig, where: Callable[[str], str], explicit: Callabl
         return [Problem("peft.adapter_path", str(error), here, "point it at a PEFT adapter directory "
                         "(save_pretrained of a PeftModel: adapter_config.json and adapter_model.safetensors)")], []
     errors, warnings = [], []
-    for key, name in KEYS.items():
-        ours, theirs = getattr(p, key.split(".")[1]), saved.get(name)
+    for key, (name, of) in KEYS.items():
+        ours, theirs = of(p), saved.get(name)
         if _same(key, ours, theirs):
             continue
         if explicit(key):

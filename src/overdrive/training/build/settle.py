@@ -48,10 +48,11 @@ def as_resolved(run: Resolved | RunConfig) -> Resolved:
 def _with_auto(resolved: Resolved, final: RunConfig, device: str) -> Resolved:
     origins = dict(resolved.origins)
     why = Origin("auto", f"training.micro_batch_size=auto: the largest that fits on {device}, agreed by all ranks")
-    for key in ("training.micro_batch_size", "training.gradient_accumulation_steps"):
-        section, name = key.split(".")
-        if getattr(getattr(final, section), name) != getattr(getattr(resolved.config, section), name):
-            origins[key] = why
+    now, before = final.training, resolved.config.training
+    if now.micro_batch_size != before.micro_batch_size:
+        origins["training.micro_batch_size"] = why
+    if now.gradient_accumulation_steps != before.gradient_accumulation_steps:
+        origins["training.gradient_accumulation_steps"] = why
     return replace(resolved, config=final, origins=origins)
 
 
