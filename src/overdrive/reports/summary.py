@@ -158,6 +158,8 @@ def _data_parallel(cfg: Optional[RunConfig], world: Any) -> Any:
 
 def summarize(run: Run) -> dict[str, Any]:
     """The run's numbers and config highlights, as plain values (None when not recorded)."""
+    from overdrive.config.batch import of as batch_of
+
     cfg, train, evals = run.config, run.train, run.evals
     _, losses = series(train, "loss")
     loss_steps, _ = series(train, "loss")
@@ -183,7 +185,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "gradient_accumulation_steps": accum,
         "world_size": world,
         "data_parallel": data_parallel,  # world / (tp x cp x sp): the ranks that take different samples
-        "global_batch": (micro * accum * data_parallel
+        "global_batch": (batch_of(micro, accum, data_parallel).global_batch  # config/batch.py multiplies
                          if all(isinstance(v, int) for v in (micro, accum, data_parallel)) else None),
         "seq_len": _last(train, "seq_len") or (cfg.data.max_length if cfg is not None else None),
         "lr": cfg.optim.lr if cfg is not None else None,

@@ -1,8 +1,11 @@
 """What each strategy is, described once, for the rest of overdrive to ask.
 
-Code outside strategies/ does not compare `parallel.strategy` to names: it asks the
-description of the run's strategy (`of(cfg)`) what it needs to know (does it shard the
-parameters? is its checkpoint one shard per rank? which Accelerate distributed type?).
+Code outside strategies/ asks the description of the run's strategy (`of(cfg)`) what it needs
+to know (does it shard the parameters? is its checkpoint one shard per rank? which Accelerate
+distributed type?) rather than comparing `parallel.strategy` to names. Two places compare names,
+since the names are what they are about: checkpoint/routes.py, whose table of the moves between
+the strategies' file formats is keyed by them, and commands/next_steps.py, which suggests the
+next strategy to try.
 
 Pure: imports neither torch nor accelerate, so `overdrive explain` and `--help` stay fast.
 Every question takes the run config as a RunConfig (a resolved.json or a checkpoint's saved
