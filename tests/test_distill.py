@@ -36,6 +36,7 @@ class _Accelerator:
 
     device = torch.device("cpu")
     is_main_process = True
+    process_index, num_processes = 0, 1
 
     def autocast(self):
         return contextlib.nullcontext()
@@ -131,8 +132,7 @@ def _problems(*items: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("items, key", [
-    (("distill.lmbda=0.5",), "distill.lmbda"),
-    (("distill.top_k=20",), "distill.top_k"),
+    (("distill.lmbda=0.5", "data.document_mask=true"), "distill.lmbda"),
     (("distill.loss=forward_kl", "distill.beta=0.5"), "distill.beta"),
     (("preference.method=dpo", "data.format=preference", "data.packing=false"), "preference.method"),
     (("model.task=sequence-classification",), "model.task"),
