@@ -69,6 +69,22 @@ def test_the_divergence_is_trls_generalized_jsd_loss(beta, temperature):
     assert abs(ours.item() - theirs.item()) <= 1e-6 * max(1.0, abs(theirs.item())), (ours, theirs)
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_the_top_k_divergence_is_trls_over_the_teachers_k_ids(beta):
+    """distill.top_k: TRL's function on the student's logits at the teacher's k ids and the teacher's
+    top-k log-probabilities, both renormalised over those k (the mass outside them dropped)."""
+    from overdrive.training import distill_loss
+
+    generator = torch.Generator().manual_seed(2)
+    student, teacher = torch.randn(2, 6, 37, generator=generator), torch.randn(2, 6, 37, generator=generator) * 3
+    labels = torch.randint(0, 37, (2, 6), generator=generator)
+    ids, logprobs = distill_loss.top_k(teacher, 5)
+    assert logprobs.dtype == torch.float16 and (ids[..., 0] == teacher.argmax(-1)).all()
+    ours = distill_loss.per_token_top_k(student, ids, logprobs, beta, 2.0).mean()
+    theirs = _trl_loss()(student.gather(-1, ids), logprobs.float(), labels=labels, beta=beta, temperature=2.0)
+    assert abs(ours.item() - theirs.item()) <= 1e-6 * max(1.0, abs(theirs.item())), (ours, theirs)
+
+
 def _objective(models: Path, *items: str):
     from overdrive.training import distill
 
