@@ -6,15 +6,13 @@ a run that reads the cache never loads the teacher and gets the live top-k loss.
 from __future__ import annotations
 
 import contextlib
-import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import cfg_of
-from hf_fixtures import LETTERS, make_tiny_llama
+from hf_fixtures import make_tiny_llama, write_letter_chat
 
 
 class _Accelerator:
@@ -54,13 +52,7 @@ def work(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("distill-online")
     make_tiny_llama(root / "student", seed=0, hidden_size=32)
     make_tiny_llama(root / "teacher", seed=1, hidden_size=64)
-    rng = random.Random(0)
-    with open(root / "chat.jsonl", "w") as f:
-        for _ in range(24):
-            question = " ".join(rng.choice(LETTERS) for _ in range(rng.randint(2, 6)))
-            answer = " ".join(rng.choice(LETTERS) for _ in range(rng.randint(1, 5)))
-            f.write(json.dumps({"messages": [{"role": "user", "content": question},
-                                             {"role": "assistant", "content": answer}]}) + "\n")
+    write_letter_chat(root / "chat.jsonl", 24)
     return root
 
 

@@ -5,14 +5,12 @@ replicas are the same case with a plainer wrapper); the split on one process is 
 
 from __future__ import annotations
 
-import json
-import random
 import sys
 from pathlib import Path
 
 import pytest
 from checkpoint_probe import records, run
-from hf_fixtures import LETTERS, make_tiny_llama
+from hf_fixtures import make_tiny_llama, write_letter_chat
 from strategy_probe import free_port
 
 pytestmark = pytest.mark.slow
@@ -24,13 +22,7 @@ def work(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("distill-runs")
     make_tiny_llama(root / "student", seed=0, hidden_size=32)
     make_tiny_llama(root / "teacher", seed=1, hidden_size=64)
-    rng = random.Random(0)
-    with open(root / "chat.jsonl", "w") as f:
-        for _ in range(48):
-            question = " ".join(rng.choice(LETTERS) for _ in range(rng.randint(2, 6)))
-            answer = " ".join(rng.choice(LETTERS) for _ in range(rng.randint(1, 5)))
-            f.write(json.dumps({"messages": [{"role": "user", "content": question},
-                                             {"role": "assistant", "content": answer}]}) + "\n")
+    write_letter_chat(root / "chat.jsonl", 48)
     return root
 
 
