@@ -103,6 +103,12 @@ def test_with_lmbda_1_the_student_samples_the_answers_the_teacher_scores(work):
     assert differs > 0  # not the data's answers
     loss = objective.sums(student, sampled)
     assert torch.isfinite(loss).all() and loss.item() > 0
+    # a resumed run (its checkpoint's pending sums restored) prepares step 2 as the first run does
+    resumed = distill.objective(cfg, _Accelerator(), tokenizer, tokens)
+    resumed.restore(objective.pending())
+    assert resumed.step == 1
+    again, first = resumed.prepare(student, [batch])[0], objective.prepare(student, [batch])[0]
+    assert all(torch.equal(again[k], first[k]) for k in first)
     metrics = objective.read()
     assert metrics["distill_on_policy"] == 1.0 and metrics["timing/generation_s"] > 0
 
