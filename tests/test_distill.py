@@ -184,6 +184,9 @@ def test_a_teacher_with_another_tokenizer_is_refused_by_key_from_its_files(model
     same = cfg_of(f"model.name_or_path={models / 'student'}", "model.from_scratch=false",
                   f"distill.teacher={models / 'teacher'}")
     assert teacher.fit_problems(same) == []
+    too_many = cfg_of(f"model.name_or_path={models / 'student'}", "model.from_scratch=false",
+                      f"distill.teacher={models / 'teacher'}", "distill.top_k=99")
+    assert [p.key for p in teacher.fit_problems(too_many)] == ["distill.top_k"]
 
 
 def test_distill_keys_without_a_teacher_are_said_to_do_nothing():
