@@ -131,3 +131,15 @@ def tree_hash(directory: Path) -> dict[str, str]:
 
     return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def write_letter_chat(path: Path, rows: int, seed: int = 0) -> Path:
+    """A chat JSONL of `rows` conversations, a question and an answer of random letters each."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(rows):
+            question = " ".join(rng.choice(LETTERS) for _ in range(rng.randint(2, 6)))
+            answer = " ".join(rng.choice(LETTERS) for _ in range(rng.randint(1, 5)))
+            f.write(json.dumps({"messages": [{"role": "user", "content": question},
+                                             {"role": "assistant", "content": answer}]}) + "\n")
+    return path

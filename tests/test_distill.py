@@ -36,6 +36,7 @@ class _Accelerator:
 
     device = torch.device("cpu")
     is_main_process = True
+    process_index, num_processes = 0, 1
 
     def autocast(self):
         return contextlib.nullcontext()
@@ -65,6 +66,22 @@ def test_the_divergence_is_trls_generalized_jsd_loss(beta, temperature):
     mask = labels != -100
     ours = distill_loss.per_token(student, teacher, beta, temperature)[mask].sum() / mask.sum()
     theirs = _trl_loss()(student, teacher, labels=labels, beta=beta, temperature=temperature)
+    assert abs(ours.item() - theirs.item()) <= 1e-6 * max(1.0, abs(theirs.item())), (ours, theirs)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_the_top_k_divergence_is_trls_over_the_teachers_k_ids(beta):
+    """distill.top_k: TRL's function on the student's logits at the teacher's k ids and the teacher's
+    top-k log-probabilities, both renormalised over those k (the mass outside them dropped)."""
+    from overdrive.training.objectives import distill_loss
+
+    generator = torch.Generator().manual_seed(2)
+    student, teacher = torch.randn(2, 6, 37, generator=generator), torch.randn(2, 6, 37, generator=generator) * 3
+    labels = torch.randint(0, 37, (2, 6), generator=generator)
+    ids, logprobs = distill_loss.top_k(teacher, 5)
+    assert logprobs.dtype == torch.float16 and (ids[..., 0] == teacher.argmax(-1)).all()
+    ours = distill_loss.per_token_top_k(student, ids, logprobs, beta, 2.0).mean()
+    theirs = _trl_loss()(student.gather(-1, ids), logprobs.float(), labels=labels, beta=beta, temperature=2.0)
     assert abs(ours.item() - theirs.item()) <= 1e-6 * max(1.0, abs(theirs.item())), (ours, theirs)
 
 
@@ -131,8 +148,7 @@ def _problems(*items: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("items, key", [
-    (("distill.lmbda=0.5",), "distill.lmbda"),
-    (("distill.top_k=20",), "distill.top_k"),
+    (("distill.lmbda=0.5", "data.document_mask=true"), "distill.lmbda"),
     (("distill.loss=forward_kl", "distill.beta=0.5"), "distill.beta"),
     (("preference.method=dpo", "data.format=preference", "data.packing=false"), "preference.method"),
     (("model.task=sequence-classification",), "model.task"),
@@ -168,6 +184,9 @@ def test_a_teacher_with_another_tokenizer_is_refused_by_key_from_its_files(model
     same = cfg_of(f"model.name_or_path={models / 'student'}", "model.from_scratch=false",
                   f"distill.teacher={models / 'teacher'}")
     assert teacher.fit_problems(same) == []
+    too_many = cfg_of(f"model.name_or_path={models / 'student'}", "model.from_scratch=false",
+                      f"distill.teacher={models / 'teacher'}", "distill.top_k=99")
+    assert [p.key for p in teacher.fit_problems(too_many)] == ["distill.top_k"]
 
 
 def test_distill_keys_without_a_teacher_are_said_to_do_nothing():

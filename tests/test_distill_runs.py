@@ -5,14 +5,12 @@ replicas are the same case with a plainer wrapper); the split on one process is 
 
 from __future__ import annotations
 
-import json
-import random
 import sys
 from pathlib import Path
 
 import pytest
 from checkpoint_probe import records, run
-from hf_fixtures import LETTERS, make_tiny_llama
+from hf_fixtures import make_tiny_llama, write_letter_chat
 from strategy_probe import free_port
 
 pytestmark = pytest.mark.slow
@@ -24,17 +22,11 @@ def work(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("distill-runs")
     make_tiny_llama(root / "student", seed=0, hidden_size=32)
     make_tiny_llama(root / "teacher", seed=1, hidden_size=64)
-    rng = random.Random(0)
-    with open(root / "chat.jsonl", "w") as f:
-        for _ in range(48):
-            question = " ".join(rng.choice(LETTERS) for _ in range(rng.randint(2, 6)))
-            answer = " ".join(rng.choice(LETTERS) for _ in range(rng.randint(1, 5)))
-            f.write(json.dumps({"messages": [{"role": "user", "content": question},
-                                             {"role": "assistant", "content": answer}]}) + "\n")
+    write_letter_chat(root / "chat.jsonl", 48)
     return root
 
 
-def _train(work: Path, out: str, *extra: str) -> dict[int, dict]:
+def _train(work: Path, out: str, *extra: str, said: list | None = None) -> dict[int, dict]:
     done = run([sys.executable, "-m", "overdrive.cli", "train", f"model.name_or_path={work / 'student'}",
                 "model.from_scratch=false", f"distill.teacher={work / 'teacher'}", "distill.temperature=2.0",
                 "distill.alpha=0.5", f"data.source={work / 'chat.jsonl'}", "data.format=chat", "data.packing=false",
@@ -43,6 +35,8 @@ def _train(work: Path, out: str, *extra: str) -> dict[int, dict]:
                 "precision.mixed_precision=no", "checkpoint.enabled=false", "checkpoint.save_final_model=false",
                 "logging.trackers=[none]", f"launch.main_process_port={free_port()}", *extra], cwd=work, timeout=600)
     assert done.returncode == 0, out + done.stdout[-3000:] + done.stderr[-3000:]
+    if said is not None:
+        said.append(done.stdout + done.stderr)
     return {r["step"]: r for r in records(work / out) if "loss" in r}
 
 
@@ -53,10 +47,32 @@ def test_one_process_and_zero2_give_the_same_distillation_losses(work):
     # alpha 0.5: the step's loss is the mean of the two, per loss token of the global batch
     assert abs(first["loss"] - 0.5 * (first["distill/loss"] + first["distill/cross_entropy"])) <= 1e-5
     two = ("launch.num_processes=2", "training.micro_batch_size=2", "training.gradient_accumulation_steps=1")
-    for name, extra in (("zero2", ("parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=2", *two)),):
+    for name, extra in (("ddp", ("parallel.strategy=ddp", *two)),
+                        ("zero2", ("parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=2", *two))):
         got = _train(work, name, *extra)
         assert sorted(got) == list(range(1, STEPS + 1))
         for step in got:
             print(name, step, got[step]["loss"], expected[step]["loss"])
             assert abs(got[step]["loss"] - expected[step]["loss"]) <= 1e-5, (name, step)
             assert abs(got[step]["distill/top1_agreement"] - expected[step]["distill/top1_agreement"]) <= 1e-9
+
+
+def test_on_policy_steps_and_a_cached_teacher_run_as_train_runs_them(work):
+    """lmbda 1: every step on-policy (metrics.jsonl says so); top-k: `overdrive distill-cache` once,
+    then a run reads it, says the teacher is not loaded, and gets the live top-k run's losses."""
+    on = _train(work, "on_policy", "distill.lmbda=1", "distill.max_new_tokens=6", "training.micro_batch_size=4")
+    assert [on[s]["distill_on_policy"] for s in sorted(on)] == [1.0] * STEPS
+    assert all(on[s]["timing/generation_s"] > 0 for s in on)
+    top_k = ("distill.top_k=8", "training.micro_batch_size=4")
+    said: list = []
+    live = _train(work, "top_k_live", *top_k, said=said)
+    assert "loading the teacher" in said[-1]
+    done = run([sys.executable, "-m", "overdrive.cli", "distill-cache", f"model.name_or_path={work / 'student'}",
+                "model.from_scratch=false", f"distill.teacher={work / 'teacher'}", "distill.top_k=8",
+                f"data.source={work / 'chat.jsonl'}", "data.format=chat", "data.packing=false", "data.max_length=48",
+                f"data.cache_dir={work / 'cache'}"], cwd=work, timeout=600)
+    assert done.returncode == 0 and "wrote" in done.stderr, done.stderr[-3000:]
+    cached = _train(work, "top_k_cached", *top_k, said=said)
+    assert "the teacher is not loaded" in said[-1] and "loading the teacher" not in said[-1]
+    for step in live:
+        assert abs(cached[step]["loss"] - live[step]["loss"]) <= 1e-5, (step, cached[step], live[step])

@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "import": ("overdrive.commands.import_config", "turn Accelerate, DeepSpeed, Axolotl, LLaMA-Factory and torchtune configs into an overdrive config"),
     "eval": ("overdrive.commands.eval", "lm-evaluation-harness tasks on a run's model, a saved model or an adapter"),
     "generate": ("overdrive.commands.generate", "a run's model or adapter answers a prompt (interactive on a terminal)"),
+    "distill-cache": ("overdrive.commands.distill_cache", "the distillation teacher's top-k over the data, stored once so train never loads the teacher"),
     "merge": ("overdrive.commands.merge", "merge a PEFT adapter into its base model and save it (no run needed)"),
     "slurm": ("overdrive.commands.slurm", "write an sbatch script for the same run"),
     "preflight": ("overdrive.commands.preflight", "check a job before training: rendezvous, bandwidth, shared output_dir, same versions and config"),

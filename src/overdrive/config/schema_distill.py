@@ -49,13 +49,21 @@ class DistillConfig(Section):
         "(TRL's GKD)."
     )
     lmbda: float = Field(
-        0.0, ge=0.0, le=1.0, description="The share of on-policy batches (the student generates, the teacher "
-        "scores what it generated; TRL's default 0.5). Only 0 (off-policy: the data's own tokens) is run today; "
-        "other values are refused by this key."
+        0.0, ge=0.0, le=1.0, description="The share of on-policy steps (TRL GKD's meaning; TRL's default 0.5): "
+        "each step, with this probability, the student samples the completions of the batch's prompts (chat: the "
+        "turns before the last assistant turn; text: the first half of each row) and the teacher scores what it "
+        "sampled; the sampled tokens are in the loss, the prompt's are not. Drawn from training.seed and the step, "
+        "so every rank and a resumed run agree. 0: off-policy (the data's own tokens)."
+    )
+    max_new_tokens: int = Field(
+        128, gt=0, description="On-policy steps (distill.lmbda > 0): the most tokens the student samples after a "
+        "prompt (TRL GKD's max_new_tokens), never past data.max_length."
     )
     top_k: int = Field(
-        0, ge=0, description="Keep only the teacher's k most likely tokens per position instead of the whole "
-        "vocabulary. Only 0 (the whole vocabulary) is run today; other values are refused by this key."
+        0, ge=0, description="Keep only the teacher's k most likely tokens per position (their log-probabilities "
+        "at temperature 1), both distributions renormalised over those k. With distill.lmbda 0 they can be "
+        "computed once by `overdrive distill-cache` and read by later runs without loading the teacher. 0: the "
+        "whole vocabulary."
     )
 
 

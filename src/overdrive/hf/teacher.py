@@ -94,6 +94,9 @@ def fit_problems(cfg: RunConfig) -> list[Problem]:
                         fix="choose a teacher of the student's family (the same tokenizer), or set "
                         f"tokenizer.name_or_path={name} and train the student from its tokenizer")]
     width = getattr(config, "vocab_size", None)
+    if width is not None and cfg.distill.top_k > width:
+        return [Problem("distill.top_k", f"is {cfg.distill.top_k}, more than the {width} tokens the teacher scores",
+                        fix=f"set distill.top_k to at most {width} (0: the whole vocabulary)")]
     if student_width is not None and width is not None and width != student_width:
         return [Problem(KEY, f"the teacher scores {width} tokens per position and the student {student_width} "
                         "(the same tokenizer, embeddings padded differently): their distributions cannot be compared",

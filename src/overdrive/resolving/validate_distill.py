@@ -1,4 +1,4 @@
-"""Rules of distillation (`distill.*`): what it runs with, and what is not built yet, refused by key.
+"""Rules of distillation (`distill.*`): what it runs with, and what it does not, refused by key.
 
 Distillation is an objective (training/objectives/distill.py) on the token data every text and chat format
 gives; the layouts it does not compose with are rows of resolving/composition.py's table, the loss
@@ -15,7 +15,8 @@ from overdrive.config.schema import RunConfig
 from overdrive.config.schema_distill import FIXED_BETA
 from overdrive.errors import Problem
 
-_KNOBS = ("distill.loss", "distill.beta", "distill.temperature", "distill.alpha", "distill.lmbda", "distill.top_k")
+_KNOBS = ("distill.loss", "distill.beta", "distill.temperature", "distill.alpha", "distill.lmbda", "distill.top_k",
+         "distill.max_new_tokens")
 
 
 def distill_rules(cfg: RunConfig, where: Callable[[str], str],
@@ -32,14 +33,9 @@ def distill_rules(cfg: RunConfig, where: Callable[[str], str],
         errors.append(Problem("distill.beta", f"is {d.beta:g}, but distill.loss={d.loss} is beta "
                               f"{FIXED_BETA[d.loss]:g} (TRL's meaning: 0 forward KL, 1 reverse KL)", where("distill.beta"),
                               f"remove distill.beta, or set distill.loss=jsd to interpolate at {d.beta:g}"))
-    if d.lmbda != 0.0:
-        errors.append(Problem("distill.lmbda", f"is {d.lmbda:g}: on-policy distillation (the student generating, "
-                              "the teacher scoring its samples) is not supported yet", where("distill.lmbda"),
-                              "set distill.lmbda=0 (the teacher scores the data's own tokens)"))
-    if d.top_k != 0:
-        errors.append(Problem("distill.top_k", f"is {d.top_k}: a teacher's top-k log-probabilities instead of the "
-                              "whole vocabulary are not supported yet", where("distill.top_k"),
-                              "set distill.top_k=0 (the whole vocabulary)"))
+    if set_explicitly("distill.max_new_tokens") and not d.lmbda:
+        warnings.append(Problem("distill.max_new_tokens", "applies to on-policy steps only (distill.lmbda is 0)",
+                                where("distill.max_new_tokens"), "set distill.lmbda, or remove the key"))
     for key, other in (("preference.method", cfg.preference.method), ("rl.method", cfg.rl.method)):
         if other != "none":
             errors.append(Problem(key, f"{key}={other} and distillation are two objectives; a run has one",
@@ -47,6 +43,10 @@ def distill_rules(cfg: RunConfig, where: Callable[[str], str],
     if cfg.model.task != "causal-lm":
         errors.append(Problem("model.task", "distillation teaches a causal LM (the teacher's next-token "
                               "distributions)", where("model.task"), "set model.task=causal-lm"))
+    if d.lmbda and cfg.data.document_mask:
+        errors.append(Problem("distill.lmbda", "on-policy steps sample one completion per row, and data.document_mask "
+                              "packs several documents into a row", where("distill.lmbda"),
+                              "set data.document_mask=false, or distill.lmbda=0"))
     if cfg.data.format in ("preference", "prompts"):
         errors.append(Problem("data.format", f"distillation reads text or chat data, and data.format is "
                               f"{cfg.data.format}", where("data.format"), "set data.format=chat (or a text format)"))

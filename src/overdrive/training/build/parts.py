@@ -214,8 +214,7 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
     elif grpo.enabled(cfg):
         objective = grpo_parts.objective(cfg, accelerator, tokenizer, tokens, reference_model)
     elif distill.enabled(cfg):  # the student's loss against a frozen teacher's distributions
-        say(f"loading the teacher ({cfg.distill.teacher})")
-        objective = distill.objective(cfg, accelerator)
+        objective = distill.objective(cfg, accelerator, tokenizer, tokens, say)
     if balance is not None:  # a mixture of experts: the router's balance term beside the token loss
         sharing = max(accelerator.num_processes // split.data_parallel // context_parallel.cp_size(cfg), 1)
         objective = moe.BalancedObjective(objective, balance, accelerator, sharing=sharing)

@@ -17,6 +17,7 @@ agree (`distill/top1_agreement`), summed on the device until the loop's log poin
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Optional
 
 import torch
@@ -25,13 +26,16 @@ from overdrive.config.schema import RunConfig
 from overdrive.config.schema_distill import effective_beta
 from overdrive.errors import Problem, UserError
 from overdrive.hf import teacher as teacher_files
-from overdrive.training.objectives import distill_loss
+from overdrive.data import teacher_cache
+from overdrive.training.objectives import distill_loss, distill_policy
 from overdrive.training.step import step_loss
 from overdrive.training.build.dtypes import DTYPES
 from overdrive.training.objectives.objective import Objective
 
 # metrics.jsonl's names, in the order of the summed tensor; the last slot counts loss tokens.
 METRICS = ("distill/loss", "distill/cross_entropy", "distill/top1_agreement")
+# Per step, the same on every rank: the share of on-policy steps and the seconds of each phase.
+STEP_METRICS = ("distill_on_policy", "timing/generation_s", "timing/teacher_s")
 
 
 def enabled(cfg: RunConfig) -> bool:
@@ -58,33 +62,79 @@ def load_teacher(cfg: RunConfig, device: Any) -> torch.nn.Module:
 
 
 class DistillObjective(Objective):
-    """Off-policy logit distillation: a loss token is the unit, one term (step_loss.py)."""
+    """Logit distillation, off-policy or on-policy (distill_policy.py): a loss token is the unit, one term."""
 
-    def __init__(self, cfg: RunConfig, accelerator: Any, teacher: torch.nn.Module):
+    def __init__(self, cfg: RunConfig, accelerator: Any, teacher: Optional[torch.nn.Module],
+                 cache: Optional["teacher_cache.TeacherCache"] = None,
+                 sampler: Optional["distill_policy.Sampler"] = None):
         d = cfg.distill
         self.beta, self.temperature, self.alpha = effective_beta(d), d.temperature, d.alpha
-        self.accelerator, self.teacher = accelerator, teacher
+        self.lmbda, self.top_k, self.seed = d.lmbda, d.top_k, cfg.training.seed
+        self.accelerator, self.teacher, self.cache, self.sampler = accelerator, teacher, cache, sampler
         kind = "chat" if cfg.data.format == "chat" else "text"
-        self.name = f"{kind} distilled from {d.teacher} ({d.loss}, beta {self.beta:g}, alpha {self.alpha:g})"
+        how = f", on-policy share {d.lmbda:g}" if d.lmbda else ""
+        how += (f", top-{d.top_k} {'from the cache' if cache is not None else 'live'}") if d.top_k else ""
+        self.name = f"{kind} distilled from {d.teacher} ({d.loss}, beta {self.beta:g}, alpha {self.alpha:g}{how})"
         self.sums_of_metrics = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=accelerator.device)
+        self.step = 0  # the steps prepared: the on-policy coin and the samples' seeds are drawn from it
+        self.step_sums = [0.0] * (len(STEP_METRICS) + 1)  # the last counts steps
+
+    # -------------------------------------------------------------- on-policy
+
+    def prepare(self, model: Any, micro_batches: list) -> list:
+        """With probability lmbda (from the seed and the step) the student's samples in place of the data's."""
+        self.step += 1
+        sampler = self.sampler
+        on = sampler is not None and distill_policy.on_policy(self.seed, self.step, self.lmbda)
+        started = time.perf_counter()
+        if sampler is not None and on:
+            rank = self.accelerator.process_index * len(micro_batches)
+            micro_batches = [sampler.batch(model, b, distill_policy.sample_seed(self.seed, self.step, rank + i))
+                             for i, b in enumerate(micro_batches)]
+        self.step_sums[0] += float(on)
+        self.step_sums[1] += time.perf_counter() - started
+        self.step_sums[-1] += 1
+        return micro_batches
+
+    # -------------------------------------------------------------- the loss
+
+    def _teacher_scores(self, batch: dict, inputs: dict, train: bool) -> tuple:
+        """The teacher's view of the micro-batch: (logits,) or, under distill.top_k, (ids, log-probs)."""
+        started = time.perf_counter()
+        scores: tuple[torch.Tensor, ...]
+        if self.cache is not None:
+            scores = self.cache.lookup(batch)
+        else:
+            assert self.teacher is not None, "a distillation objective has its teacher or its cache"
+            with torch.no_grad(), self.accelerator.autocast():  # not prepared by the Accelerator: the student's autocast
+                logits = self.teacher(**inputs, use_cache=False).logits
+            scores = distill_loss.top_k(logits, self.top_k) if self.top_k else (logits,)
+        if train:  # the seconds a training step spends on the teacher (metrics.jsonl's timing/teacher_s)
+            self.step_sums[2] += time.perf_counter() - started
+        return scores
 
     def _scores(self, model: Any, batch: dict, train: bool) -> tuple[torch.Tensor, ...]:
         """(divergence sum, cross-entropy sum, top-1 agreements, loss tokens) of the micro-batch."""
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         student = model(**inputs, use_cache=False).logits
-        # The teacher is not prepared by the Accelerator: the student's autocast is applied here.
-        with torch.no_grad(), self.accelerator.autocast():
-            teacher = self.teacher(**inputs, use_cache=False).logits
-        if teacher.shape != student.shape:  # fit_problems refuses this before launch; a hand-built config too
-            raise UserError(Problem(teacher_files.KEY, f"the teacher's logits are {tuple(teacher.shape)} and the "
+        scores = self._teacher_scores(batch, inputs, train)
+        if scores[0].shape[:2] != student.shape[:2] or (len(scores) == 1 and scores[0].shape != student.shape):
+            # fit_problems refuses this before launch; a hand-built config too
+            raise UserError(Problem(teacher_files.KEY, f"the teacher's logits are {tuple(scores[0].shape)} and the "
                                     f"student's {tuple(student.shape)}", fix="a teacher with the student's tokenizer"))
         labels = step_loss.shifted_labels(batch["labels"])  # position i predicts token i + 1 (TRL's shift)
         mask = labels != step_loss.IGNORE
-        divergence = distill_loss.per_token(student, teacher, self.beta, self.temperature)[mask].sum()
+        if len(scores) == 1:
+            per_token = distill_loss.per_token(student, scores[0], self.beta, self.temperature)
+            teacher_top1 = scores[0].argmax(-1)
+        else:
+            per_token = distill_loss.per_token_top_k(student, scores[0], scores[1], self.beta, self.temperature)
+            teacher_top1 = scores[0][..., 0]
+        divergence = per_token[mask].sum()
         # With alpha 0 the cross entropy is only watched: kept out of the graph.
         watched = student if (train and self.alpha) else student.detach()
         cross_entropy = step_loss.summed_cross_entropy(watched, batch["labels"])
-        agree = ((student.detach().argmax(-1) == teacher.argmax(-1)) & mask).sum()
+        agree = ((student.detach().argmax(-1) == teacher_top1) & mask).sum()
         return divergence, cross_entropy, agree, mask.sum()
 
     def sums(self, model: Any, batch: dict) -> torch.Tensor:
@@ -114,21 +164,82 @@ class DistillObjective(Objective):
                 "eval_distill/loss": divergence / tokens, "eval_distill/top1_agreement": agree / tokens}
 
     def restore(self, pending: Optional[list]) -> None:
-        """A resumed run's interval since its last log point (summed over ranks: kept on one)."""
-        if pending is not None and self.accelerator.is_main_process:
-            self.sums_of_metrics += torch.tensor(pending, dtype=torch.float64, device=self.accelerator.device)
+        """A resumed run's interval since its last log point (summed over ranks: kept on one), and the
+        steps it had prepared (the on-policy coin and seeds go on from there)."""
+        if pending is None:
+            return
+        n = len(self.sums_of_metrics)
+        if self.accelerator.is_main_process:
+            self.sums_of_metrics += torch.tensor(pending[:n], dtype=torch.float64, device=self.accelerator.device)
+        if len(pending) == n + len(self.step_sums) + 1:  # a checkpoint written before these were kept has none
+            self.step_sums, self.step = list(pending[n:-1]), int(pending[-1])
 
     def pending(self) -> list[float]:
-        """The sums since the last read, over every rank, without resetting (what a checkpoint keeps)."""
-        return self.accelerator.reduce(self.sums_of_metrics.clone(), "sum").tolist()
+        """The sums since the last read, over every rank, without resetting (what a checkpoint keeps),
+        then the step sums and the steps prepared (the same on every rank)."""
+        return self.accelerator.reduce(self.sums_of_metrics.clone(), "sum").tolist() + self.step_sums + [self.step]
+
+    def snapshot(self) -> tuple:
+        return self.sums_of_metrics.clone(), list(self.step_sums), self.step
+
+    def rewind(self, snapshot: tuple) -> None:
+        """As before the step: a redo prepares the same step again (the same coin, the same samples)."""
+        self.sums_of_metrics.copy_(snapshot[0])
+        self.step_sums, self.step = list(snapshot[1]), snapshot[2]
 
     def read(self) -> dict[str, float]:
-        """The metrics per loss token since the last read, on every rank (a sync: the log point)."""
+        """The metrics per loss token since the last read, on every rank (a sync: the log point); with
+        lmbda > 0 the share of on-policy steps, and the seconds per step of generation and the teacher."""
         *sums, tokens = self.accelerator.reduce(self.sums_of_metrics.clone(), "sum").tolist()
         self.sums_of_metrics.zero_()
-        return {name: value / max(tokens, 1.0) for name, value in zip(METRICS, sums)}
+        record = {name: value / max(tokens, 1.0) for name, value in zip(METRICS, sums)}
+        steps = self.step_sums[-1]
+        if steps:
+            record.update({name: value / steps for name, value in zip(STEP_METRICS, self.step_sums)})
+            if not self.lmbda:  # off-policy: no share to tell, nothing generated
+                record.pop("distill_on_policy")
+                record.pop("timing/generation_s")
+        self.step_sums = [0.0] * len(self.step_sums)
+        return record
 
 
-def objective(cfg: RunConfig, accelerator: Any) -> DistillObjective:
-    """The objective with its teacher, on this rank's device."""
-    return DistillObjective(cfg, accelerator, load_teacher(cfg, accelerator.device))
+def cache_entry(cfg: RunConfig, tokenizer: Any, datasets: list) -> tuple[Any, list]:
+    """(the teacher cache's directory for this run's keys, the samples in order) (data/teacher_cache.py)."""
+    from pathlib import Path
+
+    from overdrive.data.tokens import tokenizer_hash
+
+    teacher = cfg.distill.teacher
+    assert teacher is not None, "a distillation run names its teacher (distill.teacher)"
+    rows = list(teacher_cache.dataset_rows(datasets))
+    path = teacher_cache.entry(Path(cfg.data.cache_dir), teacher, tokenizer_hash(tokenizer),
+                               cfg.data.max_length, cfg.distill.top_k, [teacher_cache.digest_of(r) for r in rows])
+    return path, rows
+
+
+def objective(cfg: RunConfig, accelerator: Any, tokenizer: Any, tokens: Any,
+              say: Any = None) -> DistillObjective:
+    """The objective on this rank's device: the teacher loaded, or under distill.top_k with lmbda 0 its
+    cache read when `overdrive distill-cache` wrote one for these keys (the teacher never loaded)."""
+    d, say = cfg.distill, say or (lambda _: None)
+    assert d.teacher is not None, "a distillation run names its teacher (distill.teacher)"
+    cache = None
+    if d.top_k and not d.lmbda:
+        path, _ = cache_entry(cfg, tokenizer, [tokens.train, tokens.validation])
+        if teacher_cache.complete(path):
+            cache = teacher_cache.TeacherCache(path)
+            now, then = teacher_cache.teacher_fingerprint(d.teacher), cache.meta.get("teacher_files")
+            if now is not None and then is not None and now != then:
+                say(f"the teacher's files changed since its top-k cache was written ({path}): the teacher scores live")
+                cache = None
+        if cache is not None:
+            say(f"reading the teacher's top-{d.top_k} from its cache ({path}; the teacher is not loaded)")
+    if cache is None:
+        say(f"loading the teacher ({d.teacher})")
+    teacher = None if cache is not None else load_teacher(cfg, accelerator.device)
+    sampler = None
+    if d.lmbda:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        sampler = distill_policy.Sampler(accelerator, pad, tokenizer.eos_token_id, d.temperature, d.max_new_tokens,
+                                         cfg.data.max_length, chat=cfg.data.format == "chat")
+    return DistillObjective(cfg, accelerator, teacher, cache, sampler)

@@ -35,3 +35,26 @@ def per_token(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: 
         divergence = (b * F.kl_div(mixture, teacher, reduction="none", log_target=True)
                       + (1 - b) * F.kl_div(mixture, student, reduction="none", log_target=True))
     return divergence.sum(dim=-1)
+
+
+# The teacher's top-k log-probabilities are kept in this dtype, live or cached (data/teacher_cache.py),
+# so a run that reads the cache computes the loss from the very numbers a live teacher gives.
+TOP_K_DTYPE = torch.float16
+
+
+def top_k(teacher_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [..., k], log-probabilities [..., k]) of the teacher's k most likely tokens per position,
+    at temperature 1 over the whole vocabulary, most likely first."""
+    logprobs, ids = F.log_softmax(teacher_logits.float(), dim=-1).topk(k, dim=-1)
+    return ids, logprobs.to(TOP_K_DTYPE)
+
+
+def per_token_top_k(student_logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor,
+                    beta: float, temperature: float) -> torch.Tensor:
+    """`per_token` over the teacher's top-k ids alone: both distributions renormalised over those k
+    (the student's logits gathered at the teacher's ids; the teacher's log-probabilities, divided by
+    the temperature, taken to a softmax over k as its logits would be). The mass outside the top-k
+    is dropped from both, so every divergence, forward, reverse or JSD, stays one between two
+    distributions."""
+    student = student_logits.float().gather(-1, teacher_ids)
+    return per_token(student, teacher_logprobs.float(), beta, temperature)

@@ -29,6 +29,7 @@ import torch
 
 from overdrive.config.schema import RunConfig
 from overdrive.data.prompts import PromptSet
+from overdrive.training.generation import sampling
 from overdrive.training.objectives import grpo_loss, rewards as rewards_mod
 # The micro-batch layout, here by name as before (training/objectives/grpo_batch.py holds it)
 from overdrive.training.generation import grpo_rollout, tools as tools_mod
@@ -51,7 +52,7 @@ def enabled(cfg: RunConfig) -> bool:
 
 def group_seed(seed: int, group: int) -> int:
     """The sampling seed of one group: a function of the run's seed and the group's number alone."""
-    return (seed * 1_000_003 + group) % (2 ** 63 - 1)
+    return sampling.mixed_seed(seed, group)
 
 
 def completion_logps(model: Any, batch: dict, temperature: float,
@@ -166,9 +167,7 @@ class GRPOObjective(Objective):
         """One group's completions, each cut after its first end-of-sequence token (TRL's); with rl.tools
         in turns (training/generation/grpo_rollout.py), every turn drawn from the group's own seed."""
         acc, rl = self.accelerator, self.rl
-        devices = [acc.device] if acc.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), acc.autocast():  # the training RNG stream is left as it was
-            torch.manual_seed(group_seed(self.seed, group))
+        with sampling.seeded(acc, group_seed(self.seed, group)):
             first = self._sample(model, [prompt_ids] * rl.num_generations, rl.max_completion_length)
             if not self.tools:
                 return grpo_rollout.Rollout(first, [], [])
@@ -178,18 +177,11 @@ class GRPOObjective(Objective):
                                     getattr(acc.unwrap_model(model).config, "max_position_embeddings", None))
 
     def _sample(self, model, inputs: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """A turn of the policy after each input (left-padded where they differ), cut after its end-of-sequence."""
-        acc, rl = self.accelerator, self.rl
-        ids, mask = _pad(inputs, self.pad_id, True, acc.device)
-        out = acc.unwrap_model(model).generate(
-            input_ids=ids, attention_mask=mask, do_sample=True, temperature=rl.temperature,
-            top_p=rl.top_p, top_k=rl.top_k, max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
-            eos_token_id=self.tokenizer.eos_token_id, synced_gpus=self.sharded and acc.num_processes > 1)
-        completions = []
-        for row in out[:, ids.shape[1]:].tolist():
-            cut = next((i + 1 for i, t in enumerate(row) if t == self.tokenizer.eos_token_id), len(row))
-            completions.append(row[:cut])
-        return completions
+        """A turn of the policy after each input (training/generation/sampling.py), cut after its end-of-sequence."""
+        rl = self.rl
+        return sampling.sample(model, self.accelerator, inputs, max_new_tokens, pad_id=self.pad_id,
+                                 eos_id=self.tokenizer.eos_token_id, temperature=rl.temperature, top_p=rl.top_p,
+                                 top_k=rl.top_k, synced=self.sharded)
 
     def _micro_batches(self, model, prompt_rows: list[int], completion_ids: list[list[int]],
                        advantages: torch.Tensor, tool_mask: Optional[list[list[int]]] = None) -> list[dict]:

@@ -1,0 +1,62 @@
+"""The generation phase the online objectives share: the policy samples continuations of token-id
+prompts, with a seed of the caller's, leaving the training RNG stream as it was.
+
+    seeded(accelerator, seed)         the context sampling runs in: the RNG forked and seeded, the
+                                      run's autocast on
+    sample(model, accelerator, inputs, max_new_tokens, ...)
+                                      one continuation per input (left-padded where they differ),
+                                      each cut after its first end-of-sequence token (TRL's)
+
+GRPO (training/objectives/grpo.py) samples each group of completions through it, on-policy distillation
+(training/objectives/distill_policy.py) each micro-batch's prompts. A seed that is a function of the run's seed
+and the step's or group's number is what makes a resumed run draw the same samples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+
+
+def mixed_seed(seed: int, number: int) -> int:
+    """A sampling seed that is a function of the run's seed and one number (a group, a step) alone."""
+    return (seed * 1_000_003 + number) % (2 ** 63 - 1)
+
+
+@contextlib.contextmanager
+def seeded(accelerator: Any, seed: int) -> Iterator[None]:
+    devices = [accelerator.device] if accelerator.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), accelerator.autocast():  # the training RNG stream is left as it was
+        torch.manual_seed(seed)
+        yield
+
+
+def left_padded(rows: list[list[int]], pad_id: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) of prompts of different lengths, padded on the left (generation's side)."""
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+            mask[i, width - len(row):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def sample(model: Any, accelerator: Any, inputs: list[list[int]], max_new_tokens: int, *, pad_id: int,
+           eos_id: Optional[int], temperature: float, top_p: float = 1.0, top_k: Optional[int] = 0,
+           synced: bool = False) -> list[list[int]]:
+    """A continuation of the policy after each input, cut after its end-of-sequence token. `synced`:
+    every rank takes every forward (a sharded model, ZeRO-3 or FSDP2, over several processes)."""
+    ids, mask = left_padded(inputs, pad_id, accelerator.device)
+    out = accelerator.unwrap_model(model).generate(
+        input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k,
+        max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_id,
+        synced_gpus=synced and accelerator.num_processes > 1)
+    completions = []
+    for row in out[:, ids.shape[1]:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t == eos_id), len(row))
+        completions.append(row[:cut])
+    return completions

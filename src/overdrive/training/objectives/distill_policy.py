@@ -1,0 +1,90 @@
+"""On-policy distillation (`distill.lmbda` > 0, TRL GKD's meaning): with probability lmbda a step's
+micro-batches are replaced by the student's own samples, which the teacher then scores.
+
+    on_policy(seed, step, lmbda)     whether step `step` is on-policy: a function of the run's seed and
+                                     the step alone, so every rank agrees and a resumed run decides
+                                     as the first did
+    Sampler(...).batch(model, micro_batch, seed)
+                                     the micro-batch's prompts continued by the student: prompt
+                                     tokens out of the loss, the sampled tokens in it
+
+The prompt of a row: for chat data the tokens before the last assistant turn's loss tokens (the
+turns before it and its header: what the assistant answered); for plain text, which has no turns,
+the first half of the row's tokens. The student samples at distill.temperature with nothing cut
+from the distribution (TRL's GKD: top_k 0, top_p 1), up to distill.max_new_tokens new tokens and
+never past data.max_length, each sample cut after its end-of-sequence token (training/generation/sampling.py,
+the generation phase GRPO uses). A micro-batch's seed is the run's seed mixed with the step and the
+micro-batch's number on this rank: the same layout draws the same samples after a resume.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Optional
+
+import torch
+
+from overdrive.training.step import step_loss
+from overdrive.training.generation import sampling
+
+
+def on_policy(seed: int, step: int, lmbda: float) -> bool:
+    """TRL's coin (`random.random() <= lmbda`), drawn from (seed, step) instead of the process's stream."""
+    if lmbda <= 0.0:
+        return False
+    return lmbda >= 1.0 or random.Random(sampling.mixed_seed(seed, step)).random() < lmbda
+
+
+def sample_seed(seed: int, step: int, micro_batch: int) -> int:
+    """The seed of one micro-batch's samples: the run's seed, the step, the micro-batch's number over the ranks."""
+    return sampling.mixed_seed(sampling.mixed_seed(seed, step), micro_batch)
+
+
+def prompt_length(labels: list[int], length: int, chat: bool) -> int:
+    """The prompt of one row (`labels` unshifted, -100 off the loss; `length` the row's real tokens)."""
+    if chat:
+        end = max((i for i in range(length) if labels[i] != step_loss.IGNORE), default=-1)
+        if end >= 0:
+            start = end
+            while start > 0 and labels[start - 1] != step_loss.IGNORE:
+                start -= 1
+            if start > 0:
+                return start
+    return max(length // 2, 1)
+
+
+class Sampler:
+    """The student's samples in place of the data's answers, as a micro-batch the objective reads."""
+
+    def __init__(self, accelerator: Any, pad_id: int, eos_id: Optional[int], temperature: float,
+                 max_new_tokens: int, max_length: int, chat: bool):
+        self.accelerator, self.pad_id, self.eos_id = accelerator, pad_id, eos_id
+        self.temperature, self.max_new_tokens, self.max_length, self.chat = (temperature, max_new_tokens,
+                                                                             max_length, chat)
+
+    def prompts(self, batch: dict) -> list[list[int]]:
+        ids, labels = batch["input_ids"].tolist(), batch["labels"].tolist()
+        lengths = batch["attention_mask"].sum(-1).tolist() if "attention_mask" in batch else [len(r) for r in ids]
+        return [row[:prompt_length(lab, n, self.chat)] for row, lab, n in zip(ids, labels, lengths)]
+
+    def batch(self, model: Any, batch: dict, seed: int) -> dict:
+        prompts = self.prompts(batch)
+        room = min(self.max_new_tokens, self.max_length - min(len(p) for p in prompts))
+        with torch.no_grad(), sampling.seeded(self.accelerator, seed):
+            samples = sampling.sample(model, self.accelerator, prompts, max(room, 1), pad_id=self.pad_id,
+                                        eos_id=self.eos_id, temperature=self.temperature, top_p=1.0, top_k=0)
+        samples = [s[:max(self.max_length - len(p), 0)] for p, s in zip(prompts, samples)]
+        return self.assembled(prompts, samples)
+
+    def assembled(self, prompts: list[list[int]], samples: list[list[int]]) -> dict:
+        """prompt + sample per row, right-padded (as the chat collator pads); labels: the sample alone."""
+        width = max(len(p) + len(s) for p, s in zip(prompts, samples))
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(prompts), width), step_loss.IGNORE, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, (p, s) in enumerate(zip(prompts, samples)):
+            ids[i, :len(p) + len(s)] = torch.tensor(p + s, dtype=torch.long)
+            labels[i, len(p):len(p) + len(s)] = torch.tensor(s, dtype=torch.long)
+            mask[i, :len(p) + len(s)] = 1
+        device = self.accelerator.device
+        return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
