@@ -5,8 +5,8 @@ table the model never sees (LookupEnv.lookup reads it), in the word-level tool c
                               and broken variants for the refusals
     make_lookup_llama(dir)    the tiny Llama with the lookup words
     warm_lookup(dir, p_call)  plain next-token training on exchanges, a fraction `p_call` of them calling
-                              lookup (with values drawn at random: the model learns to copy a result, not
-                              the table), the rest answering a number straight away: a policy that calls the
+                              RowLookup's lookup() (with values drawn at random: the model learns to copy a
+                              result, not the table), the rest answering a number straight away: a policy that calls the
                               tool sometimes, before any RL
     write_lookup_prompts      the prompts and their answers (the table's values)
 """
@@ -53,6 +53,16 @@ class LookupEnv:
 
     def get_reward(self) -> float:
         return float(self.key in self.looked_up)
+
+
+class RowLookup(LookupEnv):
+    """The demo's: lookup() reads the key of the row the instance was reset with (its state, not an argument)."""
+
+    def lookup(self) -> str:
+        """Looks up the value of the key asked for.
+        """
+        self.looked_up.append(self.key)
+        return TABLE[self.key]
 
 
 class Hinting(LookupEnv):
@@ -118,7 +128,7 @@ def _exchange(key: str, value: str, call: bool) -> list[dict]:
     ask = {"role": "user", "content": f"find {key}"}
     if not call:
         return [ask, {"role": "assistant", "content": value}]
-    tool_call = {"type": "function", "function": {"name": "lookup", "arguments": {"key": key}}}
+    tool_call = {"type": "function", "function": {"name": "lookup", "arguments": {}}}
     return [ask, {"role": "assistant", "content": "", "tool_calls": [tool_call]},
             {"role": "tool", "name": "lookup", "content": value}, {"role": "assistant", "content": value}]
 
@@ -131,7 +141,7 @@ def warm_lookup(directory: Path, p_call: float, steps: int = 150, seed: int = 0)
 
     namespace: dict = {}
     exec(ENV_MODULE, namespace)
-    schema = [get_json_schema(namespace["LookupEnv"]().lookup)]
+    schema = [get_json_schema(namespace["RowLookup"]().lookup)]
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory)
     rng = random.Random(seed)
