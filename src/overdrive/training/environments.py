@@ -172,6 +172,24 @@ def with_observation(prompt: list[dict], observation: str) -> list[dict]:
     return prompt[:-1] + [{**prompt[-1], "content": str(prompt[-1].get("content") or "") + observation}]
 
 
+def reset_group(instances: Sequence[Any], row: dict, prompt: list[dict], prompt_ids: list[int], tokenizer: Any,
+                schemas: list[dict], place: str) -> tuple[list, list[list[int]]]:
+    """Each completion's instance reset with the prompt's row (TRL's `reset(**row)`), and each one's prompt and its
+    ids: where reset returns text, appended to the last user message and rendered again with the tools' schemas."""
+    prompts, ids = [], []
+    for instance in instances:
+        observation = reset(instance, row, place)
+        if observation is None:
+            prompts.append(prompt)
+            ids.append(prompt_ids)
+            continue
+        turns = with_observation(prompt, observation)
+        prompts.append(turns)
+        ids.append(list(tokenizer.apply_chat_template(turns, tools=schemas or None, add_generation_prompt=True,
+                                                      tokenize=True, return_dict=True)["input_ids"]))
+    return prompts, ids
+
+
 def reward_function(environment: Environment) -> Callable[..., list]:
     """The environment's reward as a reward function: get_reward() of each completion's instance."""
     def reward(prompts, completions, environments, **columns) -> list:

@@ -183,12 +183,15 @@ class GRPOObjective(Objective):
         acc, rl = self.accelerator, self.rl
         devices = [acc.device] if acc.device.type == "cuda" else []
         seed = group_seed(self.seed, group)
-        prompts, prompt_ids = [self.prompts.prompts[row]] * rl.num_generations, [self.prompts.prompt_ids[row]] * rl.num_generations
+        prompts = [self.prompts.prompts[row]] * rl.num_generations
+        prompt_ids = [self.prompts.prompt_ids[row]] * rl.num_generations
         # The training RNG streams (torch's, and Python's and NumPy's an environment may draw from) are left as they were
         with torch.random.fork_rng(devices=devices), environments_mod.seeded(seed), acc.autocast():
             torch.manual_seed(seed)
             if instances:
-                prompts, prompt_ids = self._reset(instances, row)
+                prompts, prompt_ids = environments_mod.reset_group(
+                    instances, self.prompts.rows[row], self.prompts.prompts[row], self.prompts.prompt_ids[row],
+                    self.tokenizer, [t.schema for t in self.schemas], f"data.source row {row + 1}")
             first = self._sample(model, prompt_ids, rl.max_completion_length)
             if not self.turns:
                 return grpo_rollout.Rollout(first, [], [], prompts=prompts, prompt_ids=prompt_ids)
@@ -199,24 +202,6 @@ class GRPOObjective(Objective):
                                                               None), toolsets=toolsets)
         out.prompts, out.prompt_ids = prompts, prompt_ids
         return out
-
-    def _reset(self, instances: Sequence[Any], row: int) -> tuple[list, list[list[int]]]:
-        """Each completion's environment reset with the prompt's row (TRL's `reset(**row)`), and its prompt: reset's
-        text, where it returns one, appended to the last user message and the prompt rendered again."""
-        base, base_ids = self.prompts.prompts[row], self.prompts.prompt_ids[row]
-        prompts, ids = [], []
-        for instance in instances:
-            observation = environments_mod.reset(instance, self.prompts.rows[row], f"data.source row {row + 1}")
-            if observation is None:
-                prompts.append(base)
-                ids.append(base_ids)
-                continue
-            prompt = environments_mod.with_observation(base, observation)
-            prompts.append(prompt)
-            ids.append(list(self.tokenizer.apply_chat_template(prompt, tools=[t.schema for t in self.schemas] or None,
-                                                               add_generation_prompt=True, tokenize=True,
-                                                               return_dict=True)["input_ids"]))
-        return prompts, ids
 
     def _sample(self, model, inputs: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """A turn of the policy after each input (left-padded where they differ), cut after its end-of-sequence."""
