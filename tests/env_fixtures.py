@@ -4,10 +4,10 @@ table the model never sees (LookupEnv.lookup reads it), in the word-level tool c
     write_env_module(dir)     lookup_env.py: LookupEnv (reset, lookup, get_reward: the right key looked up)
                               and broken variants for the refusals
     make_lookup_llama(dir)    the tiny Llama with the lookup words
-    warm_lookup(dir, p_call)  plain next-token training on exchanges, a fraction `p_call` of them calling
-                              RowLookup's lookup() (with values drawn at random: the model learns to copy a
-                              result, not the table), the rest answering a number straight away: a policy that calls the
-                              tool sometimes, before any RL
+    warm_lookup(dir, p_call)  plain next-token training on exchanges that call RowLookup's lookup() (values
+                              drawn at random: the model learns to copy a result, not the table), then on
+                              exchanges of which a fraction `p_call` call it and the rest answer a number
+                              straight away: a policy that calls the tool sometimes, before any RL
     write_lookup_prompts      the prompts and their answers (the table's values)
 """
 
@@ -55,13 +55,17 @@ class LookupEnv:
         return float(self.key in self.looked_up)
 
 
-class RowLookup(LookupEnv):
-    """The demo's: lookup() reads the key of the row the instance was reset with (its state, not an argument)."""
+class RowLookup:
+    """The demo's: lookup() reads the key of the row the instance was reset with (its state, not an argument).
+    No get_reward: the reward is the answer's (exact_match); a reward for calling alone is gamed."""
+
+    def reset(self, key=None, **row):
+        self.key = key
+        return None
 
     def lookup(self) -> str:
         """Looks up the value of the key asked for.
         """
-        self.looked_up.append(self.key)
         return TABLE[self.key]
 
 
@@ -145,20 +149,24 @@ def warm_lookup(directory: Path, p_call: float, steps: int = 150, seed: int = 0)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory)
     rng = random.Random(seed)
-    rows = []
-    for _ in range(400):
-        conversation = _exchange(rng.choice(KEYS), str(rng.randint(0, 9)), rng.random() < p_call)
-        rows.append(tokenizer.apply_chat_template(conversation, tools=schema, tokenize=True,
-                                                  return_dict=True)["input_ids"])
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
-    labels = ids.masked_fill(ids == 0, -100)
+
+    def exchanges(p: float) -> torch.Tensor:
+        rows = [tokenizer.apply_chat_template(_exchange(rng.choice(KEYS), str(rng.randint(0, 9)), rng.random() < p),
+                                              tools=schema, tokenize=True, return_dict=True)["input_ids"]
+                for _ in range(400)]
+        width = max(len(r) for r in rows)
+        return torch.tensor([r + [0] * (width - len(r)) for r in rows])
+
+    # Two thirds of the steps on calls alone (copying the result is learnt), the rest at p_call (how often it calls)
+    calling, mixed = exchanges(1.0), exchanges(p_call)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     generator = torch.Generator().manual_seed(seed)
     model.train()
-    for _ in range(steps):
+    for step in range(steps):
+        ids = calling if step < 2 * steps // 3 else mixed
         pick = torch.randint(0, len(ids), (32,), generator=generator)
-        loss = model(input_ids=ids[pick], attention_mask=(ids[pick] != 0).long(), labels=labels[pick]).loss
+        batch = ids[pick]
+        loss = model(input_ids=batch, attention_mask=(batch != 0).long(), labels=batch.masked_fill(batch == 0, -100)).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
