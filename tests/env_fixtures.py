@@ -137,7 +137,7 @@ def _exchange(key: str, value: str, call: bool) -> list[dict]:
             {"role": "tool", "name": "lookup", "content": value}, {"role": "assistant", "content": value}]
 
 
-def warm_lookup(directory: Path, p_call: float, steps: int = 150, seed: int = 0) -> Path:
+def warm_lookup(directory: Path, p_call: float, steps: int = 225, seed: int = 0) -> Path:
     """The model in `directory` trained on exchanges, a fraction `p_call` calling lookup, saved over itself."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -159,7 +159,7 @@ def warm_lookup(directory: Path, p_call: float, steps: int = 150, seed: int = 0)
 
     # Two thirds of the steps on calls alone (copying the result is learnt), the rest at p_call (how often it calls)
     calling, mixed = exchanges(1.0), exchanges(p_call)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(seed)
     model.train()
     for step in range(steps):
