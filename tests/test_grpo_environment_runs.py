@@ -115,3 +115,14 @@ def test_a_killed_run_in_an_environment_resumes_exactly(work):
         assert got[step]["loss"] == reference[step]["loss"], step
         assert got[step]["reward"] == reference[step]["reward"], step
         assert got[step]["tools/failure_frequency"] == reference[step]["tools/failure_frequency"], step
+
+
+def test_an_environment_whose_reset_raises_stops_the_run_by_key_and_row(work):
+    done = run([sys.executable, "-m", "overdrive.cli", "train", str(work / "rl.yaml"),
+                f"model.name_or_path={work / 'base'}", f"data.source={work / 'prompts.jsonl'}",
+                f"data.cache_dir={work / 'cache'}", f"output_dir={work / 'failing'}",
+                "rl.environment=lookup_env:FailingReset", "training.max_steps=1"], cwd=work, timeout=600)
+    said = done.stdout + done.stderr
+    assert done.returncode == 2, said[-3000:]
+    assert "rl.environment" in said and "FailingReset.reset raised RuntimeError: the table is gone" in said
+    assert "data.source row" in said and "Traceback" not in said
