@@ -28,7 +28,9 @@ def preference_rules(cfg: RunConfig, where: Callable[[str], str],
             warnings.append(Problem(stray[0], "applies to preference training only (preference.method is none)",
                                     where(stray[0]), "set preference.method, or remove the key"))
         return errors, warnings
-    if not pairs:
+    # With a second objective asked for (RL, distillation), its rules name the conflict; the data's format,
+    # which the two objectives would each ask for, is left until one is chosen.
+    if not pairs and cfg.rl.method == "none" and cfg.distill.teacher is None:
         errors.append(Problem("data.format", f"preference.method={p.method} trains on chosen/rejected pairs, but "
                               f"data.format is {cfg.data.format}", where("preference.method"),
                               "set data.format=preference, with prompt/chosen/rejected columns"))

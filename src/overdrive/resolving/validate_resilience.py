@@ -27,8 +27,9 @@ def resilience_rules(cfg: RunConfig, where: Where) -> tuple[list[Problem], list[
                                   + (" with tensor, context or pipeline parallel" if model_parallel else "")
                                   + ": a rank out of memory would leave the others inside a collective of the forward",
                                   where("training.oom_retry"),
-                                  "use it with plain data parallel (parallel.strategy=ddp), or set "
-                                  "training.micro_batch_size=auto to find what fits before step 1"))
+                                  "use it with plain data parallel (parallel.strategy=ddp), or instead set "
+                                  "training.oom_retry=false with training.micro_batch_size=auto to find what fits "
+                                  "before step 1"))
     if cfg.training.loss_spike.factor is not None:
         if strategy.engine_steps_optimizer or p.pp_size > 1:
             errors.append(Problem("training.loss_spike.factor", "a spike cannot be kept out of the weights here: "

@@ -38,7 +38,9 @@ def rl_rules(cfg: RunConfig, where: Callable[[str], str],
             warnings.append(Problem(stray[0], "applies to RL only (rl.method is none)", where(stray[0]),
                                     "set rl.method=grpo, or remove the key"))
         return errors, warnings
-    if not prompts:
+    # With a second objective asked for, the conflict is named (here, or by distillation's rules) and the
+    # data's format, which the two would each ask for, is left until one is chosen.
+    if not prompts and cfg.preference.method == "none" and cfg.distill.teacher is None:
         errors.append(Problem("data.format", f"rl.method={rl.method} generates from prompts, but data.format is "
                               f"{cfg.data.format}", where("rl.method"), "set data.format=prompts, with a prompt column"))
     if cfg.preference.method != "none":

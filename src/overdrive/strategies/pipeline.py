@@ -115,13 +115,14 @@ def problems(cfg: RunConfig, world: int, samples_per_replica: Optional[int]) -> 
     per_rank, m = stages_per_rank(cfg), microbatches(cfg)
     if not sched.multi and per_rank != 1:
         found.append(Problem("parallel.pp_stages_per_rank", f"{name} runs one stage per rank (it is {per_rank})",
-                             fix="use pp_schedule=interleaved_1f1b for several stages per rank, or leave it empty"))
+                             fix="set parallel.pp_schedule=interleaved_1f1b for several stages per rank, or leave "
+                             "parallel.pp_stages_per_rank empty"))
     if sched.multi and per_rank < 2:
         found.append(Problem("parallel.pp_stages_per_rank", f"{name} runs several stages per rank (it is {per_rank})",
-                             fix="set it to 2 or more, or use pp_schedule=1f1b"))
+                             fix="set parallel.pp_stages_per_rank=2 (or more), or parallel.pp_schedule=1f1b"))
     if sched.v_shape and per_rank != 2:
         found.append(Problem("parallel.pp_stages_per_rank", f"{name} runs exactly 2 stages per rank (a V)",
-                             fix="set parallel.pp_stages_per_rank=2, or leave it empty"))
+                             fix="set parallel.pp_stages_per_rank=2, or leave parallel.pp_stages_per_rank empty"))
     if name in ("1f1b", "dual_pipe_v") and m < pp:
         found.append(Problem("parallel.pp_microbatches", f"{name} needs at least as many microbatches as stages: "
                              f"{m} < pp_size {pp}", fix=f"set parallel.pp_microbatches >= {pp} (or raise "
