@@ -68,7 +68,8 @@ def make_tiny_qwen2_vl(directory: Path, seed: int = 0, family: str = "qwen2_vl")
 
 
 def make_tiny_llava(directory: Path, seed: int = 0) -> Path:
-    """LLaVA: a 1-layer CLIP vision tower (28-pixel images, patch 14: 4 image tokens) and a 2-layer Llama,
+    """LLaVA: a 1-layer CLIP vision tower (28-pixel images, patch 14: 4 patches and CLIP's CLS token, all 5 kept
+    by the "full" feature strategy: 5 image tokens) and a 2-layer Llama,
     with LlavaProcessor (CLIP's PIL image processor) saved beside them."""
     import torch
     from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
@@ -77,7 +78,7 @@ def make_tiny_llava(directory: Path, seed: int = 0) -> Path:
     tok = tokenizer("<image>")
     image = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
     processor = LlavaProcessor(image_processor=image, tokenizer=tok, patch_size=14, image_token="<image>",
-                               vision_feature_select_strategy="full", num_additional_image_tokens=0,
+                               vision_feature_select_strategy="full", num_additional_image_tokens=1,
                                chat_template=tok.chat_template)
     config = LlavaConfig(vision_config=CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                                         num_attention_heads=2, image_size=28, patch_size=14),

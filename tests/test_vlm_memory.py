@@ -1,0 +1,87 @@
+"""The estimate of a vision-language run against what a tiny model of each family really holds, on CPU
+(docs/vision.md, "Memory"): the frozen vision tower and projector as weights only, the image tokens inside the
+row's length.
+
+Measured as tests/test_memory_activations.py measures: the activations are the storages autograd saves in the
+forward of one real batch (images and all) plus what the forward leaves alive; the model states are the
+parameters, their gradients and AdamW's state after one optimizer step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_memory_activations import forward_saved
+from vlm_fixtures import make_tiny_llava, make_tiny_qwen2_vl, make_vision_data
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("vlm-memory")
+    make_tiny_qwen2_vl(root / "qwen")
+    make_tiny_llava(root / "llava")
+    make_vision_data(root, rows=8, layout="messages")
+    return root
+
+
+def settled(work: Path, name: str, *items: str):
+    from overdrive.resolving.resolve import resolve
+
+    return resolve([], cli=[f"model.name_or_path={work / name}", f"data.source={work / 'messages.jsonl'}",
+                            "data.format=chat", "data.max_length=64", "launch.use_cpu=true",
+                            "precision.mixed_precision=no", "data.validation_fraction=0", *items],
+                   env={}, accelerate_default=False).config
+
+
+def batch_of(cfg, rows: int) -> dict:
+    from overdrive.training.vision import prepare, settle
+
+    _, model_type = settle(cfg)
+    processor, splits, collate = prepare(cfg, model_type)
+    return collate([splits.train[i] for i in range(rows)])
+
+
+def measured(model, batch: dict) -> tuple[int, int]:
+    """(activations, model states) in bytes."""
+    activations, out = forward_saved(model, batch)
+    out.loss.backward()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-3)
+    optimizer.step()
+    states = sum(p.numel() * p.element_size() for p in model.parameters())
+    # A trained parameter the forward never reaches (CLIP's post_layernorm, when LLaVA reads the last layer's
+    # features) gets no gradient and no optimizer state; the estimate counts it as trained.
+    states += sum(p.grad.numel() * p.grad.element_size() for p in trained if p.grad is not None)
+    states += sum(t.numel() * t.element_size() for s in optimizer.state.values() for k, t in s.items()
+                  if k != "step")  # AdamW's step counters: a scalar per tensor, not in the estimate
+    return activations, states
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,items", [("qwen", ()), ("llava", ()), ("qwen", ("model.vision.train_projector=true",)),
+                                        ("llava", ("model.vision.freeze=false",))],
+                         ids=["qwen2-vl", "llava", "qwen2-vl-projector-trained", "llava-tower-trained"])
+def test_the_estimate_of_a_vlm_run_matches_what_it_holds(work, name, items):
+    from overdrive.memory import estimate_row
+    from overdrive.memory.model_shape import run_shape
+    from overdrive.memory.shape import setup_for_run
+    from overdrive.training.model import build_model
+
+    cfg = settled(work, name, "training.micro_batch_size=4", *items)
+    batch = batch_of(cfg, 4)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    model.train()
+    activations, states = measured(model, batch)
+    setup = setup_for_run(cfg, "cpu", micro_batch=4, seq_len=batch["input_ids"].shape[1], precision="no")
+    assert setup.image_tokens == {"qwen": 4, "llava": 5}[name]
+    assert setup.frozen_parts == {(): ("vision", "projector"), ("model.vision.freeze=false",): ("projector",)}.get(
+        items, ("vision",))
+    row = estimate_row("ddp", run_shape(cfg), setup)
+    predicted_states = row.params_bytes + row.grads_bytes + row.optimizer_bytes
+    print(f"{name}{items}: states predicted {predicted_states:,} measured {states:,}; activations predicted "
+          f"{row.activations_saved_bytes:,} measured {activations:,}")
+    assert abs(predicted_states / states - 1) < 0.01  # frozen parts: weights only, counted tensor by tensor
+    assert abs(row.activations_saved_bytes / activations - 1) < 0.1
