@@ -125,7 +125,8 @@ def test_images_and_placeholders_that_differ_are_refused_by_key_with_the_row(wor
 
 
 @pytest.mark.parametrize("item,key", [
-    ("preference.method=dpo", "preference.method"), ("rl.method=grpo", "rl.method"),
+    ("preference.method=orpo", "preference.method"), ("preference.precompute_reference=true",
+                                                       "preference.precompute_reference"), ("rl.method=grpo", "rl.method"),
     ("data.packing=true", "data.packing"), ("parallel.strategy=deepspeed", "parallel.strategy"),
     ("parallel.tp_size=2", "parallel.tp_size"), ("parallel.pp_size=2", "parallel.pp_size"),
     ("training.loss_kernel=chunked", "training.loss_kernel"), ("compile.backend=inductor", "compile.backend"),
@@ -135,7 +136,8 @@ def test_images_and_placeholders_that_differ_are_refused_by_key_with_the_row(wor
 def test_what_does_not_compose_with_a_vlm_is_refused_by_key_before_anything_launches(item, key):
     from overdrive.resolving.resolve import resolve
 
-    extra = {"preference.method=dpo": ["data.format=preference"], "rl.method=grpo": ["data.format=prompts"],
+    extra = {"preference.method=orpo": ["data.format=preference"],
+             "preference.precompute_reference=true": ["data.format=preference", "preference.method=dpo"], "rl.method=grpo": ["data.format=prompts"],
              "parallel.tp_size=2": ["launch.num_processes=2"], "parallel.pp_size=2": ["launch.num_processes=2"]}
     with pytest.raises(UserError) as refused:
         resolve([], cli=["model.name_or_path=org/some-vlm", "model.vision.enabled=true", "data.format=chat", item,

@@ -130,3 +130,18 @@ def make_vision_data(directory: Path, rows: int = 24, layout: str = "messages", 
                 row = {"instruction": "<image>" + question, "input": "", "output": f"the answer is {colour}"}
             f.write(json.dumps({**row, "images": [image]}) + "\n")
     return path
+
+
+def make_vision_pairs(directory: Path, rows: int = 16, seed: int = 0, size: int = 56) -> Path:
+    """TRL's vision preference pairs: `images`, a `prompt` of turns with an image part, `chosen` the image's
+    colour and `rejected` another. Written to directory/pairs.jsonl."""
+    made = make_images(directory, rows, seed, size)
+    path = directory / "pairs.jsonl"
+    with open(path, "w") as f:
+        for i, (image, colour) in enumerate(made):
+            wrong = [c for c in COLOURS if c != colour][i % 2]
+            row = {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is it"}]}],
+                   "chosen": [{"role": "assistant", "content": [{"type": "text", "text": f"the answer is {colour}"}]}],
+                   "rejected": f"the answer is {wrong}", "images": [image]}
+            f.write(json.dumps(row) + "\n")
+    return path

@@ -38,6 +38,11 @@ def _length(processor, text: str, images: list) -> tuple[int, list[int]]:
     return len(ids), ids
 
 
+def prompt_length(processor, prompt: list[dict], images: list) -> int:
+    """Tokens of a prompt rendered with the generation prompt, its images expanded: where its answer starts."""
+    return _length(processor, processor.render(prompt, add_generation_prompt=True), images)[0]
+
+
 def encode(processor, turns: list[dict], images: list, place: str, max_length: int, train_on_prompt: bool = False,
            overlong: str = "truncate") -> Optional[dict]:
     """One row's inputs (each of shape (tokens,) or the processor's image shapes) with `labels`; None when

@@ -26,7 +26,8 @@ def check(cfg: RunConfig, where: Callable[[str], str],
 
     # the teacher's tokenizer against the student's, from files (no weights)
     taught = [replace(p, where=p.where or where(p.key)) for p in teacher.fit_problems(cfg)]
-    if declared(cfg) and cfg.data.format == "chat":  # a vision-language run's rows: images against placeholders
+    if declared(cfg) and cfg.data.format in ("chat", "preference"):  # a vision-language run's rows: images
+        # against placeholders (conversations, or pairs whose prompts hold the images)
         from overdrive.data import vision_rows
 
         return taught + vision_rows.problems(cfg), []

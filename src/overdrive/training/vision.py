@@ -47,11 +47,15 @@ def settle(cfg: RunConfig) -> tuple[bool, Optional[str]]:
 
 
 def prepare(cfg: RunConfig, model_type: Optional[str], show: bool = False):
-    """The processor, the encoded rows and their collator."""
+    """The processor, the encoded rows (conversations, or preference pairs) and their collator."""
+    from overdrive.data import vision_pairs
     from overdrive.data.vision_samples import VisionCollator, prepare as encoded_rows
     from overdrive.hf.vision_processor import load
 
     processor = load(cfg, model_type)
+    if cfg.preference.method != "none":
+        return processor, vision_pairs.prepare(cfg, processor, show), vision_pairs.VisionPairCollator(
+            processor.pad_token_id)
     return processor, encoded_rows(cfg, processor, show=show), VisionCollator(processor.pad_token_id)
 
 
