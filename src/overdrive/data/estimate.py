@@ -233,6 +233,8 @@ def _vision_rows(cfg: RunConfig) -> tuple[Optional[int], str]:
     data.max_length and dropped are known once encoded)."""
     from overdrive.data import vision_rows
 
+    if cfg.data.packing:  # how many conversations share a row is known once they are encoded
+        return None, ""
     rows = len(vision_rows.table(cfg).rows)
     held = cfg.data.validation_fraction
     samples = int(rows * (1 - held))

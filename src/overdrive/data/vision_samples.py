@@ -108,7 +108,9 @@ class VisionCollator:
         batch = {}
         for key in rows[0]:
             values = [r[key] for r in rows]
-            if key in SEQUENCE:
+            if key == "position_ids":  # packed rows, all `block` long: (4, batch, seq) for 3-D positions
+                batch[key] = torch.stack(values, dim=-2)
+            elif key in SEQUENCE:
                 batch[key] = torch.stack([torch.nn.functional.pad(v, (0, longest - len(v)), value=fill.get(key, 0))
                                           for v in values])
             else:
@@ -116,8 +118,9 @@ class VisionCollator:
         return batch
 
 
-def prepare(cfg: RunConfig, processor, show: bool = False) -> tokens.TokenizedSplits:
-    """Every row of the data file encoded; `data.validation_fraction` of them held out (by the seed)."""
+def prepare(cfg: RunConfig, processor, show: bool = False, rope=None) -> tokens.TokenizedSplits:
+    """Every row of the data file encoded; `data.validation_fraction` of them held out (by the seed); with
+    `data.packing`, packed with their images (data/vision_packing.py; `rope`: hf/vision.rope_index)."""
     d = cfg.data
     rows = vision_rows.table(cfg)
     layout, columns = layouts.recognise(rows.columns, d)
@@ -142,4 +145,10 @@ def prepare(cfg: RunConfig, processor, show: bool = False) -> tokens.TokenizedSp
         print(f"vision: {counts['rows']:,} rows ({len(validation):,} held out, {counts['dropped']:,} dropped as "
               f"longer than {d.max_length} tokens), {counts['loss_tokens']:,} tokens in the loss, "
               f"{counts['image_tokens']:,} image tokens", flush=True)
+    if d.packing:
+        from overdrive.data.vision_packing import PackedVisionRows
+
+        return tokens.TokenizedSplits(PackedVisionRows(train, d.max_length, processor.pad_token_id, rope),
+                                      PackedVisionRows(validation, d.max_length, processor.pad_token_id, rope)
+                                      if validation else None, d.max_length, [])
     return tokens.TokenizedSplits(VisionRows(train), VisionRows(validation) if validation else None, d.max_length, [])

@@ -68,8 +68,8 @@ VISION_ROWS: tuple[Row, ...] = (
         "built here", "set model.task=causal-lm and data.format=chat"),
     Row(ONLINE, "vision", "rl.method", "GRPO's prompts with images (generation through the processor) are not "
         "run here yet", _SFT + ", or run TRL's GRPOTrainer under `overdrive launch`"),
-    Row(EVERY, "vision+packing", "data.packing", "packing rows with their images (each row's image tokens and "
-        "3-D rope positions restarted) is not built yet", "set data.packing=false (one conversation per row)"),
+    Row(EVERY - frozenset({"chat"}), "vision+packing", "data.packing", "conversations with images are packed "
+        "for supervised fine-tuning (data.format=chat)", "set data.packing=false"),
     Row(EVERY, "vision+mixture", "data.sources", "a vision-language run reads one data file (data.source)",
         "set data.source to one file holding the rows (and their images' paths)"),
     Row(EVERY, "vision+validation split", "data.validation_split", "the validation rows are held out of "

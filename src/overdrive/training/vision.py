@@ -56,7 +56,13 @@ def prepare(cfg: RunConfig, model_type: Optional[str], show: bool = False):
     if cfg.preference.method != "none":
         return processor, vision_pairs.prepare(cfg, processor, show), vision_pairs.VisionPairCollator(
             processor.pad_token_id)
-    return processor, encoded_rows(cfg, processor, show=show), VisionCollator(processor.pad_token_id)
+    rope = None
+    if cfg.data.packing:  # each packed conversation's 3-D positions, by the model's own rule (hf/vision.py)
+        from overdrive.hf.model_config import model_config
+        from overdrive.hf.vision import rope_index
+
+        rope = rope_index(model_config(cfg))
+    return processor, encoded_rows(cfg, processor, show=show, rope=rope), VisionCollator(processor.pad_token_id)
 
 
 def notes(cfg: RunConfig, model) -> list[str]:
