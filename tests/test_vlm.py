@@ -127,7 +127,6 @@ def test_images_and_placeholders_that_differ_are_refused_by_key_with_the_row(wor
 @pytest.mark.parametrize("item,key", [
     ("preference.method=orpo", "preference.method"), ("preference.precompute_reference=true",
                                                        "preference.precompute_reference"), ("rl.method=grpo", "rl.method"),
-    ("parallel.strategy=deepspeed", "parallel.strategy"),
     ("parallel.tp_size=2", "parallel.tp_size"), ("parallel.pp_size=2", "parallel.pp_size"),
     ("training.loss_kernel=chunked", "training.loss_kernel"), ("compile.backend=inductor", "compile.backend"),
     ("training.activation_offloading=true", "training.activation_offloading"),

@@ -74,8 +74,6 @@ VISION_ROWS: tuple[Row, ...] = (
         "set data.source to one file holding the rows (and their images' paths)"),
     Row(EVERY, "vision+validation split", "data.validation_split", "the validation rows are held out of "
         "data.source by data.validation_fraction", "unset data.validation_split"),
-    Row(EVERY, "vision+deepspeed", "parallel.strategy", "DeepSpeed ZeRO with a vision tower is not checked "
-        "against one process yet", "set parallel.strategy=fsdp (FSDP2) or ddp"),
     Row(EVERY, "vision+hsdp", "parallel.dp_replicate_size", "HSDP (FSDP2 replicated over groups) with a vision "
         "tower is not checked against one process yet", "set parallel.dp_replicate_size=1 (FSDP2 over every rank)"),
     Row(EVERY, "vision+tensor-parallel", "parallel.tp_size", "Transformers' tp plans split the language model, "
