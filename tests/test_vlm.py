@@ -181,8 +181,8 @@ def train(work: Path, out: str, *extra: str):
 @pytest.mark.slow
 def test_sft_in_one_process_learns_the_colour_and_saves_what_from_pretrained_reloads(work):
     """SFT of the language model of a tiny Qwen2-VL (its vision tower and projector frozen): the loss falls;
-    the model and the processor's files reload; `overdrive generate` on it is refused by key (images are not
-    given to it yet). The adapter's save and reload: the FSDP2 test below."""
+    the model and the processor's files reload; `overdrive generate --image` answers about an image (a missing
+    one refused by --image). The adapter's save and reload: the FSDP2 test below."""
     import sys
 
     import transformers
@@ -201,9 +201,13 @@ def test_sft_in_one_process_learns_the_colour_and_saves_what_from_pretrained_rel
     tokenizer = transformers.AutoTokenizer.from_pretrained(saved)
     image_processor = transformers.AutoImageProcessor.from_pretrained(saved)
     assert tokenizer.chat_template and image_processor.merge_size == 2
-    refused = run([sys.executable, "-m", "overdrive.cli", "generate", str(work / "one"), "what colour is it"],
-                  cwd=work, timeout=300)
-    assert refused.returncode == 2 and "vision-language" in refused.stderr, refused.stderr[-2000:]
+    asked = run([sys.executable, "-m", "overdrive.cli", "generate", str(work / "one"), "what colour is it", "--image",
+                 str(work / "images" / "0.png"), "--json", "--max-new-tokens", "6"], cwd=work, timeout=300)
+    assert asked.returncode == 0, asked.stderr[-2000:]
+    assert json.loads(asked.stdout.strip().splitlines()[-1])["answer"].startswith("the answer is"), asked.stdout
+    refused = run([sys.executable, "-m", "overdrive.cli", "generate", str(work / "one"), "what", "--image",
+                   str(work / "images" / "missing.png")], cwd=work, timeout=300)
+    assert refused.returncode == 2 and "--image" in refused.stderr, refused.stderr[-2000:]
 
 
 @pytest.mark.slow
