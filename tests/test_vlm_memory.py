@@ -85,3 +85,24 @@ def test_the_estimate_of_a_vlm_run_matches_what_it_holds(work, name, items):
           f"{row.activations_saved_bytes:,} measured {activations:,}")
     assert abs(predicted_states / states - 1) < 0.01  # frozen parts: weights only, counted tensor by tensor
     assert abs(row.activations_saved_bytes / activations - 1) < 0.1
+
+
+def test_frozen_parts_are_weights_only_in_every_strategy():
+    """Hand-made shape: 1,000 language parameters train; 600 of vision and 400 of projector are frozen."""
+    from overdrive.memory import estimate_row
+    from overdrive.memory.shape import ModelShape, Setup
+
+    shape = ModelShape(name="vlm", model_type="qwen2_vl", params=2000, param_shapes=((10, 100), (6, 100), (4, 100)),
+                       layers=1, hidden=100, heads=1, kv_heads=1, intermediate=100, vocab=10, block_params=1000,
+                       root_params=1000, largest_module_params=1000, autocast_params=2000,
+                       parts=("language", "vision", "projector"), vision_hidden=8, vision_layers=1)
+    setup = Setup(devices=2, precision="no", micro_batch=1, seq_len=4, target="cpu",
+                  frozen_parts=("vision", "projector"), image_tokens=2, image_patches=8)
+    ddp, fsdp2, zero3 = (estimate_row(s, shape, setup) for s in ("ddp", "fsdp2", "zero3"))
+    assert ddp.grads_bytes == 4 * 1000 and ddp.optimizer_bytes == 8 * 1000 and ddp.params_bytes == 4 * 2000
+    assert fsdp2.params_bytes == 4 * 2000 // 2 and fsdp2.grads_bytes == 4 * 1000 // 2
+    frozen = [b for f, what, b in zero3.terms if "frozen vision and projector" in what]
+    assert frozen == [4 * 1000 // 2]  # fp32 here (no mixed precision), partitioned over 2 ranks
+    trained = estimate_row("ddp", shape, Setup(devices=1, precision="no", micro_batch=1, seq_len=4, target="cpu",
+                                               frozen_parts=("projector",), image_patches=8))
+    assert trained.grads_bytes == 4 * 1600 and trained.activations_saved_bytes > ddp.activations_saved_bytes

@@ -229,8 +229,8 @@ def _row_samples(cfg: RunConfig, splits: Splits, sample: tuple[list[str], int, i
 
 
 def _vision_rows(cfg: RunConfig) -> tuple[Optional[int], str]:
-    """A vision-language run's conversations: one sample a row, less the validation hold-out (rows longer than
-    data.max_length and dropped are known once encoded)."""
+    """A vision-language run's conversations (or pairs): one sample a row, less the validation hold-out (rows
+    longer than data.max_length and dropped are known once encoded)."""
     from overdrive.data import vision_rows
 
     if cfg.data.packing:  # how many conversations share a row is known once they are encoded
@@ -238,7 +238,8 @@ def _vision_rows(cfg: RunConfig) -> tuple[Optional[int], str]:
     rows = len(vision_rows.table(cfg).rows)
     held = cfg.data.validation_fraction
     samples = int(rows * (1 - held))
-    return samples, (f"estimate: {rows:,} conversations with images" +
+    unit = "preference pairs" if cfg.preference.method != "none" else "conversations"
+    return samples, (f"estimate: {rows:,} {unit} with images" +
                      (f" less the {held:.0%} validation hold-out" if held else "") + " (rows too long to keep "
                      "counted once encoded)")
 
