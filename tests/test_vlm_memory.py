@@ -14,14 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from test_memory_activations import forward_saved
-from vlm_fixtures import make_tiny_llava, make_tiny_qwen2_vl, make_vision_data
+from vlm_fixtures import make_vision_data, make_tiny_models
 
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("vlm-memory")
-    make_tiny_qwen2_vl(root / "qwen")
-    make_tiny_llava(root / "llava")
+    make_tiny_models(root)
     make_vision_data(root, rows=8, layout="messages")
     return root
 

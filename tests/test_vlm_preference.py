@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from vlm_fixtures import make_tiny_llava, make_tiny_qwen2_vl, make_vision_pairs
+from vlm_fixtures import make_vision_pairs, make_tiny_models
 
 from overdrive.errors import UserError
 
@@ -23,8 +23,7 @@ from overdrive.errors import UserError
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("vlm-pairs")
-    make_tiny_qwen2_vl(root / "qwen")
-    make_tiny_llava(root / "llava")
+    make_tiny_models(root)
     make_vision_pairs(root, rows=8)
     return root
 

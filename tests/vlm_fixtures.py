@@ -145,3 +145,23 @@ def make_vision_pairs(directory: Path, rows: int = 16, seed: int = 0, size: int 
                    "rejected": f"the answer is {wrong}", "images": [image]}
             f.write(json.dumps(row) + "\n")
     return path
+
+
+def make_vision_prompts(directory: Path, rows: int = 12, seed: int = 0, size: int = 56) -> Path:
+    """Prompts with images for GRPO: a prompt of turns with an image part, `images`, and the image's `colour`
+    (a column the rewards receive). Written to directory/prompts.jsonl."""
+    made = make_images(directory, rows, seed, size)
+    path = directory / "prompts.jsonl"
+    with open(path, "w") as f:
+        for image, colour in made:
+            row = {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is it"}]}],
+                   "images": [image], "colour": colour}
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def make_tiny_models(root: Path) -> Path:
+    """A tiny Qwen2-VL (root/qwen) and a tiny LLaVA (root/llava), seed 0: what most of the vision tests train."""
+    make_tiny_qwen2_vl(root / "qwen")
+    make_tiny_llava(root / "llava")
+    return root

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from overdrive.config.schema import RunConfig
+from overdrive.data import vision_prompts
 from overdrive.data.prompts import PromptSet
 from overdrive.training import grpo_loss, grpo_rollout, rewards as rewards_mod, tools as tools_mod
 # The micro-batch layout, here by name as before (training/grpo_batch.py holds it)
@@ -58,13 +59,14 @@ def completion_logps(model: Any, batch: dict, temperature: float,
     """Per-token (log-probs, entropies) [B, C] of a batch's completions under `model`: from the
     completions' logits, or under training.loss_kernel=chunked a slice at a time without them."""
     width = batch["completion_ids"].shape[1]
+    images = {k: batch[k] for k in ("mm_token_type_ids", *vision_prompts.IMAGE_INPUTS) if k in batch}  # a VLM's prompts
     if kernel == "chunked":
         from overdrive.training import loss_kernels
 
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         return loss_kernels.completion_logps(model, inputs, batch["completion_ids"], temperature)
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
-                logits_to_keep=width + 1)
+                logits_to_keep=width + 1, **images)
     return grpo_loss.token_scores(out.logits[:, :-1], batch["completion_ids"], temperature)
 
 
@@ -120,7 +122,8 @@ class GRPOObjective(Objective):
         rollouts = []
         with torch.no_grad():
             for first in firsts:
-                rollouts.append(self._generate(model, self.prompts.prompt_ids[prompt_rows[first]], groups[first]))
+                rollouts.append(self._generate(model, self.prompts.prompt_ids[prompt_rows[first]], groups[first],
+                                               prompt_rows[first]))
         completion_ids = [c for r in rollouts for c in r.completion_ids]
         generated = time.perf_counter()
         rows = [self.prompts.rows[i] for i in prompt_rows]
@@ -161,14 +164,15 @@ class GRPOObjective(Objective):
             with open(self.samples_path, "a") as f:
                 f.write(lines)
 
-    def _generate(self, model, prompt_ids: list[int], group: int) -> "grpo_rollout.Rollout":
+    def _generate(self, model, prompt_ids: list[int], group: int, row: int = 0) -> "grpo_rollout.Rollout":
         """One group's completions, each cut after its first end-of-sequence token (TRL's); with rl.tools
         in turns (training/grpo_rollout.py), every turn drawn from the group's own seed."""
         acc, rl = self.accelerator, self.rl
         devices = [acc.device] if acc.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), acc.autocast():  # the training RNG stream is left as it was
             torch.manual_seed(group_seed(self.seed, group))
-            first = self._sample(model, [prompt_ids] * rl.num_generations, rl.max_completion_length)
+            first = self._sample(model, [prompt_ids] * rl.num_generations, rl.max_completion_length,
+                                 [row] * rl.num_generations)
             if not self.tools:
                 return grpo_rollout.Rollout(first, [], [])
             return grpo_rollout.run(lambda inputs, room: self._sample(model, inputs, room), self.tokenizer, self.tools,
@@ -176,12 +180,14 @@ class GRPOObjective(Objective):
                                     rl.max_tool_calling_iterations, rl.tool_timeout_s,
                                     getattr(acc.unwrap_model(model).config, "max_position_embeddings", None))
 
-    def _sample(self, model, inputs: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """A turn of the policy after each input (left-padded where they differ), cut after its end-of-sequence."""
+    def _sample(self, model, inputs: list[list[int]], max_new_tokens: int,
+                rows: Optional[list[int]] = None) -> list[list[int]]:
+        """A turn of the policy after each input (left-padded where they differ), cut after its end-of-sequence;
+        `rows`: the prompts' rows, whose images a vision-language policy sees (`_images`)."""
         acc, rl = self.accelerator, self.rl
         ids, mask = _pad(inputs, self.pad_id, True, acc.device)
         out = acc.unwrap_model(model).generate(
-            input_ids=ids, attention_mask=mask, do_sample=True, temperature=rl.temperature,
+            input_ids=ids, attention_mask=mask, **self._images(rows, ids.shape[1], 0), do_sample=True, temperature=rl.temperature,
             top_p=rl.top_p, top_k=rl.top_k, max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
             eos_token_id=self.tokenizer.eos_token_id, synced_gpus=self.sharded and acc.num_processes > 1)
         completions = []
@@ -204,6 +210,7 @@ class GRPOObjective(Objective):
             batch = completion_batch([self.prompts.prompt_ids[i] for i in prompt_rows[span]], completion_ids[span],
                                      advantages[span], self.pad_id, self.accelerator.device,
                                      tool_mask=tool_mask[span] if tool_mask is not None else None)
+            batch.update(self._images(prompt_rows[span], batch["prompt_ids"].shape[1], batch["completion_ids"].shape[1]))
             with torch.no_grad():
                 if self.rl.num_iterations > 1:  # the policy that sampled them, for the ratio of later updates
                     batch["old_per_token_logps"] = completion_logps(model, batch, self.rl.temperature, self.kernel)[0]
@@ -213,6 +220,12 @@ class GRPOObjective(Objective):
                                                                         self.kernel)[0]
             batches.append(batch)
         return batches
+
+    def _images(self, rows: Optional[list[int]], prompt_width: int, completion_width: int) -> dict:
+        """A vision-language policy's image inputs for these prompt rows (data/vision_prompts.py); none for text."""
+        if rows is None or not isinstance(self.prompts, vision_prompts.VisionPromptSet):
+            return {}
+        return vision_prompts.image_inputs(self.prompts, rows, prompt_width, completion_width, self.accelerator.device)
 
     def _step_metrics(self, rewards_per_func: torch.Tensor, adv: "grpo_loss.Advantages",
                       completion_ids: list[list[int]], seconds: tuple[float, float, float],

@@ -54,6 +54,10 @@ def check(cfg: RunConfig, where: Callable[[str], str],
                 from overdrive.training import tools
 
                 errors += [Problem(p.key, p.message, where("rl.tools"), p.fix) for p in tools.problems(cfg.rl.tools)]
+    if rl and table is not None and declared(cfg):  # a vision-language policy's prompts: images against image parts
+        from overdrive.data import vision_prompts
+
+        errors += vision_prompts.problems(cfg, table)
     if pairs and table is not None:  # every row read as training reads it, before anything is written
         from overdrive.data.preference import row_problems
 

@@ -65,6 +65,19 @@ def prepare(cfg: RunConfig, model_type: Optional[str], show: bool = False):
     return processor, encoded_rows(cfg, processor, show=show, rope=rope), VisionCollator(processor.pad_token_id)
 
 
+def prompts(cfg: RunConfig, model_type: Optional[str]):
+    """GRPO's prompts with images (data/vision_prompts.py) and their completion slots, as grpo_parts.prepare gives
+    a text run's: (the processor's tokenizer, PromptData)."""
+    from overdrive.data import prompts as prompts_mod, vision_prompts
+    from overdrive.hf.vision_processor import load
+    from overdrive.training.grpo_parts import PromptData
+
+    processor = load(cfg, model_type)
+    prompt_set = vision_prompts.encode(cfg, processor)
+    layout = prompts_mod.slot_layout(cfg, len(prompt_set.rows))
+    return processor.tokenizer, PromptData(prompt_set, layout, prompts_mod.Slots(layout))
+
+
 def notes(cfg: RunConfig, model) -> list[str]:
     """What the run says it trains of a vision-language model."""
     from overdrive.hf.vision import part_of
