@@ -46,8 +46,8 @@ def _alive() -> set:
     return keys - {None}
 
 
-def measure_activations(model, batch: int, seq_len: int, vocab: int) -> int:
-    ids = torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+def forward_saved(model, inputs: dict):
+    """(bytes the forward keeps for backward or leaves alive, the model's output)."""
     gc.collect()
     before = _alive() | {_storage(p) for p in model.parameters()}
     saved = set()
@@ -57,10 +57,15 @@ def measure_activations(model, batch: int, seq_len: int, vocab: int) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(input_ids=ids, labels=ids)
+        out = model(**inputs)
     gc.collect()
     held = (saved | _alive()) - before - {None}
-    nbytes = sum(n for _, n in held)
+    return sum(n for _, n in held), out
+
+
+def measure_activations(model, batch: int, seq_len: int, vocab: int) -> int:
+    ids = torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+    nbytes, out = forward_saved(model, {"input_ids": ids, "labels": ids})
     out.loss.backward()  # the graph really was usable
     return nbytes
 

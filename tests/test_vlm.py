@@ -125,8 +125,8 @@ def test_images_and_placeholders_that_differ_are_refused_by_key_with_the_row(wor
 
 
 @pytest.mark.parametrize("item,key", [
-    ("preference.method=dpo", "preference.method"), ("rl.method=grpo", "rl.method"),
-    ("data.packing=true", "data.packing"), ("parallel.strategy=deepspeed", "parallel.strategy"),
+    ("preference.method=orpo", "preference.method"), ("preference.precompute_reference=true",
+                                                       "preference.precompute_reference"), ("training.oom_retry=true", "training.oom_retry"),
     ("parallel.tp_size=2", "parallel.tp_size"), ("parallel.pp_size=2", "parallel.pp_size"),
     ("training.loss_kernel=chunked", "training.loss_kernel"), ("compile.backend=inductor", "compile.backend"),
     ("training.activation_offloading=true", "training.activation_offloading"),
@@ -135,7 +135,8 @@ def test_images_and_placeholders_that_differ_are_refused_by_key_with_the_row(wor
 def test_what_does_not_compose_with_a_vlm_is_refused_by_key_before_anything_launches(item, key):
     from overdrive.resolving.resolve import resolve
 
-    extra = {"preference.method=dpo": ["data.format=preference"], "rl.method=grpo": ["data.format=prompts"],
+    extra = {"preference.method=orpo": ["data.format=preference"],
+             "preference.precompute_reference=true": ["data.format=preference", "preference.method=dpo"], "training.oom_retry=true": ["data.format=prompts", "rl.method=grpo"],
              "parallel.tp_size=2": ["launch.num_processes=2"], "parallel.pp_size=2": ["launch.num_processes=2"]}
     with pytest.raises(UserError) as refused:
         resolve([], cli=["model.name_or_path=org/some-vlm", "model.vision.enabled=true", "data.format=chat", item,
@@ -180,8 +181,8 @@ def train(work: Path, out: str, *extra: str):
 @pytest.mark.slow
 def test_sft_in_one_process_learns_the_colour_and_saves_what_from_pretrained_reloads(work):
     """SFT of the language model of a tiny Qwen2-VL (its vision tower and projector frozen): the loss falls;
-    the model and the processor's files reload; `overdrive generate` on it is refused by key (images are not
-    given to it yet). The adapter's save and reload: the FSDP2 test below."""
+    the model and the processor's files reload; `overdrive generate --image` answers about an image (a missing
+    one refused by --image). The adapter's save and reload: the FSDP2 test below."""
     import sys
 
     import transformers
@@ -200,9 +201,13 @@ def test_sft_in_one_process_learns_the_colour_and_saves_what_from_pretrained_rel
     tokenizer = transformers.AutoTokenizer.from_pretrained(saved)
     image_processor = transformers.AutoImageProcessor.from_pretrained(saved)
     assert tokenizer.chat_template and image_processor.merge_size == 2
-    refused = run([sys.executable, "-m", "overdrive.cli", "generate", str(work / "one"), "what colour is it"],
-                  cwd=work, timeout=300)
-    assert refused.returncode == 2 and "vision-language" in refused.stderr, refused.stderr[-2000:]
+    asked = run([sys.executable, "-m", "overdrive.cli", "generate", str(work / "one"), "what colour is it", "--image",
+                 str(work / "images" / "0.png"), "--json", "--max-new-tokens", "6"], cwd=work, timeout=300)
+    assert asked.returncode == 0, asked.stderr[-2000:]
+    assert json.loads(asked.stdout.strip().splitlines()[-1])["answer"].startswith("the answer is"), asked.stdout
+    refused = run([sys.executable, "-m", "overdrive.cli", "generate", str(work / "one"), "what", "--image",
+                   str(work / "images" / "missing.png")], cwd=work, timeout=300)
+    assert refused.returncode == 2 and "--image" in refused.stderr, refused.stderr[-2000:]
 
 
 @pytest.mark.slow

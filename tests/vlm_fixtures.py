@@ -68,7 +68,8 @@ def make_tiny_qwen2_vl(directory: Path, seed: int = 0, family: str = "qwen2_vl")
 
 
 def make_tiny_llava(directory: Path, seed: int = 0) -> Path:
-    """LLaVA: a 1-layer CLIP vision tower (28-pixel images, patch 14: 4 image tokens) and a 2-layer Llama,
+    """LLaVA: a 1-layer CLIP vision tower (28-pixel images, patch 14: 4 patches and CLIP's CLS token, all 5 kept
+    by the "full" feature strategy: 5 image tokens) and a 2-layer Llama,
     with LlavaProcessor (CLIP's PIL image processor) saved beside them."""
     import torch
     from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
@@ -77,7 +78,7 @@ def make_tiny_llava(directory: Path, seed: int = 0) -> Path:
     tok = tokenizer("<image>")
     image = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
     processor = LlavaProcessor(image_processor=image, tokenizer=tok, patch_size=14, image_token="<image>",
-                               vision_feature_select_strategy="full", num_additional_image_tokens=0,
+                               vision_feature_select_strategy="full", num_additional_image_tokens=1,
                                chat_template=tok.chat_template)
     config = LlavaConfig(vision_config=CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                                         num_attention_heads=2, image_size=28, patch_size=14),
@@ -129,3 +130,38 @@ def make_vision_data(directory: Path, rows: int = 24, layout: str = "messages", 
                 row = {"instruction": "<image>" + question, "input": "", "output": f"the answer is {colour}"}
             f.write(json.dumps({**row, "images": [image]}) + "\n")
     return path
+
+
+def make_vision_pairs(directory: Path, rows: int = 16, seed: int = 0, size: int = 56) -> Path:
+    """TRL's vision preference pairs: `images`, a `prompt` of turns with an image part, `chosen` the image's
+    colour and `rejected` another. Written to directory/pairs.jsonl."""
+    made = make_images(directory, rows, seed, size)
+    path = directory / "pairs.jsonl"
+    with open(path, "w") as f:
+        for i, (image, colour) in enumerate(made):
+            wrong = [c for c in COLOURS if c != colour][i % 2]
+            row = {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is it"}]}],
+                   "chosen": [{"role": "assistant", "content": [{"type": "text", "text": f"the answer is {colour}"}]}],
+                   "rejected": f"the answer is {wrong}", "images": [image]}
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def make_vision_prompts(directory: Path, rows: int = 12, seed: int = 0, size: int = 56) -> Path:
+    """Prompts with images for GRPO: a prompt of turns with an image part, `images`, and the image's `colour`
+    (a column the rewards receive). Written to directory/prompts.jsonl."""
+    made = make_images(directory, rows, seed, size)
+    path = directory / "prompts.jsonl"
+    with open(path, "w") as f:
+        for image, colour in made:
+            row = {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is it"}]}],
+                   "images": [image], "colour": colour}
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def make_tiny_models(root: Path) -> Path:
+    """A tiny Qwen2-VL (root/qwen) and a tiny LLaVA (root/llava), seed 0: what most of the vision tests train."""
+    make_tiny_qwen2_vl(root / "qwen")
+    make_tiny_llava(root / "llava")
+    return root

@@ -89,9 +89,10 @@ def build(args: argparse.Namespace):
     if source.run is not None:
         setup = run_setup(source.run, target, **changes)  # with the adapter the run trains
     else:
-        positions = getattr(source.config, "max_position_embeddings", None) or getattr(source.config, "n_positions", None)
+        text = source.config.get_text_config()
+        positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
         defaults = dict(devices=1, precision="bf16", micro_batch=1, seq_len=min(2048, positions or 2048),
-                        checkpointing=False, target=target)
+                        checkpointing=False, target=target, **_vision_defaults(args.model, source, shape))
         defaults.update({k: v for k, v in changes.items() if v is not None})
         setup = Setup(**defaults)
     if overridden or source.run is None:  # --peft / --lora-r say what trains
@@ -111,6 +112,17 @@ def build(args: argparse.Namespace):
     est = estimate(shape, setup, strategies)
     _judge_rows(args, source, setup, est)
     return est, source
+
+
+def _vision_defaults(model: str, source, shape) -> dict:
+    """A vision-language model given by itself: trained as a run would by default (model.vision.freeze on,
+    model.vision.train_projector off), its images sized by the processor saved beside it."""
+    if not shape.parts:
+        return {}
+    from overdrive.hf.vision_sizes import image_tokens
+
+    tokens, patches, _ = image_tokens(source.config, model)
+    return dict(frozen_parts=("vision", "projector"), image_tokens=tokens, image_patches=patches)
 
 
 # The estimate's flags and the Setup fields they set, as the config keys train reads them from.

@@ -2,7 +2,9 @@
 `runs/x/model`), a saved model or an adapter on its base answers PROMPT through its chat
 template, the tokens printed as they come. Without PROMPT on a terminal: one prompt after
 another until an empty line or end of input; without PROMPT and with input piped in
-(`echo hi | overdrive generate runs/x`), that input is the prompt. Temperature 0 (the default) is greedy decoding."""
+(`echo hi | overdrive generate runs/x`), that input is the prompt. Temperature 0 (the default) is greedy decoding.
+A vision-language model (or an adapter on one) answers about the images given with `--image`, through its processor
+and chat template (hf/vision_generate.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"], default="float32",
                         help="dtype the model is loaded in (default: float32)")
     parser.add_argument("--base", metavar="MODEL", help="an adapter's base model (default: its adapter_config.json's)")
+    parser.add_argument("--image", action="append", default=[], metavar="PATH",
+                        help="an image the question is about (a vision-language model; repeat for several)")
     parser.add_argument("--json", action="store_true",
                         help="print {prompt, answer, tokens} as JSON instead of streaming the text")
 
@@ -35,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from overdrive.errors import Problem, UserError
     from overdrive.hf.benchmarks import default_device
     from overdrive.hf.generation import Sampling, generated_ids
-    from overdrive.hf.saved_model import load
+    from overdrive.hf.saved_model import Loaded, load
 
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UserError(Problem("--max-new-tokens" if args.max_new_tokens < 1 else
@@ -50,7 +54,24 @@ def run(args: argparse.Namespace) -> int:
                                     '(or pipe it in: echo "your prompt" | overdrive generate RUN_OR_MODEL)'))
         args.prompt = piped
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
-    loaded = load(args.target, dtype=args.dtype, device=args.device or default_device(), base=args.base)
+    from overdrive.hf import vision_generate
+
+    images = vision_generate.open_images(args.image)  # read before the model loads: a wrong path fails at once
+    device = args.device or default_device()
+    vision_loaded = vision_generate.load(args.target, args.base, args.dtype, device)
+    loaded: "vision_generate.LoadedVision | Loaded"
+    if vision_loaded is None:
+        if images:
+            raise UserError(Problem("--image", f"{args.target} is not a vision-language model: it takes no images",
+                                    fix="drop --image, or give a vision-language model's run or directory"))
+        loaded = load(args.target, dtype=args.dtype, device=device, base=args.base)
+    else:
+        loaded = vision_loaded
+
+    def new_ids(prompt: str, streamer=None) -> list[int]:
+        if isinstance(loaded, vision_generate.LoadedVision):
+            return vision_generate.generated_ids(loaded, prompt, images, sampling, streamer)
+        return generated_ids(loaded.model, loaded.tokenizer, prompt, sampling, streamer=streamer)
     if args.seed is not None:
         import torch
 
@@ -58,15 +79,14 @@ def run(args: argparse.Namespace) -> int:
 
     def answer(prompt: str) -> None:
         if args.json:
-            ids = generated_ids(loaded.model, loaded.tokenizer, prompt, sampling)
+            ids = new_ids(prompt)
             print(json.dumps({"prompt": prompt, "answer": loaded.tokenizer.decode(ids, skip_special_tokens=True),
                               "tokens": ids}))
             return
         from transformers import TextStreamer
 
         # Each token printed as it comes; the prompt (and its template) left out.
-        generated_ids(loaded.model, loaded.tokenizer, prompt, sampling,
-                      streamer=TextStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True))
+        new_ids(prompt, TextStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True))
 
     if args.prompt is not None:
         answer(args.prompt)

@@ -70,14 +70,18 @@ def next_lines(cfg: RunConfig, out: Path, items: Sequence[str],
             lines.append((command("train", items, [*changes, sharded]), what))
     from overdrive.hf.vision import describe
 
-    built = describe(cfg)  # a vision-language model: its own Auto class, and no `generate` with images yet
+    built = describe(cfg)  # a vision-language model: its own Auto class, and `generate` with an image
     if cfg.checkpoint.save_final_model and cfg.peft.method != "none":
         lines.append((f"PeftModel.from_pretrained({built['auto_class']}.from_pretrained({cfg.model.name_or_path!r}), "
                       f"{str(out / 'model')!r})", "the adapter on its base (docs/finetuning.md)"))
     elif cfg.checkpoint.save_final_model:
         lines.append((command("train", items, [f"model.name_or_path={out / 'model'}", f"output_dir={out}-continued"]),
                       "continue from the trained model"))
-    if cfg.checkpoint.save_final_model and cfg.model.task == "causal-lm" and cfg.preference.method != "reward" \
-            and not built["vision"]:
-        lines.append((shlex.join(["overdrive", "generate", str(out)]), "talk to the trained model (docs/evaluation.md)"))
+    if cfg.checkpoint.save_final_model and cfg.model.task == "causal-lm" and cfg.preference.method != "reward":
+        if built["vision"]:
+            lines.append((shlex.join(["overdrive", "generate", str(out), "what is in the image?", "--image", "IMAGE"]),
+                          "ask the trained model about an image (docs/vision.md)"))
+        else:
+            lines.append((shlex.join(["overdrive", "generate", str(out)]), "talk to the trained model "
+                          "(docs/evaluation.md)"))
     return [f"  {line}    # {comment}" for line, comment in lines]

@@ -98,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
             "epochs": math_.epochs, "samples_per_epoch": math_.samples, "samples_basis": data.samples_basis or None,
             "validation_held_out": math_.held_out, "parameters": shape.params, "active_parameters": shape.active_params,
             "memory": row.to_dict(),
+            **({"vision": report.vision_fields(est)} if shape.parts else {}),
             "capacity_bytes": cap.device_bytes, "capacity_source": cap.source,
             "tokens_per_s": speed.tokens_per_s if speed else None, "step_time_s": step_s,
             "total_time_s": step_s * math_.max_steps if step_s else None,
@@ -154,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
         lines.append(f"             {'fits' if row.fits else 'does NOT fit'} in {cap.source} with 10% headroom"
                      f"{'' if row.fits else ' — see `overdrive estimate` for the strategies that do'}")
     lines.extend(_stage_lines(stages, gib) if stages else [])
+    if shape.parts:
+        lines.append(f"vision       {report.vision_line(est).removeprefix('vision-language: ')}")
     if cfg.checkpoint.enabled:
         lines.append(f"disk         {room.summary()}")
         if room.warning():

@@ -151,6 +151,12 @@ def forecast(cfg: RunConfig, make_tokenizer, train_sample_bpe) -> Forecast:
         samples, basis = _prompt_slots(cfg)
         return Forecast(note="prompts are not tokenized ahead: the completions are generated in the loop",
                         samples=samples, samples_basis=basis)
+    from overdrive.hf.vision import declared
+
+    if declared(cfg) and Path(d.source).expanduser().is_file():  # rows with images (data/vision_samples.py)
+        samples, basis = _vision_rows(cfg)
+        return Forecast(note="rows with images are encoded as the run starts (no token cache for images)",
+                        samples=samples, samples_basis=basis)
     if d.source != "stdlib" and not Path(d.source).expanduser().exists():
         return Forecast(note=f"{d.source!r} is not local: measured once downloaded (or bound it with data.max_bytes)")
     splits = open_splits(cfg)
@@ -220,6 +226,22 @@ def _row_samples(cfg: RunConfig, splits: Splits, sample: tuple[list[str], int, i
     held = f" less the {splits.holdout:.0%} validation hold-out" if splits.holdout else ""
     return samples, (f"estimate: {rows:,} rows{held} x {per_row:.2f} {_unit(cfg)} per row (measured on "
                      f"{len(texts):,} rows)")
+
+
+def _vision_rows(cfg: RunConfig) -> tuple[Optional[int], str]:
+    """A vision-language run's conversations (or pairs): one sample a row, less the validation hold-out (rows
+    longer than data.max_length and dropped are known once encoded)."""
+    from overdrive.data import vision_rows
+
+    if cfg.data.packing:  # how many conversations share a row is known once they are encoded
+        return None, ""
+    rows = len(vision_rows.table(cfg).rows)
+    held = cfg.data.validation_fraction
+    samples = int(rows * (1 - held))
+    unit = "preference pairs" if cfg.preference.method != "none" else "conversations"
+    return samples, (f"estimate: {rows:,} {unit} with images" +
+                     (f" less the {held:.0%} validation hold-out" if held else "") + " (rows too long to keep "
+                     "counted once encoded)")
 
 
 def _prompt_slots(cfg: RunConfig) -> tuple[Optional[int], str]:

@@ -38,7 +38,7 @@ def table(cfg: RunConfig) -> RowTable:
     return found
 
 
-def _parts(content: Any, row: str, key: str) -> list[dict]:
+def content_parts(content: Any, row: str, key: str) -> list[dict]:
     """A turn's content as parts: `<image>` in a string splits it; a list keeps its text and image parts."""
     if content is None:
         return []
@@ -58,7 +58,7 @@ def _parts(content: Any, row: str, key: str) -> list[dict]:
             if kind == "image":
                 parts.append({"type": "image"})
             elif kind == "text" and isinstance(part.get("text"), str):
-                parts += _parts(part["text"], row, key) if PLACEHOLDER in part["text"] else [dict(part)]
+                parts += content_parts(part["text"], row, key) if PLACEHOLDER in part["text"] else [dict(part)]
             else:
                 raise UserError(Problem(key, f"{row}: a content part that is neither text nor an image: "
                                         f"{str(part)[:80]}", fix='write parts as {"type": "text", "text": ...} or '
@@ -87,10 +87,16 @@ def conversation(cfg: RunConfig, rows: RowTable, index: int, layout: str, column
     else:
         text_row = {k: v for k, v in row.items() if k != d.images_column}
         turns = layouts.turns_of(layout, columns, text_row, index, d)
-    turns = [{"role": t["role"], "content": _parts(t["content"], place, key)} for t in turns]
+    turns = [{"role": t["role"], "content": content_parts(t["content"], place, key)} for t in turns]
     if not any(t["role"] == "assistant" for t in turns):
         raise UserError(Problem(key, f"{place}: a conversation without an assistant turn", where=place,
                                 fix="every conversation needs an answer to learn: drop or fix the row"))
+    return turns, row_images(cfg, row, turns, place)
+
+
+def row_images(cfg: RunConfig, row: dict, turns: list[dict], place: str) -> list:
+    """The row's images, refused by `data.images_column` where they and the turns' image parts differ in number."""
+    d = cfg.data
     images = row.get(d.images_column)
     images = [] if images is None else images if isinstance(images, list) else [images]
     marks = sum(p["type"] == "image" for t in turns for p in t["content"])
@@ -99,7 +105,7 @@ def conversation(cfg: RunConfig, rows: RowTable, index: int, layout: str, column
                                 f"{place}: {marks} image placeholder(s) in the conversation and {len(images)} "
                                 f"image(s) in column {d.images_column!r}", where=place,
                                 fix="give one image per {\"type\": \"image\"} part (or <image> mark), in order"))
-    return turns, images
+    return images
 
 
 def image_problem(image: Any, base: Path, place: str) -> Optional[Problem]:
@@ -143,6 +149,10 @@ def problems(cfg: RunConfig) -> list[Problem]:
     rows = local_table(cfg.data.source)
     if rows is None:
         return []
+    if cfg.preference.method != "none":  # pairs: a prompt with the images, two answers
+        from overdrive.data import vision_pairs
+
+        return vision_pairs.problems(cfg, rows)
     try:
         layout, columns = layouts.recognise(rows.columns, cfg.data)
     except UserError as error:

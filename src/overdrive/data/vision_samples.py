@@ -38,6 +38,11 @@ def _length(processor, text: str, images: list) -> tuple[int, list[int]]:
     return len(ids), ids
 
 
+def prompt_length(processor, prompt: list[dict], images: list) -> int:
+    """Tokens of a prompt rendered with the generation prompt, its images expanded: where its answer starts."""
+    return _length(processor, processor.render(prompt, add_generation_prompt=True), images)[0]
+
+
 def encode(processor, turns: list[dict], images: list, place: str, max_length: int, train_on_prompt: bool = False,
            overlong: str = "truncate") -> Optional[dict]:
     """One row's inputs (each of shape (tokens,) or the processor's image shapes) with `labels`; None when
@@ -103,7 +108,9 @@ class VisionCollator:
         batch = {}
         for key in rows[0]:
             values = [r[key] for r in rows]
-            if key in SEQUENCE:
+            if key == "position_ids":  # packed rows, all `block` long: (4, batch, seq) for 3-D positions
+                batch[key] = torch.stack(values, dim=-2)
+            elif key in SEQUENCE:
                 batch[key] = torch.stack([torch.nn.functional.pad(v, (0, longest - len(v)), value=fill.get(key, 0))
                                           for v in values])
             else:
@@ -111,8 +118,9 @@ class VisionCollator:
         return batch
 
 
-def prepare(cfg: RunConfig, processor, show: bool = False) -> tokens.TokenizedSplits:
-    """Every row of the data file encoded; `data.validation_fraction` of them held out (by the seed)."""
+def prepare(cfg: RunConfig, processor, show: bool = False, rope=None) -> tokens.TokenizedSplits:
+    """Every row of the data file encoded; `data.validation_fraction` of them held out (by the seed); with
+    `data.packing`, packed with their images (data/vision_packing.py; `rope`: hf/vision.rope_index)."""
     d = cfg.data
     rows = vision_rows.table(cfg)
     layout, columns = layouts.recognise(rows.columns, d)
@@ -137,4 +145,10 @@ def prepare(cfg: RunConfig, processor, show: bool = False) -> tokens.TokenizedSp
         print(f"vision: {counts['rows']:,} rows ({len(validation):,} held out, {counts['dropped']:,} dropped as "
               f"longer than {d.max_length} tokens), {counts['loss_tokens']:,} tokens in the loss, "
               f"{counts['image_tokens']:,} image tokens", flush=True)
+    if d.packing:
+        from overdrive.data.vision_packing import PackedVisionRows
+
+        return tokens.TokenizedSplits(PackedVisionRows(train, d.max_length, processor.pad_token_id, rope),
+                                      PackedVisionRows(validation, d.max_length, processor.pad_token_id, rope)
+                                      if validation else None, d.max_length, [])
     return tokens.TokenizedSplits(VisionRows(train), VisionRows(validation) if validation else None, d.max_length, [])

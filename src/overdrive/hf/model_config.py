@@ -70,6 +70,9 @@ def model_config(cfg: RunConfig, vocab_size: Optional[int] = None, *, label_name
             raise UserError(Problem("model.architecture.model_type", str(error))) from error
     # The key/value cache only serves generation; in training it is memory and time spent.
     config.use_cache = False
+    text = config.get_text_config()
+    if text is not config:  # a vision-language model's language model reads its own (packed rows need none)
+        text.use_cache = False
     from overdrive.config.experts import apply_overrides
 
     apply_overrides(m.moe, config)  # model.moe.top_k / aux_loss_coef: what trains and what is estimated

@@ -73,8 +73,9 @@ def load(target: str, *, dtype: str = "float32", device: Optional[str] = None, b
 
 
 def _refuse_vision(path: Path, base: Optional[str], key: str) -> None:
-    """A vision-language model (or an adapter on one) answers questions about images, which these
-    commands do not give it yet: refused by key rather than loaded as a text model."""
+    """A vision-language model (or an adapter on one) answers questions about images, which `overdrive eval`
+    does not give it: refused by key rather than loaded as a text model (`generate` loads it through
+    hf/vision_generate.py first)."""
     import json
 
     from overdrive.hf.vision import config_is_vision
@@ -88,9 +89,10 @@ def _refuse_vision(path: Path, base: Optional[str], key: str) -> None:
     except (OSError, ValueError):
         return
     if vision:
-        raise UserError(Problem(key, f"{path} is a vision-language model (or an adapter on one); generating and "
-                                "evaluating with images is not done by this command yet",
-                                fix="load it with AutoModelForImageTextToText and its processor (docs/vision.md)"))
+        raise UserError(Problem(key, f"{path} is a vision-language model (or an adapter on one); this command gives "
+                                "it no images", fix="ask it about images with `overdrive generate RUN \"question\" "
+                                "--image PATH`, or load it with AutoModelForImageTextToText and its processor "
+                                "(docs/vision.md)"))
 
 
 def adapter_base(path: Path, given: Optional[str] = None, key: str = KEY) -> tuple[str, str, dict]:

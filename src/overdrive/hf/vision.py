@@ -136,3 +136,21 @@ def freeze(model, vision: VisionConfig) -> dict[str, int]:
         if part not in trained:
             param.requires_grad_(False)
     return sizes
+
+
+def rope_index(config):
+    """A callable (input_ids (1, s), mm_token_type_ids (1, s), image_grid_thw) -> the 3-D rope positions (3, s)
+    of one row, by the model's own `get_rope_index`, for a family whose positions are 3-D (Qwen2-VL, Qwen2.5-VL);
+    None for one whose positions are a row's token indices (LLaVA). The method reads the config alone, so it is
+    called on an instance holding only that (no weights are built)."""
+    if config.model_type not in ("qwen2_vl", "qwen2_5_vl"):
+        return None
+    from transformers import AutoModel
+
+    holder = object.__new__(AutoModel._model_mapping[type(config)])  # Qwen2VLModel: its methods, not its weights
+    holder.__dict__["config"] = config
+
+    def positions(input_ids, mm_token_type_ids, image_grid_thw):
+        return holder.get_rope_index(input_ids, mm_token_type_ids, image_grid_thw)[0][:, 0, :]
+
+    return positions

@@ -114,19 +114,25 @@ class VisionProcessor:
 
 def load(cfg: RunConfig, model_type: Optional[str]) -> VisionProcessor:
     """The run's processor, from `tokenizer.name_or_path` or the model's directory (or hub name)."""
+    m = cfg.model
+    name = cfg.tokenizer.name_or_path or m.name_or_path
+    key = "tokenizer.name_or_path" if cfg.tokenizer.name_or_path else "model.name_or_path"
+    return _with_template(cfg, load_from(name, model_type, key, m.revision, m.trust_remote_code), name)
+
+
+def load_from(name: str, model_type: Optional[str], key: str, revision: Optional[str] = None,
+              trust_remote_code: bool = False) -> VisionProcessor:
+    """The processor saved at `name` (a directory or hub name), refused by `key` where none can be built."""
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
     from overdrive import hub
 
-    m = cfg.model
-    name = cfg.tokenizer.name_or_path or m.name_or_path
-    key = "tokenizer.name_or_path" if cfg.tokenizer.name_or_path else "model.name_or_path"
-    kwargs = {"revision": m.revision, "trust_remote_code": m.trust_remote_code}
-    with hub.reading(key, name, what="processor", revision=m.revision):
+    kwargs = {"revision": revision, "trust_remote_code": trust_remote_code}
+    with hub.reading(key, name, what="processor", revision=revision):
         if model_type in OWN:
             own = OwnQwenProcessor(AutoTokenizer.from_pretrained(name, **kwargs),
                                    AutoImageProcessor.from_pretrained(name, **kwargs))
-            return _with_template(cfg, VisionProcessor(own, own=True), name)
+            return VisionProcessor(own, own=True)
         try:
             processor = AutoProcessor.from_pretrained(name, **kwargs)
         except (OSError, ValueError, ImportError) as error:
@@ -137,7 +143,7 @@ def load(cfg: RunConfig, model_type: Optional[str]) -> VisionProcessor:
     if not hasattr(processor, "image_processor"):
         raise UserError(Problem(key, f"{name}: AutoProcessor gives a {type(processor).__name__}, which has no image "
                                 "processor", fix="point it at the vision-language model's own processor files"))
-    return _with_template(cfg, VisionProcessor(processor, own=False), name)
+    return VisionProcessor(processor, own=False)
 
 
 def _with_template(cfg: RunConfig, processor: VisionProcessor, name: str) -> VisionProcessor:

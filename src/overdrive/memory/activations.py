@@ -115,6 +115,7 @@ class Activations:
     kernel: AttentionKernel
     logits_held: bool = True  # the caller keeps the logits until backward (the saved figures assume it)
     layers_on_device: int = 0  # under activation offloading, the layers whose saved tensors stay; 0: all
+    vision: int = 0  # a vision tower that trains: its blocks' saved tensors over each row's image patches
 
     @property
     def resident_layers(self) -> int:
@@ -128,24 +129,24 @@ class Activations:
     @property
     def saved(self) -> int:
         """Held at the end of the forward pass without checkpointing (what a hook measures)."""
-        return self.layers * self.layer + self.embeddings + self.head + self.logits
+        return self.layers * self.layer + self.embeddings + self.head + self.logits + self.vision
 
     @property
     def saved_checkpointed(self) -> int:
         """Held at the end of the forward pass with every layer checkpointed."""
-        return self.layers * self.layer_input + self.embeddings + self.head + self.logits
+        return self.layers * self.layer_input + self.embeddings + self.head + self.logits + self.vision
 
     @property
     def peak(self) -> int:
         """Peak without checkpointing: the saved tensors on the device, plus the loss's own peak."""
         return (self.resident_layers * self.layer + self.embeddings + self.head + self.logits_at_peak
-                + self.loss_backward)
+                + self.loss_backward + self.vision)
 
     @property
     def peak_checkpointed(self) -> int:
         """Peak with checkpointing: inputs kept, plus one layer recomputed in backward."""
         return (self.resident_layers * self.layer_input + self.embeddings + self.head + self.logits_at_peak
-                + self.layer + self.loss_backward)
+                + self.layer + self.loss_backward + self.vision)
 
 
 def _norm(shape: ModelShape, d: Dtypes) -> int:
@@ -214,7 +215,23 @@ def estimate_activations(shape: ModelShape, setup: Setup, autocast: bool) -> Act
         kernel=kernel,
         logits_held=setup.logits_held,
         layers_on_device=1 if setup.activation_offloading and setup.target == "cuda" else 0,
+        vision=_vision_tower(shape, setup, d),
     )
+
+
+# Saved elements per patch per vision block, in units of its width: Korthikanti et al.'s 34 bytes (16-bit,
+# dropout masks) less the masks a vision tower does not drop out, as elements: norms' inputs, Q, K, V, the
+# attention output and the projections' inputs (~6), a 4x-wide MLP's input, activation and output (~9).
+VISION_BLOCK_ELEMENTS = 15
+
+
+def _vision_tower(shape: ModelShape, setup: Setup, d: Dtypes) -> int:
+    """A vision tower that trains (model.vision.freeze off) keeps its blocks' activations for one image a row;
+    a frozen one runs without any parameter or input asking for a gradient, and keeps none."""
+    if not setup.image_patches or "vision" in setup.frozen_parts or setup.adapter is not None:
+        return 0
+    return setup.micro_batch * setup.image_patches * shape.vision_layers * VISION_BLOCK_ELEMENTS * d.e * \
+        shape.vision_hidden
 
 
 def loss_terms(shape: ModelShape, setup: Setup, d: Dtypes, tokens: int) -> tuple[int, int, int]:

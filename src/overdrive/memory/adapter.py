@@ -49,9 +49,11 @@ class AdapterShape:
         return self.quantized * (self.bits / 8 + constants)
 
 
-def adapter_shape(model, peft, base_bytes: int = 4, task: str = "causal-lm") -> AdapterShape:
+def adapter_shape(model, peft, base_bytes: int = 4, task: str = "causal-lm", exclude: str | None = None
+                  ) -> AdapterShape:
     """PEFT applied to `model` (on the meta device): the trainable count, and what qlora quantizes
-    (every linear layer but the output head, as Transformers' bitsandbytes integration does)."""
+    (every linear layer but the output head, as Transformers' bitsandbytes integration does); `exclude`:
+    module names PEFT leaves out (a vision-language model's frozen parts)."""
     import torch
     from peft import get_peft_model
 
@@ -61,6 +63,7 @@ def adapter_shape(model, peft, base_bytes: int = 4, task: str = "causal-lm") -> 
     linear = [m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not out]
     quantized = sum(linear) if peft.method == "qlora" else 0
     config = lora_config(peft, task)
+    config.exclude_modules = exclude
     import warnings
 
     with warnings.catch_warnings():  # PEFT asks a deprecated Transformers property on the way

@@ -9,7 +9,8 @@ from overdrive.memory.activations import Activations, estimate_activations
 from overdrive.memory.adapter import model_state_row as adapter_row
 from overdrive.memory.formulas import STRATEGIES, Row, model_state_row, uses_autocast
 from overdrive.memory.formulas import zero_paper_bytes  # noqa: F401  (handed on by the package)
-from overdrive.memory.shape import ModelShape, Setup, dense_and_held_experts, ep_slice, tp_slice
+from overdrive.memory.shape import (ModelShape, Setup, dense_and_held_experts, ep_slice, fsdp2_shard_numel, numel,
+                                    tp_slice, trained_and_frozen, zero3_partition_numel)
 
 
 # How running out of memory reads in an error or a log: CUDA's and torch's messages, the
@@ -39,12 +40,16 @@ def estimate_row(strategy: str, shape: ModelShape, setup: Setup) -> Row:
     sliced = tp_slice(shape, setup.tp)
     if strategy == "ddp":  # parameters whole on every rank: expert parallel keeps experts / ep of them
         sliced = ep_slice(sliced, setup.ep)
+    # A vision-language model's frozen parts: weights only. An adapter run counts its frozen base whole already.
+    sliced, frozen = trained_and_frozen(sliced, setup.frozen_parts if setup.adapter is None else ())
     if strategy.startswith("fsdp2") and setup.ep > 1 and sliced.experts and setup.adapter is None:
         row = _fsdp2_beside_experts(strategy, sliced, setup)
     elif setup.adapter is None:
         row = model_state_row(strategy, sliced, setup)
     else:  # LoRA/QLoRA: gradients and optimizer states for the adapter only (adapter.py)
         row = adapter_row(strategy, sliced, setup, setup.adapter)
+    if frozen:
+        _add_frozen_parts(row, strategy, frozen, setup)
     if setup.reference_copy and setup.adapter is None:  # the weights as they are loaded, unsharded, no gradients
         why = "rl.beta" if setup.generation_tokens else "preference.method"
         row.add("params_bytes", f"reference model: a frozen copy of the weights ({why})", 4 * sliced.params)
@@ -75,7 +80,28 @@ def estimate_row(strategy: str, shape: ModelShape, setup: Setup) -> Row:
                     offloaded * act.layer)
     row.add("activations_bytes", "embedding dropout mask, position ids", act.embeddings)
     _add_loss_terms(row, act, setup.loss_kernel)
+    if setup.image_patches and "vision" not in setup.frozen_parts and setup.adapter is None:
+        row.add("activations_bytes", f"vision tower: {setup.image_patches:,} patches of one image a row, "
+                f"{shape.vision_layers} blocks (model.vision.freeze off)", act.vision)
     return row
+
+
+def _add_frozen_parts(row: Row, strategy: str, frozen: tuple, setup: Setup) -> None:
+    """A vision-language model's frozen vision tower and projector: weights as the strategy holds them, no
+    gradients, no optimizer state (they are in no optimizer group). DDP and FSDP2 keep the loaded fp32 weights
+    (FSDP2 sharded per tensor); DeepSpeed casts them to the 16-bit dtype (ZeRO-3 partitioned)."""
+    n, e = setup.shard_ranks, setup.half_bytes
+    if strategy.startswith("fsdp2"):
+        nbytes, where = 4 * sum(fsdp2_shard_numel(s, n) for s in frozen), "fp32 shards"
+    elif strategy.startswith("zero3"):
+        nbytes, where = e * sum(zero3_partition_numel(s, n) for s in frozen), "partitions"
+    elif strategy.startswith("zero"):
+        nbytes, where = e * sum(numel(s) for s in frozen), "whole on every rank"
+    else:
+        nbytes, where = 4 * sum(numel(s) for s in frozen), "fp32, whole"
+    target = "host" if strategy in ("zero3_offload", "fsdp2_offload") else "params_bytes"
+    row.add(target, f"frozen {' and '.join(setup.frozen_parts)} ({sum(numel(s) for s in frozen):,} parameters, "
+            f"{where}; model.vision.*): no gradients, no optimizer state", nbytes)
 
 
 def _fsdp2_beside_experts(strategy: str, shape: ModelShape, setup: Setup) -> Row:

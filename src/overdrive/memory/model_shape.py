@@ -184,8 +184,12 @@ def shape_of_model(model, name: str) -> ModelShape:
     import torch
 
     from overdrive.config import experts as moe
+    from overdrive.hf.vision import is_vision_config
 
-    config = model.config
+    # A vision-language model's sizes are its language model's (text_config); its tower and projector are
+    # counted by part (the estimator leaves frozen parts without gradients or optimizer state).
+    vision = is_vision_config(model.config)
+    config = model.config.get_text_config() if vision else model.config
     params = list(model.parameters())  # deduplicated: a tied embedding appears once
     experts = moe.experts_of(config)
     expert_ids = {id(p) for n, p in model.named_parameters() if moe.is_expert_parameter(n)} if experts else set()
@@ -242,7 +246,20 @@ def shape_of_model(model, name: str) -> ModelShape:
         top_k=experts.top_k if experts else 0,
         expert_params=sum(p.numel() for p in params if id(p) in expert_ids),
         expert_tensors=tuple(id(p) in expert_ids for p in params) if expert_ids else (),
+        parts=_parts(model, params) if vision else (),
+        vision_hidden=int(_first(model.config.vision_config, "hidden_size", "embed_dim", default=0)) if vision else 0,
+        vision_layers=int(_first(model.config.vision_config, "num_hidden_layers", "depth", default=0)) if vision else 0,
     )
+
+
+def _parts(model, params: list) -> tuple[str, ...]:
+    """Per unique parameter, the part of a vision-language model it belongs to (hf/vision.part_of)."""
+    from overdrive.hf.vision import part_of
+
+    where: dict[int, str] = {}
+    for name, param in model.named_parameters():
+        where.setdefault(id(param), part_of(name))
+    return tuple(where[id(p)] for p in params)
 
 
 def _intermediate(config, experts, hidden: int) -> int:
@@ -279,8 +296,13 @@ def adapter_of_run(cfg: RunConfig):
     if key not in _ADAPTERS:
         from overdrive.memory.adapter import adapter_shape
 
+        from overdrive.hf.vision import frozen_parts_pattern, is_vision_config
+
         model = build_meta_model(hf_config_for_run(cfg), cfg.model.task, cfg.model.attn_implementation)
-        _ADAPTERS[key] = adapter_shape(model, cfg.peft, base_bytes=4 if cfg.model.dtype in ("float32", "auto") else 2)
+        # A vision-language model: the adapter leaves the frozen parts out, as training/build/adapter.py does.
+        exclude = frozen_parts_pattern(cfg.model.vision) if is_vision_config(model.config) else None
+        _ADAPTERS[key] = adapter_shape(model, cfg.peft, base_bytes=4 if cfg.model.dtype in ("float32", "auto") else 2,
+                                       exclude=exclude)
     return _ADAPTERS[key]
 
 

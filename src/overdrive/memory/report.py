@@ -8,6 +8,7 @@ from typing import Optional
 
 from overdrive.memory import Estimate, Row
 from overdrive.memory.formulas import FIELDS
+from overdrive.memory.shape import numel
 
 from overdrive.console import counted
 
@@ -72,6 +73,7 @@ def to_json(est: Estimate, cap: Optional[Capacity] = None, best: Optional[Row] =
         "target": s.target,
         "layout": {"dp_replicate": s.dp_replicate, "tp": s.tp, "cp": s.cp, "sp": s.sp, "shard_ranks": s.shard_ranks},
         **({"moe": moe_fields(est)} if est.shape.experts else {}),
+        **({"vision": vision_fields(est)} if est.shape.parts else {}),
         "rows": [row.to_dict() for row in est.rows],
         "cheapest_fitting": best.strategy if best else None,
     }
@@ -80,6 +82,25 @@ def to_json(est: Estimate, cap: Optional[Capacity] = None, best: Optional[Row] =
                             "source": cap.source, "headroom": HEADROOM}
     data.update(extra)
     return json.dumps(data, indent=2)
+
+
+def vision_fields(est: Estimate) -> dict:
+    """A vision-language model: its parts' parameters, which are frozen, and what an image takes of a row."""
+    shape, s = est.shape, est.setup
+    sizes = {part: 0 for part in ("language", "vision", "projector")}
+    for part, dims in zip(shape.parts, shape.param_shapes):
+        sizes[part] += numel(dims)
+    return {"parameters": sizes, "frozen": list(s.frozen_parts), "image_tokens": s.image_tokens,
+            "image_patches": s.image_patches}
+
+
+def vision_line(est: Estimate) -> str:
+    v = vision_fields(est)
+    parts = ", ".join(f"{part} {count:,}" for part, count in v["parameters"].items())
+    frozen = f"frozen: {' and '.join(v['frozen'])} (weights only)" if v["frozen"] else "every part trains"
+    image = (f"an image is {v['image_tokens']:,} of the {est.setup.seq_len:,} tokens of a row" if v["image_tokens"]
+             else "image sizes not read for this family")
+    return f"vision-language: {parts} parameters; {frozen}; {image}."
 
 
 def moe_fields(est: Estimate) -> dict:
@@ -153,6 +174,7 @@ def render(est: Estimate, cap: Capacity, best: Optional[Row], headroom: float = 
         f"cheapest that fits: {best.strategy} ({best.label})" if best else
         "nothing fits: add devices, lower the micro-batch or sequence length, or turn on checkpointing.",
         *refusal_lines(est),
+        *([vision_line(est)] if shape.parts else []),
     ]
     print("\n".join(lines), file=file)
 

@@ -72,6 +72,12 @@ class ModelShape:
     """Parameters of all the routed experts (their stacked or per-expert weights)."""
     expert_tensors: tuple[bool, ...] = ()
     """Per entry of `param_shapes`, whether it is a routed expert's tensor (dim 0 the experts when stacked)."""
+    parts: tuple[str, ...] = ()
+    """A vision-language model: per entry of `param_shapes`, `language`, `vision` or `projector`
+    (hf/vision.part_of). Empty: a text model."""
+    vision_hidden: int = 0
+    """A vision-language model's vision tower: its width and blocks (what it keeps when it trains)."""
+    vision_layers: int = 0
 
     @property
     def active_params(self) -> int:
@@ -141,6 +147,13 @@ class Setup:
     a causal LM's own loss drops them once the loss is taken."""
     activation_offloading: bool = False
     """`training.activation_offloading`: saved activations in host memory between forward and backward."""
+    frozen_parts: tuple[str, ...] = ()
+    """A vision-language model's parts that do not train (`model.vision.freeze`, `model.vision.train_projector`):
+    weights only, no gradients or optimizer state."""
+    image_tokens: int = 0
+    """Tokens one image takes in a row (hf/vision_sizes.py): part of `seq_len`, as data.max_length counts them."""
+    image_patches: int = 0
+    """Patches the vision tower runs over for one image (before Qwen2-VL's merge; LLaVA's CLS included)."""
 
     @property
     def mixed(self) -> bool:
@@ -240,6 +253,7 @@ def setup_for_run(cfg: RunConfig, target: Target = "cuda", **changes) -> Setup:
         # preference methods' log-probabilities; distillation's divergence over the whole logits
         logits_held=cfg.preference.method != "none" or cfg.distill.teacher is not None,
         activation_offloading=cfg.training.activation_offloading,
+        **_vision_of(cfg),
         **_layout_of(cfg, changes.get("devices")),
     )
     values.update({k: v for k, v in changes.items() if v is not None})
@@ -266,6 +280,25 @@ def _generation_tokens(cfg: RunConfig) -> int:
     return cfg.rl.num_generations * (cfg.data.max_length + cfg.rl.max_completion_length)
 
 
+def _vision_of(cfg: RunConfig) -> dict:
+    """A vision-language model's frozen parts and image sizes (hf/vision.py, hf/vision_sizes.py); nothing for a
+    text model."""
+    from overdrive.hf.vision import declared, trained_parts
+
+    if not declared(cfg):
+        return {}
+    from overdrive.hf.model_config import model_config, quiet_transformers
+    from overdrive.hf.vision_sizes import of_run
+
+    try:
+        with quiet_transformers():
+            tokens, patches, _ = of_run(cfg, model_config(cfg))
+    except Exception:  # a hub model not readable here: the shape's own read says so, by key
+        tokens = patches = 0
+    frozen = tuple(p for p in ("vision", "projector") if p not in trained_parts(cfg.model.vision))
+    return dict(frozen_parts=frozen, image_tokens=tokens, image_patches=patches)
+
+
 def _layout_of(cfg: RunConfig, devices: Optional[int]) -> dict:
     from overdrive.strategies import layout
 
@@ -290,6 +323,28 @@ def tp_slice(shape: ModelShape, tp: int) -> ModelShape:
         root_params=max(params - shape.layers * block, 0),
         largest_module_params=-(-shape.largest_module_params // tp),
         autocast_params=max(shape.autocast_params - removed, 0))
+
+
+def trained_and_frozen(shape: ModelShape, frozen_parts: tuple[str, ...]) -> tuple[ModelShape, tuple]:
+    """A vision-language model split by `Setup.frozen_parts`: (the shape of what trains, whose model states the
+    strategies' formulas count; the frozen tensors' shapes, held as weights only)."""
+    if not shape.parts or not frozen_parts:
+        return shape, ()
+    import dataclasses
+
+    kept = [i for i, part in enumerate(shape.parts) if part not in frozen_parts]
+    frozen = tuple(shape.param_shapes[i] for i, part in enumerate(shape.parts) if part in frozen_parts)
+    params = sum(numel(shape.param_shapes[i]) for i in kept)
+    removed = shape.params - params
+
+    def keep(values: tuple) -> tuple:
+        return tuple(values[i] for i in kept) if values else values
+
+    return dataclasses.replace(
+        shape, params=params, param_shapes=keep(shape.param_shapes), parts=keep(shape.parts),
+        tp_split=keep(shape.tp_split), expert_tensors=keep(shape.expert_tensors),
+        root_params=max(shape.root_params - removed, 0),
+        autocast_params=max(shape.autocast_params - removed, 0)), frozen
 
 
 def strategy_of_run(cfg: RunConfig) -> str:

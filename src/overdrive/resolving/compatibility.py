@@ -54,7 +54,9 @@ LAYOUTS = {  # name: (processes, keys)
 ADAPTERS = {"none": [], "LoRA": ["peft.method=lora"], "QLoRA": ["peft.method=qlora"]}
 
 
-VISION = ["model.vision.enabled=true"]  # a vision-language model (docs/vision.md)
+# A vision-language model (docs/vision.md); its DPO with the adapter switched off as the reference (a precomputed
+# reference is refused with one: its own row below).
+VISION = ["model.vision.enabled=true", "preference.precompute_reference=false"]
 
 
 def verdict(objective: str, layout: str, adapter: str, extra: tuple[str, ...] = ()) -> str:

@@ -54,6 +54,7 @@ def hidden_size_of(cfg: RunConfig) -> Optional[int]:
                                                 trust_remote_code=cfg.model.trust_remote_code)
     except Exception:  # offline, private, or not a transformers model: leave it to prepare()
         return None
+    config = config.get_text_config()  # a vision-language model's buckets by its language model's width
     sizes = getattr(config, "hidden_sizes", None)
     return getattr(config, "hidden_size", None) or (max(sizes) if sizes else None)
 

@@ -128,7 +128,9 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
     # for those files (not in a barrier), then every process memory-maps the same token ids.
     vision_collate = None
     vision_model, model_type = vision.settle(cfg)  # a vision-language model: its processor, images in the rows
-    if grpo.enabled(cfg):  # prompts and completion slots, no token cache (training/build/grpo_parts.py)
+    if grpo.enabled(cfg) and vision_model:  # prompts with images, through the processor (training/build/vision.py)
+        tokenizer, tokens = vision.prompts(cfg, model_type)
+    elif grpo.enabled(cfg):  # prompts and completion slots, no token cache (training/build/grpo_parts.py)
         tokenizer, tokens = grpo_parts.prepare(cfg, build_tokenizer)
     elif vision_model:
         tokenizer, tokens, vision_collate = vision.prepare(cfg, model_type, show=accelerator.is_main_process)

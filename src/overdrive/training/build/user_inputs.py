@@ -26,7 +26,8 @@ def check(cfg: RunConfig, where: Callable[[str], str],
 
     # the teacher's tokenizer against the student's, from files (no weights)
     taught = [replace(p, where=p.where or where(p.key)) for p in teacher.fit_problems(cfg)]
-    if declared(cfg) and cfg.data.format == "chat":  # a vision-language run's rows: images against placeholders
+    if declared(cfg) and cfg.data.format in ("chat", "preference"):  # a vision-language run's rows: images
+        # against placeholders (conversations, or pairs whose prompts hold the images)
         from overdrive.data import vision_rows
 
         return taught + vision_rows.problems(cfg), []
@@ -55,6 +56,10 @@ def check(cfg: RunConfig, where: Callable[[str], str],
                 errors += [Problem(p.key, p.message, where("rl.tools"), p.fix) for p in tools.problems(cfg.rl.tools)]
             if cfg.rl.environment:  # imported and probed as TRL probes it: reset, the tools' schemas, get_reward
                 errors += environment_problems(cfg, table.columns if table is not None else None, where)
+    if rl and table is not None and declared(cfg):  # a vision-language policy's prompts: images against image parts
+        from overdrive.data import vision_prompts
+
+        errors += vision_prompts.problems(cfg, table)
     if pairs and table is not None:  # every row read as training reads it, before anything is written
         from overdrive.data.preference import row_problems
 

@@ -47,12 +47,35 @@ def settle(cfg: RunConfig) -> tuple[bool, Optional[str]]:
 
 
 def prepare(cfg: RunConfig, model_type: Optional[str], show: bool = False):
-    """The processor, the encoded rows and their collator."""
+    """The processor, the encoded rows (conversations, or preference pairs) and their collator."""
+    from overdrive.data import vision_pairs
     from overdrive.data.vision_samples import VisionCollator, prepare as encoded_rows
     from overdrive.hf.vision_processor import load
 
     processor = load(cfg, model_type)
-    return processor, encoded_rows(cfg, processor, show=show), VisionCollator(processor.pad_token_id)
+    if cfg.preference.method != "none":
+        return processor, vision_pairs.prepare(cfg, processor, show), vision_pairs.VisionPairCollator(
+            processor.pad_token_id)
+    rope = None
+    if cfg.data.packing:  # each packed conversation's 3-D positions, by the model's own rule (hf/vision.py)
+        from overdrive.hf.model_config import model_config
+        from overdrive.hf.vision import rope_index
+
+        rope = rope_index(model_config(cfg))
+    return processor, encoded_rows(cfg, processor, show=show, rope=rope), VisionCollator(processor.pad_token_id)
+
+
+def prompts(cfg: RunConfig, model_type: Optional[str]):
+    """GRPO's prompts with images (data/vision_prompts.py) and their completion slots, as grpo_parts.prepare gives
+    a text run's: (the processor's tokenizer, PromptData)."""
+    from overdrive.data import prompts as prompts_mod, vision_prompts
+    from overdrive.hf.vision_processor import load
+    from overdrive.training.build.grpo_parts import PromptData
+
+    processor = load(cfg, model_type)
+    prompt_set = vision_prompts.encode(cfg, processor)
+    layout = prompts_mod.slot_layout(cfg, len(prompt_set.rows))
+    return processor.tokenizer, PromptData(prompt_set, layout, prompts_mod.Slots(layout))
 
 
 def notes(cfg: RunConfig, model) -> list[str]:

@@ -15,7 +15,7 @@ and the step's or group's number is what makes a resumed run draw the same sampl
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -47,12 +47,14 @@ def left_padded(rows: list[list[int]], pad_id: int, device: Any) -> tuple[torch.
 
 def sample(model: Any, accelerator: Any, inputs: list[list[int]], max_new_tokens: int, *, pad_id: int,
            eos_id: Optional[int], temperature: float, top_p: float = 1.0, top_k: Optional[int] = 0,
-           synced: bool = False) -> list[list[int]]:
+           synced: bool = False, inputs_for: Optional[Callable[[int], dict]] = None) -> list[list[int]]:
     """A continuation of the policy after each input, cut after its end-of-sequence token. `synced`:
-    every rank takes every forward (a sharded model, ZeRO-3 or FSDP2, over several processes)."""
+    every rank takes every forward (a sharded model, ZeRO-3 or FSDP2, over several processes);
+    `inputs_for(prompt width)`: the model's further inputs (a vision-language policy's images)."""
     ids, mask = left_padded(inputs, pad_id, accelerator.device)
+    more = inputs_for(ids.shape[1]) if inputs_for is not None else {}
     out = accelerator.unwrap_model(model).generate(
-        input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k,
+        input_ids=ids, attention_mask=mask, **more, do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k,
         max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_id,
         synced_gpus=synced and accelerator.num_processes > 1)
     completions = []

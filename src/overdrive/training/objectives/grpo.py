@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from overdrive.config.schema import RunConfig
+from overdrive.data import vision_prompts
 from overdrive.data.prompts import PromptSet
 from overdrive.training.generation import sampling
 from overdrive.training.objectives import grpo_loss, rewards as rewards_mod
@@ -60,13 +61,14 @@ def completion_logps(model: Any, batch: dict, temperature: float,
     """Per-token (log-probs, entropies) [B, C] of a batch's completions under `model`: from the
     completions' logits, or under training.loss_kernel=chunked a slice at a time without them."""
     width = batch["completion_ids"].shape[1]
+    images = {k: batch[k] for k in ("mm_token_type_ids", *vision_prompts.IMAGE_INPUTS) if k in batch}  # a VLM's prompts
     if kernel == "chunked":
         from overdrive.training.step import loss_kernels
 
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         return loss_kernels.completion_logps(model, inputs, batch["completion_ids"], temperature)
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
-                logits_to_keep=width + 1)
+                logits_to_keep=width + 1, **images)
     return grpo_loss.token_scores(out.logits[:, :-1], batch["completion_ids"], temperature)
 
 
@@ -156,7 +158,7 @@ class GRPOObjective(Objective):
         rank = self.accelerator.process_index
         mine = adv.advantages[rank * len(completions):(rank + 1) * len(completions)]
         scored = time.perf_counter()
-        batches = self._micro_batches(model, prompt_ids, completion_ids, mine, tool_mask)
+        batches = self._micro_batches(model, prompt_ids, completion_ids, mine, tool_mask, rows=prompt_rows)
         self._step_metrics(everyone, adv, completion_ids,
                            (generated - started, scored - generated, time.perf_counter() - scored),
                            rollouts if self.turns else None)
@@ -191,7 +193,7 @@ class GRPOObjective(Objective):
                 prompts, prompt_ids = environments_mod.reset_group(
                     instances, self.prompts.rows[row], self.prompts.prompts[row], self.prompts.prompt_ids[row],
                     self.tokenizer, [t.schema for t in self.schemas], f"data.source row {row + 1}")
-            first = self._sample(model, prompt_ids, rl.max_completion_length)
+            first = self._sample(model, prompt_ids, rl.max_completion_length, [row] * rl.num_generations)
             if not self.turns:
                 return grpo_rollout.Rollout(first, [], [], prompts=prompts, prompt_ids=prompt_ids)
             toolsets = [self.tools + environments_mod.tools_of(e, self.environment) for e in instances] or None
@@ -202,16 +204,21 @@ class GRPOObjective(Objective):
         out.prompts, out.prompt_ids = prompts, prompt_ids
         return out
 
-    def _sample(self, model, inputs: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """A turn of the policy after each input (training/generation/sampling.py), cut after its end-of-sequence."""
+    def _sample(self, model, inputs: list[list[int]], max_new_tokens: int,
+                rows: Optional[list[int]] = None) -> list[list[int]]:
+        """A turn of the policy after each input (training/generation/sampling.py), cut after its end-of-sequence;
+        `rows`: the prompts' rows, whose images a vision-language policy sees (`_images`)."""
         rl = self.rl
         return sampling.sample(model, self.accelerator, inputs, max_new_tokens, pad_id=self.pad_id,
-                                 eos_id=self.tokenizer.eos_token_id, temperature=rl.temperature, top_p=rl.top_p,
-                                 top_k=rl.top_k, synced=self.sharded)
+                               eos_id=self.tokenizer.eos_token_id, temperature=rl.temperature, top_p=rl.top_p,
+                               top_k=rl.top_k, synced=self.sharded,
+                               inputs_for=(lambda width: self._images(rows, width, 0)) if rows else None)
 
     def _micro_batches(self, model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
-                       advantages: torch.Tensor, tool_mask: Optional[list[list[int]]] = None) -> list[dict]:
-        """The step's completions, `micro` to a batch, with the reference's (and the old) log-probs."""
+                       advantages: torch.Tensor, tool_mask: Optional[list[list[int]]] = None,
+                       rows: Optional[list[int]] = None) -> list[dict]:
+        """The step's completions, `micro` to a batch, with the reference's (and the old) log-probs; `rows`:
+        each completion's prompt row (a vision-language policy's images go with every forward)."""
         truncated = [not ids or ids[-1] not in self.eos_ids for ids in completion_ids]
         if self.rl.mask_truncated_completions:  # DAPO: a cut completion says nothing about its reward
             completion_ids = [[] if cut else ids for ids, cut in zip(completion_ids, truncated)]
@@ -223,6 +230,8 @@ class GRPOObjective(Objective):
             batch = completion_batch(prompt_ids[span], completion_ids[span],
                                      advantages[span], self.pad_id, self.accelerator.device,
                                      tool_mask=tool_mask[span] if tool_mask is not None else None)
+            batch.update(self._images(rows[span] if rows is not None else None, batch["prompt_ids"].shape[1],
+                                      batch["completion_ids"].shape[1]))
             with torch.no_grad():
                 if self.rl.num_iterations > 1:  # the policy that sampled them, for the ratio of later updates
                     batch["old_per_token_logps"] = completion_logps(model, batch, self.rl.temperature, self.kernel)[0]
@@ -232,6 +241,12 @@ class GRPOObjective(Objective):
                                                                         self.kernel)[0]
             batches.append(batch)
         return batches
+
+    def _images(self, rows: Optional[list[int]], prompt_width: int, completion_width: int) -> dict:
+        """A vision-language policy's image inputs for these prompt rows (data/vision_prompts.py); none for text."""
+        if rows is None or not isinstance(self.prompts, vision_prompts.VisionPromptSet):
+            return {}
+        return vision_prompts.image_inputs(self.prompts, rows, prompt_width, completion_width, self.accelerator.device)
 
     def _step_metrics(self, rewards_per_func: torch.Tensor, adv: "grpo_loss.Advantages",
                       completion_ids: list[list[int]], seconds: tuple[float, float, float],

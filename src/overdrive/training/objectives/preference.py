@@ -28,6 +28,12 @@ from overdrive.training.objectives.objective import Objective
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
 MODEL_INPUTS = ("input_ids", "attention_mask")
+# A vision-language model's image inputs beside them (data/vision_pairs.py): each row's images, in row order.
+IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "mm_token_type_ids", "image_sizes")
+
+
+def model_inputs(batch: dict) -> dict:
+    return {k: batch[k] for k in MODEL_INPUTS + IMAGE_INPUTS if k in batch}
 
 
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
@@ -48,7 +54,7 @@ def needs_reference(cfg: RunConfig) -> bool:
 def sequence_scores(model, batch: dict, context=contextlib.nullcontext) -> tuple[torch.Tensor, ...]:
     """(answer log-prob sums, answer lengths, per-token log-probs) of every row of the batch."""
     with context():
-        out = model(**{k: batch[k] for k in MODEL_INPUTS}, use_cache=False)
+        out = model(**model_inputs(batch), use_cache=False)
     per_token = losses.token_logps(out.logits, batch["input_ids"])
     logps, lengths = losses.answer_logps(per_token, batch["labels"])
     return logps, lengths, per_token
