@@ -8,7 +8,9 @@ to the system when freed (MALLOC_MMAP_THRESHOLD_), so the resident set follows t
 its high-water mark (VmHWM, reset through /proc/self/clear_refs before the step) is the step's peak.
 
 - step peak: the high-water mark of the step (forward, backward, optimizer) above the interpreter
-  with torch and Transformers imported (weights, optimizer state, gradients, activations, logits).
+  with the libraries the row uses imported (torch and Transformers; PEFT for the LoRA rows) and
+  their kernels run once (a step of a tiny model of the same kind), so the peak is the tensors
+  `estimate` counts (weights, optimizer state, gradients, activations, logits).
 - loss path peak: the high-water mark of the LM head and cross entropy alone (forward and backward
   from 2,047 final hidden states), above what was resident before it.
 - loss, gradients: every kernel's against `full`'s at the same weights (lr 0, so the warm-up step
@@ -59,6 +61,12 @@ FSDP_RANKS = 2
 GIB = 2**30
 
 
+def model_config(hidden: int = HIDDEN, tokens: int = TOKENS) -> dict:
+    """CONFIG at another hidden size (the MLP's width scaled with it) and length; the bench's own by default."""
+    return {**CONFIG, "hidden_size": hidden, "intermediate_size": 688 * hidden // HIDDEN,
+            "max_position_embeddings": tokens}
+
+
 def _rss() -> int:
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS"):
@@ -85,7 +93,7 @@ def _loss_path(kernel: str, weight, ids) -> int:
 
     from overdrive.training.step import loss_kernels
 
-    hidden = torch.randn(TOKENS - 1, HIDDEN, requires_grad=True)
+    hidden = torch.randn(ids.shape[1] - 1, weight.shape[1], requires_grad=True)
     targets = ids[0, 1:].clone()
     before = _rss()
     _reset_hwm()
@@ -97,30 +105,44 @@ def _loss_path(kernel: str, weight, ids) -> int:
     return _hwm() - before
 
 
-def child(kernel: str, offload: bool, checkpointing: bool, grads_out: str, lora: bool = False) -> dict:
+def child(kernel: str, offload: bool, checkpointing: bool, grads_out: str, lora: bool = False,
+          loss_path: bool = True, hidden: int = HIDDEN, tokens: int = TOKENS) -> dict:
     """One row, measured in this (fresh) interpreter; `lora`: PEFT's LoRA on every linear layer but the
-    head, which stays frozen (the kernels then compute no weight gradient for it)."""
+    head, which stays frozen (the kernels then compute no weight gradient for it); `loss_path`: the
+    head and loss measured alone too (`step-only` on the command line leaves it out); `hidden`, `tokens`:
+    the model's width and the step's tokens (`hidden=N tokens=N` on the command line)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from overdrive.training.step import activation_offload, loss_kernels, step_loss
 
     torch.set_num_threads(2)
+
+    def built(config: dict) -> torch.nn.Module:
+        model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures",)}))
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=LORA_R, lora_alpha=2 * LORA_R, lora_dropout=0.0,
+                                                     target_modules="all-linear"))
+        return model.train()
+
+    # Library code under the floor: PEFT's import (~54 MiB with bitsandbytes') and the kernels' code
+    # and set-up, paged in by a step of a tiny model (~10 MiB), are no tensors `estimate` counts.
+    tiny = built({**model_config(hidden, 64), "vocab_size": 512})
+    warm = torch.randint(0, 512, (1, 64))
+    step_loss.summed_loss(tiny, {"input_ids": warm, "labels": warm}, kernel).backward()
+    torch.optim.AdamW([p for p in tiny.parameters() if p.requires_grad], lr=0.0).step()
+    del tiny, warm
     floor = _rss()
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in CONFIG.items() if k not in ("architectures",)}))
-    if lora:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=LORA_R, lora_alpha=2 * LORA_R, lora_dropout=0.0,
-                                                 target_modules="all-linear"))
+    model = built(model_config(hidden, tokens))
     if checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
     activation_offload.attach(model, offload)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=0.0)
-    ids = torch.randint(0, VOCAB, (1, TOKENS), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids}
 
     def step() -> torch.Tensor:
@@ -142,9 +164,10 @@ def child(kernel: str, offload: bool, checkpointing: bool, grads_out: str, lora:
     torch.save({n: p.grad for n, p in model.named_parameters() if p.requires_grad}, grads_out)
     optimizer.zero_grad(set_to_none=True)
     # The loss path alone: head and cross entropy from the final hidden states, forward and backward.
-    loss_path = _loss_path(kernel, loss_kernels.unwrapped(model).lm_head.weight, ids)  # frozen under LoRA
+    head = loss_kernels.unwrapped(model).lm_head.weight  # frozen under LoRA
     return {"loss": float(loss), "step_peak": peak - floor, "step_above_resting": peak - resting,
-            "resting": resting - floor, "loss_path": loss_path, "seconds": seconds,
+            "resting": resting - floor, "loss_path": _loss_path(kernel, head, ids) if loss_path else None,
+            "seconds": seconds,
             "cpu_seconds": cpu_seconds}
 
 
@@ -250,13 +273,13 @@ def lora_rows(env: dict) -> list[dict]:
 
 
 def estimate_total(kernel: str, offload: bool, checkpointing: bool, strategy: str = "ddp", devices: int = 1,
-                   peft: str = "none") -> int:
+                   peft: str = "none", hidden: int = HIDDEN, tokens: int = TOKENS) -> int:
     """`overdrive estimate`'s total for this row (fp32, target cpu), per device."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "config.json"
-        path.write_text(json.dumps(CONFIG))
+        path.write_text(json.dumps(model_config(hidden, tokens)))
         argv = [sys.executable, "-m", "overdrive.cli", "estimate", str(path), "--devices", str(devices), "--precision", "no",
-                "--seq-len", str(TOKENS), "--micro-batch", "1", "--target", "cpu", "--strategies", strategy, "--json",
+                "--seq-len", str(tokens), "--micro-batch", "1", "--target", "cpu", "--strategies", strategy, "--json",
                 "--loss-kernel", kernel]
         if checkpointing:
             argv.append("--checkpointing")
@@ -285,7 +308,10 @@ def main() -> int:
         return 0 if write(raw["rows"], raw["load"], raw.get("fsdp_rows", []), raw.get("fsdp_load")) else 1
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         kernel, offload, checkpointing, grads_out = sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1", sys.argv[5]
-        print(json.dumps(child(kernel, offload, checkpointing, grads_out, lora=sys.argv[6:] == ["lora"])))
+        options = sys.argv[6:]  # lora, step-only, hidden=N, tokens=N
+        sizes = {k: int(v) for k, v in (o.split("=", 1) for o in options if "=" in o)}
+        print(json.dumps(child(kernel, offload, checkpointing, grads_out, lora="lora" in options,
+                               loss_path="step-only" not in options, **sizes)))
         return 0
     if len(sys.argv) > 1 and sys.argv[1] == "--fsdp-child":
         fsdp_child(sys.argv[2], sys.argv[3])

@@ -3,7 +3,7 @@
 Everything about *how* to run (precision, accumulation, DDP / DeepSpeed / FSDP, processes)
 comes from one run config; the loop itself is the ordinary Accelerate loop.
 
-    python examples/train_distributed.py                       # the embedded default job
+    python examples/train_distributed.py                       # the embedded default job, into runs/train-distributed
     python examples/train_distributed.py run.yaml lr=3e-4      # files and key=value overrides
     overdrive launch -c run.yaml examples/train_distributed.py run.yaml  # several processes
 
@@ -20,15 +20,23 @@ from transformers import get_scheduler
 
 from overdrive import build_accelerator
 
-from overdrive import load_config
+from overdrive import RunConfig, load_config
 from overdrive.data import eval_loader, prepare, train_loader
 from overdrive.training.build.model import build_model
 from overdrive.training.build.tokenizer import build_tokenizer
 
 
+# Where the model goes when neither a file nor an item says: `overdrive train`'s runs/default is its own run's.
+OUTPUT_DIR = "runs/train-distributed"
+
+
 def main(argv: list[str]) -> int:
     # 1. The run config (files, then key=value items) and an Accelerator built from it alone.
-    cfg = load_config(*[a for a in argv if "=" not in a], cli=[a for a in argv if "=" in a])
+    files, items = [a for a in argv if "=" not in a], [a for a in argv if "=" in a]
+    cfg = load_config(*files, cli=items)
+    told = any(a.startswith("output_dir=") for a in items)
+    if cfg.output_dir == RunConfig.model_fields["output_dir"].default and not told:
+        cfg = load_config(*files, cli=[*items, f"output_dir={OUTPUT_DIR}"])
     accelerator = build_accelerator(cfg)
     t = cfg.training
 

@@ -76,7 +76,7 @@ def _data(cfg):
 def test_with_lmbda_1_the_student_samples_the_answers_the_teacher_scores(work):
     from transformers import AutoModelForCausalLM
 
-    from overdrive.training import generation
+    from overdrive.training.generation import sampling
 
     from overdrive.training.objectives import distill, distill_policy
 
@@ -87,8 +87,8 @@ def test_with_lmbda_1_the_student_samples_the_answers_the_teacher_scores(work):
     [sampled] = objective.prepare(student, [batch])
     prompts = objective.sampler.prompts(batch)
     # the prompt is kept (out of the loss); what follows it is the student's, with the seed of (seed, step 1, batch 0)
-    with torch.no_grad(), generation.seeded(_Accelerator(), distill_policy.sample_seed(cfg.training.seed, 1, 0)):
-        ids, mask = generation.left_padded(prompts, tokenizer.pad_token_id, "cpu")
+    with torch.no_grad(), sampling.seeded(_Accelerator(), distill_policy.sample_seed(cfg.training.seed, 1, 0)):
+        ids, mask = sampling.left_padded(prompts, tokenizer.pad_token_id, "cpu")
         theirs = student.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
                                   top_p=1.0, max_new_tokens=8, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=tokenizer.eos_token_id)[:, ids.shape[1]:].tolist()

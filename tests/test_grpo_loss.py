@@ -217,3 +217,29 @@ def test_each_loss_type_splits_into_units_that_sum_to_the_whole_batch(models):
             counts.append(grpo_loss.units(loss_type, batch["completion_mask"]))
             parts.append(grpo_loss.reduce(token.loss, batch["completion_mask"], loss_type, MAX_LEN))
         assert (sum(parts) / sum(counts)).item() == pytest.approx(whole.item(), abs=1e-6), loss_type
+
+
+def test_gdpo_and_rloo_advantages_equal_trls(models):
+    """normalize_then_sum (GDPO) against GRPOTrainer's own scoring; the leave-one-out baseline against
+    RLOOTrainer's (raw, and with normalize_advantages, which is rl.scale_rewards=batch)."""
+    from trl import RLOOTrainer
+
+    tokenizer, policy, reference = models
+    prompts, completions, *rewards = _episode(seed=7)
+    table = torch.tensor([[a, float("nan") if b is None else b] for a, b in zip(*rewards)])
+    weights = torch.tensor([1.0, 0.5])
+    t = _trl_trainer(policy, reference, tokenizer, "dapo", 0.0, "group", rewards, 0.2)
+    t.multi_objective_aggregation = "normalize_then_sum"
+    expected = _trl_scored(t, tokenizer, prompts, completions)["advantages"]
+    ours = grpo_loss.group_advantages(table, weights, G, "group", "normalize_then_sum")
+    torch.testing.assert_close(ours.advantages, expected, atol=1e-5, rtol=0)
+    for normalize, scale in ((False, "none"), (True, "batch")):
+        r = _trl_trainer(policy, reference, tokenizer, "dapo", 0.0, "group", rewards, 0.2)
+        r.__class__ = RLOOTrainer
+        r.normalize_advantages, r.reward_clip_range = normalize, None
+        texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+        r._generate = lambda _: (prompts, completions, texts)  # RLOOTrainer's generation: three values
+        scored = r._generate_and_score_completions([{"prompt": tokenizer.decode(p)} for p in prompts])
+        expected = scored["advantages"]
+        ours = grpo_loss.group_advantages(table, weights, G, scale, baseline="leave_one_out")
+        torch.testing.assert_close(ours.advantages, expected, atol=1e-5, rtol=0)

@@ -119,3 +119,20 @@ def test_an_axolotl_grpo_transform_dataset_type_is_refused_by_its_key(tmp_path):
     with pytest.raises(UserError) as error:
         resolve([path], env={}, accelerate_default=False)
     assert [p.key for p in error.value.problems] == ["datasets.0.type"]
+
+
+def test_a_credential_imported_is_never_echoed_and_train_refuses_its_mask_by_key(tmp_path, monkeypatch):
+    """A credentialed URL in an imported file: masked on every output (the file, stdout, stderr), the
+    masked key said, and a run of the written file refused by that key until the value is given."""
+    monkeypatch.chdir(tmp_path)
+    token = "hf_" + "a1b2c3d4e5" * 4
+    (tmp_path / "axolotl.yml").write_text(f"base_model: gpt2\ndatasets:\n  - path: https://me:{token}@example.com/"
+                                          "d.jsonl\n    type: completion\nmicro_batch_size: 2\n")
+    done = run_here("import", "axolotl.yml", "-o", "run.yaml")
+    written = (tmp_path / "run.yaml").read_text()
+    assert done.returncode == 0 and token not in done.stdout + done.stderr + written, done.stderr
+    assert "data.source: a credential is masked" in done.stderr
+    assert yaml.safe_load(written)["data"]["source"] == "https://***@example.com/d.jsonl"
+    with pytest.raises(UserError) as caught:
+        resolve(["run.yaml"], env={}, accelerate_default=False)
+    assert [p.key for p in caught.value.problems] == ["data.source"] and "data.source=" in caught.value.problems[0].fix

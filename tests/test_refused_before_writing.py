@@ -58,7 +58,7 @@ def test_a_reward_module_that_does_not_import_is_refused_before_the_output_direc
     assert "rl.reward_funcs[0].function" in said and "no_such_module_here" in said
 
 
-def test_a_hub_data_set_without_a_network_or_cache_is_refused_at_once(monkeypatch):
+def test_hub_and_url_data_without_a_network_or_cache_are_refused_at_once(monkeypatch):
     from overdrive import hub
 
     monkeypatch.setattr(hub, "unreachable", lambda: "huggingface.co cannot be resolved")
@@ -68,6 +68,13 @@ def test_a_hub_data_set_without_a_network_or_cache_is_refused_at_once(monkeypatc
     problem = caught.value.problems[0]
     assert problem.key == "--tasks" and "not in the local cache" in problem.message
     assert "hf download --repo-type dataset someone/not-cached-anywhere" in problem.fix
+    # a task YAML downloading its data file: refused while its host is plainly unreachable
+    monkeypatch.setattr(hub, "url_unreachable", lambda url: "example.com cannot be resolved")
+    spec = {"task": "url_task", "dataset_path": "json",
+            "dataset_kwargs": {"data_files": {"test": "https://example.com/never-downloaded-here.jsonl"}}}
+    with pytest.raises(UserError) as caught:
+        task_data.check_task_data([spec], manager=None, key="eval.tasks")
+    assert caught.value.problems[0].key == "eval.tasks" and "example.com cannot be resolved" in str(caught.value)
     # a group's task, and a local file that is there, pass or are named the same way
     task_data.check_task_data([{"group": "g", "task": [{"task": "t", "dataset_path": "json",
                                                           "dataset_kwargs": {"data_files": __file__}}]}], None, "k")

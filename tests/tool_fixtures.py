@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Sequence
 
 TOOL_TEMPLATE = (
     "{% if tools %}<system> tools: {% for t in tools %}{{ t.function.name }} {% endfor %}<eos> {% endif %}"
@@ -74,12 +75,12 @@ def undocumented(a, b):
 '''
 
 
-def make_tool_llama(directory: Path, seed: int = 0, hidden_size: int = 32) -> Path:
+def make_tool_llama(directory: Path, seed: int = 0, hidden_size: int = 32, words: Sequence[str] = ()) -> Path:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2, **{w: i + 3 for i, w in enumerate([*WORDS, *words])}}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", unk_token="<unk>",

@@ -67,14 +67,21 @@ def unreachable() -> Optional[str]:
     a proxy stands between (then the libraries decide)."""
     from huggingface_hub import constants
 
-    from overdrive.config.env_report import proxy_configured  # the environment is read in config/
-
     if constants.HF_HUB_OFFLINE:
         return "HF_HUB_OFFLINE is set"
+    return url_unreachable(constants.ENDPOINT)
+
+
+@functools.lru_cache(maxsize=None)
+def url_unreachable(url: str) -> Optional[str]:
+    """Why the host of an http(s) URL cannot be reached, when that is plain at once (its name does
+    not resolve, nothing answers); None when it answers, or when a proxy stands between."""
+    from overdrive.config.env_report import proxy_configured  # the environment is read in config/
+
     if proxy_configured():
         return None
-    url = urlparse(constants.ENDPOINT)
-    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    parsed = urlparse(url)
+    host, port = parsed.hostname or "huggingface.co", parsed.port or (443 if parsed.scheme == "https" else 80)
     try:
         socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
     except socket.gaierror as error:

@@ -130,6 +130,8 @@ def _judge_rows(args: argparse.Namespace, source, setup, est) -> None:
     if source.run is None:  # the embedded default run, at the sizes the estimate assumes
         asked = {field: getattr(setup, field) for field in _KEYS}
     sizes = {_KEYS[field]: value for field, value in asked.items() if value is not None}
+    if source.run is None:  # the run trains the model estimated: pretrained weights an adapter can adapt
+        sizes["model.name_or_path"] = args.model
     sizes.update({key: value for key, value in (("peft.method", getattr(args, "peft", None)),
                                                 ("peft.r", getattr(args, "lora_r", None))) if value is not None})
     run_file = args.model if source.run is not None else None

@@ -45,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
     # Only the files and the items typed: neither Accelerate's default config nor this shell's
     # variables. Messages go to stderr: `overdrive import x > run.yaml` must leave a valid file.
     resolved = resolve_items(args.files, accelerate_default=False, env={})
-    settings = redact(export.imported_settings(resolved))
+    imported = export.imported_settings(resolved)
+    settings = redact(imported)
+    _say_masked(imported, settings, args.output or "the config")
     if "output_dir" not in settings:  # a directory of its own, not every import's runs/default
         from overdrive.wizard.files import own_output_dir
 
@@ -58,3 +60,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(text, end="")
     return 0
+
+
+def _say_masked(imported: dict, written: dict, target: str) -> None:
+    """One warning per value whose credential the written file leaves out (`train` refuses it by key)."""
+    import sys
+
+    from overdrive.config.keys import flatten
+
+    before = flatten(imported)
+    for key, value in flatten(written).items():
+        if value != before.get(key):
+            print(f"overdrive: warning: {key}: a credential is masked in {target} ({value!r}); train refuses it "
+                  f"until the real value is given: {key}=... on the command line, or HF_TOKEN for the hub",
+                  file=sys.stderr)

@@ -22,6 +22,14 @@ def chunk_tokens(vocab: int) -> int:
     return max(1, CHUNK_LOGITS_BYTES // (4 * vocab))
 
 
+def fused_chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
+    """Tokens per chunk of the fused kernels: Liger's and torch's chunked op size a chunk so its logits
+    are about the size of the hidden states, the next power of two of tokens / ceil(vocab / hidden)
+    (torch halves it again in fp32; the larger is counted)."""
+    target = max(1, -(-tokens // -(-vocab // max(hidden, 1))))
+    return min(tokens, 1 << (target - 1).bit_length())
+
+
 def liger_installed() -> bool:
     """Liger's fused linear cross entropy (the `liger` extra) can be imported."""
     return importlib.util.find_spec("liger_kernel") is not None

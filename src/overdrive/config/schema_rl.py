@@ -102,6 +102,18 @@ class RLConfig(Section):
                                         "advantages (TRL's default).")
     sapo_temperature_neg: float = Field(1.05, gt=0.0, description="`sapo`: the gate's temperature for the other "
                                         "advantages (TRL's default).")
+    baseline: Literal["group_mean", "leave_one_out"] = Field(
+        "group_mean", description="What a completion's reward is compared with: its group's mean (`group_mean`, "
+        "GRPO's) or the mean of the other completions of its group (`leave_one_out`, RLOO's baseline as TRL's "
+        "RLOOTrainer computes it; with `rl.scale_rewards=batch` the advantages are then normalised over the batch, "
+        "RLOO's normalize_advantages, and with `group` divided by the group's standard deviation)."
+    )
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
+        "sum_then_normalize", description="How several rewards become one advantage (TRL's names): "
+        "`sum_then_normalize` weights and sums them, then normalises the sum as `rl.scale_rewards` says; "
+        "`normalize_then_sum` (GDPO) normalises each reward within its group first, sums them with their weights "
+        "and normalises the sum over the batch, so a reward of a large scale does not drown the others."
+    )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="The advantage (reward - its group's mean) divided by the standard deviation of the "
         "group's rewards (`group`), of the whole batch's (`batch`), or not at all (`none`, Dr. GRPO's)."
@@ -124,6 +136,15 @@ class RLConfig(Section):
         "are rendered by the tokenizer's chat template; a tool call the policy writes is parsed by the tokenizer's "
         "response_template, the tool runs and its result is appended as a tool message (context, never in the "
         "loss) before generation goes on."
+    )
+    environment: Optional[str] = Field(
+        None, description="The environment the policy acts in (TRL's `environment_factory`): an import path "
+        "`module:factory` of a class or function of no arguments returning an instance with `reset(**row) -> str | "
+        "None` (called before each rollout with the prompt's row; a string is appended to the last user message), "
+        "its tools as public methods (type hints and a docstring each; their results are tool messages, context "
+        "never in the loss) and optionally `get_reward() -> float` (the rollout's reward, weight 1, beside "
+        "`rl.reward_funcs`). One instance per completion; reward functions get them as `environments` "
+        "(docs/rl.md)."
     )
     max_tool_calling_iterations: Optional[int] = Field(
         None, ge=0, description="Most rounds of tool calls in one completion (TRL's). Empty: no limit but "

@@ -58,15 +58,20 @@ def read(cfg: RunConfig) -> list[dict]:
     return rows
 
 
-def encode(cfg: RunConfig, rows: list[dict], tokenizer, tools: Optional[list] = None) -> PromptSet:
-    """The prompts' token ids; `tools` (rl.tools' JSON schemas) rendered by the chat template as TRL renders them."""
+def text_prompts_problem(key: str) -> Problem:
+    return Problem(key, "the prompts are text, and tools and environments are offered through the chat template's "
+                   "turns", fix=f"give the prompts as chat turns ([{{role: user, content: ...}}]), or remove {key}")
+
+
+def encode(cfg: RunConfig, rows: list[dict], tokenizer, tools: Optional[list] = None, key: str = "rl.tools"
+           ) -> PromptSet:
+    """The prompts' token ids; `tools` (the JSON schemas of rl.tools and rl.environment's methods, refused by
+    `key` for text prompts) rendered by the chat template as TRL renders them."""
     column = cfg.data.prompt_column
     prompts = [row[column] for row in rows]
     conversational = isinstance(prompts[0], list)
     if tools and not conversational:
-        raise UserError(Problem("rl.tools", "the prompts are text, and tools are offered through the chat template's "
-                                "turns", fix="give the prompts as chat turns ([{role: user, content: ...}]), or "
-                                "remove rl.tools"))
+        raise UserError(text_prompts_problem(key))
     if conversational and not getattr(tokenizer, "chat_template", None):
         raise UserError(Problem("tokenizer.chat_template", "the prompts are chat turns, and the tokenizer has no chat "
                                 "template", fix="set tokenizer.chat_template, or give the prompts as text"))

@@ -78,7 +78,7 @@ def _data_problem(task: str, config: dict, key: str) -> Problem | None:
             return Problem(key, f"task {task!r} reads {missing[0]}, which does not exist (its "
                            f"dataset_kwargs, from {Path.cwd()})",
                            fix="write the data file there, or correct data_files in the task's YAML")
-        return None
+        return _url_problem(task, [f for f in _files(kwargs.get("data_files")) if "://" in f], key)
     if hub.looks_local(path) or hub.is_local(path):
         if not hub.is_local(path):
             return Problem(key, f"task {task!r} reads {path}, which does not exist (its dataset_path)",
@@ -91,3 +91,34 @@ def _data_problem(task: str, config: dict, key: str) -> Problem | None:
                        fix=f"fill the cache on a machine with a network (`hf download --repo-type dataset {path}`) "
                        "and set HF_HUB_OFFLINE=1 here; or give a task YAML on local data files; or leave the task out")
     return None
+
+
+def _url_problem(task: str, urls: list[str], key: str) -> Problem | None:
+    """The first data file a task downloads (http, https) that cannot be: offline, or its host plainly
+    unreachable, and not in datasets' downloads cache. Other schemes (s3://, gs://) are left to fsspec."""
+    from huggingface_hub import constants
+
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            continue
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else hub.url_unreachable(url)
+        if why and not _downloaded(url):
+            return Problem(key, f"task {task!r} downloads {url} (its dataset_kwargs.data_files), which is not in "
+                           f"datasets' downloads cache, and {why}",
+                           fix="download the file and point data_files at the local copy; or leave the task out")
+    return None
+
+
+def _downloaded(url: str) -> bool:
+    """Whether datasets has downloaded `url` before: each download's `<hash>.json` beside it names its URL."""
+    import json
+
+    from datasets import config as datasets_config
+
+    for meta in Path(datasets_config.DOWNLOADED_DATASETS_PATH).glob("*.json"):
+        try:
+            if json.loads(meta.read_text()).get("url") == url:
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False

@@ -39,7 +39,8 @@ The same accounting, term by term, adapted to what Transformers and PyTorch actu
   dropped once the loss is taken unless the caller holds them); `chunked` holds one slice's fp32
   logits and log-softmax at a time, and in backward adds each slice's share into the head's
   weight gradient in place; `fused` (torch's chunked op, Liger) computes the gradients in
-  forward and keeps them: the hidden states' (4 bytes x hidden per token) and the weight's.
+  forward and keeps them: the hidden states' (4 bytes x hidden per token) and the weight's, a
+  chunk of about the hidden states' size at a time (config/loss_kernel.fused_chunk_tokens).
 - Activation offloading (on CUDA) moves the saved tensors to host memory as they are saved: the
   device keeps about one layer's at a time, the host holds the rest.
 """
@@ -218,7 +219,7 @@ def estimate_activations(shape: ModelShape, setup: Setup, autocast: bool) -> Act
 
 def loss_terms(shape: ModelShape, setup: Setup, d: Dtypes, tokens: int) -> tuple[int, int, int]:
     """(head, logits, the loss's peak in backward) for the run's loss kernel."""
-    from overdrive.config.loss_kernel import chunk_tokens
+    from overdrive.config.loss_kernel import chunk_tokens, fused_chunk_tokens
 
     h, v = shape.hidden, shape.vocab
     head_input = tokens * (_norm(shape, d) + d.e * h + LABEL_BYTES)  # final norm, LM-head input, labels
@@ -228,8 +229,9 @@ def loss_terms(shape: ModelShape, setup: Setup, d: Dtypes, tokens: int) -> tuple
         return head_input, 0, min(tokens, chunk_tokens(v)) * (8 + (d.e if d.e != 4 else 0)) * v + 4 * tokens * h
     if setup.loss_kernel == "fused":
         # The gradients computed in forward (hidden states', and the weight's unless an adapter run
-        # leaves the head frozen), and a slice's fp32 logits.
+        # leaves the head frozen), and one chunk's fp32 logits and their gradient: the kernels' own
+        # chunks, a few tokens at a large vocabulary (not chunked's 64 MiB slices).
         frozen_head = setup.adapter is not None and not setup.adapter.head_trained
         weight_grad = 0 if frozen_head else 4 * v * h
-        return head_input + 4 * tokens * h + weight_grad, 0, min(tokens, chunk_tokens(v)) * 4 * v
+        return head_input + 4 * tokens * h + weight_grad, 0, fused_chunk_tokens(tokens, h, v) * 8 * v
     return head_input + tokens * 4 * v, tokens * d.e * v, tokens * LOSS_BACKWARD_FP32 * v

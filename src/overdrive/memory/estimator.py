@@ -104,7 +104,7 @@ def _add_loss_terms(row: Row, act: Activations, kernel: str) -> None:
     else:
         row.add("activations_bytes", "final norm, LM-head input, labels, gradients computed in forward (fused loss)",
                 act.head)
-        row.add("activations_bytes", "one slice's fp32 logits (fused loss)", act.loss_backward)
+        row.add("activations_bytes", "one chunk's fp32 logits and their gradient (fused loss)", act.loss_backward)
 
 
 def estimate(shape: ModelShape, setup: Setup, strategies: tuple[str, ...] = STRATEGIES) -> Estimate:

@@ -29,6 +29,8 @@ OBJECTIVES = {  # name: the keys that ask for it
              "rl.reward_funcs=[{function: length, target_length: 8}]"],
     "grpo + tools": [*PRETRAINED, "data.format=prompts", "rl.method=grpo", "rl.num_generations=2",
                      "rl.reward_funcs=[{function: length, target_length: 8}]", "rl.tools=[my_tools:calculator]"],
+    "grpo + environment": [*PRETRAINED, "data.format=prompts", "rl.method=grpo", "rl.num_generations=2",
+                           "rl.environment=my_env:LookupEnv"],
     "reward": [*PRETRAINED, "data.format=preference", "preference.method=reward", "data.packing=false",
                "model.task=sequence-classification"],
     "distill": [*PRETRAINED, "distill.teacher=org/larger-model"],

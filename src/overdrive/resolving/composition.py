@@ -175,6 +175,11 @@ ROWS: tuple[Row, ...] = (
     Row(ONLINE, "tools+sharded", "rl.tools",
         "the ranks of a sharded policy generate together, one forward each, and tool calls give each rank its own "
         "number of turns", "train with DDP or ZeRO-1/2 (each rank holds the whole policy), or remove rl.tools"),
+    # An environment's methods are tools (rl.environment): the same turns, the same lockstep.
+    Row(ONLINE, "environment+sharded", "rl.environment",
+        "the ranks of a sharded policy generate together, one forward each, and an environment's tool calls give "
+        "each rank its own number of turns", "train with DDP or ZeRO-1/2 (each rank holds the whole policy), or "
+        "remove rl.environment"),
     Row(EVERY, "tensor-parallel+adapter", "parallel.tp_size",
         "PEFT's A and B matrices are plain tensors that Transformers' tp plan does not split, beside base weights "
         "sharded as DTensors", "shard an adapter run with FSDP (parallel.tp_size=1), which shards frozen and "
@@ -238,6 +243,8 @@ def pieces_of(cfg: RunConfig, vision: Optional[bool] = None) -> set[str]:
         pieces.add("expert-parallel")
     if cfg.rl.method != "none" and cfg.rl.tools:
         pieces |= {"tools"} | (set() if registry.of(cfg).holds_whole_model(cfg) else {"tools+sharded"})
+    if cfg.rl.method != "none" and cfg.rl.environment:
+        pieces |= {"environment"} | (set() if registry.of(cfg).holds_whole_model(cfg) else {"environment+sharded"})
     if cfg.training.loss_kernel in KERNELS:
         pieces |= {"loss kernel"} | ({"fused loss kernel"} if cfg.training.loss_kernel == "fused" else set())
     if not registry.of(cfg).holds_whole_model(cfg):

@@ -42,7 +42,30 @@ def _output_over_inputs(cfg: RunConfig, where: Callable[[str], str]) -> list[Pro
 
 
 def input_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
-    return _cache_dir(cfg, where) + _mixture_kinds(cfg, where) + _eval_inputs(cfg, where) + _output_over_inputs(cfg, where)
+    return (_masked(cfg, where) + _cache_dir(cfg, where) + _mixture_kinds(cfg, where) + _eval_inputs(cfg, where)
+            + _output_over_inputs(cfg, where))
+
+
+def _masked(cfg: RunConfig, where) -> list[Problem]:
+    """A value holding the mask `***` where a credential was (a file `overdrive import` or `export`
+    wrote): refused by its key, rather than read as a URL or a token that fails later."""
+    from overdrive.config.env_report import MASK
+    from overdrive.config.keys import flatten
+
+    def texts(value) -> list[str]:
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, (list, tuple)):
+            return [t for v in value for t in texts(v)]
+        if isinstance(value, dict):
+            return [t for v in value.values() for t in texts(v)]
+        return []
+
+    return [Problem(key, f"holds {MASK} where a credential was masked (in a file overdrive wrote)", where(key),
+                    f"give the real value where the run starts: {key}=... on the command line, or the environment "
+                    "variable the library reads (HF_TOKEN for the hub)")
+            for key, value in flatten(cfg.model_dump(mode="json")).items()
+            if any(MASK in text for text in texts(value))]
 
 
 def _cache_dir(cfg: RunConfig, where) -> list[Problem]:

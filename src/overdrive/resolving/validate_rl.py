@@ -18,7 +18,7 @@ _KNOBS = ("rl.num_generations", "rl.max_completion_length", "rl.temperature", "r
           "rl.epsilon", "rl.epsilon_high", "rl.loss_type", "rl.scale_rewards", "rl.num_iterations",
           "rl.mask_truncated_completions", "rl.reward_funcs", "rl.importance_sampling_level",
           "rl.sapo_temperature_pos", "rl.sapo_temperature_neg", "rl.tools", "rl.max_tool_calling_iterations",
-          "rl.tool_timeout_s")
+          "rl.tool_timeout_s", "rl.environment", "rl.baseline", "rl.multi_objective_aggregation")
 
 # Axes of the layout a generating policy cannot take: (key, why).
 
@@ -55,7 +55,9 @@ def rl_rules(cfg: RunConfig, where: Callable[[str], str],
         errors.append(Problem("model.name_or_path", f"{rl.method} improves a pretrained model, but no model is named "
                               "(it would start from random weights)", where("rl.method"),
                               "set model.name_or_path to a save_pretrained directory or hub name"))
-    if not rl.reward_funcs:
+    # An environment may own the reward (its get_reward): whether it does is checked once it is imported
+    # (training/build/user_inputs.py).
+    if not rl.reward_funcs and not rl.environment:
         errors.append(Problem("rl.reward_funcs", "no reward function: every completion would score the same",
                               where("rl.method"), "add one, e.g. rl.reward_funcs=[{function: exact_match, column: "
                               "answer}]"))
@@ -91,16 +93,21 @@ def loss_rules(cfg: RunConfig, where: Callable[[str], str], set_explicitly: Call
         found.append(Problem("rl.epsilon_high", "rl.loss_type=cispo clips the importance ratio at rl.epsilon_high "
                              "(its ε_max), which is not set (rl.epsilon, 0.2, would cap every ratio near 1 at 0.2)",
                              where("rl.loss_type"), "set rl.epsilon_high=5.0 (the ScaleRL paper's, TRL's advice)"))
+    if rl.baseline == "leave_one_out" and rl.multi_objective_aggregation == "normalize_then_sum":
+        found.append(Problem("rl.baseline", "normalize_then_sum (GDPO) centres each reward on its group's mean and "
+                             "the sum on the batch's; a leave-one-out baseline has no place in it (TRL's RLOO sums "
+                             "the rewards first)", where("rl.baseline"),
+                             "set rl.multi_objective_aggregation=sum_then_normalize, or rl.baseline=group_mean"))
     return found
 
 
 def tool_warnings(cfg: RunConfig, where: Callable[[str], str], set_explicitly: Callable[[str], bool]) -> list[Problem]:
     """Knobs of a tool-calling rollout set without a tool: they do nothing."""
     stray = [k for k in ("rl.max_tool_calling_iterations", "rl.tool_timeout_s") if set_explicitly(k)]
-    if cfg.rl.tools or not stray:
+    if cfg.rl.tools or cfg.rl.environment or not stray:
         return []
     return [Problem(stray[0], "applies to tool calls only (rl.tools is empty)", where(stray[0]),
-                    "add rl.tools, or remove the key")]
+                    "add rl.tools (or rl.environment), or remove the key")]
 def reference_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
     """A KL term needs a reference: the adapter switched off, or a whole frozen copy per rank (not where the
     strategy shards the policy)."""

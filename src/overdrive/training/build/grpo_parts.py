@@ -16,7 +16,7 @@ from overdrive.strategies import registry
 from overdrive.errors import UserError
 from overdrive.training.objectives import grpo
 from overdrive.training.step import loss_kernels
-from overdrive.training.generation import tools as tools_mod
+from overdrive.training.generation import environments, tools as tools_mod
 
 
 @dataclass
@@ -29,6 +29,7 @@ class PromptData:
     validation: Optional[Any] = None
     label_names: Optional[list] = None
     tools: tuple = ()  # rl.tools, built: the prompts were rendered with their schemas
+    environment: Optional[environments.Environment] = None  # rl.environment, probed: its methods' schemas too
 
 
 def prepare(cfg: RunConfig, make_tokenizer) -> tuple[Any, PromptData]:
@@ -36,13 +37,22 @@ def prepare(cfg: RunConfig, make_tokenizer) -> tuple[Any, PromptData]:
     the tools are imported and the tokenizer's template asked whether it can run them, before the model loads."""
     tokenizer = make_tokenizer(cfg, [], "")
     tools = tools_mod.build(cfg.rl.tools) if cfg.rl.tools else []
-    if tools:
+    rows = prompts_mod.read(cfg)
+    environment = None
+    if cfg.rl.environment:
+        environment = environments.build(cfg.rl.environment, list(dict.fromkeys(k for row in rows for k in row)))
+    schemas = [t.schema for t in tools] + (environment.schemas if environment else [])
+    if schemas:
         refused = tools_mod.template_problems(tokenizer)
         if refused:
             raise UserError(refused)
-    prompt_set = prompts_mod.encode(cfg, prompts_mod.read(cfg), tokenizer, tools=[t.schema for t in tools])
+    prompt_set = prompts_mod.encode(cfg, rows, tokenizer, tools=schemas,
+                                    key="rl.tools" if tools else environments.KEY)
+    if environment is not None and not prompt_set.conversational:
+        raise UserError(prompts_mod.text_prompts_problem(environments.KEY))
     layout = prompts_mod.slot_layout(cfg, len(prompt_set.rows))
-    return tokenizer, PromptData(prompt_set, layout, prompts_mod.Slots(layout), tools=tuple(tools))
+    return tokenizer, PromptData(prompt_set, layout, prompts_mod.Slots(layout), tools=tuple(tools),
+                                 environment=environment)
 
 
 def loader(data: PromptData, split: Optional[batch.BatchSplit] = None):
@@ -73,6 +83,6 @@ def objective(cfg: RunConfig, accelerator, tokenizer, data: PromptData, referenc
     sharded = not registry.of(cfg).holds_whole_model(cfg)
     kernel = loss_kernels.for_run(cfg, accelerator.device)  # full or chunked (fused is refused for GRPO)
     objective = grpo.GRPOObjective(cfg, accelerator, tokenizer, data.prompts, reference, sharded=sharded, kernel=kernel,
-                                   tools=data.tools)
+                                   tools=data.tools, environment=data.environment)
     objective.samples_path = Path(cfg.output_dir).expanduser() / "completions.jsonl"
     return objective

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem, UserError
@@ -53,6 +53,8 @@ def check(cfg: RunConfig, where: Callable[[str], str],
                 from overdrive.training.generation import tools
 
                 errors += [Problem(p.key, p.message, where("rl.tools"), p.fix) for p in tools.problems(cfg.rl.tools)]
+            if cfg.rl.environment:  # imported and probed as TRL probes it: reset, the tools' schemas, get_reward
+                errors += environment_problems(cfg, table.columns if table is not None else None, where)
     if pairs and table is not None:  # every row read as training reads it, before anything is written
         from overdrive.data.preference import row_problems
 
@@ -62,3 +64,21 @@ def check(cfg: RunConfig, where: Callable[[str], str],
         errors += more_errors
     return taught + errors, warnings
 
+
+
+def environment_problems(cfg: RunConfig, columns: Optional[list[str]], where: Callable[[str], str]) -> list[Problem]:
+    """rl.environment's contract, and a reward source: rl.reward_funcs or the environment's get_reward."""
+    from overdrive.training.generation import environments
+
+    if cfg.rl.environment is None:
+        return []
+    try:
+        environment = environments.build(cfg.rl.environment, columns)
+    except UserError as error:
+        return [Problem(p.key, p.message, where("rl.environment"), p.fix) for p in error.problems]
+    if not cfg.rl.reward_funcs and not environment.has_reward:
+        return [Problem("rl.reward_funcs", f"no reward function, and the environment {environment.name} has no "
+                        "get_reward: every completion would score the same", where("rl.environment"),
+                        "add rl.reward_funcs (they get the instances as `environments`), or define "
+                        f"{environment.name}.get_reward(self) -> float")]
+    return []

@@ -29,16 +29,20 @@ class Rollout:
     failures: int = 0
     tool_seconds: float = 0.0
     turns: list[int] = field(default_factory=list)  # the policy's turns per completion
+    prompts: list = field(default_factory=list)  # each completion's prompt, as the policy saw it (rl.environment)
+    prompt_ids: list[list[int]] = field(default_factory=list)
 
 
 def run(generate: Callable[[list[list[int]], int], list[list[int]]], tokenizer: Any,
         tools: Sequence["tools_mod.Tool"], prompt_ids: Sequence[list[int]], first: list[list[int]],
         max_completion_length: int, max_iterations: Optional[int], timeout_s: float,
-        max_model_length: Optional[int] = None) -> Rollout:
+        max_model_length: Optional[int] = None,
+        toolsets: Optional[Sequence[Sequence["tools_mod.Tool"]]] = None) -> Rollout:
     """The rollout of completions `first` (generated from `prompt_ids`, one prompt per completion);
     `generate(inputs, max_new_tokens)` continues each input by one turn of the policy (cut after its
-    end-of-sequence token)."""
-    by_name = {t.name: t for t in tools}
+    end-of-sequence token). `toolsets`: each completion's own tools (rl.environment: its instance's
+    methods beside rl.tools), where they differ; `tools` then lists their schemas for the parser."""
+    by_name = [{t.name: t for t in (toolsets[i] if toolsets is not None else tools)} for i in range(len(first))]
     completion_ids = [list(c) for c in first]
     out = Rollout(completion_ids, [[1] * len(c) for c in first],
                   [[tools_mod.parse(tokenizer, c, list(p), tools)] for c, p in zip(first, prompt_ids)],
@@ -50,7 +54,7 @@ def run(generate: Callable[[list[list[int]], int], list[list[int]]], tokenizer: 
         for i in pending:
             prompt = list(prompt_ids[i])
             started = time.perf_counter()
-            answers = [tools_mod.call(by_name, c, timeout_s) for c in out.messages[i][-1]["tool_calls"]]
+            answers = [tools_mod.call(by_name[i], c, timeout_s) for c in out.messages[i][-1]["tool_calls"]]
             out.tool_seconds += time.perf_counter() - started
             out.calls += len(answers)
             out.failures += sum(failed for _, _, failed in answers)

@@ -42,7 +42,7 @@ def _imported(path: str, key: str) -> Callable[..., Any]:
     return user_code.import_attribute(path, module_name, attribute, key)
 
 
-def _schema(function: Callable[..., Any], path: str, key: str) -> dict:
+def schema_of(function: Callable[..., Any], path: str, key: str) -> dict:
     """Transformers' schema of the function, as the chat template receives it: it needs a type hint on
     every argument and a docstring describing the function and each argument (Google style)."""
     from transformers.utils import get_json_schema
@@ -62,7 +62,7 @@ def build(paths: Sequence[str]) -> list[Tool]:
     for index, path in enumerate(paths):
         key = f"rl.tools[{index}]"
         function = _imported(path, key)
-        schema = _schema(function, path, key)
+        schema = schema_of(function, path, key)
         name = schema["function"]["name"]
         if any(t.name == name for t in tools):
             raise UserError(Problem(key, f"two tools are named {name!r}: the policy calls a tool by its name",

@@ -32,7 +32,7 @@ from overdrive.data.prompts import PromptSet
 from overdrive.training.generation import sampling
 from overdrive.training.objectives import grpo_loss, rewards as rewards_mod
 # The micro-batch layout, here by name as before (training/objectives/grpo_batch.py holds it)
-from overdrive.training.generation import grpo_rollout, tools as tools_mod
+from overdrive.training.generation import environments as environments_mod, grpo_rollout, tools as tools_mod
 from overdrive.training.objectives.grpo_batch import _pad, completion_batch, recut, trained_mask  # noqa: F401
 from overdrive.training.objectives.objective import Objective
 
@@ -81,11 +81,17 @@ class GRPOObjective(Objective):
 
     def __init__(self, cfg: RunConfig, accelerator, tokenizer, prompts: PromptSet,
                  reference: Optional[Callable[[Any], contextlib.AbstractContextManager]] = None,
-                 sharded: bool = False, kernel: str = "full", tools: Sequence["tools_mod.Tool"] = ()):
+                 sharded: bool = False, kernel: str = "full", tools: Sequence["tools_mod.Tool"] = (),
+                 environment: Optional["environments_mod.Environment"] = None):
         self.rl, self.seed, self.micro = cfg.rl, cfg.training.seed, cfg.training.micro_batch_size
         self.kernel = kernel  # training.loss_kernel as it runs: full or chunked (the log-probs without the logits)
         self.accelerator, self.tokenizer, self.prompts = accelerator, tokenizer, prompts
         self.rewards = rewards_mod.build(cfg.rl.reward_funcs)
+        self.environment = environment  # rl.environment, probed: one instance per completion (environments.py)
+        self.pool = environments_mod.Pool(environment) if environment is not None else None
+        if environment is not None and environment.has_reward:  # TRL's: one more reward, weight 1, the class's name
+            self.rewards.append(rewards_mod.Reward(environment.name, 1.0, environments_mod.reward_function(environment),
+                                                   environments_mod.KEY))
         self.weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)
         self.reference = reference  # model -> the context in which it is the reference (beta > 0)
         self.sharded = sharded  # every rank takes every forward of generate (ZeRO-3, FSDP2)
@@ -93,8 +99,11 @@ class GRPOObjective(Objective):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = {i for i in [tokenizer.eos_token_id, self.pad_id] if i is not None}
         self.tools = list(tools)  # rl.tools, built (training/generation/tools.py): generation runs in turns (grpo_rollout.py)
+        # Every tool's schema the parser reads calls by: rl.tools' and the environment's methods'
+        self.schemas = self.tools + (environments_mod.tools_of(environment.probe, environment) if environment else [])
+        self.turns = bool(self.tools) or environment is not None  # a multi-turn rollout
         self.names = STEP_METRICS + tuple(f"rewards/{r.name}/{s}" for r in self.rewards for s in ("mean", "std"))
-        if self.tools:  # added after the rewards' so a run without tools keeps its pending metrics' layout
+        if self.turns:  # added after the rewards' so a run without tools keeps its pending metrics' layout
             self.names += TOOL_METRICS
         device = accelerator.device
         # TOKEN_METRICS' sums, the trained tokens, and what the clip flags were counted over.
@@ -120,32 +129,37 @@ class GRPOObjective(Objective):
             raise RuntimeError("a group of completions is split across ranks or steps: the slot layout is wrong")
         started = time.perf_counter()
         rollouts = []
+        instances = self.pool.take(len(groups)) if self.pool is not None else []
         with torch.no_grad():
             for first in firsts:
-                rollouts.append(self._generate(model, self.prompts.prompt_ids[prompt_rows[first]], groups[first]))
+                rollouts.append(self._generate(model, prompt_rows[first], groups[first], instances[first:first + g]))
         completion_ids = [c for r in rollouts for c in r.completion_ids]
         generated = time.perf_counter()
         rows = [self.prompts.rows[i] for i in prompt_rows]
-        prompts = [self.prompts.prompts[i] for i in prompt_rows]
-        if self.tools:  # each completion its turns, as TRL hands them to the rewards
+        prompts = [p for r in rollouts for p in r.prompts]  # as the policy saw them (with reset's text appended)
+        prompt_ids = [p for r in rollouts for p in r.prompt_ids]
+        if self.turns:  # each completion its turns, as TRL hands them to the rewards
             completions = [m for r in rollouts for m in r.messages]
         else:
             texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
             completions = [[{"role": "assistant", "content": t}] for t in texts] if self.prompts.conversational else texts
-        tool_mask = [m for r in rollouts for m in r.tool_mask] if self.tools else None
+        tool_mask = [m for r in rollouts for m in r.tool_mask] if self.turns else None
         columns = rewards_mod.columns_of(rows)
+        if instances:  # TRL hands every reward the completions' environments
+            columns["environments"] = instances
         local = torch.tensor(rewards_mod.score(self.rewards, prompts, completions, completion_ids, columns,
                                                        prompt_rows),
                              dtype=torch.float32, device=self.accelerator.device).view(len(completions), -1)
         everyone = self.accelerator.gather(local) if self.accelerator.num_processes > 1 else local
-        adv = grpo_loss.group_advantages(everyone, self.weights, g, self.rl.scale_rewards)
+        adv = grpo_loss.group_advantages(everyone, self.weights, g, self.rl.scale_rewards,
+                                         self.rl.multi_objective_aggregation, self.rl.baseline)
         rank = self.accelerator.process_index
         mine = adv.advantages[rank * len(completions):(rank + 1) * len(completions)]
         scored = time.perf_counter()
-        batches = self._micro_batches(model, prompt_rows, completion_ids, mine, tool_mask)
+        batches = self._micro_batches(model, prompt_ids, completion_ids, mine, tool_mask)
         self._step_metrics(everyone, adv, completion_ids,
                            (generated - started, scored - generated, time.perf_counter() - scored),
-                           rollouts if self.tools else None)
+                           rollouts if self.turns else None)
         if self.accelerator.is_main_process and self.samples_path is not None:
             self._keep_samples(groups[0], prompts[:g], completions[:g], adv.rewards[:g].tolist())
         self.cached = (key, batches) if self.rl.num_iterations > 1 else None
@@ -163,18 +177,30 @@ class GRPOObjective(Objective):
             with open(self.samples_path, "a") as f:
                 f.write(lines)
 
-    def _generate(self, model, prompt_ids: list[int], group: int) -> "grpo_rollout.Rollout":
-        """One group's completions, each cut after its first end-of-sequence token (TRL's); with rl.tools
-        in turns (training/generation/grpo_rollout.py), every turn drawn from the group's own seed."""
+    def _generate(self, model, row: int, group: int, instances: Sequence[Any] = ()) -> "grpo_rollout.Rollout":
+        """One group's completions, each cut after its first end-of-sequence token (TRL's); with rl.tools or
+        rl.environment in turns (training/generation/grpo_rollout.py), every turn, reset and tool call drawn from the
+        group's own seed."""
         acc, rl = self.accelerator, self.rl
-        with sampling.seeded(acc, group_seed(self.seed, group)):
-            first = self._sample(model, [prompt_ids] * rl.num_generations, rl.max_completion_length)
-            if not self.tools:
-                return grpo_rollout.Rollout(first, [], [])
-            return grpo_rollout.run(lambda inputs, room: self._sample(model, inputs, room), self.tokenizer, self.tools,
-                                    [prompt_ids] * len(first), first, rl.max_completion_length,
-                                    rl.max_tool_calling_iterations, rl.tool_timeout_s,
-                                    getattr(acc.unwrap_model(model).config, "max_position_embeddings", None))
+        seed = group_seed(self.seed, group)
+        prompts = [self.prompts.prompts[row]] * rl.num_generations
+        prompt_ids = [self.prompts.prompt_ids[row]] * rl.num_generations
+        # The training RNG streams (torch's, and Python's and NumPy's an environment may draw from) are left as they were
+        with sampling.seeded(acc, seed), environments_mod.seeded(seed):
+            if instances:
+                prompts, prompt_ids = environments_mod.reset_group(
+                    instances, self.prompts.rows[row], self.prompts.prompts[row], self.prompts.prompt_ids[row],
+                    self.tokenizer, [t.schema for t in self.schemas], f"data.source row {row + 1}")
+            first = self._sample(model, prompt_ids, rl.max_completion_length)
+            if not self.turns:
+                return grpo_rollout.Rollout(first, [], [], prompts=prompts, prompt_ids=prompt_ids)
+            toolsets = [self.tools + environments_mod.tools_of(e, self.environment) for e in instances] or None
+            out = grpo_rollout.run(lambda inputs, room: self._sample(model, inputs, room), self.tokenizer, self.schemas,
+                                   prompt_ids, first, rl.max_completion_length, rl.max_tool_calling_iterations,
+                                   rl.tool_timeout_s, getattr(acc.unwrap_model(model).config, "max_position_embeddings",
+                                                              None), toolsets=toolsets)
+        out.prompts, out.prompt_ids = prompts, prompt_ids
+        return out
 
     def _sample(self, model, inputs: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """A turn of the policy after each input (training/generation/sampling.py), cut after its end-of-sequence."""
@@ -183,7 +209,7 @@ class GRPOObjective(Objective):
                                  eos_id=self.tokenizer.eos_token_id, temperature=rl.temperature, top_p=rl.top_p,
                                  top_k=rl.top_k, synced=self.sharded)
 
-    def _micro_batches(self, model, prompt_rows: list[int], completion_ids: list[list[int]],
+    def _micro_batches(self, model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                        advantages: torch.Tensor, tool_mask: Optional[list[list[int]]] = None) -> list[dict]:
         """The step's completions, `micro` to a batch, with the reference's (and the old) log-probs."""
         truncated = [not ids or ids[-1] not in self.eos_ids for ids in completion_ids]
@@ -194,7 +220,7 @@ class GRPOObjective(Objective):
         batches = []
         for start in range(0, len(completion_ids), self.micro):
             span = slice(start, start + self.micro)
-            batch = completion_batch([self.prompts.prompt_ids[i] for i in prompt_rows[span]], completion_ids[span],
+            batch = completion_batch(prompt_ids[span], completion_ids[span],
                                      advantages[span], self.pad_id, self.accelerator.device,
                                      tool_mask=tool_mask[span] if tool_mask is not None else None)
             with torch.no_grad():

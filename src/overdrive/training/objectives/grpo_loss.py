@@ -4,7 +4,10 @@
     token_scores      per-token log-probs and entropies of the completion tokens at the sampling
                       temperature (TRL's fused LM head divides the logits by it)
     group_advantages  the weighted reward sum, minus its group's mean, over the group's (or batch's)
-                      standard deviation + 1e-4; rows every function left unscored get 0
+                      standard deviation + 1e-4; rows every function left unscored get 0. Or minus the
+                      mean of the group's other completions (RLOO's leave-one-out baseline, TRL's
+                      RLOOTrainer), or each reward normalised in its group before the weighted sum
+                      (GDPO, TRL's multi_objective_aggregation=normalize_then_sum)
     per_token_loss    the clipped ratio times the advantage, plus beta x the k3 KL to the reference
     reduce            the loss type's sum over its units (completions or tokens), which the loop
                       divides by the units of the whole global batch: the same normalisation
@@ -57,11 +60,20 @@ class Advantages:
 
 
 def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
-                     scale_rewards: str) -> Advantages:
+                     scale_rewards: str, aggregation: str = "sum_then_normalize",
+                     baseline: str = "group_mean") -> Advantages:
     """TRL's `sum_then_normalize` over the whole (gathered) batch [B, F]; groups are consecutive rows."""
     unscorable = torch.isnan(rewards_per_func).all(dim=1)
-    rewards = (rewards_per_func * weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+    weights = weights.to(rewards_per_func.device).unsqueeze(0)
+    rewards = (rewards_per_func * weights).nansum(dim=1)
     rewards[unscorable] = torch.nan
+    if aggregation == "normalize_then_sum":
+        return _normalize_then_sum(rewards_per_func, weights, num_generations, unscorable, rewards)
+    if aggregation != "sum_then_normalize":
+        raise ValueError(f"multi_objective_aggregation must be sum_then_normalize or normalize_then_sum, "
+                         f"not {aggregation!r}")
+    if baseline == "leave_one_out":
+        return _leave_one_out(rewards, num_generations, scale_rewards)
     grouped = rewards.view(-1, num_generations)
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations, dim=0)
     if scale_rewards in ("group", "none"):  # "none" keeps the group std for the zero-std count only
@@ -75,6 +87,40 @@ def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_
         advantages = advantages / (std + 1e-4)
     is_std_zero = torch.isclose(std, torch.zeros_like(std))
     return Advantages(torch.nan_to_num(advantages, nan=0.0), rewards, std, is_std_zero)
+
+
+def _normalize_then_sum(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
+                        unscorable: torch.Tensor, summed: torch.Tensor) -> Advantages:
+    """GDPO (TRL's normalize_then_sum): each reward centred and scaled within its group, the weighted sum of those
+    normalised over the batch. `rewards` stays the plain weighted sum: what is logged as the reward."""
+    grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.shape[1])
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    std = nanstd(grouped, dim=1).unsqueeze(1)
+    normalised = ((grouped - mean) / (std + 1e-4)).view(-1, rewards_per_func.shape[1])
+    combined = (normalised * weights).nansum(dim=1)
+    combined[unscorable] = torch.nan
+    batch_std = nanstd(combined).expand_as(combined) if combined.numel() > 1 else torch.zeros_like(combined)
+    advantages = (combined - torch.nanmean(combined)) / (batch_std + 1e-4)
+    is_std_zero = torch.isclose(batch_std, torch.zeros_like(batch_std))
+    return Advantages(torch.nan_to_num(advantages, nan=0.0), summed, batch_std, is_std_zero)
+
+
+def _leave_one_out(rewards: torch.Tensor, num_generations: int, scale_rewards: str) -> Advantages:
+    """RLOO (TRL's RLOOTrainer): the reward minus the mean of its group's other scorable completions; `batch`
+    scaling is RLOO's normalize_advantages (centred and scaled over the batch), `group` the group's std."""
+    grouped = rewards.view(-1, num_generations)
+    std = nanstd(grouped, dim=1)
+    scorable = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+    baselines = ((torch.nansum(grouped, dim=1, keepdim=True) - grouped) / (scorable - 1)).view(-1)
+    advantages = rewards - baselines
+    if scale_rewards == "batch":
+        advantages = (advantages - torch.nanmean(advantages)) / (nanstd(advantages) + 1e-4)
+    elif scale_rewards == "group":
+        advantages = advantages / (std.repeat_interleave(num_generations) + 1e-4)
+    elif scale_rewards != "none":
+        raise ValueError(f"scale_rewards must be group, batch or none, not {scale_rewards!r}")
+    std = std.repeat_interleave(num_generations)
+    return Advantages(torch.nan_to_num(advantages, nan=0.0), rewards, std, torch.isclose(std, torch.zeros_like(std)))
 
 
 @dataclass

@@ -50,13 +50,16 @@ def problems(cfg: RunConfig, table: Optional[RowTable], where: Callable[[str], s
         if clashes:
             continue
         columns = [c for c in table.columns if c not in rewards.HANDED] if table is not None else None
+        if columns is not None and cfg.rl.environment:  # every call hands the completions' environments too
+            columns.append("environments")
         unbound = _unbound(built.function, columns)
         if unbound:
             found.append(Problem(f"{key}.function", f"{spec.function} {unbound}", here,
                                  "take the columns you need by name and **kwargs for the rest, as TRL's reward "
                                  "functions do: def reward(prompts, completions, answer, **kwargs)"))
             continue
-        if table is not None and table.rows:
+        # The trial needs an environment's instances (rl.environment): its rewards are first called in the run.
+        if table is not None and table.rows and not cfg.rl.environment:
             failed = _trial(cfg, built, table)
             if failed:
                 found.append(Problem(f"{key}.function", failed[0], here, failed[1]))
