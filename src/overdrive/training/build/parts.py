@@ -22,9 +22,10 @@ from overdrive.training.build import model as model_mod
 from overdrive.training.build.dtypes import matmul_precision
 from overdrive.training.build.recipe import Recipe
 from overdrive.training.build.tokenizer import build_tokenizer
-from overdrive.training.objectives import distill, grpo, moe, preference, reference
+from overdrive.training.objectives import grpo, moe, preference, reference
+from overdrive.training.objectives import registry as registry_of_objectives
 from overdrive.training.objectives.objective import Objective, TokenObjective
-from overdrive.training.step import activation_offload, context_parallel, forward_backward, loss_kernels, pipeline
+from overdrive.training.step import activation_offload, context_parallel, forward_backward, pipeline
 from overdrive.training.step.pipeline import Pipeline
 
 if TYPE_CHECKING:
@@ -91,13 +92,6 @@ class Parts:
         return self.pipeline is None or self.pipeline.pp_rank == 0
 
 
-def _micro_batch(cfg: RunConfig) -> int:
-    mbs = cfg.training.micro_batch_size
-    if mbs == "auto":
-        raise UserError(Problem("training.micro_batch_size", "`auto` must be resolved before the parts are built",
-                                fix="train() resolves it (overdrive.training.build.autobatch); or set an integer"))
-    return mbs
-
 
 def _check_positions(cfg: RunConfig, config) -> None:
     """The rule train judged from the model's config before launch, asked again of the model built
@@ -109,20 +103,92 @@ def _check_positions(cfg: RunConfig, config) -> None:
         raise UserError(found)
 
 
+@dataclass
+class _Data:
+    """The run's tokenizer and data, and the training loader at any split."""
+
+    cfg: RunConfig  # steps counted from the data (training.num_epochs)
+    derived: dict[str, Any]
+    tokenizer: Any
+    tokens: Any
+    collate: Any
+    loader_at: Callable[[batch.BatchSplit], Any]
+    train_loader: Any  # at the run's split
+    vision: bool
+
+
+@dataclass
+class _Placed:
+    """The model where it trains (prepared by Accelerate, or cut into this rank's pipeline stages), with
+    what goes with that placement: the optimizer, the schedule, the loaders, the forward-backward."""
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    train_loader: Any
+    eval_loader: Any
+    flops_per_token: float
+    notes: list[str]
+    forward_backward: Callable[..., torch.Tensor] = forward_backward.plain
+    pipeline: Optional[Pipeline] = None
+    reference_model: Any = None
+
+
 def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], None]] = None) -> Parts:
     """Tokenizer, model, data, optimizer and schedule, prepared by `accelerator` (or cut into this
-    rank's pipeline stages), and the step's pieces; `say(what)` tells each stage as it starts
-    (training/build/startup.py). The one builder of a run's parts."""
+    rank's pipeline stages: a forward-backward choice), and the step's pieces; `say(what)` tells each
+    stage as it starts (training/build/startup.py). The one builder of a run's parts."""
     from accelerate.utils import set_seed
 
     from overdrive.training.build.startup import silent
 
     say = say or silent
     staged = pipeline.enabled(cfg)
+    data = _data(cfg, accelerator, say)
+    cfg, tokenizer, split = data.cfg, data.tokenizer, batch.split(data.cfg)
+    special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    if cfg.model.task == "sequence-classification":
+        # The classifier reads the last non-pad token. A causal LM gets no pad id: packed
+        # blocks have no padding, and with pad == eos Transformers would warn on every batch.
+        special["pad_token_id"] = tokenizer.pad_token_id
+    set_seed(cfg.training.seed)  # same initial weights on every rank and every run
+    say(f"building the model ({cfg.model.name_or_path or 'from scratch'})")
+    label_names = ["reward"] if preference.trains_reward_model(cfg) else (data.tokens.label_names or [])  # one scalar
+    # Pipeline stages are cut from the whole model on this rank's device; otherwise prepare() places it.
+    device = accelerator.device if staged else adapter.load_device(cfg, accelerator.device)
+    model = model_mod.build_model(cfg, vocab_size=len(tokenizer), label_names=label_names,
+                                  special_tokens=special, device=device)
+    _check_positions(cfg, model.config)
+    upcast = master_weights.upcast_trainable(cfg, model)
+    # Hooked before anything wraps the model; pipeline stages take no balance term (refused where the model
+    # has one: resolving/validate_model.py), so no hook is left catching router logits there.
+    balance = None if staged else moe.attach(cfg, model, accelerator)
+    # MFU against the peak of the precision the matmuls run in (bf16 weights without autocast: bf16).
+    peak = telemetry.DevicePeak(accelerator.device, matmul_precision(cfg.precision.mixed_precision, model),
+                                Path(cfg.data.cache_dir).expanduser())
+    placed = (_staged if staged else _prepared)(cfg, accelerator, model, data, say)
+    if staged:  # the last stage computes the token loss itself; other objectives are refused with stages
+        objective: Objective = TokenObjective(cfg.model.task)
+    else:
+        placed.notes += master_weights.note(upcast) + _passes(cfg, data.tokens.train, split.required_global())
+        objective = registry_of_objectives.chosen(cfg).build(registry_of_objectives.Building(
+            cfg, accelerator, placed.model, placed.reference_model, tokenizer, data.tokens, data.collate, split,
+            placed.eval_loader is not None, say))
+    if balance is not None:  # a mixture of experts: the router's balance term beside the objective's loss
+        sharing = max(accelerator.num_processes // split.data_parallel // context_parallel.cp_size(cfg), 1)
+        objective = moe.BalancedObjective(objective, balance, accelerator, sharing=sharing)
+    return Parts(accelerator, placed.model, placed.optimizer, placed.scheduler, placed.train_loader,
+                 placed.eval_loader, tokenizer, placed.flops_per_token, peak, cfg.data.max_length, objective,
+                 placed.forward_backward, Recipe(cfg, placed.optimizer, placed.train_loader, cfg.data.max_length),
+                 placed.notes, cfg, data.derived, pipeline=placed.pipeline,
+                 loader_at=None if staged else data.loader_at)
+
+
+def _data(cfg: RunConfig, accelerator: Any, say: Callable[[str], None]) -> _Data:
+    """The tokenizer and the data, and the training loader at the run's split: data too small for one
+    global batch is refused here, before any weight is read."""
     t, d = cfg.training, cfg.data
-    micro = _micro_batch(cfg)
     split = batch.split(cfg)
-    cache_dir = Path(d.cache_dir).expanduser()
     say("reading the tokenizer and the data (a token cache is filled once, then reused)")
     # One process per machine trains the tokenizer and fills the token cache; the others wait
     # for those files (not in a barrier), then every process memory-maps the same token ids.
@@ -137,69 +203,59 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
     else:
         tokenizer, tokens = data_mod.prepare(cfg, build_tokenizer, build=accelerator.is_local_main_process,
                                              show=accelerator.is_main_process and cfg.logging.level != "quiet")
-    cfg, derived = _counted_from_data(cfg, tokens.train, split.required_global())
-    # The loader before the model: data too small for one global batch is refused before any weight is read.
-    collate = vision_collate if vision_model else data_mod.collate_for(data_mod.sample_kind(cfg),
+    counted, derived = _counted_from_data(cfg, tokens.train, split.required_global())
+    collate = vision_collate if vision_model else data_mod.collate_for(data_mod.sample_kind(counted),
                                                                        tokenizer.pad_token_id, d.max_length)
 
     def loader_at(at: batch.BatchSplit):  # at the run's split, or at the split an OOM redo settles on
-        if grpo.enabled(cfg):  # RL: prompts in completion slots
+        if grpo.enabled(counted):  # RL: prompts in completion slots
             return grpo_parts.loader(tokens, at)
-        return data_mod.train_loader(tokens.train, at.settled_micro(), at.accumulation, at.data_parallel, t.seed, d.shuffle,
-                                     d.num_workers, d.pin_memory, collate)
+        return data_mod.train_loader(tokens.train, at.settled_micro(), at.accumulation, at.data_parallel, t.seed,
+                                     d.shuffle, d.num_workers, d.pin_memory, collate)
 
-    train_loader = loader_at(split)
-    special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
-    if cfg.model.task == "sequence-classification":
-        # The classifier reads the last non-pad token. A causal LM gets no pad id: packed
-        # blocks have no padding, and with pad == eos Transformers would warn on every batch.
-        special["pad_token_id"] = tokenizer.pad_token_id
-    set_seed(t.seed)  # same initial weights on every rank and every run
-    say(f"building the model ({cfg.model.name_or_path or 'from scratch'})")
-    label_names = ["reward"] if preference.trains_reward_model(cfg) else (tokens.label_names or [])  # one scalar
-    # Pipeline stages are cut from the whole model on this rank's device; otherwise prepare() places it.
-    device = accelerator.device if staged else adapter.load_device(cfg, accelerator.device)
-    model = model_mod.build_model(cfg, vocab_size=len(tokenizer), label_names=label_names,
-                                  special_tokens=special, device=device)
-    _check_positions(cfg, model.config)
-    upcast = master_weights.upcast_trainable(cfg, model)
-    # Hooked before anything wraps the model; pipeline stages take no balance term (refused where the model
-    # has one: resolving/validate_model.py), so no hook is left catching router logits there.
-    balance = None if staged else moe.attach(cfg, model, accelerator)
+    # Built here: data too small for one global batch is refused before any weight is read.
+    return _Data(counted, derived, tokenizer, tokens, collate, loader_at, loader_at(split), vision_model)
+
+
+def _staged(cfg: RunConfig, accelerator: Any, model: Any, data: _Data, say: Callable[[str], None]) -> _Placed:
+    """This rank's pipeline stages, cut from the whole model: their own optimizer and loader sharding;
+    the forward-backward is the pipeline's schedule."""
     layers, width = model_mod.shape_of(model.config)
-    # MFU against the peak of the precision the matmuls run in (bf16 weights without autocast: bf16).
-    peak = telemetry.DevicePeak(accelerator.device, matmul_precision(cfg.precision.mixed_precision, model), cache_dir)
-    if staged:
-        fpt = telemetry.flops_per_token(model_mod.flop_params(model), layers, width, d.max_length)
-        stages = pipeline.Pipeline(cfg, accelerator, model)
-        train_loader = pipeline.replica_loader(train_loader, accelerator, stages)
-        optimizer = optimizers.build_optimizer(stages.module, cfg, accelerator.device.type)  # this rank's stages only
-        notes = stages.notes(cfg) + (["pipeline: the validation split is not evaluated (no forward-only schedule "
-                                      "is run here)"] if tokens.validation is not None else [])
-        return Parts(accelerator, stages.module, optimizer, optimizers.build_schedule(optimizer, cfg), train_loader,
-                     None, tokenizer, fpt, peak, d.max_length, TokenObjective(cfg.model.task),
-                     stages.forward_backward, Recipe(cfg, optimizer, train_loader, d.max_length), notes, cfg, derived,
-                     pipeline=stages)
+    fpt = telemetry.flops_per_token(model_mod.flop_params(model), layers, width, cfg.data.max_length)
+    stages = pipeline.Pipeline(cfg, accelerator, model)
+    train_loader = pipeline.replica_loader(data.train_loader, accelerator, stages)
+    optimizer = optimizers.build_optimizer(stages.module, cfg, accelerator.device.type)  # this rank's stages only
+    notes = stages.notes(cfg) + (["pipeline: the validation split is not evaluated (no forward-only schedule "
+                                  "is run here)"] if data.tokens.validation is not None else [])
+    return _Placed(stages.module, optimizer, optimizers.build_schedule(optimizer, cfg), train_loader, None, fpt,
+                   notes, stages.forward_backward, pipeline=stages)
+
+
+def _prepared(cfg: RunConfig, accelerator: Any, model: Any, data: _Data, say: Callable[[str], None]) -> _Placed:
+    """The whole model split by its tensor- and expert-parallel plans and prepared by Accelerate with
+    its optimizer, schedule and loaders; the forward-backward is the plain one."""
+    t, d, split = cfg.training, cfg.data, batch.split(cfg)
+    layers, width = model_mod.shape_of(model.config)
     idle = moe.idle_params(model)  # experts a token is not routed to: FLOPs and MFU by the active parameters
     fpt = telemetry.flops_per_token(model_mod.flop_params(model) - idle[0], layers, width, d.max_length,
                                     frozen_params=model_mod.flop_params(model, frozen=True) - idle[1])
     model = strategies.split_model(model, accelerator, cfg)  # tensor and expert parallel, when the layout has them
-    notes = adapter.notes(cfg, model) + master_weights.note(upcast) + _passes(cfg, tokens.train, split.required_global())
-    notes += vision.notes(cfg, model) if vision_model else []
+    notes = adapter.notes(cfg, model) + (vision.notes(cfg, model) if data.vision else [])  # before the wrapping
     eval_loader = None
-    if tokens.validation is not None:
+    if data.tokens.validation is not None:
         # A fixed leading subset: evaluations are comparable across steps, and the loader is
         # always iterated to its end (leaving it early confuses Accelerate's end-of-data tracking).
-        n = min(len(tokens.validation), t.eval_batches * micro * split.data_parallel)
-        eval_loader = data_mod.eval_loader(torch.utils.data.Subset(tokens.validation, range(n)), micro,
-                                           d.num_workers, d.pin_memory, collate)
+        micro = split.settled_micro()
+        n = min(len(data.tokens.validation), t.eval_batches * micro * split.data_parallel)
+        eval_loader = data_mod.eval_loader(torch.utils.data.Subset(data.tokens.validation, range(n)), micro,
+                                           d.num_workers, d.pin_memory, data.collate)
     reference_model = reference.frozen_copy(cfg, model)  # the starting weights, before anything wraps them
     optimizer = optimizers.build_optimizer(model, cfg, accelerator.device.type)
     strategies.hook_optimizer(optimizer, model)  # expert parallel: the experts' moments saved whole
     scheduler = optimizers.build_schedule(optimizer, cfg)  # None when DeepSpeed builds the optimizer
     say(f"preparing the model and optimizer ({registry.of(cfg).label(cfg)}, "
         f"{accelerator.num_processes} process{'es' if accelerator.num_processes != 1 else ''})")
-    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    model, optimizer, train_loader = accelerator.prepare(model, optimizer, data.train_loader)
     scheduler = scheduler or optimizers.schedule_after_prepare(accelerator, cfg)
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
@@ -207,22 +263,7 @@ def build_parts(cfg: RunConfig, accelerator: Any, say: Optional[Callable[[str], 
         say(f"compiling with torch.compile ({cfg.compile.backend}): the first step compiles the kernels")
     model = _maybe_compile(model, cfg, accelerator)
     activation_offload.attach(model, t.activation_offloading)  # saved activations in host memory, when asked
-    objective: Objective = TokenObjective(cfg.model.task, loss_kernels.for_run(cfg, accelerator.device))
-    if preference.enabled(cfg):
-        validation = tokens.validation if eval_loader is not None else None
-        train_ref, eval_ref = reference.for_run(cfg, accelerator, model, reference_model, tokens.train, collate,
-                                                split.settled_micro(), Path(cfg.output_dir).expanduser(), validation)
-        objective = preference.PreferenceObjective(cfg, accelerator, train_ref, eval_ref)
-    elif grpo.enabled(cfg):
-        objective = grpo_parts.objective(cfg, accelerator, tokenizer, tokens, reference_model)
-    elif distill.enabled(cfg):  # the student's loss against a frozen teacher's distributions
-        objective = distill.objective(cfg, accelerator, tokenizer, tokens, say)
-    if balance is not None:  # a mixture of experts: the router's balance term beside the token loss
-        sharing = max(accelerator.num_processes // split.data_parallel // context_parallel.cp_size(cfg), 1)
-        objective = moe.BalancedObjective(objective, balance, accelerator, sharing=sharing)
-    return Parts(accelerator, model, optimizer, scheduler, train_loader, eval_loader, tokenizer, fpt, peak,
-                 d.max_length, objective, recipe=Recipe(cfg, optimizer, train_loader, d.max_length), notes=notes,
-                 config=cfg, derived=derived, loader_at=loader_at)
+    return _Placed(model, optimizer, scheduler, train_loader, eval_loader, fpt, notes, reference_model=reference_model)
 
 
 def _counted_from_data(cfg: RunConfig, train, global_batch: int):
