@@ -1,7 +1,7 @@
 """The table of what composes: objective x forward-backward x layout x adapter x attention x the
 run-level features (a loss kernel).
 
-A step is three pieces (DESIGN.md, "One step, composed"): the objective (what a micro-batch's
+A step is three pieces (docs/architecture.md, "One step, composed"): the objective (what a micro-batch's
 loss is), the forward-backward (plain, context-parallel, a pipeline schedule) and the strategy
 that wraps the model (its layout and adapter). Each row below names a pair of pieces that do
 not compose, why, the key to change and the fix. A combination no row names runs, and gives
@@ -13,7 +13,8 @@ the one-process losses at the same global batch (the multi-process tests hold th
     matrix()               the table over named objectives, layouts and adapters:
                            docs/compatibility.md is generated from it (tests/test_composition.py)
 
-A new objective or layout is a name in `objective_of` / `pieces_of` and its rows here.
+A new objective or layout is a name in `objective_of` / `pieces_of` and its rows here (and, for an
+objective, its entry in training/objectives/registry.py, which builds it).
 """
 
 from __future__ import annotations
