@@ -46,12 +46,14 @@ class Option:
     twin: str = ""
     """For an option that only trades speed for memory (checkpointing on, offload): the
     label of the same option without the trade. When the twin fits, this one is dominated."""
+    micro: int = 0
+    """A batch option's micro-batch (its `values` set it and the accumulation that keeps the global batch)."""
 
     @property
     def short(self) -> str:
         """The value alone (`8`, `bf16`, `on`, `zero2`): what `--only dimension=a,b` matches."""
         if self.dimension == "batch":
-            return str(dict(self.values)["training.micro_batch_size"])
+            return str(self.micro)
         if self.dimension == "strategy":
             return self.label.replace(" ", "_")
         return self.label.split()[-1]
@@ -154,7 +156,7 @@ def order(candidates: list[Candidate], first: Candidate) -> list[Candidate]:
     """`first` (when present), then larger micro-batches first: they usually compute faster,
     and a fast candidate measured early lets the race stop slower ones sooner."""
     def micro(c: Candidate) -> int:
-        return dict(c.option("batch").values)["training.micro_batch_size"]
+        return c.option("batch").micro
 
     rest = [c for c in candidates if c.key != first.key]
     rest.sort(key=lambda c: -micro(c))  # stable: keeps the dimension order otherwise
@@ -172,7 +174,7 @@ def batch_options(global_batch_size: int, world: int, baseline_micro: Optional[i
     if baseline_micro and baseline_micro not in divisors:
         divisors.append(baseline_micro)
     return [Option("batch", f"micro {m} x accum {per_rank // m}",
-                   (("training.micro_batch_size", m), ("training.gradient_accumulation_steps", per_rank // m)))
+                   (("training.micro_batch_size", m), ("training.gradient_accumulation_steps", per_rank // m)), micro=m)
             for m in divisors]
 
 
@@ -241,7 +243,7 @@ def build_space(cfg: RunConfig, facts: Facts, only: Optional[dict[str, list[str]
 
     micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else None
     dims["batch"] = batch_options(gb, split.data_parallel, micro)
-    base["batch"] = next((o for o in dims["batch"] if dict(o.values)["training.micro_batch_size"] == micro),
+    base["batch"] = next((o for o in dims["batch"] if o.micro == micro),
                          dims["batch"][0])
 
     precisions = ["no", "bf16" if facts.supports_bf16 or not facts.gpu else "fp16"]
