@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from overdrive.config.batch import combinations as batch_combinations  # noqa: F401 (asked for by refusals here)
 from overdrive.strategies import layout as nd
+from overdrive.strategies import registry
 
 if TYPE_CHECKING:
     from overdrive.config.schema import RunConfig
@@ -48,34 +49,22 @@ _INTO_DEEPSPEED = ("DeepSpeed reads only its own checkpoints (or its universal f
 
 
 def label(config: RunConfig) -> str:
-    """The strategy as a person names it: DDP, ZeRO-2 (optimizer offload), FSDP2."""
-    p = config.parallel
-    if p.strategy == "deepspeed":
-        ds = p.deepspeed
-        offload = [f"{what} offload to {device}" for what, device in (("optimizer", ds.offload_optimizer),
-                                                                      ("parameter", ds.offload_param))
-                   if device != "none"]
-        return f"ZeRO-{ds.zero_stage}" + (f" ({', '.join(offload)})" if offload else "")
+    """The strategy as a person names it, with its mesh where it has one: DDP, ZeRO-2 (optimizer
+    offload to cpu), FSDP2 (dp_shard 2 x tp 2)."""
     mesh = nd.layout(config).mesh
     described = " x ".join(f"{name} {size}" for name, size in mesh if name not in ("dp_replicate", "dp_shard")
                            or len(mesh) > 1)
-    if p.strategy == "fsdp":
-        return f"FSDP{p.fsdp.version}" + (f" ({described})" if described else "")
-    return p.strategy.upper() + (f" ({described})" if described else "")
+    return registry.of(config).person_name(config) + (f" ({described})" if described else "")
 
 
 def _layout(config: RunConfig) -> tuple:
     """What decides the files' format (offload does not: ZeRO saves the same files with or without it)."""
-    p = config.parallel
-    if nd.layout(config).pp > 1:
-        return (p.strategy, "pipeline")  # one DCP directory under the whole model's names
-    if p.strategy == "deepspeed":
-        return ("deepspeed", p.deepspeed.zero_stage)
-    if p.strategy == "fsdp":
-        return ("fsdp", p.fsdp.version, p.fsdp.state_dict_type)
-    if nd.layout(config).tp > 1:
-        return (p.strategy, "tensor parallel")  # a DCP directory, not Accelerate's files
-    return (p.strategy,)
+    lay, files = nd.layout(config), registry.of(config).checkpoint_format(config)
+    if lay.pp > 1:
+        return (files[0], "pipeline")  # one DCP directory under the whole model's names
+    if len(files) == 1 and lay.tp > 1:
+        return (files[0], "tensor parallel")  # a DCP directory, not Accelerate's files
+    return files
 
 
 def _processes(n: int) -> str:

@@ -9,8 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING, Callable
 
 from overdrive.commands.arguments import add_config_arguments, resolved_from
+
+if TYPE_CHECKING:
+    from overdrive.config.schema import RunConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def fill(cfg, batch_rows: int, show=lambda _: None) -> tuple[int, object]:
+def fill(cfg: RunConfig, batch_rows: int, show: Callable[[str], None] = lambda _: None) -> tuple[int, object]:
     """(shards written, the entry's directory): the teacher's top-k of every train and validation row."""
     import torch
 
@@ -69,8 +73,10 @@ def fill(cfg, batch_rows: int, show=lambda _: None) -> tuple[int, object]:
         return [(ids[i, :n], logprobs[i, :n]) for i, n in enumerate(teacher_cache.row_lengths(batch))]
 
     started = time.perf_counter()
-    meta = {"teacher": cfg.distill.teacher, "top_k": cfg.distill.top_k, "max_length": cfg.data.max_length,
-            "teacher_files": teacher_cache.teacher_fingerprint(cfg.distill.teacher)}
+    teacher_name = cfg.distill.teacher
+    assert teacher_name is not None, "run() refuses a config without distill.teacher"
+    meta = {"teacher": teacher_name, "top_k": cfg.distill.top_k, "max_length": cfg.data.max_length,
+            "teacher_files": teacher_cache.teacher_fingerprint(teacher_name)}
     written = teacher_cache.write(path, rows, score, meta, batch_rows, show)
     show(f"{len(rows)} rows in {time.perf_counter() - started:.1f}s")
     return written, path

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from overdrive.data.chat_samples import pack
-from overdrive.data.vision_samples import IGNORE, SEQUENCE
+from overdrive.data.vision_rows import IGNORE, SEQUENCE
 
 PACKED = ("input_ids", "labels", "mm_token_type_ids", "token_type_ids")  # per token, concatenated and padded
 

@@ -97,7 +97,7 @@ def layout_of(cfg: RunConfig, rows) -> tuple[str, dict]:
 
 
 def problems(cfg: RunConfig, rows) -> list[Problem]:
-    """Every pair read and its images found, before the model loads (vision_rows.problems for pairs)."""
+    """Every pair read and its images found, before the model loads (vision_rows.problems for conversations)."""
     base, found = Path(cfg.data.source).expanduser().parent, []
     try:
         layout, columns = layout_of(cfg, rows)

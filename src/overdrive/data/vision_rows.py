@@ -22,6 +22,9 @@ from overdrive.data import layouts
 from overdrive.data.row_table import RowTable, local_table
 from overdrive.errors import Problem, UserError
 
+IGNORE = -100  # a label the loss leaves out
+SEQUENCE = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids")  # one value per token
+
 if TYPE_CHECKING:
     from overdrive.config.schema import RunConfig
 
@@ -143,16 +146,9 @@ def open_image(image: Any, base: Path, place: str):
                                 "replace or drop the image")) from None
 
 
-def problems(cfg: RunConfig) -> list[Problem]:
-    """Every row of a local data file checked before the model loads: the layout, the images against the
-    placeholders, the image files there. A data set that is not a local file is checked as it is read."""
-    rows = local_table(cfg.data.source)
-    if rows is None:
-        return []
-    if cfg.preference.method != "none":  # pairs: a prompt with the images, two answers
-        from overdrive.data import vision_pairs
-
-        return vision_pairs.problems(cfg, rows)
+def problems(cfg: RunConfig, rows: RowTable) -> list[Problem]:
+    """Every conversation of a local data file checked before the model loads: the layout, the images
+    against the placeholders, the image files there (pairs: vision_pairs.problems)."""
     try:
         layout, columns = layouts.recognise(rows.columns, cfg.data)
     except UserError as error:

@@ -26,8 +26,7 @@ from overdrive.errors import Problem, UserError
 if TYPE_CHECKING:
     from overdrive.config.schema import RunConfig
 
-IGNORE = -100
-SEQUENCE = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids")  # one value per token
+IGNORE, SEQUENCE = vision_rows.IGNORE, vision_rows.SEQUENCE
 
 
 def _length(processor, text: str, images: list) -> tuple[int, list[int]]:

@@ -69,6 +69,11 @@ class Strategy:
     # The fp8 backends Accelerate runs under this strategy (it refuses MS-AMP with FSDP when the
     # model is prepared).
     fp8_backends: tuple[str, ...] = ("TE", "AO", "MSAMP")
+    # What decides the format of its checkpoint's files (checkpoint/routes.py): the strategy's name and
+    # what changes its files (ZeRO's stage; FSDP's version and state-dict type). Offload does not.
+    _checkpoint_format: Callable[[RunConfig], tuple] = lambda cfg: ("ddp",)
+    # The strategy as a person names it in a checkpoint's route: DDP, ZeRO-2 (optimizer offload to cpu), FSDP2.
+    _person_name: Callable[[RunConfig], str] = lambda cfg: "DDP"
 
     def optimizer_sees(self, cfg: RunConfig) -> str:
         """What the optimizer steps on: "whole" tensors, ZeRO's "flat partitions", FSDP2's "shards"."""
@@ -121,6 +126,15 @@ class Strategy:
         """The strategy's own activation checkpointing (beside model.gradient_checkpointing)."""
         return self.name == "fsdp" and cfg.parallel.fsdp.activation_checkpointing
 
+    def checkpoint_format(self, cfg: RunConfig) -> tuple:
+        """What decides the format of the checkpoint's files: ("ddp",), ("deepspeed", stage),
+        ("fsdp", version, state_dict_type)."""
+        return self._checkpoint_format(cfg)
+
+    def person_name(self, cfg: RunConfig) -> str:
+        """The strategy as a person names it: DDP, ZeRO-2 (optimizer offload to cpu), FSDP2."""
+        return self._person_name(cfg)
+
     def owns(self, key: str) -> bool:
         """True when a dotted key belongs to this strategy's settings section."""
         return bool(self.section) and key.startswith(f"{self.section}.")
@@ -167,6 +181,14 @@ def _zero_label(cfg: RunConfig) -> str:
     return f"deepspeed ZeRO-{ds.zero_stage}" + (f" (offload {', '.join(offload)})" if offload else "")
 
 
+def _zero_person_name(cfg: RunConfig) -> str:
+    ds = cfg.parallel.deepspeed
+    offload = [f"{what} offload to {device}" for what, device in (("optimizer", ds.offload_optimizer),
+                                                                  ("parameter", ds.offload_param))
+               if device != "none"]
+    return f"ZeRO-{ds.zero_stage}" + (f" ({', '.join(offload)})" if offload else "")
+
+
 def _fsdp_label(cfg: RunConfig) -> str:
     fsdp = cfg.parallel.fsdp
     return f"fsdp{fsdp.version or ''} (reshard_after_forward={fsdp.reshard_after_forward})"
@@ -186,7 +208,8 @@ DEEPSPEED = Strategy(
     _setting_problems=settings.deepspeed,
     _checkpoint_per_rank=lambda cfg: _zero_stage(cfg) >= 1,
     _estimator_row=_zero_row, _label=_zero_label,
-    _optimizer_sees=lambda cfg: "flat partitions" if _zero_stage(cfg) >= 1 else "whole")
+    _optimizer_sees=lambda cfg: "flat partitions" if _zero_stage(cfg) >= 1 else "whole",
+    _checkpoint_format=lambda cfg: ("deepspeed", _zero_stage(cfg)), _person_name=_zero_person_name)
 
 FSDP = Strategy(
     name="fsdp", title="PyTorch FSDP2", accelerate_type="FSDP", section="parallel.fsdp",
@@ -194,7 +217,9 @@ FSDP = Strategy(
     _sharding=_fsdp_sharding, _holds_whole_model=lambda cfg: False, _setting_problems=settings.fsdp,
     _checkpoint_per_rank=lambda cfg: cfg.parallel.fsdp.state_dict_type == "sharded_state_dict",
     _estimator_row=lambda cfg: "fsdp2_offload" if cfg.parallel.fsdp.offload_params else "fsdp2",
-    _label=_fsdp_label, _optimizer_sees=lambda cfg: "shards", fp8_backends=("TE", "AO"))
+    _label=_fsdp_label, _optimizer_sees=lambda cfg: "shards", fp8_backends=("TE", "AO"),
+    _checkpoint_format=lambda cfg: ("fsdp", cfg.parallel.fsdp.version, cfg.parallel.fsdp.state_dict_type),
+    _person_name=lambda cfg: f"FSDP{cfg.parallel.fsdp.version}")
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (DDP, DEEPSPEED, FSDP)}
 NAMES = tuple(STRATEGIES)

@@ -28,9 +28,15 @@ def check(cfg: RunConfig, where: Callable[[str], str],
     taught = [replace(p, where=p.where or where(p.key)) for p in teacher.fit_problems(cfg)]
     if declared(cfg) and cfg.data.format in ("chat", "preference"):  # a vision-language run's rows: images
         # against placeholders (conversations, or pairs whose prompts hold the images)
-        from overdrive.data import vision_rows
+        from overdrive.data import vision_pairs, vision_rows
+        from overdrive.data.row_table import local_table
 
-        return taught + vision_rows.problems(cfg), []
+        rows = local_table(cfg.data.source)  # a data set that is not a local file is checked as it is read
+        if rows is None:
+            return taught, []
+        if cfg.preference.method != "none":  # pairs: a prompt with the images, two answers
+            return taught + vision_pairs.problems(cfg, rows), []
+        return taught + vision_rows.problems(cfg, rows), []
     if not (rl or kto or pairs):
         return taught, []
     # Here, not above: the data package loads torch as it is imported, and `explain` of any other run needs none.

@@ -23,17 +23,27 @@ from overdrive.config.schema import RunConfig
 from overdrive.training.step import context_parallel, step_loss
 
 if TYPE_CHECKING:
+    from accelerate import Accelerator
+
     from overdrive.observe.run import RunObserver
-    from overdrive.training.build.parts import Parts
     from overdrive.training.guards.loss_spikes import LossSpikes
     from overdrive.training.guards.oom_retry import OomRetry
+    from overdrive.training.objectives.objective import Objective
+
+
+class StepParts(Protocol):
+    """What a forward-backward asks of the run's parts (training/build/parts.py's Parts)."""
+
+    accelerator: "Accelerator"
+    model: torch.nn.Module
+    objective: "Objective"
 
 
 class Books(Protocol):
     """What a forward-backward asks of the loop that keeps the books (training/loop.py's Loop)."""
 
     cfg: RunConfig
-    parts: "Parts"  # the accelerator, the model, the objective
+    parts: StepParts
     split: BatchSplit
     cp: int  # ranks that each take a slice of every sequence
     observe: "RunObserver"  # where the step's time goes
