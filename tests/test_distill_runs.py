@@ -40,7 +40,7 @@ def _train(work: Path, out: str, *extra: str, said: list | None = None) -> dict[
     return {r["step"]: r for r in records(work / out) if "loss" in r}
 
 
-def test_one_process_and_zero2_give_the_same_distillation_losses(work):
+def test_one_process_ddp_zero2_fsdp2_and_zero3_give_the_same_distillation_losses(work):
     expected = _train(work, "one", "training.micro_batch_size=4", "training.gradient_accumulation_steps=1")
     first = expected[1]
     assert {"distill/loss", "distill/cross_entropy", "distill/top1_agreement"} <= set(first)
@@ -48,8 +48,13 @@ def test_one_process_and_zero2_give_the_same_distillation_losses(work):
     assert abs(first["loss"] - 0.5 * (first["distill/loss"] + first["distill/cross_entropy"])) <= 1e-5
     two = ("launch.num_processes=2", "training.micro_batch_size=2", "training.gradient_accumulation_steps=1")
     for name, extra in (("ddp", ("parallel.strategy=ddp", *two)),
-                        ("zero2", ("parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=2", *two))):
-        got = _train(work, name, *extra)
+                        ("zero2", ("parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=2", *two)),
+                        ("fsdp2", ("parallel.strategy=fsdp", *two)),
+                        ("zero3", ("parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3", *two))):
+        said: list[str] = []
+        got = _train(work, name, *extra, said=said)
+        if name in ("fsdp2", "zero3"):  # the teacher sharded as the student is: no rank holds it whole
+            assert "the teacher sharded as the student is" in said[0], said[0][-2000:]
         assert sorted(got) == list(range(1, STEPS + 1))
         for step in got:
             print(name, step, got[step]["loss"], expected[step]["loss"])

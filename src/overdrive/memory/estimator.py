@@ -53,9 +53,11 @@ def estimate_row(strategy: str, shape: ModelShape, setup: Setup) -> Row:
     if setup.reference_copy and setup.adapter is None:  # the weights as they are loaded, unsharded, no gradients
         why = "rl.beta" if setup.generation_tokens else "preference.method"
         row.add("params_bytes", f"reference model: a frozen copy of the weights ({why})", 4 * sliced.params)
-    if setup.teacher_params:  # loaded in the student's dtype, whole on every rank (sharding it is refused)
-        row.add("params_bytes", f"teacher: {setup.teacher_params:,} frozen parameters (distill.teacher)",
-                setup.teacher_params * setup.teacher_bytes)
+    if setup.teacher_params:  # in the student's dtype; sharded as the student is (strategies/frozen.py)
+        sharded = strategy.startswith(("zero3", "fsdp2"))
+        row.add("params_bytes", f"teacher: {setup.teacher_params:,} frozen parameters (distill.teacher)"
+                + (f", sharded over {setup.devices} ranks" if sharded else ", whole on every rank"),
+                setup.teacher_params * setup.teacher_bytes // (setup.devices if sharded else 1))
     if setup.generation_tokens:  # keys and values of every layer for one group's sequences (counted on top:
         # the generation's peak and the update's are not at once, so this is an upper bound)
         kv_heads = max(sliced.kv_heads, 1)

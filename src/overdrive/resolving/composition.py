@@ -23,7 +23,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from overdrive.config.mesh import layout
+from overdrive.strategies.layout import layout  # the strategy says how the data-parallel ranks shard
 from overdrive.config.schema import RunConfig
 from overdrive.errors import Problem
 from overdrive.strategies import registry
@@ -161,10 +161,14 @@ ROWS: tuple[Row, ...] = (
         "the fused kernels return a summed cross entropy, and GRPO's loss needs each completion token's "
         "log-probability (chunked computes those without the logits)",
         "set training.loss_kernel=chunked (or full, or auto, which settles on full for GRPO)"),
-    Row(TAUGHT, "sharded student", "parallel.strategy",
-        "the teacher is loaded whole on every rank; sharding it like the student (FSDP2, ZeRO-3) is not built yet, "
-        "and a whole teacher beside a sharded student would defeat the sharding",
-        "set parallel.strategy=ddp, or parallel.strategy=deepspeed with parallel.deepspeed.zero_stage=1 or 2"),
+    # The teacher is sharded as the student is (strategies/frozen.py: FSDP2 layer by layer, ZeRO-3's engine).
+    Row(TAUGHT, "sharded student+on-policy", "distill.lmbda",
+        "on-policy steps sample from the student, and a sharded student's ranks would each generate their own "
+        "number of tokens: sampling together (every rank every forward) is not built for distillation yet",
+        "set distill.lmbda=0 (off-policy), or parallel.strategy=ddp (or ZeRO-1/2)"),
+    Row(TAUGHT, "sharded student+hsdp", "parallel.dp_replicate_size",
+        "the teacher is sharded over the student's FSDP mesh; a replicated and sharded (HSDP) mesh is not checked "
+        "for it yet", "set parallel.dp_replicate_size=1 (FSDP2 over every rank), or parallel.strategy=ddp"),
     Row(TAUGHT, "pipeline", "parallel.pp_size",
         "the divergence needs the teacher's and the student's logits of every position at one stage",
         "set parallel.pp_size=1 (data parallel or ZeRO-1/2 instead)"),
@@ -261,6 +265,10 @@ def pieces_of(cfg: RunConfig, vision: Optional[bool] = None) -> set[str]:
         pieces |= {"loss kernel"} | ({"fused loss kernel"} if cfg.training.loss_kernel == "fused" else set())
     if not registry.of(cfg).holds_whole_model(cfg):
         pieces.add("sharded student")  # ZeRO-3, FSDP2, HSDP: no rank holds the whole model at rest
+        if cfg.distill.lmbda > 0:
+            pieces.add("sharded student+on-policy")
+        if shape.dp_replicate > 1 and shape.dp_shard > 1:
+            pieces.add("sharded student+hsdp")
     return pieces
 
 

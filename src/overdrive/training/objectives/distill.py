@@ -7,9 +7,10 @@ already mark the loss tokens: the assistant's alone for chat), and per loss toke
 summed over the micro-batch; step_loss.py divides by the global batch's loss tokens, so the loss
 is the same whatever the split. The divergence is TRL's generalized_jsd_loss (distill_loss.py).
 
-The teacher is loaded whole on every rank, in the student's dtype, in eval mode (no dropout), with
-no gradients: the strategies that shard the student are refused by key (resolving/validate_distill.py)
-rather than given a whole teacher per rank. metrics.jsonl gets the divergence and the cross entropy
+The teacher is loaded in the student's dtype, in eval mode (no dropout), with no gradients, and
+placed as the student is (strategies/frozen.py): whole on every rank under DDP and ZeRO-1/2,
+sharded layer by layer under FSDP2 and by DeepSpeed's engine under ZeRO-3, so no rank holds it
+whole where the student is sharded. metrics.jsonl gets the divergence and the cross entropy
 apart (`distill/loss`, `distill/cross_entropy`) and how often the two models' most likely next token
 agree (`distill/top1_agreement`), summed on the device until the loop's log point reads them.
 """
@@ -26,6 +27,7 @@ from overdrive.config.schema import RunConfig
 from overdrive.config.schema_distill import effective_beta
 from overdrive.errors import Problem, UserError
 from overdrive.hf import teacher as teacher_files
+from overdrive.strategies import frozen
 from overdrive.data import teacher_cache
 from overdrive.training.objectives import distill_loss, distill_policy
 from overdrive.training.step import step_loss
@@ -236,7 +238,12 @@ def objective(cfg: RunConfig, accelerator: Any, tokenizer: Any, tokens: Any,
             say(f"reading the teacher's top-{d.top_k} from its cache ({path}; the teacher is not loaded)")
     if cache is None:
         say(f"loading the teacher ({d.teacher})")
-    teacher = None if cache is not None else load_teacher(cfg, accelerator.device)
+    teacher = None
+    if cache is None:  # loaded where the strategy places it from (the host, when it is sharded), then placed
+        teacher = frozen.place(load_teacher(cfg, frozen.load_device(cfg, accelerator.device)), cfg, accelerator)
+        held, total = frozen.held_here(teacher)
+        if held < total:
+            say(f"the teacher sharded as the student is: {held:,} of its {total:,} parameters on each rank")
     sampler = None
     if d.lmbda:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
