@@ -63,6 +63,10 @@ def test_the_next_lines_offer_no_run_the_rules_refuse():
     assert "deepspeed" not in said  # DeepSpeed beside pipeline stages is refused by key
     plain = "\n".join(next_lines(load_config(cli=[], env={}), Path("runs/x"), []))
     assert "parallel.strategy=deepspeed" in plain and "parallel.strategy=fsdp" in plain
+    # A hint that moves to another strategy leaves the one it leaves behind's own settings out.
+    zero3 = ["parallel.strategy=deepspeed", "zero=3", "launch.num_processes=2"]
+    [fsdp] = [line for line in next_lines(load_config(cli=zero3, env={}), Path("runs/z"), zero3) if "FSDP2" in line]
+    assert "parallel.strategy=fsdp" in fsdp and "zero" not in fsdp.split("#")[0]
 
 
 def test_a_final_checkpoint_cut_short_is_not_called_complete(tmp_path):

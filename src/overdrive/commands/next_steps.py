@@ -17,16 +17,23 @@ from overdrive.errors import UserError
 
 
 def command(verb: str, items: Sequence[str], changes: Sequence[str] = ()) -> str:
-    """`overdrive VERB` with the user's items, minus any override of a key in `changes`, then `changes`."""
+    """`overdrive VERB` with the user's items, minus any override of a key in `changes` (and, where
+    the changes choose another strategy, of the other strategies' own settings), then `changes`."""
     from overdrive.config.keys import expand_alias
+    from overdrive.config.redact import masked_item
+    from overdrive.strategies import registry
 
     def key_of(item: str) -> str:
         return expand_alias(item.partition("=")[0].strip())
 
-    from overdrive.config.redact import masked_item
-
     changed = {key_of(change) for change in changes}
-    kept = [masked_item(item) for item in items if "=" not in item or key_of(item) not in changed]
+    chosen = next((change.partition("=")[2] for change in changes if key_of(change) == "parallel.strategy"), None)
+    others = [s for s in registry.STRATEGIES.values() if chosen is not None and s.name != chosen]
+
+    def dropped(key: str) -> bool:
+        return key in changed or any(s.owns(key) for s in others)
+
+    kept = [masked_item(item) for item in items if "=" not in item or not dropped(key_of(item))]
     return shlex.join(["overdrive", verb, *kept, *changes])
 
 
