@@ -143,3 +143,11 @@ def write_letter_chat(path: Path, rows: int, seed: int = 0) -> Path:
             f.write(json.dumps({"messages": [{"role": "user", "content": question},
                                              {"role": "assistant", "content": answer}]}) + "\n")
     return path
+
+
+def make_student_and_teacher(root: Path) -> Path:
+    """A small student and a wider teacher of the same tokenizer (`root/student`, `root/teacher`): the
+    distillation tests' pair."""
+    make_tiny_llama(root / "student", seed=0, hidden_size=32)
+    make_tiny_llama(root / "teacher", seed=1, hidden_size=64)
+    return root

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import cfg_of
-from hf_fixtures import make_tiny_llama, make_tiny_model
+from hf_fixtures import make_student_and_teacher, make_tiny_model
 from overdrive.errors import UserError
 
 pytest.importorskip("trl")
@@ -25,8 +25,7 @@ def _trl_loss():
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("distill")
-    make_tiny_llama(root / "student", seed=0, hidden_size=32)
-    make_tiny_llama(root / "teacher", seed=1, hidden_size=64)
+    make_student_and_teacher(root)
     make_tiny_model(root / "other")  # GPT-2 with another word list: another tokenizer
     return root
 

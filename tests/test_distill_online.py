@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import cfg_of
-from hf_fixtures import make_tiny_llama, write_letter_chat
+from hf_fixtures import make_student_and_teacher, write_letter_chat
 
 
 class _Accelerator:
@@ -50,8 +50,7 @@ def test_the_prompt_is_the_turns_before_the_last_answer_or_half_a_text_row():
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("distill-online")
-    make_tiny_llama(root / "student", seed=0, hidden_size=32)
-    make_tiny_llama(root / "teacher", seed=1, hidden_size=64)
+    make_student_and_teacher(root)
     write_letter_chat(root / "chat.jsonl", 24)
     return root
 

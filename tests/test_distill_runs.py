@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from checkpoint_probe import records, run
-from hf_fixtures import make_tiny_llama, write_letter_chat
+from hf_fixtures import make_student_and_teacher, write_letter_chat
 from strategy_probe import free_port
 
 pytestmark = pytest.mark.slow
@@ -20,8 +20,7 @@ STEPS = 3
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("distill-runs")
-    make_tiny_llama(root / "student", seed=0, hidden_size=32)
-    make_tiny_llama(root / "teacher", seed=1, hidden_size=64)
+    make_student_and_teacher(root)
     write_letter_chat(root / "chat.jsonl", 48)
     return root
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import gc
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -44,7 +44,8 @@ from overdrive.training.step import context_parallel, step_loss
 from overdrive.training.guards import loss_scale, loss_spikes, nonfinite, oom_retry
 from overdrive.training import benchmark_eval
 from overdrive.training.step.loss_tokens import LossTokens
-from overdrive.training.loop_state import LoopState, TrainResult, batches  # noqa: F401  (asked for here too)
+from overdrive.training.loop_state import LoopState, Outcome, StepMark, TrainResult, batches  # noqa: F401
+# (LoopState, TrainResult and batches are asked for here too)
 from overdrive.training.build.parts import Parts, build_parts, save_final
 
 
@@ -137,19 +138,6 @@ def _answer_signals(stop: "checkpoint.StopRequest", state: "LoopState", cfg: Run
     stop.abandon = kept
 
 
-@dataclass
-class Outcome:
-    """What the loop found out beyond its state; train() turns both into the TrainResult."""
-
-    eval: dict[str, float] = field(default_factory=dict)
-    stopped_early: str = ""
-    stopped_by: int = 0
-    checkpoint: Optional[Path] = None
-    tokens_per_s: float = 0.0
-    elapsed_s: float = 0.0
-    eval_failed: str = ""  # why the closing evaluation failed, after the model was saved
-
-
 def _steps(loop: "Loop") -> Outcome:
     """The outer loop: the named steps, each when it is due."""
     loop.parts.model.train()
@@ -180,35 +168,6 @@ def _steps(loop: "Loop") -> Outcome:
         fault_injection.freeze_after(loop.injection, loop.state.step)
     loop.ckpt.wait()  # checkpoint.async: the last save sealed before the run ends
     return loop.finish()
-
-
-@dataclass
-class _Mark:
-    """Where the loop was when a step began: put back before the step is redone (training.oom_retry)."""
-
-    epoch: int
-    batch_in_epoch: int
-    tokens_seen: int
-    micro_steps: int
-    loss_sum: torch.Tensor
-    loss_tokens: torch.Tensor
-    objective: Any  # the objective's metric sums (Objective.snapshot)
-
-    @classmethod
-    def of(cls, loop: "Loop") -> "_Mark":
-        if not loop.oom.enabled:  # nothing is redone: nothing to copy
-            return cls(0, 0, 0, 0, torch.zeros(()), torch.zeros(()), None)
-        s = loop.state
-        return cls(s.epoch, s.batch_in_epoch, s.tokens_seen, s.micro_steps, s.loss_sum.clone(),
-                   loop.loss_tokens.count.clone(), loop.parts.objective.snapshot())
-
-    def put_back(self, loop: "Loop") -> None:
-        s = loop.state
-        s.epoch, s.batch_in_epoch, s.tokens_seen, s.micro_steps = (self.epoch, self.batch_in_epoch, self.tokens_seen,
-                                                                   self.micro_steps)
-        s.loss_sum.copy_(self.loss_sum)
-        loop.loss_tokens.count.copy_(self.loss_tokens)
-        loop.parts.objective.rewind(self.objective)
 
 
 class Loop:
@@ -265,13 +224,14 @@ class Loop:
         forward-backward, then the books (the optimizer update at the last micro-batch, the schedule);
         redone at a smaller micro-batch when it runs out of memory (training.oom_retry)."""
         while True:
-            mark = _Mark.of(self)
+            mark = StepMark.of(state=self.state, loss_tokens=self.loss_tokens.count, objective=self.parts.objective,
+                               needed=self.oom.enabled)
             redo = self.oom.attempt(self._optimizer_step, self.split, self.state.step + 1)
             if redo is None:
                 return
             self._redo_at(redo, mark)
 
-    def _redo_at(self, redo: "oom_retry.Redo", mark: "_Mark") -> None:
+    def _redo_at(self, redo: "oom_retry.Redo", mark: StepMark) -> None:
         """training.oom_retry's decision applied: what the failed step held dropped, the loop put
         back where the step began, and the split changed (the global batch kept), so the step is
         redone over the same samples as a run started at the new split takes them."""
@@ -280,7 +240,7 @@ class Loop:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        mark.put_back(self)
+        mark.put_back(state, self.loss_tokens.count, self.parts.objective)
         state.batch_in_epoch = mark.batch_in_epoch * (before // redo.micro)  # the same samples, in the new units
         self.spikes.rewind()
         t = self.cfg.training

@@ -1,6 +1,7 @@
 """What the loop carries between steps and hands back: where it is (`LoopState`, saved and
-restored whole by the checkpoint), the data position it keeps while drawing micro-batches, and
-the result of a run (`TrainResult`)."""
+restored whole by the checkpoint), where it was when a step began (`StepMark`, for a redo), the
+data position it keeps while drawing micro-batches, what it found out (`Outcome`) and the result
+of a run (`TrainResult`)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,48 @@ class LoopState:
         for f in fields(self):
             if f.name in values:
                 setattr(self, f.name, values[f.name])
+
+
+@dataclass
+class StepMark:
+    """Where the loop was when a step began: put back before the step is redone (training.oom_retry)."""
+
+    epoch: int
+    batch_in_epoch: int
+    tokens_seen: int
+    micro_steps: int
+    loss_sum: Any  # tensors on the device
+    loss_tokens: Any
+    objective: Any  # the objective's metric sums (Objective.snapshot)
+
+    @classmethod
+    def of(cls, state: LoopState, loss_tokens: Any, objective: Any, needed: bool) -> "StepMark":
+        """The mark of `state` (and of the tokens counted and the objective's sums beside it); when no
+        step can be redone (`needed` false), an empty one: nothing is copied."""
+        if not needed:
+            return cls(0, 0, 0, 0, None, None, None)
+        return cls(state.epoch, state.batch_in_epoch, state.tokens_seen, state.micro_steps, state.loss_sum.clone(),
+                   loss_tokens.clone(), objective.snapshot())
+
+    def put_back(self, state: LoopState, loss_tokens: Any, objective: Any) -> None:
+        state.epoch, state.batch_in_epoch, state.tokens_seen, state.micro_steps = (
+            self.epoch, self.batch_in_epoch, self.tokens_seen, self.micro_steps)
+        state.loss_sum.copy_(self.loss_sum)
+        loss_tokens.copy_(self.loss_tokens)
+        objective.rewind(self.objective)
+
+
+@dataclass
+class Outcome:
+    """What the loop found out beyond its state; train() turns both into the TrainResult."""
+
+    eval: dict[str, float] = field(default_factory=dict)
+    stopped_early: str = ""
+    stopped_by: int = 0
+    checkpoint: Optional[Path] = None
+    tokens_per_s: float = 0.0
+    elapsed_s: float = 0.0
+    eval_failed: str = ""  # why the closing evaluation failed, after the model was saved
 
 
 @dataclass
