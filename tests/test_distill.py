@@ -153,11 +153,6 @@ def _problems(*items: str) -> dict[str, str]:
     (("model.task=sequence-classification",), "model.task"),
     (("training.micro_batch_size=auto",), "training.micro_batch_size"),
     (("training.loss_kernel=chunked",), "training.loss_kernel"),
-    (("parallel.strategy=fsdp", "launch.num_processes=2", "distill.lmbda=0.5"), "distill.lmbda"),
-    (("parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3", "launch.num_processes=2",
-      "distill.lmbda=1"), "distill.lmbda"),
-    (("parallel.strategy=fsdp", "parallel.dp_replicate_size=2", "launch.num_processes=4"),
-     "parallel.dp_replicate_size"),
     (("parallel.pp_size=2", "launch.num_processes=2"), "parallel.pp_size"),
     (("parallel.tp_size=2", "launch.num_processes=2"), "parallel.tp_size"),
 ])
@@ -170,6 +165,10 @@ def test_the_layouts_are_accepted_the_sharded_ones_with_the_teacher_sharded_too(
                   ("parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=2", "launch.num_processes=2"),
                   ("parallel.strategy=fsdp", "launch.num_processes=2"),
                   ("parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3", "launch.num_processes=2"),
+                  ("parallel.strategy=fsdp", "launch.num_processes=2", "distill.lmbda=0.5"),
+                  ("parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3", "launch.num_processes=2",
+                   "distill.lmbda=1"),
+                  ("parallel.strategy=fsdp", "parallel.dp_replicate_size=2", "launch.num_processes=4"),
                   ("peft.method=lora",), ("training.loss_spike.factor=3",), ("training.oom_retry=true",),
                   ("training.activation_offloading=true",), ("data.document_mask=true",)):
         cfg = cfg_of("model.name_or_path=org/student", "model.from_scratch=false", "distill.teacher=org/teacher",

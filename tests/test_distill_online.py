@@ -47,6 +47,15 @@ def test_the_prompt_is_the_turns_before_the_last_answer_or_half_a_text_row():
     assert prompt_length(list(range(12)), 12, chat=False) == 6
 
 
+def test_a_rows_place_in_the_global_batch_is_the_same_whatever_the_split():
+    """Its sample's seed: one process at micro 4, two at micro 2, two at micro 1 x accumulation 2."""
+    from overdrive.training.objectives.distill_policy import row_numbers
+
+    assert list(row_numbers(0, 1, 0, 4)) == [0, 1, 2, 3]
+    assert [list(row_numbers(r, 2, 0, 2)) for r in (0, 1)] == [[0, 1], [2, 3]]
+    assert [[row_numbers(r, 2, i, 1)[0] for i in (0, 1)] for r in (0, 1)] == [[0, 2], [1, 3]]
+
+
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("distill-online")
@@ -85,12 +94,15 @@ def test_with_lmbda_1_the_student_samples_the_answers_the_teacher_scores(work):
     student = AutoModelForCausalLM.from_pretrained(work / "student")
     [sampled] = objective.prepare(student, [batch])
     prompts = objective.sampler.prompts(batch)
-    # the prompt is kept (out of the loss); what follows it is the student's, with the seed of (seed, step 1, batch 0)
-    with torch.no_grad(), sampling.seeded(_Accelerator(), distill_policy.sample_seed(cfg.training.seed, 1, 0)):
-        ids, mask = sampling.left_padded(prompts, tokenizer.pad_token_id, "cpu")
-        theirs = student.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                                  top_p=1.0, max_new_tokens=8, pad_token_id=tokenizer.pad_token_id,
-                                  eos_token_id=tokenizer.eos_token_id)[:, ids.shape[1]:].tolist()
+    # the prompt is kept (out of the loss); what follows it is the student's, row i with the seed of (seed, step 1, i)
+    theirs = []
+    for row, prompt in enumerate(prompts):
+        with torch.no_grad(), sampling.seeded(_Accelerator(), distill_policy.sample_seed(cfg.training.seed, 1, row)):
+            ids = torch.tensor([prompt])
+            theirs += student.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                       temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=8,
+                                       pad_token_id=tokenizer.pad_token_id,
+                                       eos_token_id=tokenizer.eos_token_id)[:, ids.shape[1]:].tolist()
     differs = 0
     for row, prompt in enumerate(prompts):
         n = int(sampled["attention_mask"][row].sum())

@@ -5,6 +5,7 @@ replicas are the same case with a plainer wrapper); the split on one process is 
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -53,7 +54,9 @@ def test_one_process_ddp_zero2_fsdp2_and_zero3_give_the_same_distillation_losses
         said: list[str] = []
         got = _train(work, name, *extra, said=said)
         if name in ("fsdp2", "zero3"):  # the teacher sharded as the student is: no rank holds it whole
-            assert "the teacher sharded as the student is" in said[0], said[0][-2000:]
+            held, total = (int(n.replace(",", "")) for n in re.search(
+            r"the teacher sharded as the student is: ([\d,]+) of its ([\d,]+)", said[0]).groups())
+        assert held <= 0.6 * total, (name, held, total)  # HSDP too: over the 2 ranks of a replica, not 4
         assert sorted(got) == list(range(1, STEPS + 1))
         for step in got:
             print(name, step, got[step]["loss"], expected[step]["loss"])
@@ -80,3 +83,30 @@ def test_on_policy_steps_and_a_cached_teacher_run_as_train_runs_them(work):
     assert "the teacher is not loaded" in said[-1] and "loading the teacher" not in said[-1]
     for step in live:
         assert abs(cached[step]["loss"] - live[step]["loss"]) <= 1e-5, (step, cached[step], live[step])
+
+
+def test_on_policy_with_a_sharded_student_gives_the_one_process_losses(work):
+    """lmbda 1 under FSDP2 and ZeRO-3 at 2 processes and HSDP (2 replicas x 2 shards) at 4: every rank
+    takes every forward of the sampling, each row is drawn with the seed of its place in the global
+    batch, and the teacher is sharded over the student's mesh: the one-process run's samples and losses."""
+    # up to data.max_length (48): rows of prompts of other lengths sample other numbers of tokens
+    on = ("distill.lmbda=1", "distill.max_new_tokens=48", "training.gradient_accumulation_steps=1")
+    expected = _train(work, "on_one", *on, "training.micro_batch_size=4")
+    for name, extra in (("on_fsdp2", ("parallel.strategy=fsdp", "launch.num_processes=2",
+                                      "training.micro_batch_size=2")),
+                        ("on_zero3", ("parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3",
+                                      "launch.num_processes=2", "training.micro_batch_size=2")),
+                        ("on_hsdp", ("parallel.strategy=fsdp", "parallel.dp_replicate_size=2",
+                                     "parallel.dp_shard_size=2", "launch.num_processes=4",
+                                     "training.micro_batch_size=1"))):
+        said: list[str] = []
+        got = _train(work, name, *on, *extra, said=said)
+        held, total = (int(n.replace(",", "")) for n in re.search(
+            r"the teacher sharded as the student is: ([\d,]+) of its ([\d,]+)", said[0]).groups())
+        assert held <= 0.6 * total, (name, held, total)  # HSDP too: over the 2 ranks of a replica, not 4
+        assert sorted(got) == list(range(1, STEPS + 1))
+        for step in got:
+            print(name, step, got[step]["loss"], expected[step]["loss"], got[step]["loss"] - expected[step]["loss"])
+            assert got[step]["distill_on_policy"] == 1.0
+            assert abs(got[step]["loss"] - expected[step]["loss"]) <= 1e-5, (name, step)
+            assert abs(got[step]["distill/top1_agreement"] - expected[step]["distill/top1_agreement"]) <= 1e-9

@@ -55,9 +55,10 @@ def estimate_row(strategy: str, shape: ModelShape, setup: Setup) -> Row:
         row.add("params_bytes", f"reference model: a frozen copy of the weights ({why})", 4 * sliced.params)
     if setup.teacher_params:  # in the student's dtype; sharded as the student is (strategies/frozen.py)
         sharded = strategy.startswith(("zero3", "fsdp2"))
+        ranks = setup.shard_ranks if sharded else 1  # HSDP: over one replica's ranks, as the student
         row.add("params_bytes", f"teacher: {setup.teacher_params:,} frozen parameters (distill.teacher)"
-                + (f", sharded over {setup.devices} ranks" if sharded else ", whole on every rank"),
-                setup.teacher_params * setup.teacher_bytes // (setup.devices if sharded else 1))
+                + (f", sharded over {ranks} ranks" if sharded else ", whole on every rank"),
+                setup.teacher_params * setup.teacher_bytes // ranks)
     if setup.generation_tokens:  # keys and values of every layer for one group's sequences (counted on top:
         # the generation's peak and the update's are not at once, so this is an upper bound)
         kv_heads = max(sliced.kv_heads, 1)

@@ -161,14 +161,6 @@ ROWS: tuple[Row, ...] = (
         "the fused kernels return a summed cross entropy, and GRPO's loss needs each completion token's "
         "log-probability (chunked computes those without the logits)",
         "set training.loss_kernel=chunked (or full, or auto, which settles on full for GRPO)"),
-    # The teacher is sharded as the student is (strategies/frozen.py: FSDP2 layer by layer, ZeRO-3's engine).
-    Row(TAUGHT, "sharded student+on-policy", "distill.lmbda",
-        "on-policy steps sample from the student, and a sharded student's ranks would each generate their own "
-        "number of tokens: sampling together (every rank every forward) is not built for distillation yet",
-        "set distill.lmbda=0 (off-policy), or parallel.strategy=ddp (or ZeRO-1/2)"),
-    Row(TAUGHT, "sharded student+hsdp", "parallel.dp_replicate_size",
-        "the teacher is sharded over the student's FSDP mesh; a replicated and sharded (HSDP) mesh is not checked "
-        "for it yet", "set parallel.dp_replicate_size=1 (FSDP2 over every rank), or parallel.strategy=ddp"),
     Row(TAUGHT, "pipeline", "parallel.pp_size",
         "the divergence needs the teacher's and the student's logits of every position at one stage",
         "set parallel.pp_size=1 (data parallel or ZeRO-1/2 instead)"),
@@ -264,11 +256,10 @@ def pieces_of(cfg: RunConfig, vision: Optional[bool] = None) -> set[str]:
     if cfg.training.loss_kernel in KERNELS:
         pieces |= {"loss kernel"} | ({"fused loss kernel"} if cfg.training.loss_kernel == "fused" else set())
     if not registry.of(cfg).holds_whole_model(cfg):
-        pieces.add("sharded student")  # ZeRO-3, FSDP2, HSDP: no rank holds the whole model at rest
-        if cfg.distill.lmbda > 0:
-            pieces.add("sharded student+on-policy")
-        if shape.dp_replicate > 1 and shape.dp_shard > 1:
-            pieces.add("sharded student+hsdp")
+        # ZeRO-3, FSDP2, HSDP: no rank holds the whole model at rest. Distillation's teacher is sharded
+        # as the student is, over its mesh (strategies/frozen.py), and on-policy samples are drawn with
+        # every rank in every forward (distill_policy.py): no row refuses the pair.
+        pieces.add("sharded student")
     return pieces
 
 

@@ -27,7 +27,7 @@ from overdrive.config.schema import RunConfig
 from overdrive.config.schema_distill import effective_beta
 from overdrive.errors import Problem, UserError
 from overdrive.hf import teacher as teacher_files
-from overdrive.strategies import frozen
+from overdrive.strategies import frozen, registry
 from overdrive.data import teacher_cache
 from overdrive.training.objectives import distill_loss, distill_policy
 from overdrive.training.step import step_loss
@@ -90,8 +90,10 @@ class DistillObjective(Objective):
         on = sampler is not None and distill_policy.on_policy(self.seed, self.step, self.lmbda)
         started = time.perf_counter()
         if sampler is not None and on:
-            rank = self.accelerator.process_index * len(micro_batches)
-            micro_batches = [sampler.batch(model, b, distill_policy.sample_seed(self.seed, self.step, rank + i))
+            acc = self.accelerator
+            micro_batches = [sampler.batch(model, b, [distill_policy.sample_seed(self.seed, self.step, row) for row in
+                                                      distill_policy.row_numbers(acc.process_index, acc.num_processes,
+                                                                                 i, len(b["input_ids"]))])
                              for i, b in enumerate(micro_batches)]
         self.step_sums[0] += float(on)
         self.step_sums[1] += time.perf_counter() - started
@@ -248,5 +250,6 @@ def objective(cfg: RunConfig, accelerator: Any, tokenizer: Any, tokens: Any,
     if d.lmbda:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         sampler = distill_policy.Sampler(accelerator, pad, tokenizer.eos_token_id, d.temperature, d.max_new_tokens,
-                                         cfg.data.max_length, chat=cfg.data.format == "chat")
+                                         cfg.data.max_length, chat=cfg.data.format == "chat",
+                                         synced=not registry.of(cfg).holds_whole_model(cfg))
     return DistillObjective(cfg, accelerator, teacher, cache, sampler)

@@ -13,8 +13,11 @@ turns before it and its header: what the assistant answered); for plain text, wh
 the first half of the row's tokens. The student samples at distill.temperature with nothing cut
 from the distribution (TRL's GKD: top_k 0, top_p 1), up to distill.max_new_tokens new tokens and
 never past data.max_length, each sample cut after its end-of-sequence token (training/generation/sampling.py,
-the generation phase GRPO uses). A micro-batch's seed is the run's seed mixed with the step and the
-micro-batch's number on this rank: the same layout draws the same samples after a resume.
+the generation phase GRPO uses). Each row is sampled alone, with the run's seed mixed with the step and
+the row's place in the step's global batch (row_numbers): the same samples whatever the split over
+processes and micro-batches, and after a resume. Under a sharded student (ZeRO-3, FSDP2 over several
+processes) every rank takes every forward of the sampling (`synced`): each rank holds a shard of each
+layer, and a rank whose sample ended keeps joining the others' forwards until all have ended.
 """
 
 from __future__ import annotations
@@ -35,9 +38,18 @@ def on_policy(seed: int, step: int, lmbda: float) -> bool:
     return lmbda >= 1.0 or random.Random(sampling.mixed_seed(seed, step)).random() < lmbda
 
 
-def sample_seed(seed: int, step: int, micro_batch: int) -> int:
-    """The seed of one micro-batch's samples: the run's seed, the step, the micro-batch's number over the ranks."""
-    return sampling.mixed_seed(sampling.mixed_seed(seed, step), micro_batch)
+def sample_seed(seed: int, step: int, row: int) -> int:
+    """The seed of one row's sample: the run's seed, the step, the row's place in the step's global batch."""
+    return sampling.mixed_seed(sampling.mixed_seed(seed, step), row)
+
+
+def row_numbers(rank: int, world: int, accumulation_index: int, rows: int) -> range:
+    """The places in the step's global batch of one micro-batch's rows. The loader's micro-batches
+    go to the ranks in turn (Accelerate's batch sharding: micro-batch k to rank k mod world) and
+    each rank draws its accumulation's micro-batches one after the other, so rank r's i-th holds
+    the (i x world + r)-th `rows` rows: one process at micro 4 and two at micro 2 number them alike."""
+    first = (accumulation_index * world + rank) * rows
+    return range(first, first + rows)
 
 
 def prompt_length(labels: list[int], length: int, chat: bool) -> int:
@@ -57,24 +69,32 @@ class Sampler:
     """The student's samples in place of the data's answers, as a micro-batch the objective reads."""
 
     def __init__(self, accelerator: Any, pad_id: int, eos_id: Optional[int], temperature: float,
-                 max_new_tokens: int, max_length: int, chat: bool):
+                 max_new_tokens: int, max_length: int, chat: bool, synced: bool = False):
         self.accelerator, self.pad_id, self.eos_id = accelerator, pad_id, eos_id
         self.temperature, self.max_new_tokens, self.max_length, self.chat = (temperature, max_new_tokens,
                                                                              max_length, chat)
+        self.synced = synced  # a sharded student: every rank takes every forward of the sampling
 
     def prompts(self, batch: dict) -> list[list[int]]:
         ids, labels = batch["input_ids"].tolist(), batch["labels"].tolist()
         lengths = batch["attention_mask"].sum(-1).tolist() if "attention_mask" in batch else [len(r) for r in ids]
         return [row[:prompt_length(lab, n, self.chat)] for row, lab, n in zip(ids, labels, lengths)]
 
-    def batch(self, model: Any, batch: dict, seed: int) -> dict:
+    def batch(self, model: Any, batch: dict, seeds: list[int]) -> dict:
+        """The micro-batch's rows continued by the student, row i drawn with seeds[i]."""
         prompts = self.prompts(batch)
-        room = min(self.max_new_tokens, self.max_length - min(len(p) for p in prompts))
-        with torch.no_grad(), sampling.seeded(self.accelerator, seed):
-            samples = sampling.sample(model, self.accelerator, prompts, max(room, 1), pad_id=self.pad_id,
-                                        eos_id=self.eos_id, temperature=self.temperature, top_p=1.0, top_k=0)
-        samples = [s[:max(self.max_length - len(p), 0)] for p, s in zip(prompts, samples)]
+        samples = [self.sample(model, prompt, seed) for prompt, seed in zip(prompts, seeds)]
         return self.assembled(prompts, samples)
+
+    def sample(self, model: Any, prompt: list[int], seed: int) -> list[int]:
+        """One row's continuation, never past data.max_length. Alone, so its draws are its seed's
+        whatever rows share its micro-batch (a batch's random draws are drawn for all its rows at once)."""
+        room = min(self.max_new_tokens, self.max_length - len(prompt))
+        with torch.no_grad(), sampling.seeded(self.accelerator, seed):
+            [sample] = sampling.sample(model, self.accelerator, [prompt], max(room, 1), pad_id=self.pad_id,
+                                       eos_id=self.eos_id, temperature=self.temperature, top_p=1.0, top_k=0,
+                                       synced=self.synced)
+        return sample[:max(room, 0)]
 
     def assembled(self, prompts: list[list[int]], samples: list[list[int]]) -> dict:
         """prompt + sample per row, right-padded (as the chat collator pads); labels: the sample alone."""
