@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from checkpoint_probe import records, run
+from checkpoint_probe import killed_then_resumed, records, run
 from hf_fixtures import make_student_and_teacher, write_letter_chat
 from strategy_probe import free_port
 
@@ -26,18 +26,26 @@ def work(tmp_path_factory) -> Path:
     return root
 
 
+def _command(work: Path, out: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "overdrive.cli", "train", f"model.name_or_path={work / 'student'}",
+            "model.from_scratch=false", f"distill.teacher={work / 'teacher'}", "distill.temperature=2.0",
+            "distill.alpha=0.5", f"data.source={work / 'chat.jsonl'}", "data.format=chat", "data.packing=false",
+            "data.max_length=48", f"data.cache_dir={work / 'cache'}", f"output_dir={work / out}",
+            f"training.max_steps={STEPS}", "training.log_every_steps=1", "optim.lr=1e-3", "launch.use_cpu=true",
+            "precision.mixed_precision=no", "checkpoint.enabled=false", "checkpoint.save_final_model=false",
+            "logging.trackers=[none]", f"launch.main_process_port={free_port()}", *extra]
+
+
+def _logged(out: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in records(out) if "loss" in r}
+
+
 def _train(work: Path, out: str, *extra: str, said: list | None = None) -> dict[int, dict]:
-    done = run([sys.executable, "-m", "overdrive.cli", "train", f"model.name_or_path={work / 'student'}",
-                "model.from_scratch=false", f"distill.teacher={work / 'teacher'}", "distill.temperature=2.0",
-                "distill.alpha=0.5", f"data.source={work / 'chat.jsonl'}", "data.format=chat", "data.packing=false",
-                "data.max_length=48", f"data.cache_dir={work / 'cache'}", f"output_dir={work / out}",
-                f"training.max_steps={STEPS}", "training.log_every_steps=1", "optim.lr=1e-3", "launch.use_cpu=true",
-                "precision.mixed_precision=no", "checkpoint.enabled=false", "checkpoint.save_final_model=false",
-                "logging.trackers=[none]", f"launch.main_process_port={free_port()}", *extra], cwd=work, timeout=600)
+    done = run(_command(work, out, *extra), cwd=work, timeout=600)
     assert done.returncode == 0, out + done.stdout[-3000:] + done.stderr[-3000:]
     if said is not None:
         said.append(done.stdout + done.stderr)
-    return {r["step"]: r for r in records(work / out) if "loss" in r}
+    return _logged(work / out)
 
 
 def test_one_process_ddp_zero2_fsdp2_and_zero3_give_the_same_distillation_losses(work):
@@ -110,3 +118,20 @@ def test_on_policy_with_a_sharded_student_gives_the_one_process_losses(work):
             assert got[step]["distill_on_policy"] == 1.0
             assert abs(got[step]["loss"] - expected[step]["loss"]) <= 1e-5, (name, step)
             assert abs(got[step]["distill/top1_agreement"] - expected[step]["distill/top1_agreement"]) <= 1e-9
+
+
+def test_a_killed_on_policy_run_resumes_exactly(work):
+    """lmbda 0.5 over 8 steps, a checkpoint every 4: SIGKILLed after step 5, the resumed run tosses the
+    same coins and draws the same samples from step 5 on (both from the seed and the step), so its
+    losses are the uninterrupted run's to the bit."""
+    run_args = ("distill.lmbda=0.5", "distill.max_new_tokens=8", "training.micro_batch_size=4",
+                "training.max_steps=8", "checkpoint.enabled=true", "checkpoint.every_steps=4")
+    expected = _train(work, "on_whole", *run_args)
+    assert {expected[s]["distill_on_policy"] for s in expected} == {0.0, 1.0}  # both kinds of step
+    out = work / "on_killed"
+    killed_then_resumed(_command(work, "on_killed", *run_args), work, out, 4, 1)
+    got = _logged(out)
+    assert sorted(got) == sorted(expected) == list(range(1, 9))
+    for step in expected:
+        for name in ("loss", "distill/loss", "distill/cross_entropy", "distill/top1_agreement", "distill_on_policy"):
+            assert got[step][name] == expected[step][name], (step, name, got[step][name], expected[step][name])
