@@ -209,3 +209,21 @@ def test_plan_counts_the_teachers_parameters(models):
     assert teacher_params_of_run(cfg) == expected
     setup = run_setup(cfg, "cpu")
     assert setup.teacher_params == expected and setup.teacher_bytes == 4 and setup.logits_held
+
+
+def test_the_estimate_divides_the_teacher_as_the_student_is_sharded():
+    """Whole on every DDP rank; over every rank under FSDP2 and ZeRO-3; under HSDP over one replica's ranks."""
+    from overdrive.memory.estimator import estimate_row
+    from overdrive.memory.shape import ModelShape, Setup
+
+    student = ModelShape(name="s", model_type="llama", params=4096, param_shapes=((64, 32), (32, 32), (32, 32)),
+                         layers=2, hidden=32, heads=2, kv_heads=2, intermediate=64, vocab=64, block_params=1024,
+                         root_params=2048, largest_module_params=2048, autocast_params=4096)
+
+    def teacher_bytes(strategy: str, **setup) -> int:
+        row = estimate_row(strategy, student, Setup(teacher_params=1_000_000, teacher_bytes=2, **setup))
+        return next(n for target, what, n in row.terms if what.startswith("teacher:"))
+
+    assert teacher_bytes("ddp", devices=4) == 2_000_000
+    assert teacher_bytes("fsdp2", devices=4) == teacher_bytes("zero3", devices=4) == 500_000
+    assert teacher_bytes("fsdp2", devices=4, dp_replicate=2) == 1_000_000

@@ -136,8 +136,8 @@ class Setup:
     """RL (rl.method): the tokens of one group being generated, num_generations x (data.max_length +
     rl.max_completion_length) at most, whose KV cache the policy holds while it samples them."""
     teacher_params: int = 0
-    """Distillation (distill.teacher): the teacher's parameters, frozen and whole on every rank, in the
-    student's dtype (training/objectives/distill.py)."""
+    """Distillation (distill.teacher): the teacher's parameters, frozen, in the student's dtype, placed as
+    the student is: whole on every rank, or over the ranks that shard it (strategies/frozen.py)."""
     teacher_bytes: int = 4
     """Bytes of a teacher parameter: 2 where model.dtype is a 16-bit type, else 4."""
     loss_kernel: str = "full"
