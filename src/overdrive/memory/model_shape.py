@@ -335,7 +335,7 @@ def run_setup(cfg: RunConfig, target: Target = "cuda", **changes: Any) -> Setup:
     from overdrive.memory.shape import setup_for_run
 
     setup = setup_for_run(cfg, target, **changes)
-    if cfg.distill.teacher is not None:  # a frozen teacher whole on every rank beside the student
+    if cfg.distill.teacher is not None:  # a frozen teacher beside the student, placed as it is
         setup = replace(setup, teacher_params=teacher_params_of_run(cfg),
                         teacher_bytes=2 if cfg.model.dtype in ("bfloat16", "float16") else 4)
     adapter = changes.get("adapter", adapter_of_run(cfg))
