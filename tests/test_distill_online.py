@@ -85,11 +85,13 @@ def test_with_lmbda_1_the_student_samples_the_answers_the_teacher_scores(work):
     student = AutoModelForCausalLM.from_pretrained(work / "student")
     [sampled] = objective.prepare(student, [batch])
     prompts = objective.sampler.prompts(batch)
-    # the prompt is kept (out of the loss); what follows it is the student's, with the seed of (seed, step 1, batch 0)
+    # the prompt is kept (out of the loss); what follows it is the student's: Transformers' generate drawing each
+    # row's tokens from the row's seed, the seeds drawn from (seed, step 1, batch 0)'s stream
     with torch.no_grad(), sampling.seeded(_Accelerator(), distill_policy.sample_seed(cfg.training.seed, 1, 0)):
         ids, mask = sampling.left_padded(prompts, tokenizer.pad_token_id, "cpu")
-        theirs = student.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                                  top_p=1.0, max_new_tokens=8, pad_token_id=tokenizer.pad_token_id,
+        draw = sampling.GumbelDraw(torch.randint(0, 2 ** 62, (len(prompts),)).tolist(), "cpu", 1.0)
+        theirs = student.generate(input_ids=ids, attention_mask=mask, do_sample=False, logits_processor=[draw],
+                                  max_new_tokens=8, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=tokenizer.eos_token_id)[:, ids.shape[1]:].tolist()
     differs = 0
     for row, prompt in enumerate(prompts):

@@ -139,3 +139,12 @@ def test_prompts_render_as_text_or_turns_and_one_too_long_is_refused_by_key(llam
         prompts_mod.encode(cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_length": 4})}),
                            prompts_mod.read(cfg), tokenizer)
     assert error.value.problems[0].key == "data.max_length" and "row 1" in error.value.render()
+
+
+def test_trls_generation_backends_are_refused_by_key_where_they_do_not_run(llama, prompts):
+    assert "rl.use_vllm" in _refused(llama, prompts, "rl.use_vllm=true", "rl.vllm_mode=server")
+    # continuous batching: a GPU path (measured about 1000x slower here), and one turn of an unsharded text policy
+    assert "rl.use_transformers_continuous_batching" in _refused(
+        llama, prompts, "rl.use_transformers_continuous_batching=true", "launch.use_cpu=true")
+    assert _refused(llama, prompts, "rl.use_transformers_continuous_batching=true", "launch.use_cpu=true",
+                    "rl.tools=[math:gcd]").count("rl.use_transformers_continuous_batching") == 2
