@@ -243,14 +243,17 @@ class GRPOObjective(Objective):
                                      tool_mask=tool_mask[span] if tool_mask is not None else None)
             batch.update(self._images(rows[span] if rows is not None else None, batch["prompt_ids"].shape[1],
                                       batch["completion_ids"].shape[1]))
-            with torch.no_grad():
-                if self.rl.num_iterations > 1:  # the policy that sampled them, for the ratio of later updates
+            batches.append(batch)
+        with torch.no_grad():
+            if self.rl.num_iterations > 1:  # the policy that sampled them, for the ratio of later updates
+                for batch in batches:
                     batch["old_per_token_logps"] = completion_logps(model, batch, self.rl.temperature, self.kernel)[0]
-                if self.rl.beta != 0.0 and self.reference is not None:
-                    with self.reference(model) as reference_model:
+            if self.rl.beta != 0.0 and self.reference is not None:
+                # Entered once for the step (switching a LoRA adapter off and on costs a forward's time on a CPU)
+                with self.reference(model) as reference_model:
+                    for batch in batches:
                         batch["ref_per_token_logps"] = completion_logps(reference_model, batch, self.rl.temperature,
                                                                         self.kernel)[0]
-            batches.append(batch)
         return batches
 
     def _images(self, rows: Optional[list[int]], prompt_width: int, completion_width: int) -> dict:
