@@ -3,7 +3,8 @@ and update.
 
 The job: a small Llama (built from a LlamaConfig, word-level tokenizer, saved locally), warmed by a
 short supervised pass on the task so a sampled answer is right about half the time; chat prompts of
-five letters whose answer is the first one, rewarded 1 on an exact match (overdrive's built-in
+five letters whose answer is the first one (`--answer-letters 5`: all five, a longer completion),
+rewarded 1 on an exact match (overdrive's built-in
 `exact_match`, the same function handed to TRL); LoRA (r 16, alpha 32, every linear layer), 4
 generations a prompt, 32 completions a step (8 a micro-batch, 4 accumulated: one generation call of
 32 in TRL), max_completion_length 8, loss dapo, beta 0.04 (the reference's forward in both), lr
@@ -47,7 +48,7 @@ JOB = dict(num_generations=4, max_completion_length=8, beta=0.04, loss_type="dap
            temperature=1.0, lora_r=16, lora_alpha=32)
 
 
-def make_job(work: Path, rows: int = 256, seed: int = 0) -> float:
+def make_job(work: Path, answer_letters: int = 1, rows: int = 256, seed: int = 0) -> float:
     """The model (warmed) and prompts under `work`; returns the warmed model's mean probability of the answer."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -63,7 +64,8 @@ def make_job(work: Path, rows: int = 256, seed: int = 0) -> float:
     data = []
     for _ in range(rows):
         letters = [rng.choice(LETTERS) for _ in range(5)]
-        data.append({"prompt": [{"role": "user", "content": " ".join(letters)}], "answer": letters[0]})
+        data.append({"prompt": [{"role": "user", "content": " ".join(letters)}],
+                     "answer": " ".join(letters[:answer_letters])})
     with open(work / "prompts.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in data)
     torch.manual_seed(seed)
@@ -72,17 +74,17 @@ def make_job(work: Path, rows: int = 256, seed: int = 0) -> float:
                                          max_position_embeddings=64, pad_token_id=0, eos_token_id=2, bos_token_id=2))
     prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True,
                                              return_dict=True)["input_ids"] for r in data]
-    answers = [[vocab[r["answer"]], 2] for r in data]
+    answers = [[vocab[w] for w in r["answer"].split()] + [2] for r in data]
     ids = torch.tensor([p + a for p, a in zip(prompts, answers)])
     labels = ids.clone()
     labels[:, :len(prompts[0])] = -100
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    right = torch.tensor([a[0] for a in answers])
-    probability = 0.0
-    for _ in range(300):  # until a sampled answer is right about half the time
+    start, probability = len(prompts[0]), 0.0
+    for _ in range(600):  # until a sampled answer (its letters) is right about half the time
         with torch.no_grad():
-            logits = model(ids[:, :len(prompts[0])]).logits[:, -1]
-            probability = logits.softmax(-1).gather(1, right[:, None]).mean().item()
+            logps = model(ids).logits[:, start - 1:-2].log_softmax(-1)
+            said = logps.gather(2, ids[:, start:-1, None]).squeeze(-1).sum(-1)
+            probability = said.exp().mean().item()
         if probability >= 0.45:
             break
         model(ids, labels=labels).loss.backward()
@@ -215,7 +217,7 @@ def table(args, probability: float, rounds: list[dict], sides: list[str]) -> tup
              f"{platform.processor() or platform.machine()}, 1 thread each, torch {_version('torch')}, "
              f"transformers {_version('transformers')}, trl {_version('trl')}; {args.rounds} interleaved rounds of "
              f"{args.steps} steps, the first {args.skip} not counted; the warmed model's mean probability of the "
-             f"answer {probability:.2f}. Seconds per step, medians"
+             f"answer ({args.answer_letters} letter(s) and end-of-sequence) {probability:.2f}. Seconds per step, medians"
              + (f"; `before`: overdrive at {args.before_label}" if args.before else "") + ".", "",
              "| round | side | step | generation | scoring | update | reward (first → last) |",
              "|---|---|---|---|---|---|---|"]
@@ -253,6 +255,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--skip", type=int, default=2)
+    parser.add_argument("--answer-letters", type=int, default=1, help="letters in an answer (1 to 5)")
     parser.add_argument("--before", type=Path, help="another overdrive checkout's src/, timed as a third side")
     parser.add_argument("--before-label", default="the other checkout", help="what --before is, for the table")
     parser.add_argument("--output", type=Path, default=HERE / "results" / "grpo.md")
@@ -265,7 +268,7 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="bench-grpo-") as tmp:
         work = Path(tmp)
-        probability = make_job(work)
+        probability = make_job(work, args.answer_letters)
         rounds, sides = [], ["overdrive", "trl"] + (["before"] if args.before else [])
         sources = {"overdrive": SRC, "before": args.before.resolve() if args.before else None}
         for i in range(args.rounds):
