@@ -12,12 +12,14 @@ Transformers filters them, plus Gumbel noise from the completion's own generator
 seed, advanced one draw per token); the argmax is a sample of the filtered softmax. So a completion
 depends on its prompt, its seed and the weights alone, never on which other completions share its
 batch: GRPO generates a rank's whole step in one batched call and still draws what one process, two
-processes, a halved split or a resumed run draw. At a temperature near 0 it is greedy decoding.
+processes, a halved split or a resumed run draw.
 
 The decoding loop is our own over Transformers' DynamicCache (one forward per token, last position
-only, no generate() bookkeeping: measured faster on a CPU, bench/results/grpo.md); a model that needs
-more than that (a vision-language policy's image inputs, a cache of its own) goes through
-`generate` with the same draw as its logits processor. GRPO (training/objectives/grpo.py) and
+only, no generate() bookkeeping: on this project's CPU, one thread, 32 completions of a 2-layer Llama took
+0.093 s for 24 tokens against generate's 0.112 s with the same draw, 0.012 s against 0.023 s for 8
+greedy tokens); a model that needs more than that (a vision-language policy's image inputs, a cache of
+its own) goes through `generate` with the same draw as its logits processor. At temperature 0 it is
+greedy decoding. GRPO (training/objectives/grpo.py) and
 on-policy distillation (training/objectives/distill_policy.py) sample through here.
 """
 
