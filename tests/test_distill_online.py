@@ -94,13 +94,16 @@ def test_with_lmbda_1_the_student_samples_the_answers_the_teacher_scores(work):
     student = AutoModelForCausalLM.from_pretrained(work / "student")
     [sampled] = objective.prepare(student, [batch])
     prompts = objective.sampler.prompts(batch)
-    # the prompt is kept (out of the loss); what follows it is the student's own sample of the prompt alone,
-    # row i drawn with the seed of (seed, step 1, i): the generation phase GRPO uses, on the student
+    # the prompt is kept (out of the loss); what follows it is the student's own: Transformers' generate drawing
+    # row i's tokens alone from the seed of (seed, step 1, i), the draw the generation phase GRPO uses
     theirs = []
     for row, prompt in enumerate(prompts):
-        with torch.no_grad(), sampling.seeded(_Accelerator(), distill_policy.sample_seed(cfg.training.seed, 1, row)):
-            theirs += sampling.sample(student, _Accelerator(), [prompt], 8, pad_id=tokenizer.pad_token_id,
-                                      eos_id=tokenizer.eos_token_id, temperature=1.0)
+        ids, mask = sampling.left_padded([prompt], tokenizer.pad_token_id, "cpu")
+        draw = sampling.GumbelDraw([distill_policy.sample_seed(cfg.training.seed, 1, row)], "cpu", 1.0)
+        with torch.no_grad():
+            theirs += student.generate(input_ids=ids, attention_mask=mask, do_sample=False, logits_processor=[draw],
+                                       max_new_tokens=8, pad_token_id=tokenizer.pad_token_id,
+                                       eos_token_id=tokenizer.eos_token_id)[:, ids.shape[1]:].tolist()
     differs = 0
     for row, prompt in enumerate(prompts):
         n = int(sampled["attention_mask"][row].sum())

@@ -108,13 +108,14 @@ def test_built_in_rewards_and_an_imported_one():
 def test_plan_counts_the_generations_kv_cache_and_the_kl_reference(llama, prompts):
     from overdrive.memory.model_shape import run_estimate, run_shape
 
-    cfg = _resolve(llama, prompts, "rl.max_completion_length=16").config
+    # a rank's step (micro 4 x accumulation 2 completions) is generated at once
+    cfg = _resolve(llama, prompts, "rl.max_completion_length=16", "training.gradient_accumulation_steps=2").config
     shape = run_shape(cfg)
     row = run_estimate(cfg, "cuda", shape).rows[0]
     kv = [t for t in row.terms if t[1].startswith("generation: KV cache")]
     head = shape.hidden // shape.heads
-    assert kv == [("buffers_bytes", "generation: KV cache of one group (320 tokens, rl.*)",
-                   2 * shape.layers * shape.kv_heads * head * 4 * (64 + 16) * 4)]
+    assert kv == [("buffers_bytes", "generation: KV cache of a rank's step (640 tokens, rl.*)",
+                   2 * shape.layers * shape.kv_heads * head * 8 * (64 + 16) * 4)]
     assert not [t for t in row.terms if t[1].startswith("reference model")]
     with_kl = run_estimate(_resolve(llama, prompts, "rl.beta=0.04").config, "cuda", shape).rows[0]
     assert ("params_bytes", "reference model: a frozen copy of the weights (rl.beta)", 4 * shape.params) in with_kl.terms
@@ -139,3 +140,12 @@ def test_prompts_render_as_text_or_turns_and_one_too_long_is_refused_by_key(llam
         prompts_mod.encode(cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_length": 4})}),
                            prompts_mod.read(cfg), tokenizer)
     assert error.value.problems[0].key == "data.max_length" and "row 1" in error.value.render()
+
+
+def test_trls_generation_backends_are_refused_by_key_where_they_do_not_run(llama, prompts):
+    assert "rl.use_vllm" in _refused(llama, prompts, "rl.use_vllm=true", "rl.vllm_mode=server")
+    # continuous batching: a GPU path (measured about 1000x slower here), and one turn of an unsharded text policy
+    assert "rl.use_transformers_continuous_batching" in _refused(
+        llama, prompts, "rl.use_transformers_continuous_batching=true", "launch.use_cpu=true")
+    assert _refused(llama, prompts, "rl.use_transformers_continuous_batching=true", "launch.use_cpu=true",
+                    "rl.tools=[math:gcd]").count("rl.use_transformers_continuous_batching") == 2

@@ -70,7 +70,7 @@ def test_a_rollout_acts_on_its_own_instance_and_the_result_is_context_out_of_the
     prompt = tokenizer.apply_chat_template(row["prompt"], tools=env.schemas, add_generation_prompt=True,
                                            tokenize=True, return_dict=True)["input_ids"]
     said = iter(["4 <eos>", "5 <eos>"])
-    out = grpo_rollout.run(lambda inputs, room: [_ids(tokenizer, next(said)) for _ in inputs], tokenizer,
+    out = grpo_rollout.run(lambda inputs, room, turns: [_ids(tokenizer, next(said)) for _ in inputs], tokenizer,
                            environments.tools_of(env.probe, env), [prompt] * 2,
                            [_ids(tokenizer, CALL.format(key="k3")), _ids(tokenizer, CALL.format(key="find"))], 64, None,
                            5.0, toolsets=[environments.tools_of(e, env) for e in (first, second)])

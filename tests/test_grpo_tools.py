@@ -51,7 +51,7 @@ def _scripted(tokenizer, *turns: str):
     said = iter(turns)
     seen = []
 
-    def generate(inputs, room):
+    def generate(inputs, room, turns):
         seen.append(inputs)
         return [_ids(tokenizer, next(said))[:room] for _ in inputs]
 

@@ -154,6 +154,22 @@ class RLConfig(Section):
         30.0, gt=0.0, description="Seconds one tool call may take; a call still running then is answered to the "
         "policy as an error (and counted as a failure), as a tool that raises is."
     )
+    use_transformers_continuous_batching: bool = Field(
+        False, description="Generate through Transformers' continuous batching (`generate_batch`, paged attention; "
+        "TRL's name), a GPU path: on this project's CPU it ran about 1000x slower than overdrive's own batched "
+        "sampler (bench/results/grpo.md) and is refused there. Its draws come from torch's stream, so a completion "
+        "depends on the batch it is in: a re-split or resumed run does not draw the same. Not with rl.tools, "
+        "rl.environment, image prompts or a sharded policy."
+    )
+    use_vllm: bool = Field(
+        False, description="Generate with vLLM (TRL's name). Not run by overdrive yet: refused (on a CPU, where "
+        "vLLM does not run, and on GPUs); overdrive generates all of a rank's completions in one batched call of "
+        "its own sampler."
+    )
+    vllm_mode: Literal["colocate", "server"] = Field(
+        "colocate", description="With rl.use_vllm (TRL's name): vLLM in the training processes (`colocate`) or a "
+        "`trl vllm-serve` server (`server`)."
+    )
 
     @property
     def sequence_level(self) -> bool:

@@ -59,10 +59,10 @@ def estimate_row(strategy: str, shape: ModelShape, setup: Setup) -> Row:
         row.add("params_bytes", f"teacher: {setup.teacher_params:,} frozen parameters (distill.teacher)"
                 + (f", sharded over {ranks} ranks" if sharded else ", whole on every rank"),
                 setup.teacher_params * setup.teacher_bytes // ranks)
-    if setup.generation_tokens:  # keys and values of every layer for one group's sequences (counted on top:
+    if setup.generation_tokens:  # keys and values of every layer for a rank's step's sequences (counted on top:
         # the generation's peak and the update's are not at once, so this is an upper bound)
         kv_heads = max(sliced.kv_heads, 1)
-        row.add("buffers_bytes", f"generation: KV cache of one group ({setup.generation_tokens:,} tokens, rl.*)",
+        row.add("buffers_bytes", f"generation: KV cache of a rank's step ({setup.generation_tokens:,} tokens, rl.*)",
                 2 * sliced.layers * kv_heads * (sliced.hidden // max(sliced.heads, 1)) * setup.generation_tokens
                 * setup.half_bytes)
     act: Activations = estimate_activations(shape, setup, uses_autocast(strategy, setup))

@@ -133,7 +133,8 @@ class Setup:
     """Preference training (DPO, IPO) of every parameter: a frozen copy of the starting weights
     is the reference model, whole on every rank (training/objectives/reference.py)."""
     generation_tokens: int = 0
-    """RL (rl.method): the tokens of one group being generated, num_generations x (data.max_length +
+    """RL (rl.method): the tokens a rank generates at once, its step's completions (micro_batch_size x
+    gradient_accumulation_steps, or one group where the micro-batch is not fixed) x (data.max_length +
     rl.max_completion_length) at most, whose KV cache the policy holds while it samples them."""
     teacher_params: int = 0
     """Distillation (distill.teacher): the teacher's parameters, frozen, in the student's dtype, placed as
@@ -277,7 +278,9 @@ def _reference_copy(cfg: RunConfig) -> bool:
 def _generation_tokens(cfg: RunConfig) -> int:
     if cfg.rl.method == "none":
         return 0
-    return cfg.rl.num_generations * (cfg.data.max_length + cfg.rl.max_completion_length)
+    micro = cfg.training.micro_batch_size  # a rank's step is sampled in one batch (training/generation/sampling.py)
+    at_once = micro * cfg.training.gradient_accumulation_steps if isinstance(micro, int) else cfg.rl.num_generations
+    return at_once * (cfg.data.max_length + cfg.rl.max_completion_length)
 
 
 def _vision_of(cfg: RunConfig) -> dict:

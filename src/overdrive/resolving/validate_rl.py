@@ -18,7 +18,8 @@ _KNOBS = ("rl.num_generations", "rl.max_completion_length", "rl.temperature", "r
           "rl.epsilon", "rl.epsilon_high", "rl.loss_type", "rl.scale_rewards", "rl.num_iterations",
           "rl.mask_truncated_completions", "rl.reward_funcs", "rl.importance_sampling_level",
           "rl.sapo_temperature_pos", "rl.sapo_temperature_neg", "rl.tools", "rl.max_tool_calling_iterations",
-          "rl.tool_timeout_s", "rl.environment", "rl.baseline", "rl.multi_objective_aggregation")
+          "rl.tool_timeout_s", "rl.environment", "rl.baseline", "rl.multi_objective_aggregation",
+          "rl.use_transformers_continuous_batching", "rl.use_vllm", "rl.vllm_mode")
 
 # Axes of the layout a generating policy cannot take: (key, why).
 
@@ -78,8 +79,33 @@ def rl_rules(cfg: RunConfig, where: Callable[[str], str],
                               f" completions per step do not hold whole groups of rl.num_generations="
                               f"{rl.num_generations}", where("training.micro_batch_size"),
                               "make micro_batch_size x gradient_accumulation_steps a multiple of rl.num_generations"))
+    errors += generation_rules(cfg, where)
     return errors + reference_rules(cfg, where) + loss_rules(cfg, where, set_explicitly), warnings + tool_warnings(
         cfg, where, set_explicitly)
+
+
+def generation_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
+    """The generation backends TRL offers beside generate: vLLM is not run here; continuous batching samples
+    from torch's stream, so not where a completion must be the policy's whatever its batch (the strategies'
+    lockstep, the turns of a tool rollout, image inputs). On a CPU both are refused by strategies/cpu.py."""
+    rl, found = cfg.rl, []
+    if rl.use_vllm:
+        found.append(Problem("rl.use_vllm", "generation with vLLM is not run by overdrive yet (TRL's GRPOTrainer "
+                             "runs it); overdrive generates a rank's completions in one batched call of its own "
+                             "sampler", where("rl.use_vllm"), "remove rl.use_vllm (and rl.vllm_mode)"))
+    if rl.use_transformers_continuous_batching:
+        from overdrive.resolving.composition import is_vision
+        from overdrive.strategies import registry
+
+        beside = [k for k, on in (("rl.tools", bool(rl.tools)), ("rl.environment", bool(rl.environment)),
+                                  ("model.name_or_path", is_vision(cfg)),
+                                  ("parallel.strategy", not registry.of(cfg).holds_whole_model(cfg))) if on]
+        if beside:
+            found.append(Problem("rl.use_transformers_continuous_batching", f"continuous batching generates one "
+                                 f"turn of text from an unsharded policy; {beside[0]} asks for more",
+                                 where("rl.use_transformers_continuous_batching"),
+                                 "remove rl.use_transformers_continuous_batching (the default sampler runs them)"))
+    return found
 
 
 def loss_rules(cfg: RunConfig, where: Callable[[str], str], set_explicitly: Callable[[str], bool]) -> list[Problem]:

@@ -169,6 +169,10 @@ def problems(cfg: RunConfig, gpus: Optional[int] = None) -> list[Problem]:
     if cfg.parallel.strategy == "deepspeed" and cfg.precision.mixed_precision == "fp16":
         found.append(Problem("precision.mixed_precision", "DeepSpeed's CPU accelerator has no fp16 training",
                              fix="use precision.mixed_precision=bf16 or no on CPU"))
+    if cfg.rl.use_transformers_continuous_batching:  # measured: bench/results/grpo.md
+        found.append(Problem("rl.use_transformers_continuous_batching", "Transformers' continuous batching is a GPU "
+                             "path: on a CPU it took 15-34 s for 32 completions that overdrive's sampler draws in "
+                             "0.012 s", fix="remove rl.use_transformers_continuous_batching on CPU"))
     found += deepspeed_optimizer_problems(cfg)
     return found
 

@@ -13,6 +13,7 @@ as it was (TRL's rule).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -33,15 +34,19 @@ class Rollout:
     prompt_ids: list[list[int]] = field(default_factory=list)
 
 
-def run(generate: Callable[[list[list[int]], int], list[list[int]]], tokenizer: Any,
+def run(generate: Callable[[list[list[int]], int, list[tuple[int, int]]], list[list[int]]], tokenizer: Any,
         tools: Sequence["tools_mod.Tool"], prompt_ids: Sequence[list[int]], first: list[list[int]],
         max_completion_length: int, max_iterations: Optional[int], timeout_s: float,
         max_model_length: Optional[int] = None,
-        toolsets: Optional[Sequence[Sequence["tools_mod.Tool"]]] = None) -> Rollout:
+        toolsets: Optional[Sequence[Sequence["tools_mod.Tool"]]] = None,
+        calling: Optional[Callable[[int, int], contextlib.AbstractContextManager]] = None) -> Rollout:
     """The rollout of completions `first` (generated from `prompt_ids`, one prompt per completion);
-    `generate(inputs, max_new_tokens)` continues each input by one turn of the policy (cut after its
-    end-of-sequence token). `toolsets`: each completion's own tools (rl.environment: its instance's
-    methods beside rl.tools), where they differ; `tools` then lists their schemas for the parser."""
+    `generate(inputs, max_new_tokens, turns)` continues each input by one turn of the policy (cut after its
+    end-of-sequence token), all pending completions in one call; `turns` says whose each input is:
+    (completion, its turn: 1 for the first after the prompt's), so a completion's draws are its own.
+    `toolsets`: each completion's own tools (rl.environment: its instance's methods beside rl.tools),
+    where they differ; `tools` then lists their schemas for the parser. `calling(completion, turn)`:
+    the context its tool calls run in (a random stream of its own)."""
     by_name = [{t.name: t for t in (toolsets[i] if toolsets is not None else tools)} for i in range(len(first))]
     completion_ids = [list(c) for c in first]
     out = Rollout(completion_ids, [[1] * len(c) for c in first],
@@ -54,7 +59,8 @@ def run(generate: Callable[[list[list[int]], int], list[list[int]]], tokenizer: 
         for i in pending:
             prompt = list(prompt_ids[i])
             started = time.perf_counter()
-            answers = [tools_mod.call(by_name[i], c, timeout_s) for c in out.messages[i][-1]["tool_calls"]]
+            with calling(i, iteration + 1) if calling is not None else contextlib.nullcontext():
+                answers = [tools_mod.call(by_name[i], c, timeout_s) for c in out.messages[i][-1]["tool_calls"]]
             out.tool_seconds += time.perf_counter() - started
             out.calls += len(answers)
             out.failures += sum(failed for _, _, failed in answers)
@@ -72,7 +78,8 @@ def run(generate: Callable[[list[list[int]], int], list[list[int]]], tokenizer: 
         if not kept:
             break
         rooms = [max_completion_length - (len(ids) - len(prompt_ids[i])) for ids, i in zip(inputs, kept)]
-        continued = generate(inputs, max(rooms)) if max(rooms) > 0 else [[] for _ in inputs]
+        turns = [(i, iteration + 1) for i in kept]
+        continued = generate(inputs, max(rooms), turns) if max(rooms) > 0 else [[] for _ in inputs]
         pending = []
         for ids, i, new, room in zip(inputs, kept, continued, rooms):
             new = list(new)[:max(room, 0)]

@@ -4,7 +4,7 @@ micro-batches are replaced by the student's own samples, which the teacher then 
     on_policy(seed, step, lmbda)     whether step `step` is on-policy: a function of the run's seed and
                                      the step alone, so every rank agrees and a resumed run decides
                                      as the first did
-    Sampler(...).batch(model, micro_batch, seed)
+    Sampler(...).batch(model, micro_batch, seeds)
                                      the micro-batch's prompts continued by the student: prompt
                                      tokens out of the loss, the sampled tokens in it
 
@@ -13,8 +13,9 @@ turns before it and its header: what the assistant answered); for plain text, wh
 the first half of the row's tokens. The student samples at distill.temperature with nothing cut
 from the distribution (TRL's GKD: top_k 0, top_p 1), up to distill.max_new_tokens new tokens and
 never past data.max_length, each sample cut after its end-of-sequence token (training/generation/sampling.py,
-the generation phase GRPO uses). Each row is sampled alone, with the run's seed mixed with the step and
-the row's place in the step's global batch (row_numbers): the same samples whatever the split over
+the generation phase GRPO uses). A micro-batch's rows are sampled in one call, each row drawing from its
+own seed, the run's seed mixed with the step and the row's place in the step's global batch (row_numbers):
+the same samples whatever the split over
 processes and micro-batches, and after a resume. Under a sharded student (ZeRO-3, FSDP2 over several
 processes) every rank takes every forward of the sampling (`synced`): each rank holds a shard of each
 layer, and a rank whose sample ended keeps joining the others' forwards until all have ended.
@@ -81,20 +82,16 @@ class Sampler:
         return [row[:prompt_length(lab, n, self.chat)] for row, lab, n in zip(ids, labels, lengths)]
 
     def batch(self, model: Any, batch: dict, seeds: list[int]) -> dict:
-        """The micro-batch's rows continued by the student, row i drawn with seeds[i]."""
+        """The micro-batch's rows continued by the student in one batched call, row i drawn from seeds[i]
+        alone (training/generation/sampling.py: a row's draws never depend on the rows beside it), each
+        never past data.max_length."""
         prompts = self.prompts(batch)
-        samples = [self.sample(model, prompt, seed) for prompt, seed in zip(prompts, seeds)]
-        return self.assembled(prompts, samples)
-
-    def sample(self, model: Any, prompt: list[int], seed: int) -> list[int]:
-        """One row's continuation, never past data.max_length. Alone, so its draws are its seed's
-        whatever rows share its micro-batch (a batch's random draws are drawn for all its rows at once)."""
-        room = min(self.max_new_tokens, self.max_length - len(prompt))
-        with torch.no_grad(), sampling.seeded(self.accelerator, seed):
-            [sample] = sampling.sample(model, self.accelerator, [prompt], max(room, 1), pad_id=self.pad_id,
-                                       eos_id=self.eos_id, temperature=self.temperature, top_p=1.0, top_k=0,
-                                       synced=self.synced)
-        return sample[:max(room, 0)]
+        rooms = [min(self.max_new_tokens, self.max_length - len(prompt)) for prompt in prompts]
+        with torch.no_grad(), sampling.seeded(self.accelerator, seeds[0] if seeds else 0):
+            samples = sampling.sample(model, self.accelerator, prompts, max(max(rooms, default=1), 1),
+                                      pad_id=self.pad_id, eos_id=self.eos_id, temperature=self.temperature,
+                                      top_p=1.0, top_k=0, synced=self.synced, seeds=list(seeds))
+        return self.assembled(prompts, [s[:max(room, 0)] for s, room in zip(samples, rooms)])
 
     def assembled(self, prompts: list[list[int]], samples: list[list[int]]) -> dict:
         """prompt + sample per row, right-padded (as the chat collator pads); labels: the sample alone."""

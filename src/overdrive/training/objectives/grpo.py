@@ -97,6 +97,7 @@ class GRPOObjective(Objective):
         self.weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)
         self.reference = reference  # model -> the context in which it is the reference (beta > 0)
         self.sharded = sharded  # every rank takes every forward of generate (ZeRO-3, FSDP2)
+        self.vision = isinstance(prompts, vision_prompts.VisionPromptSet)  # image inputs go with the forwards
         self.eps_low, self.eps_high = cfg.rl.epsilon, cfg.rl.epsilon_high if cfg.rl.epsilon_high else cfg.rl.epsilon
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = {i for i in [tokenizer.eos_token_id, self.pad_id] if i is not None}
@@ -130,11 +131,9 @@ class GRPOObjective(Objective):
         if any(groups[i:i + g] != [groups[i]] * g for i in firsts):
             raise RuntimeError("a group of completions is split across ranks or steps: the slot layout is wrong")
         started = time.perf_counter()
-        rollouts = []
         instances = self.pool.take(len(groups)) if self.pool is not None else []
         with torch.no_grad():
-            for first in firsts:
-                rollouts.append(self._generate(model, prompt_rows[first], groups[first], instances[first:first + g]))
+            rollouts = [self._generate(model, [prompt_rows[f] for f in firsts], [groups[f] for f in firsts], instances)]
         completion_ids = [c for r in rollouts for c in r.completion_ids]
         generated = time.perf_counter()
         rows = [self.prompts.rows[i] for i in prompt_rows]
@@ -179,40 +178,52 @@ class GRPOObjective(Objective):
             with open(self.samples_path, "a") as f:
                 f.write(lines)
 
-    def _generate(self, model, row: int, group: int, instances: Sequence[Any] = ()) -> "grpo_rollout.Rollout":
-        """One group's completions, each cut after its first end-of-sequence token (TRL's); with rl.tools or
-        rl.environment in turns (training/generation/grpo_rollout.py), every turn, reset and tool call drawn from the
-        group's own seed."""
-        acc, rl = self.accelerator, self.rl
-        seed = group_seed(self.seed, group)
-        prompts = [self.prompts.prompts[row]] * rl.num_generations
-        prompt_ids = [self.prompts.prompt_ids[row]] * rl.num_generations
-        # The training RNG streams (torch's, and Python's and NumPy's an environment may draw from) are left as they were
-        with sampling.seeded(acc, seed), environments_mod.seeded(seed):
-            if instances:
-                prompts, prompt_ids = environments_mod.reset_group(
-                    instances, self.prompts.rows[row], self.prompts.prompts[row], self.prompts.prompt_ids[row],
-                    self.tokenizer, [t.schema for t in self.schemas], f"data.source row {row + 1}")
-            first = self._sample(model, prompt_ids, rl.max_completion_length, [row] * rl.num_generations)
+    def _generate(self, model, rows: list[int], groups: list[int],
+                  instances: Sequence[Any] = ()) -> "grpo_rollout.Rollout":
+        """The completions of groups `groups` (of prompt rows `rows`), each cut after its first end-of-sequence
+        token (TRL's), all in one batched call; with rl.tools or rl.environment in turns
+        (training/generation/grpo_rollout.py), each turn of every pending completion in one call. Completion j of
+        group n draws from a seed of its own, (training.seed, n, j) mixed, a tool turn t from (that, t): what it
+        draws does not depend on the batch it is generated in; an environment's reset draws from the group's."""
+        acc, rl, g = self.accelerator, self.rl, self.rl.num_generations
+        prompts, prompt_ids, seeds = [], [], []
+        for k, (row, group) in enumerate(zip(rows, groups)):
+            seed = group_seed(self.seed, group)
+            said, ids = [self.prompts.prompts[row]] * g, [self.prompts.prompt_ids[row]] * g
+            if instances:  # Python's and NumPy's streams (an environment may draw from them) the group's, then restored
+                with environments_mod.seeded(seed):
+                    said, ids = environments_mod.reset_group(
+                        instances[k * g:(k + 1) * g], self.prompts.rows[row], self.prompts.prompts[row],
+                        self.prompts.prompt_ids[row], self.tokenizer, [t.schema for t in self.schemas],
+                        f"data.source row {row + 1}")
+            prompts += said
+            prompt_ids += ids
+            seeds += [sampling.mixed_seed(seed, j) for j in range(g)]
+        with sampling.seeded(acc, self.seed):  # the training RNG stream is left as it was
+            first = self._sample(model, prompt_ids, rl.max_completion_length, seeds, [r for r in rows for _ in range(g)])
             if not self.turns:
                 return grpo_rollout.Rollout(first, [], [], prompts=prompts, prompt_ids=prompt_ids)
             toolsets = [self.tools + environments_mod.tools_of(e, self.environment) for e in instances] or None
-            out = grpo_rollout.run(lambda inputs, room: self._sample(model, inputs, room), self.tokenizer, self.schemas,
-                                   prompt_ids, first, rl.max_completion_length, rl.max_tool_calling_iterations,
-                                   rl.tool_timeout_s, getattr(acc.unwrap_model(model).config, "max_position_embeddings",
-                                                              None), toolsets=toolsets)
+            out = grpo_rollout.run(
+                lambda inputs, room, turns: self._sample(model, inputs, room,
+                                                         [sampling.mixed_seed(seeds[i], t) for i, t in turns]),
+                self.tokenizer, self.schemas, prompt_ids, first, rl.max_completion_length,
+                rl.max_tool_calling_iterations, rl.tool_timeout_s,
+                getattr(acc.unwrap_model(model).config, "max_position_embeddings", None), toolsets=toolsets,
+                calling=lambda i, t: environments_mod.seeded(sampling.mixed_seed(seeds[i], t)))
         out.prompts, out.prompt_ids = prompts, prompt_ids
         return out
 
-    def _sample(self, model, inputs: list[list[int]], max_new_tokens: int,
+    def _sample(self, model, inputs: list[list[int]], max_new_tokens: int, seeds: list[int],
                 rows: Optional[list[int]] = None) -> list[list[int]]:
-        """A turn of the policy after each input (training/generation/sampling.py), cut after its end-of-sequence;
-        `rows`: the prompts' rows, whose images a vision-language policy sees (`_images`)."""
+        """A turn of the policy after each input (training/generation/sampling.py), cut after its end-of-sequence,
+        input i drawn from `seeds[i]`; `rows`: the prompts' rows, whose images a vision-language policy sees."""
         rl = self.rl
         return sampling.sample(model, self.accelerator, inputs, max_new_tokens, pad_id=self.pad_id,
                                eos_id=self.tokenizer.eos_token_id, temperature=rl.temperature, top_p=rl.top_p,
-                               top_k=rl.top_k, synced=self.sharded,
-                               inputs_for=(lambda width: self._images(rows, width, 0)) if rows else None)
+                               top_k=rl.top_k, synced=self.sharded, seeds=seeds,
+                               continuous_batching=rl.use_transformers_continuous_batching,
+                               inputs_for=(lambda width: self._images(rows, width, 0)) if rows and self.vision else None)
 
     def _micro_batches(self, model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                        advantages: torch.Tensor, tool_mask: Optional[list[list[int]]] = None,
@@ -232,14 +243,17 @@ class GRPOObjective(Objective):
                                      tool_mask=tool_mask[span] if tool_mask is not None else None)
             batch.update(self._images(rows[span] if rows is not None else None, batch["prompt_ids"].shape[1],
                                       batch["completion_ids"].shape[1]))
-            with torch.no_grad():
-                if self.rl.num_iterations > 1:  # the policy that sampled them, for the ratio of later updates
+            batches.append(batch)
+        with torch.no_grad():
+            if self.rl.num_iterations > 1:  # the policy that sampled them, for the ratio of later updates
+                for batch in batches:
                     batch["old_per_token_logps"] = completion_logps(model, batch, self.rl.temperature, self.kernel)[0]
-                if self.rl.beta != 0.0 and self.reference is not None:
-                    with self.reference(model) as reference_model:
+            if self.rl.beta != 0.0 and self.reference is not None:
+                # Entered once for the step (switching a LoRA adapter off and on costs a forward's time on a CPU)
+                with self.reference(model) as reference_model:
+                    for batch in batches:
                         batch["ref_per_token_logps"] = completion_logps(reference_model, batch, self.rl.temperature,
                                                                         self.kernel)[0]
-            batches.append(batch)
         return batches
 
     def _images(self, rows: Optional[list[int]], prompt_width: int, completion_width: int) -> dict:
