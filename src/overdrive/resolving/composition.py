@@ -69,10 +69,6 @@ VISION_ROWS: tuple[Row, ...] = (
         "built here", "set model.task=causal-lm and data.format=chat"),
     Row(ONLINE, "vision+tools", "rl.tools", "GRPO with images generates one turn; a tool-calling rollout's turns "
         "are not run with images", "remove rl.tools"),
-    Row(ONLINE, "vision+sharded", "parallel.strategy", "Transformers' generate encodes the prompts' images before "
-        "the model's forward (its multimodal encoder step), outside the hooks that gather a sharded model's weights "
-        "(measured: FSDP2 fails in the vision tower's patch embedding)", "train with DDP or ZeRO-1/2 (each rank "
-        "holds the whole policy)"),
     Row(ONLINE, "vision+oom retry", "training.oom_retry", "GRPO's completions cut again at another micro-batch "
         "would lose their prompts' images", "set training.oom_retry=false"),
     Row(EVERY - frozenset({"chat"}), "vision+packing", "data.packing", "conversations with images are packed "
@@ -229,7 +225,7 @@ def _vision_pieces(cfg: RunConfig) -> set[str]:
              "loss kernel": t.loss_kernel in KERNELS, "activation offloading": t.activation_offloading,
              "compile": bool(cfg.compile.backend), "async checkpoint": bool(getattr(cfg.checkpoint, "async")),
              "eval prompts": bool(cfg.eval.prompts), "eval tasks": bool(cfg.eval.tasks), "tools": bool(cfg.rl.tools),
-             "oom retry": cfg.training.oom_retry, "sharded": not registry.of(cfg).holds_whole_model(cfg)}
+             "oom retry": cfg.training.oom_retry}
     return {"vision"} | {f"vision+{name}" for name, on in asked.items() if on}
 
 
