@@ -116,7 +116,7 @@ def test_images_and_placeholders_that_differ_are_refused_by_key_with_the_row(wor
 
 
 @pytest.mark.parametrize("item,key", [
-    ("preference.method=orpo", "preference.method"), ("preference.precompute_reference=true",
+    ("preference.method=kto", "preference.method"), ("preference.precompute_reference=true",
                                                        "preference.precompute_reference"), ("training.oom_retry=true", "training.oom_retry"),
     ("parallel.tp_size=2", "parallel.tp_size"), ("parallel.pp_size=2", "parallel.pp_size"),
     ("training.loss_kernel=chunked", "training.loss_kernel"), ("compile.backend=inductor", "compile.backend"),
@@ -126,7 +126,7 @@ def test_images_and_placeholders_that_differ_are_refused_by_key_with_the_row(wor
 def test_what_does_not_compose_with_a_vlm_is_refused_by_key_before_anything_launches(item, key):
     from overdrive.resolving.resolve import resolve
 
-    extra = {"preference.method=orpo": ["data.format=preference"],
+    extra = {"preference.method=kto": ["data.format=preference"],
              "preference.precompute_reference=true": ["data.format=preference", "preference.method=dpo"], "training.oom_retry=true": ["data.format=prompts", "rl.method=grpo"],
              "parallel.tp_size=2": ["launch.num_processes=2"], "parallel.pp_size=2": ["launch.num_processes=2"]}
     with pytest.raises(UserError) as refused:
