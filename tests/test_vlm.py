@@ -29,7 +29,6 @@ def work(tmp_path_factory) -> Path:
     make_tiny_llava(root / "llava")
     for layout in ("messages", "sharegpt", "alpaca"):
         make_vision_data(root, rows=24, layout=layout)
-    make_vision_data(root / "held-out", rows=30, layout="messages", seed=1)  # other images, never trained on
     return root
 
 
@@ -184,7 +183,7 @@ def test_sft_in_one_process_learns_the_colour_and_saves_what_from_pretrained_rel
     assert "vision-language model (Qwen2VLForConditionalGeneration)" in done.stdout
     curve = losses(work / "one")
     assert curve[30] < 0.6 * curve[1], curve
-    held_out = work / "held-out" / "messages.jsonl"
+    held_out = make_vision_data(work / "held-out", rows=30, layout="messages", seed=1)  # other images, never trained on
     untrained, trained = answer_accuracy(work / "qwen", held_out), answer_accuracy(work / "one", held_out)
     print(f"held-out accuracy: {untrained:.3f} before, {trained:.3f} after 30 steps")
     assert untrained <= 0.5 and trained >= 0.9, (untrained, trained)
