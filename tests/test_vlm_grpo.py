@@ -3,7 +3,8 @@ the completions text, the rewards given the row's other columns (here the image'
 
 Slow: the prompt's images reach the forward over the completions (the log-probs move when the image changes);
 a few steps of LoRA GRPO on a tiny Qwen2-VL and of full GRPO (with its KL reference) on a tiny LLaVA run, the
-rewards read from the row's `colour` column, the completions written as text.
+rewards read from the row's `colour` column, the completions written as text; under FSDP2 and ZeRO-3 on 2 processes
+the one-process losses and rewards.
 """
 
 from __future__ import annotations
@@ -77,3 +78,36 @@ def test_grpo_with_image_prompts_runs_and_rewards_read_the_rows_columns(work, na
     samples = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert samples and all(isinstance(s["completion"][0]["content"], str) for s in samples)
     assert any(s["reward"] for s in samples) or all(r["reward"] == 0 for r in steps)
+
+
+@pytest.mark.slow
+def test_grpo_with_image_prompts_under_fsdp2_and_zero3_gives_the_one_process_losses(work):
+    """The sharded policy generates with its images: FSDP2 gathers its root unit's parameters (the vision tower's
+    patch embedding among them) around generate (training/generation/sampling.py), ZeRO-3 each module's in its
+    hook. Full GRPO on the tiny LLaVA under FSDP2 (its layer classes those the model holds: CLIP also names
+    CLIPTextEmbeddings) and LoRA on the tiny Qwen2-VL under ZeRO-3, 8 completions a step: one process at 4 a
+    micro-batch, 2 accumulated, against 2 processes at 4 each; the same losses and rewards over 3 steps."""
+    from checkpoint_probe import records, run
+    from strategy_probe import free_port
+
+    def train(name: str, out: str, *extra: str) -> list[tuple[float, float]]:
+        done = run([sys.executable, "-m", "overdrive.cli", "train", f"model.name_or_path={work / name}",
+                    f"data.source={work / 'prompts.jsonl'}", *RUN, f"output_dir={work / out}", *extra],
+                   cwd=work, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return [(r["loss"], r["reward"]) for r in records(work / out) if "reward" in r]
+
+    lora, two = ["peft.method=lora", "peft.r=8", "peft.alpha=16"], ["launch.num_processes=2"]
+    pairs = {"fsdp2, llava, full": (
+                 train("llava", "grpo-llava-one", "training.gradient_accumulation_steps=2"),
+                 train("llava", "grpo-llava-fsdp2", *two, "parallel.strategy=fsdp",
+                       f"launch.main_process_port={free_port()}")),
+             "zero3, qwen2-vl, lora": (
+                 train("qwen", "grpo-qwen-one", *lora, "training.gradient_accumulation_steps=2"),
+                 train("qwen", "grpo-qwen-zero3", *lora, *two, "parallel.strategy=deepspeed",
+                       "parallel.deepspeed.zero_stage=3", f"launch.main_process_port={free_port()}"))}
+    for name, (one, steps) in pairs.items():
+        print(name, one, steps)
+        assert len(one) == 3 and len(steps) == 3, name
+        for (loss, reward), (their_loss, their_reward) in zip(one, steps):
+            assert their_loss == pytest.approx(loss, abs=1e-5) and their_reward == reward, (name, one, steps)

@@ -1,7 +1,7 @@
-"""A vision-language model under the sharded layouts (docs/vision.md, "What composes"): full SFT of a tiny Qwen2-VL
-(its vision tower and projector frozen) under FSDP2 and under DeepSpeed ZeRO-3 on 2 CPU processes gives the
-one-process losses at the same global batch over 3 steps, and gradient checkpointing changes no loss.
-The adapter runs under FSDP2: tests/test_vlm.py.
+"""A vision-language model under the sharded layouts (docs/vision.md, "What composes"): SFT of a tiny Qwen2-VL (its
+vision tower and projector frozen) on 2 CPU processes at 2 rows each gives the one-process losses at 4 rows over
+3 steps: the language model in full under FSDP2 with gradient checkpointing, and LoRA under DeepSpeed ZeRO-3, whose
+saved adapter reloads on its base. GRPO with image prompts under FSDP2 and ZeRO-3: tests/test_vlm_grpo.py.
 """
 
 from __future__ import annotations
@@ -16,11 +16,14 @@ RUN = ["data.format=chat", "data.max_length=64", "data.validation_fraction=0", "
        "optim.lr=0.01", "scheduler.name=constant", "scheduler.warmup_steps=0", "training.log_every_steps=1",
        "precision.mixed_precision=no", "launch.use_cpu=true", "logging.trackers=[none]", "logging.progress=false",
        "checkpoint.enabled=false"]
+LORA = ["peft.method=lora", "peft.r=8", "peft.alpha=16"]
 
 
 @pytest.mark.slow
-def test_fsdp2_and_zero3_on_two_processes_and_checkpointing_give_the_one_process_losses(tmp_path: Path):
+def test_fsdp2_and_zero3_on_two_processes_give_the_one_process_losses(tmp_path: Path):
+    import transformers
     from checkpoint_probe import losses, run
+    from peft import PeftModel
     from strategy_probe import free_port
 
     make_tiny_qwen2_vl(tmp_path / "qwen")
@@ -34,13 +37,19 @@ def test_fsdp2_and_zero3_on_two_processes_and_checkpointing_give_the_one_process
         return losses(tmp_path / out)
 
     two = ["training.micro_batch_size=2", "launch.num_processes=2"]
-    one = train("one", "training.micro_batch_size=4")
-    runs = {"fsdp2": train("fsdp2", *two, "parallel.strategy=fsdp", f"launch.main_process_port={free_port()}"),
-            "zero3": train("zero3", *two, "parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3",
-                           f"launch.main_process_port={free_port()}"),
-            "checkpointing": train("checkpointing", "training.micro_batch_size=4", "model.gradient_checkpointing=true")}
-    print("one process", one, runs)
-    for name, curve in runs.items():
+    pairs = {"fsdp2, full, gradient checkpointing": (
+                 train("one", "training.micro_batch_size=4"),
+                 train("fsdp2", *two, "parallel.strategy=fsdp", "model.gradient_checkpointing=true",
+                       f"launch.main_process_port={free_port()}")),
+             "zero3, lora": (
+                 train("one-lora", "training.micro_batch_size=4", *LORA),
+                 train("zero3-lora", *two, *LORA, "parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3",
+                       f"launch.main_process_port={free_port()}"))}
+    for name, (one, curve) in pairs.items():
+        print(name, one, curve)
         assert sorted(curve) == [1, 2, 3], name
         for step, loss in one.items():
             assert abs(curve[step] - loss) <= 1e-5 * loss, (name, step, loss, curve[step])
+    base = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "qwen")  # the adapter on its base
+    model = PeftModel.from_pretrained(base, tmp_path / "zero3-lora" / "model")
+    assert all("language_model" in n for n, _ in model.named_parameters() if "lora_" in n)

@@ -1,10 +1,11 @@
-"""DPO on pairs with images (docs/vision.md, "Preference pairs"): TRL's vision pairs (`images`, a prompt of turns
+"""DPO, SimPO and ORPO on pairs with images (docs/vision.md, "Preference pairs"): TRL's vision pairs (`images`, a prompt of turns
 with an image part, `chosen`, `rejected`) on tiny Qwen2-VL and LLaVA models.
 
 Quick: each side of a pair is prompt + answer with the prompt's images, its labels the answer's tokens alone; the
 batch holds the chosen rows and then the rejected ones, each with its image. Slow: the image reaches both
 forwards (the log-probs move when it changes), and a DPO run's step-1 loss is ln 2 (the policy equal to its
-reference: LoRA's adapter disabled, or a full run's frozen copy).
+reference: LoRA's adapter disabled, or a full run's frozen copy); SimPO's and ORPO's step-1 losses are TRL's formulas
+computed by hand from the base model's log-probs (ORPO's NLL without the image tokens).
 """
 
 from __future__ import annotations
@@ -103,3 +104,52 @@ def test_dpo_with_images_starts_at_ln2_and_trains(work, name, extra):
     print(name, curve)
     assert abs(curve[1] - math.log(2)) < 1e-6, curve
     assert curve[3] != curve[1]
+
+
+def by_hand(work: Path, name: str, method: str) -> float:
+    """SimPO's and ORPO's step-1 loss over the 8 pairs, from the base model's log-probs by TRL's formulas (CPOTrainer's
+    "simpo", ORPOTrainer's odds ratio): the NLL term over the chosen rows' real tokens, their image tokens left out."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForImageTextToText
+
+    batch, _ = pair_batch(settled(work, name, f"preference.method={method}"), 8)
+    model = AutoModelForImageTextToText.from_pretrained(work / name).eval()
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "pair_index", "text_mask")}
+    with torch.no_grad():
+        logits = model(**inputs).logits[:, :-1].float()
+    per_token = logits.log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    answer = (batch["labels"][:, 1:] != -100).float()
+    average = (per_token * answer).sum(1) / answer.sum(1)
+    chosen, rejected = average[:8], average[8:]
+    beta, gamma = 0.1, 0.5  # TRL's defaults, and overdrive's
+    if method == "simpo":
+        return (-F.logsigmoid(beta * (chosen - rejected - gamma / beta))).mean().item()
+    config = model.config
+    image_ids = torch.tensor([i for i in (config.image_token_id, getattr(config, "vision_start_token_id", None),
+                                          getattr(config, "vision_end_token_id", None)) if i is not None])
+    text = (batch["attention_mask"] * ~torch.isin(batch["input_ids"], image_ids))[:8, 1:].float()
+    nll = -(per_token[:8] * text).sum() / text.sum()
+    log_odds = (chosen - rejected) - (torch.log1p(-chosen.exp()) - torch.log1p(-rejected.exp()))
+    return (nll - beta * F.logsigmoid(log_odds).mean()).item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,method,extra", [("qwen", "simpo", ["peft.method=lora", "peft.r=8", "peft.alpha=16"]),
+                                               ("llava", "orpo", [])], ids=["qwen2-vl-lora-simpo", "llava-full-orpo"])
+def test_simpo_and_orpo_with_images_start_at_trls_formula_by_hand(work, name, method, extra):
+    import sys
+
+    from checkpoint_probe import losses, run
+
+    out = work / f"{method}-{name}"
+    done = run([sys.executable, "-m", "overdrive.cli", "train", f"model.name_or_path={work / name}",
+                f"data.source={work / 'pairs.jsonl'}", "data.format=preference", f"preference.method={method}",
+                "data.max_length=64", "training.micro_batch_size=8", "training.max_steps=2", "optim.lr=0.01",
+                "data.validation_fraction=0", "launch.use_cpu=true", "precision.mixed_precision=no",
+                "logging.trackers=[none]", "logging.progress=false", "checkpoint.enabled=false",
+                "training.log_every_steps=1", f"output_dir={out}", *extra], cwd=work, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    curve, expected = losses(out), by_hand(work, name, method)
+    print(method, name, curve, "by hand", expected)
+    assert abs(curve[1] - expected) <= 1e-5 * abs(expected), (curve, expected)
+    assert curve[2] != curve[1]

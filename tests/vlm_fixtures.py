@@ -94,6 +94,26 @@ def make_tiny_llava(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+def processor_class_of(directory: Path):
+    """The model's own processor class: AutoProcessor where it builds; Qwen2-VL's Qwen2VLProcessor without the video
+    processor it cannot build without torchvision (its tokenizer and PIL image processor as it holds them)."""
+    import importlib.util
+
+    import transformers
+
+    config = json.loads((Path(directory) / "config.json").read_text())
+    if config["model_type"] not in ("qwen2_vl", "qwen2_5_vl") or importlib.util.find_spec("torchvision"):
+        return transformers.AutoProcessor.from_pretrained(directory)
+    processor = object.__new__(transformers.Qwen2VLProcessor)
+    processor.tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    processor.image_processor = transformers.AutoImageProcessor.from_pretrained(directory)
+    processor.image_token, processor.video_token = "<|image_pad|>", "<|video_pad|>"
+    processor.image_token_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    processor.video_token_id = processor.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    processor.chat_template = processor.tokenizer.chat_template
+    return processor
+
+
 def make_images(directory: Path, rows: int, seed: int = 0, size: int = 56) -> list[tuple[str, str]]:
     """(relative path, colour) of `rows` PNG images of one colour each, with noise."""
     import numpy as np
@@ -165,3 +185,28 @@ def make_tiny_models(root: Path) -> Path:
     make_tiny_qwen2_vl(root / "qwen")
     make_tiny_llava(root / "llava")
     return root
+
+
+def answer_accuracy(model_dir: Path, data_file: Path, limit: int = 0) -> float:
+    """The share of `data_file`'s rows (TRL's layout) whose greedy answer, asked about the row's image by the
+    model (or adapter) saved at `model_dir`, names the row's colour and no other."""
+    import torch
+    from PIL import Image
+
+    from overdrive.hf.vision_generate import load
+
+    loaded = load(str(model_dir), None, "float32", None)
+    rows = [json.loads(line) for line in Path(data_file).read_text().splitlines()][:limit or None]
+    right = 0
+    for row in rows:
+        turns = row["messages"]
+        colour = next(c for c in COLOURS if c in turns[1]["content"][0]["text"])
+        image = Image.open(Path(data_file).parent / row["images"][0]).convert("RGB")
+        text = loaded.processor.render(turns[:1], add_generation_prompt=True)
+        inputs = {k: v for k, v in loaded.processor.encode(text, [image]).items() if isinstance(v, torch.Tensor)}
+        with torch.no_grad():
+            out = loaded.model.generate(**inputs, do_sample=False, max_new_tokens=6,
+                                        pad_token_id=loaded.tokenizer.pad_token_id)
+        answer = loaded.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).split()
+        right += [w for w in answer if w in COLOURS] == [colour]
+    return right / len(rows)

@@ -1,4 +1,4 @@
-"""Preference pairs with images (`preference.method: dpo` or `ipo` on a vision-language model): a prompt
+"""Preference pairs with images (`preference.method` dpo, ipo, simpo or orpo on a vision-language model): a prompt
 whose turns hold the row's images, a chosen and a rejected answer (docs/vision.md).
 
     TRL's vision pairs   `images`, `prompt` (turns whose content is a list of text and {"type": "image"}
@@ -55,6 +55,8 @@ def pair_turns(cfg: RunConfig, row: dict, index: int, place: str, layout: str, c
 
 def encode_pair(processor, prompt: list, answer: list, images: list, place: str, max_length: int, overlong: str):
     """One side of a pair: its labels the answer's tokens alone (None when too long and dropped)."""
+    import torch
+
     from overdrive.data.vision_samples import IGNORE, encode, prompt_length
 
     row = encode(processor, prompt + answer, images, place, max_length, overlong=overlong)
@@ -62,6 +64,9 @@ def encode_pair(processor, prompt: list, answer: list, images: list, place: str,
         return None
     start = prompt_length(processor, prompt, images)
     row["labels"][:start] = IGNORE  # an earlier assistant turn in the prompt is context, not the completion
+    # ORPO's NLL is over the whole chosen sequence (TRL's), prompt included, but never over an image's tokens
+    image = torch.isin(row["input_ids"], torch.tensor(processor.image_token_ids, dtype=row["input_ids"].dtype))
+    row["text_mask"] = row["attention_mask"] * ~image
     return row
 
 

@@ -23,7 +23,8 @@ from overdrive.data.row_table import RowTable, local_table
 from overdrive.errors import Problem, UserError
 
 IGNORE = -100  # a label the loss leaves out
-SEQUENCE = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids")  # one value per token
+# One value per token; `text_mask`: a pair's real tokens that are not an image's (ORPO's NLL, data/vision_pairs.py).
+SEQUENCE = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids", "text_mask")
 
 if TYPE_CHECKING:
     from overdrive.config.schema import RunConfig

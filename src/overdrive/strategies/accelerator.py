@@ -124,9 +124,11 @@ def construct_accelerator(cfg: RunConfig, world_size: int | None = None, **extra
 
 def split_model(model: Any, accelerator: Any, cfg: RunConfig) -> Any:
     """The model split by its tensor-parallel plan when the layout has tp_size > 1, and its experts
-    by their expert-parallel plan when ep_size > 1 (before prepare)."""
-    from overdrive.strategies import expert_parallel, tensor_parallel
+    by their expert-parallel plan when ep_size > 1 (before prepare); under FSDP2, the layer classes it is
+    wrapped by settled to those it holds."""
+    from overdrive.strategies import expert_parallel, fsdp, tensor_parallel
 
+    fsdp.wrap_layers_it_holds(accelerator, model)
     return expert_parallel.split_experts(tensor_parallel.split_model(model, accelerator, cfg), accelerator, cfg)
 
 

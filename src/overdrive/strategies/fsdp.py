@@ -52,6 +52,19 @@ def plugin(cfg: RunConfig) -> Any:
     return fsdp_plugin
 
 
+def wrap_layers_it_holds(accelerator: Any, model: Any) -> None:
+    """FSDP2 without `parallel.fsdp.transformer_layer_cls_to_wrap`: the model's `_no_split_modules` that it holds,
+    set before prepare. A composite model names its parts' layer classes, some of which it may not hold (LLaVA's
+    CLIP names CLIPTextEmbeddings beside its vision layers), and Accelerate refuses a name it cannot find."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is None or plugin.fsdp_version != 2 or plugin.transformer_cls_names_to_wrap:
+        return
+    held = {type(module).__name__ for module in model.modules()}
+    named = list(getattr(model, "_no_split_modules", None) or ())
+    if any(name not in held for name in named):
+        plugin.transformer_cls_names_to_wrap = [name for name in named if name in held] or None
+
+
 def accelerator_kwargs(cfg: RunConfig, world_size: int, gpus: int | None = None) -> dict[str, Any]:
     kwargs = common.base_kwargs(cfg, world_size, gpus)
     kwargs["fsdp_plugin"] = plugin(cfg)

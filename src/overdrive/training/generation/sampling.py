@@ -128,6 +128,28 @@ def decode(model: Any, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: in
     return torch.stack(new, dim=1) if new else ids.new_zeros((ids.shape[0], 0))
 
 
+@contextlib.contextmanager
+def root_unsharded(model: Any) -> Iterator[None]:
+    """FSDP2: the root unit's own parameters gathered while the model generates. Transformers' generate encodes
+    a vision-language prompt's images (its multimodal encoder step) before the model's forward, so the root's
+    forward hook, which gathers them, has not run when the vision tower's patch embedding (a root parameter)
+    is called; the blocks wrapped as units of their own gather themselves as they run. ZeRO-3 gathers each
+    module's parameters in that module's own hook, wherever it is called from."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    # The root is chosen by the first forward; a run that generates before its first training forward would
+    # otherwise make the vision tower's first block the root, which the model's own forward then refuses.
+    model._get_fsdp_state()._lazy_init()
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
+
+
 def sample(model: Any, accelerator: Any, inputs: list[list[int]], max_new_tokens: int, *, pad_id: int,
            eos_id: Optional[int], temperature: float, top_p: float = 1.0, top_k: Optional[int] = 0,
            synced: bool = False, inputs_for: Optional[Callable[[int], dict]] = None,
@@ -153,9 +175,10 @@ def sample(model: Any, accelerator: Any, inputs: list[list[int]], max_new_tokens
         new = decode(policy, ids, mask, max_new_tokens, draw, eos_id=eos_id, pad_id=pad_id, synced=synced)
     else:
         more = inputs_for(ids.shape[1]) if inputs_for is not None else {}
-        out = policy.generate(input_ids=ids, attention_mask=mask, **more, do_sample=False, logits_processor=[draw],
-                              max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_id,
-                              synced_gpus=synced, temperature=None, top_p=None, top_k=None)
+        with root_unsharded(policy) if more else contextlib.nullcontext():
+            out = policy.generate(input_ids=ids, attention_mask=mask, **more, do_sample=False,
+                                  logits_processor=[draw], max_new_tokens=max_new_tokens, pad_token_id=pad_id,
+                                  eos_token_id=eos_id, synced_gpus=synced, temperature=None, top_p=None, top_k=None)
         new = out[:, ids.shape[1]:]
     completions = []
     for row in new.tolist():

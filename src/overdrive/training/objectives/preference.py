@@ -134,7 +134,7 @@ class PreferenceObjective(Objective):
         pairs = batch["input_ids"].shape[0] // 2
         if self.method != "orpo":
             return torch.tensor([pairs], dtype=torch.long, device=device)
-        chosen_tokens = batch["attention_mask"][:pairs, 1:].sum()
+        chosen_tokens = _nll_mask(batch)[:pairs, 1:].sum()
         return torch.stack([torch.tensor(pairs, dtype=torch.long, device=device), chosen_tokens.long()])
 
     def sums(self, model, batch: dict) -> torch.Tensor:
@@ -161,7 +161,7 @@ class PreferenceObjective(Objective):
             scores = losses.simpo(chosen, rejected, chosen_length, rejected_length, self.beta, self.gamma,
                                   self.smoothing)
         else:  # orpo: the odds-ratio term per pair, and the NLL over the chosen sequences, prompt included
-            real = batch["attention_mask"][:n, 1:].to(per_token.dtype)
+            real = _nll_mask(batch)[:n, 1:].to(per_token.dtype)
             nll_sum = -(per_token[:n] * real).sum()
             scores = losses.orpo(chosen, rejected, chosen_length, rejected_length, 0.0, self.beta)
             self._add(scores)
@@ -193,6 +193,11 @@ class PreferenceObjective(Objective):
             return {**means, "accuracy": means["rewards/accuracies"], "margin": means["rewards/margins"],
                     "mean_reward": (means["rewards/chosen"] + means["rewards/rejected"]) / 2}
         return {name: value / count for name, value in zip(METRICS, total)}
+
+
+def _nll_mask(batch: dict) -> torch.Tensor:
+    """ORPO's NLL tokens: the real ones (TRL's), less an image's where the rows carry images (data/vision_pairs.py)."""
+    return batch.get("text_mask", batch["attention_mask"])
 
 
 def _logps(model, batch: dict) -> torch.Tensor:
