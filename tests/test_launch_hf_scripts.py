@@ -19,10 +19,10 @@ pytestmark = pytest.mark.slow
 
 TRAINER = REPO / "examples" / "train_trainer.py"
 TRL = REPO / "examples" / "train_trl.py"
-# strategy -> (shipped config, extra -s items, Accelerate's distributed type, ZeRO stage)
+# strategy -> (shipped config, extra -s items, Accelerate's distributed type, ZeRO stage). ZeRO-2 is
+# test_training_arguments_from_the_config's run: the same Trainer example, checked the same way.
 STRATEGIES = {
     "ddp": ("ddp.yaml", [], "MULTI_CPU", None),
-    "zero2": ("zero2.yaml", [], "DEEPSPEED", 2),
     "zero3": ("zero3.yaml", ["precision.mixed_precision=no"], "DEEPSPEED", 3),
     "fsdp2": ("fsdp.yaml", [], "FSDP", None),
 }
@@ -137,13 +137,19 @@ output_dir: {out}
                            "--report", str(out / "report.json")],
                           capture_output=True, text=True, timeout=400, env=_env(), cwd=base)
     assert done.returncode == 0, done.stderr[-4000:]
+    assert "Traceback" not in done.stderr and "mismatch TrainingArguments" not in done.stderr
     assert "disagree" not in done.stderr  # the arguments are the config's: nothing to reconcile
     report = json.loads((out / "report.json").read_text())
     assert report["args"] == {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 3, "learning_rate": 0.005,
                               "max_steps": 4, "bf16": True, "max_grad_norm": 0.5, "seed": 7, "warmup_steps": 1,
                               "weight_decay": 0.0, "adam_beta2": 0.98, "output_dir": str(out)}
+    # The Trainer's own accelerator under ZeRO-2, as test_the_trainers_accelerator_is_configured checks the others.
     assert report["distributed_type"] == "DEEPSPEED" and report["zero_stage"] == 2 and report["ds_bf16"] is True
+    assert report["num_processes"] == 2 and report["mixed_precision"] == "bf16"
+    assert report["ds_gradient_accumulation_steps"] == 2
+    # Accumulation 2 applied: 4 optimizer steps of 2 micro-batches each on every rank.
     assert report["global_step"] == 4 and report["forwards"] == 8
+    assert len(report["losses"]) == 4 and all(loss == loss for loss in report["losses"])
     # The lr each step ran at: Transformers' linear schedule, warmup over 1 step from 0 to
     # optim.lr, then linear towards 0 at max_steps.
     assert report["learning_rates"] == pytest.approx([0.0, 0.005, 0.005 * 2 / 3, 0.005 / 3])
