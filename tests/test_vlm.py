@@ -114,13 +114,27 @@ def test_images_and_placeholders_that_differ_are_refused_by_key_with_the_row(wor
     assert ("data.images_column", f"{bad}:3") in found and ("data.images_column", f"{bad}:5") in found
 
 
+def test_eval_prompts_with_images_are_read_from_their_files_directory_and_a_missing_one_refused(work):
+    from overdrive.hf.generation import read_prompt_rows
+
+    asked = work / "asked.jsonl"
+    asked.write_text(json.dumps({"prompt": "what colour is it", "images": ["images/0.png"]}) + "\n"
+                     + json.dumps({"prompt": "and this", "images": ["images/missing.png"]}) + "\n")
+    rows = read_prompt_rows(str(asked))
+    assert rows[0].images == (str(work / "images" / "0.png"),) and rows[1].place == f"{asked}:2"
+    with pytest.raises(UserError) as refused:
+        settled(work, f"eval.prompts={asked}")
+    assert {(p.key, "missing.png" in p.message and f"{asked}:2" in p.message) for p in refused.value.problems} == {
+        ("eval.prompts", True)}
+
+
 @pytest.mark.parametrize("item,key", [
     ("preference.method=kto", "preference.method"), ("preference.precompute_reference=true",
                                                        "preference.precompute_reference"), ("training.oom_retry=true", "training.oom_retry"),
     ("parallel.tp_size=2", "parallel.tp_size"), ("parallel.pp_size=2", "parallel.pp_size"),
     ("training.loss_kernel=chunked", "training.loss_kernel"), ("compile.backend=inductor", "compile.backend"),
     ("training.activation_offloading=true", "training.activation_offloading"),
-    ("checkpoint.async=true", "checkpoint.async"), ("eval.prompts=[hello]", "eval.prompts"),
+    ("checkpoint.async=true", "checkpoint.async"), ("eval.tasks=[hellaswag]", "eval.tasks"),
     ("data.format=text", "data.format")])
 def test_what_does_not_compose_with_a_vlm_is_refused_by_key_before_anything_launches(item, key):
     from overdrive.resolving.resolve import resolve

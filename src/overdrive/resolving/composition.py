@@ -102,8 +102,6 @@ VISION_ROWS: tuple[Row, ...] = (
         "checked yet", "unset compile.backend"),
     Row(EVERY, "vision+async checkpoint", "checkpoint.async", "background DCP saves are not checked with a vision "
         "tower yet", "set checkpoint.async=false (checkpoints are written in the step)"),
-    Row(EVERY, "vision+eval prompts", "eval.prompts", "answers are generated from text prompts; a vision-language "
-        "model's prompts carry images", "unset eval.prompts (the validation loss is evaluated)"),
     Row(EVERY, "vision+eval tasks", "eval.tasks", "lm-evaluation-harness tasks score a text model",
         "unset eval.tasks"),
 )
@@ -220,7 +218,7 @@ def _vision_pieces(cfg: RunConfig) -> set[str]:
              "pipeline": shape.pp > 1, "expert-parallel": cfg.parallel.ep_size > 1,
              "loss kernel": t.loss_kernel in KERNELS, "activation offloading": t.activation_offloading,
              "compile": bool(cfg.compile.backend), "async checkpoint": bool(getattr(cfg.checkpoint, "async")),
-             "eval prompts": bool(cfg.eval.prompts), "eval tasks": bool(cfg.eval.tasks), "tools": bool(cfg.rl.tools),
+             "eval tasks": bool(cfg.eval.tasks), "tools": bool(cfg.rl.tools),
              "oom retry": cfg.training.oom_retry}
     return {"vision"} | {f"vision+{name}" for name, on in asked.items() if on}
 
