@@ -221,3 +221,24 @@ def test_sft_in_one_process_learns_the_colour_and_saves_what_from_pretrained_rel
     refused = run([sys.executable, "-m", "overdrive.cli", "generate", str(work / "one"), "what", "--image",
                    str(work / "images" / "missing.png")], cwd=work, timeout=300)
     assert refused.returncode == 2 and "--image" in refused.stderr, refused.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen", "llava"])
+def test_qlora_quantizes_the_language_model_and_leaves_the_tower_and_projector_as_they_were(work, name):
+    """bitsandbytes' CPU backend: 4-bit layers in the language model only; the tower and projector keep their weights
+    byte for byte (Transformers 5 matches a skipped module's name from the start of its path: `model.visual...`)."""
+    import bitsandbytes
+    import transformers
+
+    from overdrive.hf.vision import part_of
+    from overdrive.training.build.model import build_model
+
+    model = build_model(settled(work, f"model.name_or_path={work / name}", "peft.method=qlora", "peft.r=4"))
+    quantized = {n.replace("base_model.model.", "", 1) for n, m in model.named_modules()
+                 if isinstance(m, bitsandbytes.nn.Linear4bit)}
+    assert quantized and {part_of(n) for n in quantized} == {"language"}, sorted(quantized)[:5]
+    base = transformers.AutoModelForImageTextToText.from_pretrained(work / name).state_dict()
+    kept = {n.replace("base_model.model.", "", 1).replace(".base_layer", ""): p
+            for n, p in model.named_parameters() if part_of(n.replace("base_model.model.", "", 1)) != "language"}
+    assert kept and all(torch.equal(base[n], p) for n, p in kept.items())
