@@ -79,8 +79,9 @@ VISION_ROWS: tuple[Row, ...] = (
         "for supervised fine-tuning (data.format=chat)", "set data.packing=false"),
     Row(EVERY, "vision+mixture", "data.sources", "a vision-language run reads one data file (data.source)",
         "set data.source to one file holding the rows (and their images' paths)"),
-    Row(EVERY, "vision+validation split", "data.validation_split", "the validation rows are held out of "
-        "data.source by data.validation_fraction", "unset data.validation_split"),
+    Row(EVERY, "vision+validation split", "data.validation_split", "a validation split is a hub data set's "
+        "or a save_to_disk directory's; a vision-language run reads one local file",
+        "unset data.validation_split (data.validation_fraction holds rows of data.source out)"),
     Row(EVERY, "vision+hsdp", "parallel.dp_replicate_size", "HSDP (FSDP2 replicated over groups) with a vision "
         "tower is not checked against one process yet", "set parallel.dp_replicate_size=1 (FSDP2 over every rank)"),
     Row(EVERY, "vision+tensor-parallel", "parallel.tp_size", "Transformers' tp plans split the language model, "
