@@ -114,13 +114,27 @@ def test_images_and_placeholders_that_differ_are_refused_by_key_with_the_row(wor
     assert ("data.images_column", f"{bad}:3") in found and ("data.images_column", f"{bad}:5") in found
 
 
+def test_eval_prompts_with_images_are_read_from_their_files_directory_and_a_missing_one_refused(work):
+    from overdrive.hf.generation import read_prompt_rows
+
+    asked = work / "asked.jsonl"
+    asked.write_text(json.dumps({"prompt": "what colour is it", "images": ["images/0.png"]}) + "\n"
+                     + json.dumps({"prompt": "and this", "images": ["images/missing.png"]}) + "\n")
+    rows = read_prompt_rows(str(asked))
+    assert rows[0].images == (str(work / "images" / "0.png"),) and rows[1].place == f"{asked}:2"
+    with pytest.raises(UserError) as refused:
+        settled(work, f"eval.prompts={asked}")
+    assert {(p.key, "missing.png" in p.message and f"{asked}:2" in p.message) for p in refused.value.problems} == {
+        ("eval.prompts", True)}
+
+
 @pytest.mark.parametrize("item,key", [
     ("preference.method=kto", "preference.method"), ("preference.precompute_reference=true",
                                                        "preference.precompute_reference"), ("training.oom_retry=true", "training.oom_retry"),
     ("parallel.tp_size=2", "parallel.tp_size"), ("parallel.pp_size=2", "parallel.pp_size"),
     ("training.loss_kernel=chunked", "training.loss_kernel"), ("compile.backend=inductor", "compile.backend"),
     ("training.activation_offloading=true", "training.activation_offloading"),
-    ("checkpoint.async=true", "checkpoint.async"), ("eval.prompts=[hello]", "eval.prompts"),
+    ("checkpoint.async=true", "checkpoint.async"), ("eval.tasks=[hellaswag]", "eval.tasks"),
     ("data.format=text", "data.format")])
 def test_what_does_not_compose_with_a_vlm_is_refused_by_key_before_anything_launches(item, key):
     from overdrive.resolving.resolve import resolve
@@ -207,3 +221,24 @@ def test_sft_in_one_process_learns_the_colour_and_saves_what_from_pretrained_rel
     refused = run([sys.executable, "-m", "overdrive.cli", "generate", str(work / "one"), "what", "--image",
                    str(work / "images" / "missing.png")], cwd=work, timeout=300)
     assert refused.returncode == 2 and "--image" in refused.stderr, refused.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen", "llava"])
+def test_qlora_quantizes_the_language_model_and_leaves_the_tower_and_projector_as_they_were(work, name):
+    """bitsandbytes' CPU backend: 4-bit layers in the language model only; the tower and projector keep their weights
+    byte for byte (Transformers 5 matches a skipped module's name from the start of its path: `model.visual...`)."""
+    import bitsandbytes
+    import transformers
+
+    from overdrive.hf.vision import part_of
+    from overdrive.training.build.model import build_model
+
+    model = build_model(settled(work, f"model.name_or_path={work / name}", "peft.method=qlora", "peft.r=4"))
+    quantized = {n.replace("base_model.model.", "", 1) for n, m in model.named_modules()
+                 if isinstance(m, bitsandbytes.nn.Linear4bit)}
+    assert quantized and {part_of(n) for n in quantized} == {"language"}, sorted(quantized)[:5]
+    base = transformers.AutoModelForImageTextToText.from_pretrained(work / name).state_dict()
+    kept = {n.replace("base_model.model.", "", 1).replace(".base_layer", ""): p
+            for n, p in model.named_parameters() if part_of(n.replace("base_model.model.", "", 1)) != "language"}
+    assert kept and all(torch.equal(base[n], p) for n, p in kept.items())

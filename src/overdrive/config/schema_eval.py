@@ -40,8 +40,9 @@ class EvalConfig(Section):
     batch_size: int = Field(8, ge=1, description="Requests per forward pass of the benchmark tasks.")
     prompts: Union[str, list[str], None] = Field(
         None, description="Prompts answered at each evaluation, written to `<output_dir>/samples.jsonl` (step, "
-        "prompt, answer): a list, or a file (one prompt per line, or a .jsonl with a `prompt` field). Each is "
-        "given as a user turn through the chat template when the tokenizer has one. Empty: none."
+        "prompt, answer): a list, or a file (one prompt per line, or a .jsonl with a `prompt` field, and for a "
+        "vision-language model an `images` list of paths read from the file's directory). Each is given as a user "
+        "turn through the chat template when the tokenizer has one (its images first). Empty: none."
     )
     max_new_tokens: int = Field(64, ge=1, description="Tokens generated per sample answer (greedy).")
     show_samples: int = Field(3, ge=0, description="Sample answers printed on the console at each evaluation.")

@@ -86,17 +86,33 @@ def answers(model: Any, tokenizer: Any, prompts: list[str], sampling: Sampling) 
     return [answer(model, tokenizer, prompt, sampling) for prompt in prompts]
 
 
+@dataclass(frozen=True)
+class PromptRow:
+    """One prompt of `eval.prompts`: its text, the images it asks about (paths, read relative to the prompts
+    file's directory, as a data file's rows read theirs; a vision-language model's), and where it was given."""
+
+    text: str
+    images: tuple[str, ...] = ()
+    place: str = "eval.prompts"
+
+
 def read_prompts(value: Union[str, list[str]]) -> list[str]:
     """`eval.prompts`: a list as it is, or a file: one prompt per line, or JSON lines with a
     `prompt` field (.jsonl). ValueError naming what is wrong."""
+    return [row.text for row in read_prompt_rows(value)]
+
+
+def read_prompt_rows(value: Union[str, list[str]]) -> list[PromptRow]:
+    """`eval.prompts` as rows: a .jsonl row may carry `images`, a list of image paths. ValueError naming
+    the file and line of what is wrong."""
     if not isinstance(value, str):
-        return list(value)
+        return [PromptRow(text) for text in value]
     path = Path(value).expanduser()
     if not path.is_file():
         raise ValueError(f"{value}: no such file (a list of prompts, or a file of them, one a line)")
     lines = [line for line in path.read_text().splitlines() if line.strip()]
     if path.suffix != ".jsonl":
-        return lines
+        return [PromptRow(line) for line in lines]
     prompts = []
     for number, line in enumerate(lines, 1):
         try:
@@ -105,7 +121,10 @@ def read_prompts(value: Union[str, list[str]]) -> list[str]:
             raise ValueError(f"{path}:{number}: not JSON ({error})") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise ValueError(f"{path}:{number}: no `prompt` text field")
-        prompts.append(row["prompt"])
+        images = row.get("images") or []
+        if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
+            raise ValueError(f"{path}:{number}: `images` is not a list of image paths")
+        prompts.append(PromptRow(row["prompt"], tuple(str(path.parent / i) for i in images), f"{path}:{number}"))
     return prompts
 
 

@@ -4,6 +4,7 @@ images given with `--image`, through the model's processor and chat template, as
     load(target, base, dtype, device)    the model (AutoModelForImageTextToText, with its adapter) and its
                                          processor; None when `target` is not a vision-language model
     generated_ids(loaded, prompt, images, sampling, streamer)   the answer's new token ids
+    answers(model, processor, rows, sampling)   a run's sample answers (`eval.prompts`, each with its images)
 """
 
 from __future__ import annotations
@@ -65,20 +66,20 @@ def load(target: str, base: Optional[str], dtype: str, device: Optional[str]) ->
     return LoadedVision(model, processor, f"{path} (adapter on {base_name})" if adapter else str(path))
 
 
-def open_images(paths: list[str]) -> list:
-    """Each `--image` as an RGB PIL image, refused by `--image` naming the file."""
+def open_images(paths: list[str], key: str = "--image") -> list:
+    """Each `--image` (or `key`'s image) as an RGB PIL image, refused by `key` naming the file."""
     from PIL import Image
 
     images = []
     for name in paths:
         file = Path(name).expanduser()
         if name.startswith(("http://", "https://")) or not file.is_file():
-            raise UserError(Problem("--image", f"no image file {name}", fix="give the path of an image on this machine"))
+            raise UserError(Problem(key, f"no image file {name}", fix="give the path of an image on this machine"))
         try:
             with Image.open(file) as opened:
                 images.append(opened.convert("RGB"))
         except OSError as error:
-            raise UserError(Problem("--image", f"{name} does not open as an image: {error}",
+            raise UserError(Problem(key, f"{name} does not open as an image: {error}",
                                     fix="give a PNG, JPEG or another image PIL reads")) from None
     return images
 
@@ -97,3 +98,20 @@ def generated_ids(loaded: LoadedVision, prompt: str, images: list, sampling: Any
     with torch.no_grad():
         out = loaded.model.generate(**inputs, pad_token_id=pad, streamer=streamer, **sampling.generate_kwargs())
     return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def answers(model: Any, processor: Any, rows: list, sampling: Any) -> list[str]:
+    """Each `eval.prompts` row (hf/generation.PromptRow) answered about its images as `overdrive generate --image`
+    answers: the model as it trains (put back in training mode after), `processor` the run's VisionProcessor."""
+    import torch
+
+    loaded = LoadedVision(model, processor, "")
+    if sampling.seed is not None:
+        torch.manual_seed(sampling.seed)
+    was_training = model.training
+    model.eval()
+    try:
+        return [loaded.tokenizer.decode(generated_ids(loaded, row.text, open_images(list(row.images), "eval.prompts"),
+                                                      sampling), skip_special_tokens=True) for row in rows]
+    finally:
+        model.train(was_training)

@@ -79,8 +79,9 @@ VISION_ROWS: tuple[Row, ...] = (
         "for supervised fine-tuning (data.format=chat)", "set data.packing=false"),
     Row(EVERY, "vision+mixture", "data.sources", "a vision-language run reads one data file (data.source)",
         "set data.source to one file holding the rows (and their images' paths)"),
-    Row(EVERY, "vision+validation split", "data.validation_split", "the validation rows are held out of "
-        "data.source by data.validation_fraction", "unset data.validation_split"),
+    Row(EVERY, "vision+validation split", "data.validation_split", "a validation split is a hub data set's "
+        "or a save_to_disk directory's; a vision-language run reads one local file",
+        "unset data.validation_split (data.validation_fraction holds rows of data.source out)"),
     Row(EVERY, "vision+hsdp", "parallel.dp_replicate_size", "HSDP (FSDP2 replicated over groups) with a vision "
         "tower is not checked against one process yet", "set parallel.dp_replicate_size=1 (FSDP2 over every rank)"),
     Row(EVERY, "vision+tensor-parallel", "parallel.tp_size", "Transformers' tp plans split the language model, "
@@ -102,8 +103,6 @@ VISION_ROWS: tuple[Row, ...] = (
         "checked yet", "unset compile.backend"),
     Row(EVERY, "vision+async checkpoint", "checkpoint.async", "background DCP saves are not checked with a vision "
         "tower yet", "set checkpoint.async=false (checkpoints are written in the step)"),
-    Row(EVERY, "vision+eval prompts", "eval.prompts", "answers are generated from text prompts; a vision-language "
-        "model's prompts carry images", "unset eval.prompts (the validation loss is evaluated)"),
     Row(EVERY, "vision+eval tasks", "eval.tasks", "lm-evaluation-harness tasks score a text model",
         "unset eval.tasks"),
 )
@@ -220,7 +219,7 @@ def _vision_pieces(cfg: RunConfig) -> set[str]:
              "pipeline": shape.pp > 1, "expert-parallel": cfg.parallel.ep_size > 1,
              "loss kernel": t.loss_kernel in KERNELS, "activation offloading": t.activation_offloading,
              "compile": bool(cfg.compile.backend), "async checkpoint": bool(getattr(cfg.checkpoint, "async")),
-             "eval prompts": bool(cfg.eval.prompts), "eval tasks": bool(cfg.eval.tasks), "tools": bool(cfg.rl.tools),
+             "eval tasks": bool(cfg.eval.tasks), "tools": bool(cfg.rl.tools),
              "oom retry": cfg.training.oom_retry}
     return {"vision"} | {f"vision+{name}" for name, on in asked.items() if on}
 

@@ -104,7 +104,7 @@ def _mixture_kinds(cfg: RunConfig, where) -> list[Problem]:
 def _eval_inputs(cfg: RunConfig, where) -> list[Problem]:
     """`eval.*` reads task files and a prompts file, and needs a model that writes text."""
     from overdrive.hf.benchmarks import INSTALL
-    from overdrive.hf.generation import read_prompts
+    from overdrive.hf.generation import read_prompt_rows
 
     e = cfg.eval
     found = []
@@ -123,10 +123,30 @@ def _eval_inputs(cfg: RunConfig, where) -> list[Problem]:
                              "give a path to an lm-eval task YAML, or a task name of its registry (lm-eval ls tasks)"))
     if e.prompts is not None:
         try:
-            if not read_prompts(e.prompts):
+            rows = read_prompt_rows(e.prompts)
+            if not rows:
                 found.append(Problem("eval.prompts", "no prompts in it", where("eval.prompts"),
                                      "give at least one prompt, or leave eval.prompts empty"))
+            found += _prompt_images(cfg, rows, where)
         except ValueError as error:
             found.append(Problem("eval.prompts", str(error), where("eval.prompts"),
                                  "give a list of prompts, or a file of them (one a line, or .jsonl with `prompt`)"))
     return found
+
+
+def _prompt_images(cfg: RunConfig, rows: list, where) -> list[Problem]:
+    """A prompt's images (a .jsonl row's `images`) are files here, asked of a vision-language model."""
+    from overdrive.resolving.composition import is_vision
+
+    with_images = [row for row in rows if row.images]
+    missing = [(row, image) for row in with_images for image in row.images if not os.path.isfile(image)]
+    if missing:
+        row, image = missing[0]
+        return [Problem("eval.prompts", f"{row.place}: no image file {image}", where("eval.prompts"),
+                        "give image paths relative to the prompts file's directory")]
+    if with_images and not is_vision(cfg):
+        return [Problem("eval.prompts", f"{with_images[0].place}: a prompt with images, but "
+                        f"{cfg.model.name_or_path} is not a vision-language model", where("eval.prompts"),
+                        "drop the prompts' `images`, or train a vision-language model (model.vision.enabled=true for "
+                        "a hub model not read yet; docs/vision.md)")]
+    return []

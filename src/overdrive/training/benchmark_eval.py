@@ -103,7 +103,12 @@ def _whole_model(cfg: RunConfig, parts: Any, out: Path) -> Iterator[tuple[Option
                                      "peft": cfg.peft.model_copy(update={"save_merged": False})})
     save_final(writing, parts, staged)  # pipeline stages joined, shards gathered
     try:
-        if acc.is_main_process:
+        if acc.is_main_process and _vision(cfg):  # AutoModelForImageTextToText, with its adapter
+            from overdrive.hf import vision_generate
+
+            seen = vision_generate.load(str(staged / "model"), None, "auto", str(acc.device))
+            yield (seen.model if seen else None), parts.tokenizer
+        elif acc.is_main_process:
             loaded = load(str(staged / "model"), dtype="auto", device=str(acc.device), key="eval.tasks")
             yield loaded.model, parts.tokenizer
         else:
@@ -116,9 +121,15 @@ def _whole_model(cfg: RunConfig, parts: Any, out: Path) -> Iterator[tuple[Option
 
 def _samples(cfg: RunConfig, model: Any, tokenizer: Any, step: int, out: Path, say: Callable[[str], None]) -> None:
     """Each prompt answered greedily, appended to samples.jsonl (step, prompt, answer)."""
-    prompts = generation.read_prompts(cfg.eval.prompts)
+    rows = generation.read_prompt_rows(cfg.eval.prompts)
+    prompts = [row.text for row in rows]
     sampling = generation.Sampling(max_new_tokens=cfg.eval.max_new_tokens)
-    answered = generation.answers(model, tokenizer, prompts, sampling)
+    if _vision(cfg):  # through the processor, each prompt with its images, as `overdrive generate --image`
+        from overdrive.hf import vision_generate
+
+        answered = vision_generate.answers(model, _processor(cfg, tokenizer), rows, sampling)
+    else:
+        answered = generation.answers(model, tokenizer, prompts, sampling)
     now = time.time()
     lines = "".join(json.dumps({"step": step, "prompt": p, "answer": a, "time": now}) + "\n"
                     for p, a in zip(prompts, answered))
@@ -127,6 +138,21 @@ def _samples(cfg: RunConfig, model: Any, tokenizer: Any, step: int, out: Path, s
         f.write(lines)
     for prompt, text in list(zip(prompts, answered))[:cfg.eval.show_samples]:
         say(f"sample at step {step}: {_short(prompt)} -> {_short(text)}")
+
+
+def _vision(cfg: RunConfig) -> bool:
+    from overdrive.hf.vision import declared
+
+    return declared(cfg)
+
+
+def _processor(cfg: RunConfig, tokenizer: Any) -> Any:
+    """The run's VisionProcessor: the one its rows went through, or for GRPO (whose loop holds the tokenizer) loaded
+    again from the model's files."""
+    from overdrive.hf.vision import family
+    from overdrive.hf.vision_processor import VisionProcessor, load
+
+    return tokenizer if isinstance(tokenizer, VisionProcessor) else load(cfg, family(cfg))
 
 
 def _drop_from(path: Path, step: int) -> None:

@@ -40,8 +40,12 @@ def quantization(cfg: RunConfig):
     from overdrive.hf.vision import PROJECTORS, VISION_TOWERS, declared
 
     # A vision-language model's tower and projector stay unquantized (as LLaMA-Factory and TRL keep them):
-    # small, and read by every image token.
-    skip = {"llm_int8_skip_modules": [*VISION_TOWERS, *PROJECTORS, "lm_head"]} if declared(cfg) else {}
+    # small, and read by every image token. Transformers 5 matches each name from the start of a module's path
+    # (or as its end), and the tower sits under the model (`model.visual.blocks.0.attn.qkv`): each name also as a
+    # pattern for any depth.
+    parts = [*VISION_TOWERS, *PROJECTORS]
+    skip = {"llm_int8_skip_modules": [*parts, *(rf"(?:.*\.)?{name}" for name in parts), "lm_head"]} \
+        if declared(cfg) else {}
     if p.bits == 8:
         return BitsAndBytesConfig(load_in_8bit=True, **skip)
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.mixed_precision, torch.float32)
