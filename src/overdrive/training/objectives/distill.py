@@ -32,7 +32,7 @@ from overdrive.data import teacher_cache
 from overdrive.training.objectives import distill_loss, distill_policy
 from overdrive.training.step import step_loss
 from overdrive.training.build.dtypes import DTYPES
-from overdrive.training.objectives.objective import Objective
+from overdrive.training.objectives.objective import Objective, without_repeats
 
 # metrics.jsonl's names, in the order of the summed tensor; the last slot counts loss tokens.
 METRICS = ("distill/loss", "distill/cross_entropy", "distill/top1_agreement")
@@ -159,7 +159,8 @@ class DistillObjective(Objective):
         try:
             with torch.no_grad():
                 for batch in loader:
-                    totals += torch.stack([v.double() for v in self._scores(model, batch, train=False)])
+                    scores = self._scores(model, without_repeats(loader, batch), train=False)
+                    totals += torch.stack([v.double() for v in scores])
         finally:
             model.train()
         divergence, cross_entropy, agree, tokens = self.accelerator.reduce(totals, "sum").tolist()

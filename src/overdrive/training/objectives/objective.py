@@ -78,6 +78,26 @@ class Objective:
         raise NotImplementedError
 
 
+def without_repeats(loader: Any, batch: dict) -> dict:
+    """A held-out batch whose rows Accelerate repeated are out of the loss (labels ignored). With
+    `even_batches` (its default, and what a sharded model needs: every rank takes every forward) the
+    last batches of a loader whose rows do not divide among the ranks are filled from its first rows;
+    summed as they are, those rows would count twice and the held-out loss of two processes would not
+    be one process's. Accelerate's own rule (`gather_for_metrics`): in the last batch, the rank-major
+    positions from `remainder` on are repeats."""
+    remainder = getattr(loader, "remainder", -1)
+    sampler = getattr(loader, "batch_sampler", None)
+    width, rank = getattr(sampler, "batch_size", None), getattr(sampler, "process_index", 0)
+    if not getattr(loader, "end_of_dataloader", False) or remainder <= 0 or width is None or "labels" not in batch:
+        return batch
+    labels = batch["labels"]
+    repeated = rank * width + torch.arange(labels.shape[0], device=labels.device) >= remainder
+    if not bool(repeated.any()):
+        return batch
+    shape = (-1,) + (1,) * (labels.dim() - 1)
+    return {**batch, "labels": labels.masked_fill(repeated.view(shape), step_loss.IGNORE)}
+
+
 class TokenObjective(Objective):
     """The model's own loss: next-token cross entropy (causal LM, chat), or a class per row."""
 
@@ -106,6 +126,8 @@ class TokenObjective(Objective):
         model.eval()
         with torch.no_grad():
             for batch in loader:
+                if self.task != "sequence-classification":
+                    batch = without_repeats(loader, batch)
                 tokens += step_loss.loss_token_count(batch)
                 if self.task != "sequence-classification":
                     loss_sum += step_loss.summed_loss(model, batch, kernel).detach().float()
