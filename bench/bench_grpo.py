@@ -21,6 +21,7 @@ reports each round's medians and the median over all counted steps.
 
     python bench/bench_grpo.py                       # writes bench/results/grpo.md; exit 1 above the target
     python bench/bench_grpo.py --before OLD/src      # and another checkout's overdrive, a third side each round
+    python bench/bench_grpo.py --tools --learning 40 # the tool-calling job (bench_grpo_tools.py), reward curves too
 """
 
 from __future__ import annotations
@@ -138,8 +139,9 @@ def run_overdrive(work: Path, out: Path, steps: int, src: Path) -> list[dict]:
     return steps_out
 
 
-def trl_side(work: Path, steps: int, out: Path) -> None:
-    """TRL's GRPOTrainer on the job, in this process; its per-step times written to `out`."""
+def trl_side(work: Path, steps: int, out: Path, job: dict = JOB, tools: tuple = (), spent: dict | None = None) -> None:
+    """TRL's GRPOTrainer on the job, in this process; its per-step times written to `out`. `tools`: TRL's
+    `tools` (bench_grpo_tools.py), whose seconds they add to `spent["tools_s"]`, taken out of generation."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -150,19 +152,21 @@ def trl_side(work: Path, steps: int, out: Path) -> None:
     from overdrive.training.objectives.rewards import exact_match
 
     torch.set_num_threads(1)
-    j = JOB
+    j = job
+    spent = spent if spent is not None else {}
+    spent.update(generation_s=0.0, scoring_s=0.0, tools_s=0.0)
     rows = [json.loads(line) for line in (work / "prompts.jsonl").read_text().splitlines()]
     args = GRPOConfig(output_dir=str(out.parent / "trl_out"), per_device_train_batch_size=j["micro"],
                       gradient_accumulation_steps=j["accumulate"], num_generations=j["num_generations"],
                       max_completion_length=j["max_completion_length"], beta=j["beta"], loss_type=j["loss_type"],
                       learning_rate=j["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
                       temperature=j["temperature"], max_steps=steps, logging_steps=1, save_strategy="no",
-                      report_to=[], use_cpu=True, bf16=False, seed=0, dataloader_num_workers=0)
+                      report_to=[], use_cpu=True, bf16=False, seed=0, dataloader_num_workers=0,
+                      **({"max_tool_calling_iterations": j["iterations"]} if tools else {}))
     trainer = GRPOTrainer(model=str(work / "base"), reward_funcs=exact_match("answer"), args=args,
-                          train_dataset=Dataset.from_list(rows),
+                          train_dataset=Dataset.from_list(rows), tools=list(tools) or None,
                           peft_config=LoraConfig(r=j["lora_r"], lora_alpha=j["lora_alpha"], target_modules="all-linear",
                                                  task_type="CAUSAL_LM"))
-    spent = {"generation_s": 0.0, "scoring_s": 0.0}
 
     def timed(name, function):
         def wrapper(*a, **k):
@@ -179,15 +183,17 @@ def trl_side(work: Path, steps: int, out: Path) -> None:
 
     class Steps(TrainerCallback):
         def on_step_begin(self, *_, **__):
-            spent.update(generation_s=0.0, scoring_s=0.0, started=time.perf_counter())
+            spent.update(generation_s=0.0, scoring_s=0.0, tools_s=0.0, started=time.perf_counter())
 
         def on_step_end(self, _args, state, *_, **__):
             measured.append({"step": state.global_step, "step_s": time.perf_counter() - spent["started"],
-                             "generation_s": spent["generation_s"], "scoring_s": spent["scoring_s"]})
+                             "generation_s": spent["generation_s"] - spent["tools_s"], "tools_s": spent["tools_s"],
+                             "scoring_s": spent["scoring_s"]})
 
         def on_log(self, _args, state, control, logs=None, **__):
             if logs and "reward" in logs and measured:
                 measured[-1]["reward"] = logs["reward"]
+                measured[-1]["calls"] = logs.get("tools/call_frequency", 0.0)
 
     trainer.add_callback(Steps())
     trainer.train()
@@ -259,10 +265,19 @@ def main() -> int:
     parser.add_argument("--before", type=Path, help="another overdrive checkout's src/, timed as a third side")
     parser.add_argument("--before-label", default="the other checkout", help="what --before is, for the table")
     parser.add_argument("--output", type=Path, default=HERE / "results" / "grpo.md")
+    parser.add_argument("--tools", action="store_true",
+                        help="the tool-calling job instead (bench_grpo_tools.py; writes bench/results/grpo_tools.md)")
+    parser.add_argument("--learning", type=int, default=0,
+                        help="with --tools: both sides train this many steps once more, their reward curves reported")
     parser.add_argument("--side", choices=["trl"], help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.tools:
+        sys.path.insert(0, str(HERE))
+        import bench_grpo_tools
+
+        return bench_grpo_tools.main(args)
     if args.side == "trl":
         trl_side(args.work, args.steps, args.out)
         return 0

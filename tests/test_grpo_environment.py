@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from env_fixtures import make_lookup_llama, write_env_module, write_lookup_prompts
@@ -113,6 +114,12 @@ def test_an_environment_draws_from_its_group_seed_and_leaves_the_training_stream
         drawn = random.random()
     with environments.seeded(11):
         again = random.random()
+    with environments.streams_kept():  # a rollout's tool calls: kept once, reseeded before each
+        for seed in (5, 11):
+            with environments.reseed(seed):
+                last = random.random(), np.random.random()
+    with environments.seeded(11):
+        assert (random.random(), np.random.random()) == last
     assert drawn == again and random.random() == expected_next
 
 

@@ -199,7 +199,8 @@ class GRPOObjective(Objective):
             prompts += said
             prompt_ids += ids
             seeds += [sampling.mixed_seed(seed, j) for j in range(g)]
-        with sampling.seeded(acc, self.seed):  # the training RNG stream is left as it was
+        # the training RNG stream is left as it was, and Python's and NumPy's the tools may draw from
+        with sampling.seeded(acc, self.seed), environments_mod.streams_kept():
             first = self._sample(model, prompt_ids, rl.max_completion_length, seeds, [r for r in rows for _ in range(g)])
             if not self.turns:
                 return grpo_rollout.Rollout(first, [], [], prompts=prompts, prompt_ids=prompt_ids)
@@ -210,7 +211,7 @@ class GRPOObjective(Objective):
                 self.tokenizer, self.schemas, prompt_ids, first, rl.max_completion_length,
                 rl.max_tool_calling_iterations, rl.tool_timeout_s,
                 getattr(acc.unwrap_model(model).config, "max_position_embeddings", None), toolsets=toolsets,
-                calling=lambda i, t: environments_mod.seeded(sampling.mixed_seed(seeds[i], t)))
+                calling=lambda i, t: environments_mod.reseed(sampling.mixed_seed(seeds[i], t)))
         out.prompts, out.prompt_ids = prompts, prompt_ids
         return out
 
