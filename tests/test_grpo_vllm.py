@@ -99,7 +99,10 @@ def test_vllms_completions_and_log_probs_reach_the_loss_as_trls_correction(llama
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available() or not vllm_sampling.installed(), reason="needs CUDA and vllm")
-def test_one_grpo_step_generates_with_vllm_colocated(llama, tmp_path):
+def test_one_grpo_step_generates_with_vllm_colocated(tmp_path):
+    from hf_fixtures import make_tiny_llama
+
+    llama = make_tiny_llama(tmp_path / "base", hidden_size=256)  # head size 64: vLLM's attention kernels take it
     source = tmp_path / "prompts.jsonl"
     source.write_text("".join(json.dumps({"prompt": f"say {w}", "answer": w}) + "\n" for w in ("yes", "ok") * 4))
     out = tmp_path / "run"

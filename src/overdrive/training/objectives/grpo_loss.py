@@ -8,7 +8,9 @@
                       mean of the group's other completions (RLOO's leave-one-out baseline, TRL's
                       RLOOTrainer), or each reward normalised in its group before the weighted sum
                       (GDPO, TRL's multi_objective_aggregation=normalize_then_sum)
-    per_token_loss    the clipped ratio times the advantage, plus beta x the k3 KL to the reference
+    per_token_loss    the clipped ratio times the advantage (times vLLM's importance ratio with
+                      rl.use_vllm), plus beta x the k3 KL to the reference
+    vllm_importance_ratio  exp(trainer - sampler log-probs), per token or completion, truncated or masked
     reduce            the loss type's sum over its units (completions or tokens), which the loop
                       divides by the units of the whole global batch: the same normalisation
                       whatever the micro-batch split (training/step/step_loss.py)
