@@ -19,6 +19,8 @@ models and data made here with save_pretrained (no network), and judges what the
     phases         the step's phases adding up to the step (within 5%)
     profile        `overdrive profile`'s verdict on a compute-bound job
     compile        compile.backend=inductor against no compile: tokens/s, the same losses
+    vllm           GRPO (LoRA) generating with vLLM colocated, sleep mode on, against overdrive's own
+                   sampler: both train; generation seconds per step of each (needs `overdrive[vllm]`)
 
 On a machine without CUDA the GPU rows say so and are skipped; the rows a CPU can run (qlora,
 phases) run for real, so CI keeps the script working. Exit code 1 when a row that ran failed.

@@ -197,11 +197,36 @@ def compile_row(ctx: Context) -> tuple[bool, str]:
     return apart <= 5e-2, f"tokens/s compiled / eager {speed:.2f}; max |dloss| {apart:.2e} (bar 5e-2)"
 
 
+def vllm_row(ctx: Context) -> tuple[bool, str]:
+    """GRPO under LoRA on a tiny Llama (tests/hf_fixtures.py), 4 steps generating with vLLM colocated (sleep mode on)
+    against overdrive's own sampler: both train, and the seconds a step spends generating."""
+    from overdrive.training.generation import vllm_sampling
+
+    if not vllm_sampling.installed():
+        raise RuntimeError("vllm is not installed: pip install 'overdrive[vllm]'")
+    from hf_fixtures import make_tiny_llama
+
+    base = make_tiny_llama(ctx.work / "vllm-base", hidden_size=256)  # head size 64: vLLM's attention kernels take it
+    prompts = ctx.work / "vllm-prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"say {w}", "answer": w}) + "\n" for w in ("yes", "no") * 16))
+    job = [f"model.name_or_path={base}", f"data.source={prompts}", "data.format=prompts", "data.max_length=64",
+           "rl.method=grpo", "rl.num_generations=8", "rl.max_completion_length=16", "peft.method=lora",
+           "rl.reward_funcs=[{function: exact_match, column: answer}]", "training.micro_batch_size=16",
+           "training.max_steps=4", "training.log_every_steps=1", "precision.mixed_precision=bf16"]
+    own = train(ctx, "grpo-own", *job)
+    fast = train(ctx, "grpo-vllm", *job, "rl.use_vllm=true", "rl.vllm_gpu_memory_utilization=0.2",
+                 "rl.vllm_enable_sleep_mode=true")
+    ok = len(fast) == 4 and all(math.isfinite(r["loss"]) and r["completions/mean_length"] > 0 for r in fast)
+    gen = [statistics.median(r["timing/generation_s"] for r in rs[1:]) for rs in (own, fast)]
+    return ok, (f"generation s/step (median of steps 2-4): own sampler {gen[0]:.3f}, vLLM colocated {gen[1]:.3f}; "
+                f"reward step 4: own {own[-1]['reward']:.2f}, vLLM {fast[-1]['reward']:.2f}")
+
+
 # name: (needs a GPU, the check)
 ROWS: dict[str, tuple[bool, Callable[[Context], tuple[bool, str]]]] = {
     "qlora": (False, qlora), "fp16_weights": (True, fp16_weights), "fp16_overflow": (True, fp16_overflow),
     "memory": (True, memory), "mfu": (True, mfu), "phases": (False, phases), "profile": (True, profile),
-    "compile": (True, compile_row),
+    "compile": (True, compile_row), "vllm": (True, vllm_row),
 }
 
 

@@ -143,7 +143,16 @@ def test_prompts_render_as_text_or_turns_and_one_too_long_is_refused_by_key(llam
 
 
 def test_trls_generation_backends_are_refused_by_key_where_they_do_not_run(llama, prompts):
-    assert "rl.use_vllm" in _refused(llama, prompts, "rl.use_vllm=true", "rl.vllm_mode=server")
+    # vLLM: on a CPU (strategies/cpu.py), without the vllm package, and beside a tool rollout, each by key
+    from overdrive.strategies import cpu
+    from overdrive.training.generation import vllm_sampling
+
+    refused = _refused(llama, prompts, "rl.use_vllm=true", "rl.vllm_mode=server", "rl.tools=[math:gcd]",
+                       "launch.use_cpu=true")
+    assert refused.count("rl.use_vllm") == 2 + (not vllm_sampling.installed())
+    gpu = _resolve(llama, prompts).config.model_copy()
+    gpu = gpu.model_copy(update={"rl": gpu.rl.model_copy(update={"use_vllm": True})})
+    assert [p.key for p in cpu.problems(gpu, gpus=0)] == ["rl.use_vllm"] and cpu.problems(gpu, gpus=8) == []
     # continuous batching: a GPU path (measured about 1000x slower here), and one turn of an unsharded text policy
     assert "rl.use_transformers_continuous_batching" in _refused(
         llama, prompts, "rl.use_transformers_continuous_batching=true", "launch.use_cpu=true")

@@ -243,3 +243,48 @@ def test_gdpo_and_rloo_advantages_equal_trls(models):
         expected = scored["advantages"]
         ours = grpo_loss.group_advantages(table, weights, G, scale, baseline="leave_one_out")
         torch.testing.assert_close(ours.advantages, expected, atol=1e-5, rtol=0)
+
+
+def test_vllms_importance_sampling_ratio_and_loss_equal_trls(models):
+    """rl.use_vllm's correction through TRL's own code path (its vLLM branch fed the sampler's log-probs by a
+    stubbed `_generate`): the ratio of each mode, and the loss it weights, gradient included."""
+    tokenizer, policy, reference = models
+    prompts, completions, *rewards = _episode(seed=5)
+    with torch.no_grad():
+        trainer = grpo.completion_logps(policy, grpo.completion_batch(prompts, completions, torch.zeros(2 * G), 0,
+                                                                      torch.device("cpu")), TEMPERATURE)[0]
+    sampler = trainer + 0.3 * torch.randn(trainer.shape, generator=torch.Generator().manual_seed(1))
+    sampled = [sampler[i, :len(c)].tolist() for i, c in enumerate(completions)]
+    sampled[1][0] = None  # vLLM gives None where its log-prob is NaN: no correction there
+    for mode, low, high in (("token_truncate", None, 1.2), ("token_mask", 0.8, 1.2), ("sequence_truncate", 0.5, 2.0),
+                            ("sequence_mask", None, 1.5)):
+        t = _trl_trainer(policy, reference, tokenizer, "dapo", 0.04, "group", rewards, 0.28)
+        for name, value in (("use_vllm", True), ("vllm_importance_sampling_correction", True),
+                            ("vllm_importance_sampling_mode", mode), ("vllm_importance_sampling_clip_min", low),
+                            ("vllm_importance_sampling_clip_max", high)):
+            setattr(t, name, value)
+        texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+        t._generate = lambda _: (prompts, completions, None, texts, sampled, {}, None, [])
+        scored = t._generate_and_score_completions([{"prompt": tokenizer.decode(p)} for p in prompts])
+        mask = scored["completion_mask"]
+        width = mask.shape[1]
+        padded = torch.zeros_like(scored["old_per_token_logps"])
+        for i, row in enumerate(sampled):
+            padded[i, :len(row)] = torch.tensor([float("nan") if x is None else x for x in row])
+        ratio = grpo_loss.vllm_importance_ratio(scored["old_per_token_logps"], padded, mask, mode, low, high)
+        torch.testing.assert_close(ratio, scored["importance_sampling_ratio"], atol=1e-6, rtol=0, msg=mode)
+        assert ratio.min() < ratio.max()  # the correction bites: not all ones
+        ours = copy.deepcopy(policy)
+        adv, batch, logps, *_ = _ours(ours, reference, prompts, completions, rewards, "dapo", 0.04, "group", 0.28)
+        token = grpo_loss.per_token_loss(logps, None, batch["ref_per_token_logps"], batch["advantages"], 0.04, 0.2,
+                                         0.28, importance_ratio=ratio.expand(-1, width)[:, :batch["completion_ids"]
+                                                                                        .shape[1]])
+        loss = grpo_loss.reduce(token.loss, batch["completion_mask"], "dapo", MAX_LEN) / batch["completion_mask"].sum()
+        trl_loss = t._compute_loss(t.model, scored)
+        assert loss.item() == pytest.approx(trl_loss.item(), abs=1e-5), mode
+        if mode != "token_truncate":  # the gradient once: the ratio is a constant of the loss in every mode
+            continue
+        trl_loss.backward()
+        loss.backward()
+        for (name, a), b in zip(ours.named_parameters(), t.model.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=f"{mode} {name}")

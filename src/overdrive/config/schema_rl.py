@@ -162,14 +162,51 @@ class RLConfig(Section):
         "rl.environment, image prompts or a sharded policy."
     )
     use_vllm: bool = Field(
-        False, description="Generate with vLLM (TRL's name). Not run by overdrive yet: refused (on a CPU, where "
-        "vLLM does not run, and on GPUs); overdrive generates all of a rank's completions in one batched call of "
-        "its own sampler."
+        False, description="Generate with vLLM (TRL's name; CUDA GPUs, the install extra `overdrive[vllm]`): in the "
+        "training processes (`rl.vllm_mode=colocate`) or by a `trl vllm-serve` server (`server`); the policy's "
+        "weights (under LoRA the adapter merged into them) are pushed before each generation, after the optimizer "
+        "update, and the loss corrects for the sampler's log-probs differing from the trainer's "
+        "(`rl.vllm_importance_sampling_*`). Refused on a CPU and where vllm is not installed; not with rl.tools, "
+        "rl.environment or image prompts yet (docs/rl.md)."
     )
     vllm_mode: Literal["colocate", "server"] = Field(
         "colocate", description="With rl.use_vllm (TRL's name): vLLM in the training processes (`colocate`) or a "
         "`trl vllm-serve` server (`server`)."
     )
+    vllm_gpu_memory_utilization: float = Field(
+        0.3, gt=0.0, le=1.0, description="`colocate`: the share of each GPU's memory vLLM takes for its weights and "
+        "KV cache (TRL's default 0.3; the rest is training's). A server takes its own flag.")
+    vllm_tensor_parallel_size: int = Field(
+        1, ge=1, description="`colocate`: GPUs one vLLM engine spans (must divide the processes; TRL's). A server "
+        "takes its own flag.")
+    vllm_max_model_length: Optional[int] = Field(
+        None, ge=1, description="`colocate`: vLLM's context length (prompt and completion). Empty: the model's.")
+    vllm_enable_sleep_mode: bool = Field(
+        False, description="`colocate`: vLLM frees its weights and KV cache between generations (sleep level 2) "
+        "and gets them back (the weights pushed again) before the next: less memory during the update, some "
+        "transfer time each step (TRL's).")
+    vllm_server_base_url: Optional[str] = Field(
+        None, description="`server`: the server's URL, e.g. http://localhost:8000 (rl.vllm_server_host and "
+        "rl.vllm_server_port are then not read; TRL's).")
+    vllm_server_host: str = Field("0.0.0.0", description="`server`: the host of the `trl vllm-serve` server.")
+    vllm_server_port: int = Field(8000, ge=1, le=65535, description="`server`: the server's port.")
+    vllm_server_timeout: float = Field(240.0, gt=0.0, description="`server`: seconds to wait for the server to be "
+                                       "up before the run fails.")
+    vllm_group_port: int = Field(51216, ge=1, le=65535, description="`server`: the port of the group through "
+                                 "which the weights are pushed to the server (TRL's).")
+    vllm_importance_sampling_correction: bool = Field(
+        True, description="With rl.use_vllm: each token's loss weighted by the importance ratio exp(trainer's "
+        "log-prob - vLLM's) of the completion's tokens (TRL's truncated / masked importance sampling), so the "
+        "sampler's numerical difference from the trainer does not bias the gradient.")
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = \
+        Field("sequence_mask", description="How the ratio is taken (TRL's): per token or one per completion (the "
+              "exponent of its tokens' summed log-ratio); `truncate` clips it to [clip_min, clip_max], `mask` sets "
+              "it to 0 outside them.")
+    vllm_importance_sampling_clip_max: Optional[float] = Field(
+        3.0, gt=0.0, description="The importance ratio's upper bound C_max (TRL's; its deprecated "
+        "vllm_importance_sampling_cap). Empty: none (mask modes).")
+    vllm_importance_sampling_clip_min: Optional[float] = Field(
+        None, ge=0.0, description="The importance ratio's lower bound C_min. Empty: none.")
 
     @property
     def sequence_level(self) -> bool:

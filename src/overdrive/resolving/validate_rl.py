@@ -19,7 +19,11 @@ _KNOBS = ("rl.num_generations", "rl.max_completion_length", "rl.temperature", "r
           "rl.mask_truncated_completions", "rl.reward_funcs", "rl.importance_sampling_level",
           "rl.sapo_temperature_pos", "rl.sapo_temperature_neg", "rl.tools", "rl.max_tool_calling_iterations",
           "rl.tool_timeout_s", "rl.environment", "rl.baseline", "rl.multi_objective_aggregation",
-          "rl.use_transformers_continuous_batching", "rl.use_vllm", "rl.vllm_mode")
+          "rl.use_transformers_continuous_batching", "rl.use_vllm", "rl.vllm_mode", "rl.vllm_gpu_memory_utilization",
+          "rl.vllm_tensor_parallel_size", "rl.vllm_max_model_length", "rl.vllm_enable_sleep_mode",
+          "rl.vllm_server_base_url", "rl.vllm_server_host", "rl.vllm_server_port", "rl.vllm_server_timeout",
+          "rl.vllm_group_port", "rl.vllm_importance_sampling_correction", "rl.vllm_importance_sampling_mode",
+          "rl.vllm_importance_sampling_clip_max", "rl.vllm_importance_sampling_clip_min")
 
 # Axes of the layout a generating policy cannot take: (key, why).
 
@@ -85,14 +89,12 @@ def rl_rules(cfg: RunConfig, where: Callable[[str], str],
 
 
 def generation_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
-    """The generation backends TRL offers beside generate: vLLM is not run here; continuous batching samples
+    """The generation backends TRL offers beside generate: vLLM (vllm_rules); continuous batching samples
     from torch's stream, so not where a completion must be the policy's whatever its batch (the strategies'
     lockstep, the turns of a tool rollout, image inputs). On a CPU both are refused by strategies/cpu.py."""
     rl, found = cfg.rl, []
     if rl.use_vllm:
-        found.append(Problem("rl.use_vllm", "generation with vLLM is not run by overdrive yet (TRL's GRPOTrainer "
-                             "runs it); overdrive generates a rank's completions in one batched call of its own "
-                             "sampler", where("rl.use_vllm"), "remove rl.use_vllm (and rl.vllm_mode)"))
+        found += vllm_rules(cfg, where)
     if rl.use_transformers_continuous_batching:
         from overdrive.resolving.composition import is_vision
         from overdrive.strategies import registry
@@ -105,6 +107,32 @@ def generation_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Proble
                                  f"turn of text from an unsharded policy; {beside[0]} asks for more",
                                  where("rl.use_transformers_continuous_batching"),
                                  "remove rl.use_transformers_continuous_batching (the default sampler runs them)"))
+    return found
+
+
+def vllm_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
+    """rl.use_vllm: the package is here (a CPU is refused by strategies/cpu.py), and the rollout is one turn of
+    text. TRL's GRPOTrainer runs tools, environments and images through vLLM too; overdrive's vLLM path
+    (training/generation/vllm_sampling.py) does not carry a tool turn's or an image's inputs yet."""
+    from overdrive.resolving.composition import is_vision
+    from overdrive.training.generation import vllm_sampling
+
+    rl, found = cfg.rl, []
+    if not vllm_sampling.installed():
+        found.append(Problem("rl.use_vllm", "generation with vLLM needs the vllm package, which is not installed "
+                             "here", where("rl.use_vllm"), "pip install 'overdrive[vllm]' on a machine with CUDA GPUs, "
+                             "or remove rl.use_vllm (overdrive's own sampler generates)"))
+    beside = [k for k, on in (("rl.tools", bool(rl.tools)), ("rl.environment", bool(rl.environment)),
+                              ("model.name_or_path", is_vision(cfg))) if on]
+    if beside:
+        found.append(Problem("rl.use_vllm", f"overdrive generates one turn of text with vLLM; {beside[0]} asks for "
+                             "more (tool turns, an environment or images, which TRL runs through vLLM and overdrive "
+                             "does not yet)", where(beside[0]),
+                             f"remove rl.use_vllm (overdrive's own sampler runs {beside[0]}), or remove {beside[0]}"))
+    if rl.vllm_mode == "colocate" and cfg.launch.num_processes % rl.vllm_tensor_parallel_size:
+        found.append(Problem("rl.vllm_tensor_parallel_size", f"{rl.vllm_tensor_parallel_size} GPUs per vLLM engine "
+                             f"do not divide the {cfg.launch.num_processes} processes", where("rl.vllm_tensor_parallel_size"),
+                             "set rl.vllm_tensor_parallel_size to a divisor of launch.num_processes"))
     return found
 
 

@@ -173,6 +173,10 @@ def problems(cfg: RunConfig, gpus: Optional[int] = None) -> list[Problem]:
         found.append(Problem("rl.use_transformers_continuous_batching", "Transformers' continuous batching is a GPU "
                              "path: on a CPU it took 15-34 s for 32 completions that overdrive's sampler draws in "
                              "0.012 s", fix="remove rl.use_transformers_continuous_batching on CPU"))
+    if cfg.rl.use_vllm:
+        found.append(Problem("rl.use_vllm", "vLLM generates on CUDA GPUs: it does not run on CPU processes",
+                             fix="remove rl.use_vllm here (overdrive's own sampler generates); on a GPU machine "
+                                 "pip install 'overdrive[vllm]'"))
     found += deepspeed_optimizer_problems(cfg)
     return found
 

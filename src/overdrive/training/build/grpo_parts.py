@@ -85,4 +85,9 @@ def objective(cfg: RunConfig, accelerator, tokenizer, data: PromptData, referenc
     objective = grpo.GRPOObjective(cfg, accelerator, tokenizer, data.prompts, reference, sharded=sharded, kernel=kernel,
                                    tools=data.tools, environment=data.environment)
     objective.samples_path = Path(cfg.output_dir).expanduser() / "completions.jsonl"
+    if cfg.rl.use_vllm:  # the engine starts at the first generation, from the prepared model
+        from overdrive.training.generation import vllm_sampling
+
+        per_rank = int(cfg.training.micro_batch_size) * cfg.training.gradient_accumulation_steps
+        objective.vllm_factory = lambda model: vllm_sampling.VLLMSampler(cfg, accelerator, model, tokenizer, per_rank)
     return objective

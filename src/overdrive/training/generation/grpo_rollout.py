@@ -32,6 +32,7 @@ class Rollout:
     turns: list[int] = field(default_factory=list)  # the policy's turns per completion
     prompts: list = field(default_factory=list)  # each completion's prompt, as the policy saw it (rl.environment)
     prompt_ids: list[list[int]] = field(default_factory=list)
+    sampler_logps: list[list[float]] = field(default_factory=list)  # rl.use_vllm: vLLM's log-prob of each token
 
 
 def run(generate: Callable[[list[list[int]], int, list[tuple[int, int]]], list[list[int]]], tokenizer: Any,

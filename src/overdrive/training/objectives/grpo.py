@@ -34,6 +34,7 @@ from overdrive.training.generation import sampling
 from overdrive.training.objectives import grpo_loss, rewards as rewards_mod
 # The micro-batch layout, here by name as before (training/objectives/grpo_batch.py holds it)
 from overdrive.training.generation import environments as environments_mod, grpo_rollout, tools as tools_mod
+from overdrive.training.generation import vllm_sampling  # noqa: F401  (rl.use_vllm; vllm itself imported lazily)
 from overdrive.training.objectives.grpo_batch import _pad, completion_batch, recut, trained_mask  # noqa: F401
 from overdrive.training.objectives.objective import Objective
 
@@ -114,6 +115,9 @@ class GRPOObjective(Objective):
         self.step_sums = [0.0] * (len(self.names) + 1)  # the last counts steps
         self.cached: Optional[tuple[tuple, list]] = None  # (groups, micro-batches) under num_iterations > 1
         self.samples_path: Optional[Path] = None  # completions.jsonl: one group of each generation, for a look
+        # rl.use_vllm: model -> the engine (training/generation/vllm_sampling.py), started at the first generation
+        self.vllm_factory: Optional[Callable[[Any], "vllm_sampling.VLLMSampler"]] = None
+        self.vllm: Optional["vllm_sampling.VLLMSampler"] = None
 
     # -------------------------------------------------------------- generation
 
@@ -157,7 +161,9 @@ class GRPOObjective(Objective):
         rank = self.accelerator.process_index
         mine = adv.advantages[rank * len(completions):(rank + 1) * len(completions)]
         scored = time.perf_counter()
-        batches = self._micro_batches(model, prompt_ids, completion_ids, mine, tool_mask, rows=prompt_rows)
+        sampled = [lp for r in rollouts for lp in r.sampler_logps] or None  # rl.use_vllm
+        batches = self._micro_batches(model, prompt_ids, completion_ids, mine, tool_mask, rows=prompt_rows,
+                                      sampler_logps=sampled)
         self._step_metrics(everyone, adv, completion_ids,
                            (generated - started, scored - generated, time.perf_counter() - scored),
                            rollouts if self.turns else None)
@@ -199,6 +205,8 @@ class GRPOObjective(Objective):
             prompts += said
             prompt_ids += ids
             seeds += [sampling.mixed_seed(seed, j) for j in range(g)]
+        if self.vllm_factory is not None:  # rl.use_vllm: one turn of text (validate_rl.py refuses the rest)
+            return self._vllm_generate(model, prompts, prompt_ids, seeds, [group_seed(self.seed, n) for n in groups])
         # the training RNG stream is left as it was, and Python's and NumPy's the tools may draw from
         with sampling.seeded(acc, self.seed), environments_mod.streams_kept():
             first = self._sample(model, prompt_ids, rl.max_completion_length, seeds, [r for r in rows for _ in range(g)])
@@ -215,6 +223,20 @@ class GRPOObjective(Objective):
         out.prompts, out.prompt_ids = prompts, prompt_ids
         return out
 
+    def _vllm_generate(self, model, prompts: list, prompt_ids: list[list[int]], seeds: list[int],
+                       group_seeds: list[int]) -> "grpo_rollout.Rollout":
+        """The completions drawn by vLLM from the weights of now (pushed first: the optimizer has moved them since
+        the last generation, or a resume loaded them), each cut after its first end-of-sequence token as the own
+        sampler cuts, with vLLM's log-prob of each token kept."""
+        if self.vllm is None and self.vllm_factory is not None:
+            self.vllm = self.vllm_factory(model)
+        assert self.vllm is not None
+        self.vllm.sync()
+        completion_ids, logps = self.vllm.sample(prompt_ids, seeds, group_seeds, self.rl.num_generations)
+        cut = [next((k + 1 for k, t in enumerate(ids) if t in self.eos_ids), len(ids)) for ids in completion_ids]
+        return grpo_rollout.Rollout([list(ids[:n]) for ids, n in zip(completion_ids, cut)], [], [], prompts=prompts,
+                                    prompt_ids=prompt_ids, sampler_logps=[lp[:n] for lp, n in zip(logps, cut)])
+
     def _sample(self, model, inputs: list[list[int]], max_new_tokens: int, seeds: list[int],
                 rows: Optional[list[int]] = None) -> list[list[int]]:
         """A turn of the policy after each input (training/generation/sampling.py), cut after its end-of-sequence,
@@ -228,9 +250,11 @@ class GRPOObjective(Objective):
 
     def _micro_batches(self, model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                        advantages: torch.Tensor, tool_mask: Optional[list[list[int]]] = None,
-                       rows: Optional[list[int]] = None) -> list[dict]:
+                       rows: Optional[list[int]] = None,
+                       sampler_logps: Optional[list[list[float]]] = None) -> list[dict]:
         """The step's completions, `micro` to a batch, with the reference's (and the old) log-probs; `rows`:
-        each completion's prompt row (a vision-language policy's images go with every forward)."""
+        each completion's prompt row (a vision-language policy's images go with every forward); `sampler_logps`
+        (rl.use_vllm): vLLM's, whose ratio to the trainer's weights each token's loss (`importance_sampling_ratio`)."""
         truncated = [not ids or ids[-1] not in self.eos_ids for ids in completion_ids]
         if self.rl.mask_truncated_completions:  # DAPO: a cut completion says nothing about its reward
             completion_ids = [[] if cut else ids for ids, cut in zip(completion_ids, truncated)]
@@ -246,9 +270,14 @@ class GRPOObjective(Objective):
                                       batch["completion_ids"].shape[1]))
             batches.append(batch)
         with torch.no_grad():
-            if self.rl.num_iterations > 1:  # the policy that sampled them, for the ratio of later updates
-                for batch in batches:
-                    batch["old_per_token_logps"] = completion_logps(model, batch, self.rl.temperature, self.kernel)[0]
+            correct = sampler_logps is not None and self.rl.vllm_importance_sampling_correction
+            if self.rl.num_iterations > 1 or correct:  # the policy that sampled them, for the ratio of later updates
+                for start, batch in zip(range(0, len(completion_ids), self.micro), batches):
+                    old = completion_logps(model, batch, self.rl.temperature, self.kernel)[0]
+                    if self.rl.num_iterations > 1:
+                        batch["old_per_token_logps"] = old
+                    if correct and sampler_logps is not None:
+                        self._importance_ratio(batch, old, sampler_logps[start:start + self.micro])
             if self.rl.beta != 0.0 and self.reference is not None:
                 # Entered once for the step (switching a LoRA adapter off and on costs a forward's time on a CPU)
                 with self.reference(model) as reference_model:
@@ -256,6 +285,19 @@ class GRPOObjective(Objective):
                         batch["ref_per_token_logps"] = completion_logps(reference_model, batch, self.rl.temperature,
                                                                         self.kernel)[0]
         return batches
+
+    def _importance_ratio(self, batch: dict, trainer_logps: torch.Tensor, sampler_logps: list[list[float]]) -> None:
+        """TRL's correction for vLLM's sampling distribution (grpo_loss.vllm_importance_ratio), per token: a
+        completion's one ratio spread over its tokens, so a re-cut batch carries it as it carries log-probs."""
+        rl, width = self.rl, trainer_logps.shape[1]
+        sampled = torch.zeros_like(trainer_logps)
+        for i, row in enumerate(sampler_logps):
+            n = min(len(row), width)
+            sampled[i, :n] = torch.tensor(row[:n], dtype=sampled.dtype, device=sampled.device)
+        ratio = grpo_loss.vllm_importance_ratio(trainer_logps, sampled, trained_mask(batch),
+                                                rl.vllm_importance_sampling_mode, rl.vllm_importance_sampling_clip_min,
+                                                rl.vllm_importance_sampling_clip_max)
+        batch["importance_sampling_ratio"] = ratio.expand_as(trainer_logps).contiguous()
 
     def _images(self, rows: Optional[list[int]], prompt_width: int, completion_width: int) -> dict:
         """A vision-language policy's image inputs for these prompt rows (data/vision_prompts.py); none for text."""
@@ -330,7 +372,8 @@ class GRPOObjective(Objective):
         token = grpo_loss.per_token_loss(logps, batch.get("old_per_token_logps"), batch.get("ref_per_token_logps"),
                                          batch["advantages"], rl.beta, self.eps_low, self.eps_high,
                                          loss_type=rl.loss_type, sequence_level=rl.sequence_level, mask=mask,
-                                         sapo_temperatures=(rl.sapo_temperature_pos, rl.sapo_temperature_neg))
+                                         sapo_temperatures=(rl.sapo_temperature_pos, rl.sapo_temperature_neg),
+                                         importance_ratio=batch.get("importance_sampling_ratio"))
         summed = grpo_loss.reduce(token.loss, mask, rl.loss_type, rl.max_completion_length)
         with torch.no_grad():
             m = mask.double()

@@ -1,6 +1,6 @@
 """GRPO's micro-batches of completions, in TRL's layout (prompts left-padded, completions
 right-padded), with what the loss reads beside them: advantages, the generation-time and the
-reference's log-probs, and under rl.tools the mask of the tools' tokens (0: context, not trained).
+reference's log-probs, rl.use_vllm's importance-sampling ratio, and under rl.tools the mask of the tools' tokens (0: context, not trained).
 training/objectives/grpo.py builds them; `recut` cuts the same completions at another micro-batch size
 (training.oom_retry's redo, rl.num_iterations' cached batches).
 """
@@ -33,7 +33,7 @@ def _pad_float(rows: list[torch.Tensor], width: int, device) -> torch.Tensor:
 
 def completion_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], advantages: torch.Tensor,
                      pad_id: int, device, old: Optional[list] = None, ref: Optional[list] = None,
-                     tool_mask: Optional[list[list[int]]] = None) -> dict:
+                     tool_mask: Optional[list[list[int]]] = None, is_ratio: Optional[list] = None) -> dict:
     """A micro-batch of completions as the loss reads it (TRL's layout: prompts left-padded,
     completions right-padded) plus `input_ids`/`labels` for the loop's token counts. `tool_mask`
     (rl.tools): 0 at the tokens of a tool's result, which are context and never trained (TRL's)."""
@@ -54,12 +54,14 @@ def completion_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]
         batch["old_per_token_logps"] = _pad_float(old, c_ids.shape[1], device)
     if ref is not None:
         batch["ref_per_token_logps"] = _pad_float(ref, c_ids.shape[1], device)
+    if is_ratio is not None:  # rl.use_vllm's importance-sampling correction, per token
+        batch["importance_sampling_ratio"] = _pad_float(is_ratio, c_ids.shape[1], device)
     return batch
 
 
 def recut(batches: list[dict], micro: int, pad: int) -> list[dict]:
     """The same completions, in order, `micro` to a micro-batch (their padding trimmed and redone)."""
-    prompts, completions, advantages, old, ref, tools = [], [], [], [], [], []
+    prompts, completions, advantages, old, ref, tools, ratios = [], [], [], [], [], [], []
     for b in batches:
         for i in range(b["completion_ids"].shape[0]):
             prompts.append(b["prompt_ids"][i][b["prompt_mask"][i] == 1].tolist())
@@ -69,6 +71,7 @@ def recut(batches: list[dict], micro: int, pad: int) -> list[dict]:
             advantages.append(b["advantages"][i])
             old.append(b["old_per_token_logps"][i][kept] if "old_per_token_logps" in b else None)
             ref.append(b["ref_per_token_logps"][i][kept] if "ref_per_token_logps" in b else None)
+            ratios.append(b["importance_sampling_ratio"][i][kept] if "importance_sampling_ratio" in b else None)
     device = batches[0]["completion_ids"].device
     out = []
     for start in range(0, len(completions), micro):
@@ -76,7 +79,8 @@ def recut(batches: list[dict], micro: int, pad: int) -> list[dict]:
         out.append(completion_batch(prompts[span], completions[span], torch.stack(advantages[span]), pad, device,
                                     old=old[span] if old[0] is not None else None,
                                     ref=ref[span] if ref[0] is not None else None,
-                                    tool_mask=tools[span] if tools[0] is not None else None))
+                                    tool_mask=tools[span] if tools[0] is not None else None,
+                                    is_ratio=ratios[span] if ratios[0] is not None else None))
     return out
 
 

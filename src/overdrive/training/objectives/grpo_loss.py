@@ -8,7 +8,9 @@
                       mean of the group's other completions (RLOO's leave-one-out baseline, TRL's
                       RLOOTrainer), or each reward normalised in its group before the weighted sum
                       (GDPO, TRL's multi_objective_aggregation=normalize_then_sum)
-    per_token_loss    the clipped ratio times the advantage, plus beta x the k3 KL to the reference
+    per_token_loss    the clipped ratio times the advantage (times vLLM's importance ratio with
+                      rl.use_vllm), plus beta x the k3 KL to the reference
+    vllm_importance_ratio  exp(trainer - sampler log-probs), per token or completion, truncated or masked
     reduce            the loss type's sum over its units (completions or tokens), which the loop
                       divides by the units of the whole global batch: the same normalisation
                       whatever the micro-batch split (training/step/step_loss.py)
@@ -20,6 +22,7 @@ local batch; over the global batch, as here, it is `dapo`'s.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -135,11 +138,13 @@ class TokenLoss:
 def per_token_loss(logps: torch.Tensor, old_logps: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor],
                    advantages: torch.Tensor, beta: float, epsilon_low: float, epsilon_high: float,
                    loss_type: str = "dapo", sequence_level: bool = False, mask: Optional[torch.Tensor] = None,
-                   sapo_temperatures: tuple[float, float] = (1.0, 1.05)) -> TokenLoss:
+                   sapo_temperatures: tuple[float, float] = (1.0, 1.05),
+                   importance_ratio: Optional[torch.Tensor] = None) -> TokenLoss:
     """TRL's `_compute_loss` up to the reduction: the importance ratio per token, or per sequence
     (`sequence_level`, GSPO: the exponent of the mean log-ratio over `mask`'s tokens, shape [B, 1]);
     then the clipped objective (grpo, dapo, dr_grpo, bnpo, gspo), CISPO's detached ratio clipped at
-    epsilon_high times the log-prob, or SAPO's sigmoid gate; plus beta x the k3 KL."""
+    epsilon_high times the log-prob, or SAPO's sigmoid gate; times `importance_ratio` (rl.use_vllm: the
+    sampler's correction, `vllm_importance_ratio`); plus beta x the k3 KL."""
     old = logps.detach() if old_logps is None else old_logps  # one update per generation: pi_old = pi
     advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     log_ratio = logps - old
@@ -160,11 +165,37 @@ def per_token_loss(logps: torch.Tensor, old_logps: Optional[torch.Tensor], ref_l
         loss = -torch.min(ratio * advantages, clipped * advantages)
         low = (ratio < 1 - epsilon_low) & (advantages < 0)
         high = (ratio > 1 + epsilon_high) & (advantages > 0)
+    if importance_ratio is not None:  # TRL multiplies before the KL is added: the KL term is not reweighted
+        loss = loss * importance_ratio
     kl = None
     if beta != 0.0:
         kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
         loss = loss + beta * kl
     return TokenLoss(loss, kl, ratio, low, high)
+
+
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def vllm_importance_ratio(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, mode: str,
+                          clip_min: Optional[float], clip_max: Optional[float]) -> torch.Tensor:
+    """TRL 1.16's correction for vLLM sampling from a slightly different distribution than the trainer computes
+    (GRPOTrainer._generate_and_score_completions): exp(trainer - sampler log-probs) over `mask`'s tokens (a NaN
+    sampler log-prob counts as no difference), per token or summed per completion (`sequence_*`), clamped to
+    [clip_min, clip_max] (`*_truncate`) or set to 0 outside them (`*_mask`). [B, C] per token, [B, 1] per
+    completion; the per-token loss is multiplied by it."""
+    diff = torch.nan_to_num((trainer_logps - sampler_logps) * mask.to(trainer_logps.dtype), nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max) if clip_min is not None or clip_max is not None \
+            else ratio
+    if mode.endswith("mask"):
+        low = clip_min if clip_min is not None else -math.inf
+        high = clip_max if clip_max is not None else math.inf
+        return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    raise ValueError(f"rl.vllm_importance_sampling_mode must be one of {', '.join(IS_MODES)}, not {mode!r}")
 
 
 def units(loss_type: str, mask: torch.Tensor) -> torch.Tensor:
