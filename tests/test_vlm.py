@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from vlm_fixtures import (answer_accuracy, make_tiny_llava, make_tiny_qwen2_vl, make_vision_data,
+from vlm_fixtures import (answer_accuracy, make_tiny_llava, make_tiny_qwen2_vl, make_tiny_qwen3_vl, make_vision_data,
                           processor_class_of)
 
 from overdrive.errors import UserError
@@ -26,6 +26,7 @@ from overdrive.errors import UserError
 def work(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("vlm")
     make_tiny_qwen2_vl(root / "qwen")
+    make_tiny_qwen3_vl(root / "qwen3")
     make_tiny_llava(root / "llava")
     for layout in ("messages", "sharegpt", "alpaca"):
         make_vision_data(root, rows=24, layout=layout)
@@ -44,16 +45,21 @@ def settled(work: Path, *items: str):
 def processor_for(work: Path, name: str):
     from overdrive.hf.vision_processor import load
 
-    return load(settled(work, f"model.name_or_path={work / name}"), "qwen2_vl" if name == "qwen" else "llava")
+    return load(settled(work, f"model.name_or_path={work / name}"), FAMILY[name])
 
 
-def test_qwen_processor_steps_equal_the_processors_own_call(work):
-    """OwnQwenProcessor against Qwen2VLProcessor.__call__ (AutoProcessor where torchvision exists; here its
-    class built without the video processor it cannot build), and the model's own 3-D rope positions."""
+FAMILY = {"qwen": "qwen2_vl", "qwen3": "qwen3_vl", "llava": "llava"}
+
+
+@pytest.mark.parametrize("name", ["qwen", "qwen3"])
+def test_qwen_processor_steps_equal_the_processors_own_call(work, name):
+    """OwnQwenProcessor against Qwen2VLProcessor.__call__ and Qwen3VLProcessor.__call__ (AutoProcessor where
+    torchvision exists; here its class built without the video processor it cannot build), and the model's own
+    3-D rope positions."""
     import transformers
     from PIL import Image
 
-    own, theirs = processor_for(work, "qwen"), processor_class_of(work / "qwen")
+    own, theirs = processor_for(work, name), processor_class_of(work / name)
     images = [Image.open(work / "images" / f"{i}.png").convert("RGB").resize((56 + 28 * i, 84)) for i in range(2)]
     turns = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what"}, {"type": "image"}]},
              {"role": "assistant", "content": "red"}]
@@ -61,7 +67,7 @@ def test_qwen_processor_steps_equal_the_processors_own_call(work):
     mine, expected = own.encode(text, images), theirs(text=[text], images=images, return_tensors="pt")
     for key in ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw"):
         assert torch.equal(mine[key], expected[key]), key
-    model = transformers.AutoModelForImageTextToText.from_pretrained(work / "qwen")
+    model = transformers.AutoModelForImageTextToText.from_pretrained(work / name)
     rope = model.model.get_rope_index(mine["input_ids"], mine["mm_token_type_ids"], mine["image_grid_thw"])[0]
     assert torch.equal(rope, model.model.get_rope_index(expected["input_ids"], expected["mm_token_type_ids"],
                                                         expected["image_grid_thw"])[0])
@@ -162,6 +168,30 @@ def test_the_vision_tower_and_projector_are_frozen_and_lora_targets_the_language
     projector = build_model(settled(work, "peft.method=lora", "peft.r=4", "model.vision.train_projector=true"))
     adapted = {n for n, p in projector.named_parameters() if p.requires_grad}
     assert any(".merger." in n for n in adapted) and not any(".blocks." in n for n in adapted)
+
+
+def test_qwen3_vl_s_image_tokens_are_read_from_its_16_pixel_patches(work):
+    """The estimate's image tokens: a 64x64 image (max_pixels) in 16-pixel patches is 16 patches, merged 2x2 into 4
+    tokens: what the processor gives the tiny Qwen3-VL's rows."""
+    from transformers import AutoConfig
+
+    from overdrive.hf.vision_sizes import image_tokens
+
+    tokens, patches, basis = image_tokens(AutoConfig.from_pretrained(work / "qwen3"), str(work / "qwen3"))
+    assert (tokens, patches) == (4, 16) and "16-pixel patches" in basis
+
+
+def test_qwen3_vl_s_projector_is_its_merger_and_deepstack_mergers_and_its_tower_stays_frozen(work):
+    """Qwen3-VL's `visual` holds its blocks, its merger and `deepstack_merger_list` (mergers of earlier blocks'
+    features, added to the language model's first layers): the mergers are the projector."""
+    from overdrive.training.build.model import build_model
+
+    projector = build_model(settled(work, f"model.name_or_path={work / 'qwen3'}", "peft.method=lora", "peft.r=4",
+                                    "model.vision.train_projector=true"))
+    adapted = {n for n, p in projector.named_parameters() if p.requires_grad}
+    assert any(".visual.merger." in n for n in adapted) and any(".visual.deepstack_merger_list." in n for n in adapted)
+    assert not any(".visual.blocks." in n or "patch_embed" in n or "pos_embed" in n for n in adapted)
+    assert any("lora_" in n and "language_model" in n for n in adapted)
 
 
 RUN = ["data.format=chat", "data.max_length=64", "data.validation_fraction=0", "peft.method=lora", "peft.r=8",

@@ -1,6 +1,7 @@
 """Packing conversations with images (`data.packing` on a vision-language model, data/vision_packing.py): the
-loss of packed rows equals the loss of the same conversations one per row, to 1e-5, for Qwen2-VL, Qwen2.5-VL
-(3-D rope positions by the model's get_rope_index per conversation) and LLaVA (1-D positions restarting).
+loss of packed rows equals the loss of the same conversations one per row, to 1e-5, for Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL (3-D rope positions by the model's get_rope_index per conversation; Qwen3-VL's deepstack features follow
+its image tokens) and LLaVA (1-D positions restarting).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from vlm_fixtures import make_tiny_llava, make_tiny_qwen2_vl, make_vision_data
+from vlm_fixtures import make_tiny_llava, make_tiny_qwen2_vl, make_tiny_qwen3_vl, make_vision_data
 
 from overdrive.data.vision_samples import IGNORE
 
@@ -19,6 +20,7 @@ def work(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("vlm-packing")
     make_tiny_qwen2_vl(root / "qwen2_vl")
     make_tiny_qwen2_vl(root / "qwen2_5_vl", family="qwen2_5_vl")
+    make_tiny_qwen3_vl(root / "qwen3_vl")
     make_tiny_llava(root / "llava")
     make_vision_data(root, rows=12, layout="messages")
     return root
@@ -43,7 +45,7 @@ def token_losses(model, batch: dict) -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl", "llava"])
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"])
 def test_packed_rows_give_the_loss_of_one_conversation_a_row(work, name):
     from overdrive.training.build.model import build_model
     from overdrive.training.build.vision import prepare, settle

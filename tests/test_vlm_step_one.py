@@ -1,7 +1,7 @@
 """The step-1 loss of LoRA SFT on a vision-language model (docs/vision.md, "A worked example"): a run's first loss
 equals the model's own loss (its forward with `labels`) over the same rows, encoded by the model's own processor
 class and masked to the assistant's answer, to 1e-4; LLaMA-Factory's ShareGPT and Alpaca rows give TRL's layout's
-step-1 loss. Tiny Qwen2-VL and LLaVA models; 4 rows, all of them in step 1 (so the order they are drawn in does
+step-1 loss. Tiny Qwen2-VL, Qwen3-VL and LLaVA models; 4 rows, all of them in step 1 (so the order they are drawn in does
 not matter). LoRA starts with its B matrices at zero: the step-1 model is the base model.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from vlm_fixtures import make_tiny_models, make_vision_data, processor_class_of
+from vlm_fixtures import make_tiny_models, make_tiny_qwen3_vl, make_vision_data, processor_class_of
 
 RUN = ["data.format=chat", "data.max_length=64", "data.validation_fraction=0", "training.max_steps=1",
        "training.micro_batch_size=4", "peft.method=lora", "peft.r=8", "peft.alpha=16", "optim.lr=0.01",
@@ -24,6 +24,7 @@ RUN = ["data.format=chat", "data.max_length=64", "data.validation_fraction=0", "
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     root = make_tiny_models(tmp_path_factory.mktemp("vlm-step-one"))
+    make_tiny_qwen3_vl(root / "qwen3")
     for layout in ("messages", "sharegpt", "alpaca"):
         make_vision_data(root, rows=4, layout=layout)
     return root
@@ -52,7 +53,7 @@ def the_models_own_loss(work: Path, name: str) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen", "llava"])
+@pytest.mark.parametrize("name", ["qwen", "qwen3", "llava"])
 def test_lora_sft_step_one_is_the_models_own_loss_in_every_layout(work, name):
     from checkpoint_probe import losses, run
 

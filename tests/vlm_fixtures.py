@@ -35,19 +35,35 @@ def tokenizer(image: str):
     return tok
 
 
+def _save_qwen(directory: Path, seed: int, classes: tuple, text: dict, vision: dict, image_processor) -> Path:
+    """A Qwen-VL model of `classes` (config, model) with the word-level tokenizer, its image token <|image_pad|>
+    between <|vision_start|> and <|vision_end|>, saved with `image_processor`."""
+    import torch
+
+    tok = tokenizer("<|vision_start|><|image_pad|><|vision_end|>")
+    ids = {s: tok.convert_tokens_to_ids(s) for s in SPECIAL}
+    text = {**text, "vocab_size": len(tok), "max_position_embeddings": 512, "pad_token_id": 0,
+            "eos_token_id": ids["<|im_end|>"], "bos_token_id": None}
+    config_class, model_class = classes
+    config = config_class(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                          video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                          vision_end_token_id=ids["<|vision_end|>"], pad_token_id=0, eos_token_id=ids["<|im_end|>"])
+    torch.manual_seed(seed)
+    model_class(config).save_pretrained(directory)
+    tok.save_pretrained(directory)
+    image_processor.save_pretrained(directory)
+    return directory
+
+
 def make_tiny_qwen2_vl(directory: Path, seed: int = 0, family: str = "qwen2_vl") -> Path:
     """A 2-layer Qwen2-VL (or Qwen2.5-VL) language model (hidden 32) with a 1-block vision tower (patch 14,
     merge 2), its PIL image processor limited to small images."""
-    import torch
     from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
                               Qwen2VLForConditionalGeneration)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    tok = tokenizer("<|vision_start|><|image_pad|><|vision_end|>")
-    ids = {s: tok.convert_tokens_to_ids(s) for s in SPECIAL}
     text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=512, pad_token_id=0,
-                eos_token_id=ids["<|im_end|>"], bos_token_id=None,
+                num_key_value_heads=2,
                 rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0})
     vision = dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
@@ -55,16 +71,29 @@ def make_tiny_qwen2_vl(directory: Path, seed: int = 0, family: str = "qwen2_vl")
         vision = dict(depth=1, hidden_size=16, out_hidden_size=32, intermediate_size=32, num_heads=2, patch_size=14,
                       spatial_merge_size=2, temporal_patch_size=2, in_channels=3, window_size=56,
                       fullatt_block_indexes=[0])
-    config_class, model_class = ((Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration) if family == "qwen2_5_vl"
-                                 else (Qwen2VLConfig, Qwen2VLForConditionalGeneration))
-    config = config_class(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                          video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                          vision_end_token_id=ids["<|vision_end|>"], pad_token_id=0, eos_token_id=ids["<|im_end|>"])
-    torch.manual_seed(seed)
-    model_class(config).save_pretrained(directory)
-    tok.save_pretrained(directory)
-    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56).save_pretrained(directory)
-    return directory
+    classes = ((Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration) if family == "qwen2_5_vl"
+               else (Qwen2VLConfig, Qwen2VLForConditionalGeneration))
+    return _save_qwen(directory, seed, classes, text, vision,
+                      Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56))
+
+
+def make_tiny_qwen3_vl(directory: Path, seed: int = 0) -> Path:
+    """A 2-layer Qwen3-VL language model (hidden 32) with a 2-block vision tower (patch 16, merge 2) whose first
+    block also feeds a deepstack merger (its features added to the language model's first layer), its PIL image
+    processor (Qwen2-VL's class, as AutoImageProcessor picks for Qwen3-VL, with its 16-pixel patches) limited to
+    64x64 images: 4 image tokens."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=8,
+                num_key_value_heads=2, rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1],
+                                                        "mrope_interleaved": True, "rope_theta": 10000.0})
+    vision = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3, num_position_embeddings=16,
+                  deepstack_visual_indexes=[0])
+    image = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=64 * 64,
+                                     max_pixels=64 * 64, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    return _save_qwen(directory, seed, (Qwen3VLConfig, Qwen3VLForConditionalGeneration), text, vision, image)
 
 
 def make_tiny_llava(directory: Path, seed: int = 0) -> Path:
@@ -95,16 +124,20 @@ def make_tiny_llava(directory: Path, seed: int = 0) -> Path:
 
 
 def processor_class_of(directory: Path):
-    """The model's own processor class: AutoProcessor where it builds; Qwen2-VL's Qwen2VLProcessor without the video
-    processor it cannot build without torchvision (its tokenizer and PIL image processor as it holds them)."""
+    """The model's own processor class: AutoProcessor where it builds; Qwen2-VL's Qwen2VLProcessor (Qwen3-VL's
+    Qwen3VLProcessor) without the video processor it cannot build without torchvision (its tokenizer and PIL image
+    processor as it holds them)."""
     import importlib.util
 
     import transformers
 
+    from overdrive.hf.vision import QWEN
+
     config = json.loads((Path(directory) / "config.json").read_text())
-    if config["model_type"] not in ("qwen2_vl", "qwen2_5_vl") or importlib.util.find_spec("torchvision"):
+    if config["model_type"] not in QWEN or importlib.util.find_spec("torchvision"):
         return transformers.AutoProcessor.from_pretrained(directory)
-    processor = object.__new__(transformers.Qwen2VLProcessor)
+    processor = object.__new__(transformers.Qwen3VLProcessor if config["model_type"] == "qwen3_vl"
+                               else transformers.Qwen2VLProcessor)
     processor.tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     processor.image_processor = transformers.AutoImageProcessor.from_pretrained(directory)
     processor.image_token, processor.video_token = "<|image_pad|>", "<|video_pad|>"

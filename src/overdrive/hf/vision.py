@@ -21,13 +21,18 @@ if TYPE_CHECKING:
     from overdrive.config.schema_vision import VisionConfig
 
 # The names Transformers gives a vision-language model's parts (its modeling files: Qwen2-VL's `visual` with
-# its `merger`, LLaVA's `vision_tower` and `multi_modal_projector`, Idefics3's `vision_model` and `connector`).
+# its `merger`, and Qwen3-VL's with its `deepstack_merger_list` too (mergers of earlier blocks' features, added to
+# the language model's first layers), LLaVA's `vision_tower` and `multi_modal_projector`, Idefics3's
+# `vision_model` and `connector`).
 VISION_TOWERS = ("visual", "vision_tower", "vision_model", "vision_encoder")
-PROJECTORS = ("multi_modal_projector", "merger", "connector", "mm_projector")
+PROJECTORS = ("multi_modal_projector", "merger", "deepstack_merger_list", "connector", "mm_projector")
+# The Qwen-VL families: 3-D rope positions, a processor class that needs torchvision here (hf/vision_processor.py).
+QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # The families trained and checked here (tests/test_vlm.py); another is refused by model.vision.enabled
 # until its processor's outputs are checked against the collator (Idefics3 pads images per row, Gemma 3
 # attends bidirectionally over image tokens through token_type_ids, ...).
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava")
+# (Qwen3-VL-MoE shares Qwen3-VL's processor and positions, but its MoE language model is not checked yet.)
+FAMILIES = (*QWEN, "llava")
 
 
 def _config_json(name_or_path: str, revision: Optional[str]) -> Optional[dict]:
@@ -88,7 +93,7 @@ def describe(cfg: RunConfig) -> dict:
             "AutoModelForCausalLM"
         return {"auto_class": auto, "vision": False, "text": f"built with {auto}"}
     kind = family(cfg)
-    own = kind in ("qwen2_vl", "qwen2_5_vl")  # hf/vision_processor.OWN: its class needs torchvision here
+    own = kind in QWEN  # hf/vision_processor.OWN: its class needs torchvision here
     processor = ("its tokenizer and image processor, as its processor class does it" if own
                  else "AutoProcessor")
     trains = sorted(trained_parts(cfg.model.vision))
@@ -99,8 +104,8 @@ def describe(cfg: RunConfig) -> dict:
 
 
 def part_of(name: str) -> str:
-    """`projector`, `vision` or `language`: where a module or parameter sits. Qwen2-VL's merger lives
-    inside its `visual` tower and is the projector."""
+    """`projector`, `vision` or `language`: where a module or parameter sits. Qwen2-VL's merger (and Qwen3-VL's
+    deepstack mergers) live inside its `visual` tower and are the projector."""
     parts = name.split(".")
     if any(p in PROJECTORS for p in parts):
         return "projector"
@@ -140,10 +145,11 @@ def freeze(model, vision: VisionConfig) -> dict[str, int]:
 
 def rope_index(config):
     """A callable (input_ids (1, s), mm_token_type_ids (1, s), image_grid_thw) -> the 3-D rope positions (3, s)
-    of one row, by the model's own `get_rope_index`, for a family whose positions are 3-D (Qwen2-VL, Qwen2.5-VL);
+    of one row, by the model's own `get_rope_index`, for a family whose positions are 3-D (Qwen2-VL, Qwen2.5-VL,
+    Qwen3-VL: its images advance the text positions by their larger side rather than Qwen2-VL's largest grid side);
     None for one whose positions are a row's token indices (LLaVA). The method reads the config alone, so it is
     called on an instance holding only that (no weights are built)."""
-    if config.model_type not in ("qwen2_vl", "qwen2_5_vl"):
+    if config.model_type not in QWEN:
         return None
     from transformers import AutoModel
 

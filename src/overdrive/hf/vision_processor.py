@@ -6,13 +6,15 @@ and the saved model use.
     VisionProcessor    render a conversation with the chat template, turn text and images into the
                        model's inputs, save the files `from_pretrained` reads back
 
-Qwen2-VL's and Qwen2.5-VL's processor classes need torchvision in this Transformers (their video
-processor is built with them), and no CPU torchvision is installable for this torch. Their image
+Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's processor classes need torchvision in this Transformers (their
+video processor is built with them), and no CPU torchvision is installable for this torch. Their image
 processor has a PIL form, so `OwnQwenProcessor` does what `Qwen2VLProcessor.__call__` does with it:
 each image placeholder (`<|image_pad|>`) expanded to grid_t x grid_h x grid_w / merge_size^2 copies,
 the text tokenized as the processor tokenizes it, `mm_token_type_ids` 1 on image tokens. From those
-and `image_grid_thw` the model computes its 3-D rope positions itself (`get_rope_index`).
-tests/test_vlm.py checks it against the processor's own `__call__`.
+and `image_grid_thw` the model computes its 3-D rope positions itself (`get_rope_index`). Qwen3VLProcessor
+expands an image the same way (its `replace_image_token`), with Qwen3-VL's 16-pixel patches read from the saved
+image processor; an image's deepstack features need nothing more from the data. tests/test_vlm.py checks both
+against the processor's own `__call__`.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional
 
 from overdrive.errors import Problem, UserError
+from overdrive.hf.vision import QWEN
 
 if TYPE_CHECKING:
     from overdrive.config.schema import RunConfig
 
-OWN = ("qwen2_vl", "qwen2_5_vl")  # families whose processor needs torchvision here: done by OwnQwenProcessor
+OWN = QWEN  # families whose processor needs torchvision here: done by OwnQwenProcessor
 
 
 class OwnQwenProcessor:

@@ -2,9 +2,9 @@
 without loading either (the estimator and `plan` stay offline and light).
 
     image_tokens(cfg)     (tokens of one image in the language model's sequence, patches the vision tower
-                          sees for it, how it was read): Qwen2-VL's at the image processor's largest size
-                          (max_pixels / patch^2 / merge^2), LLaVA's (image_size / patch)^2 less the CLS
-                          token its "default" feature strategy drops
+                          sees for it, how it was read): Qwen2-VL's and Qwen3-VL's at the image processor's
+                          largest size (max_pixels / patch^2 / merge^2), LLaVA's (image_size / patch)^2 less
+                          the CLS token its "default" feature strategy drops
 
 The image tokens are part of `data.max_length` (a row's length counts them: docs/vision.md); these
 figures size what the vision tower holds and say how much of each row an image takes.
@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
+
+from overdrive.hf.vision import QWEN
 
 if TYPE_CHECKING:
     from overdrive.config.schema import RunConfig
@@ -72,7 +74,7 @@ def image_tokens(config, processor_at: Optional[str], revision: Optional[str] = 
     `config` whose processor files are saved at `processor_at` (a directory or hub name; None: the
     processor's defaults); (0, 0, why) where the family's sizes are not read here."""
     kind = getattr(config, "model_type", None)
-    if kind in ("qwen2_vl", "qwen2_5_vl"):
+    if kind in QWEN:
         return _qwen(config, _saved(processor_at, "preprocessor_config.json", revision) if processor_at else {})
     if kind == "llava":
         return _llava(config, _saved(processor_at, "processor_config.json", revision) if processor_at else {})
