@@ -9,6 +9,8 @@ accumulation completions must hold whole groups.
 
 from __future__ import annotations
 
+import importlib.util
+
 from typing import Callable
 
 from overdrive.config.schema import RunConfig
@@ -115,10 +117,9 @@ def vllm_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
     text. TRL's GRPOTrainer runs tools, environments and images through vLLM too; overdrive's vLLM path
     (training/generation/vllm_sampling.py) does not carry a tool turn's or an image's inputs yet."""
     from overdrive.resolving.composition import is_vision
-    from overdrive.training.generation import vllm_sampling
 
     rl, found = cfg.rl, []
-    if not vllm_sampling.installed():
+    if importlib.util.find_spec("vllm") is None:  # found, not imported: importing it initialises CUDA
         found.append(Problem("rl.use_vllm", "generation with vLLM needs the vllm package, which is not installed "
                              "here", where("rl.use_vllm"), "pip install 'overdrive[vllm]' on a machine with CUDA GPUs, "
                              "or remove rl.use_vllm (overdrive's own sampler generates)"))
