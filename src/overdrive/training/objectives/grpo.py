@@ -23,7 +23,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
@@ -34,9 +34,11 @@ from overdrive.training.generation import sampling
 from overdrive.training.objectives import grpo_loss, rewards as rewards_mod
 # The micro-batch layout, here by name as before (training/objectives/grpo_batch.py holds it)
 from overdrive.training.generation import environments as environments_mod, grpo_rollout, tools as tools_mod
-from overdrive.training.generation import vllm_sampling  # noqa: F401  (rl.use_vllm; vllm itself imported lazily)
 from overdrive.training.objectives.grpo_batch import _pad, completion_batch, recut, trained_mask  # noqa: F401
 from overdrive.training.objectives.objective import Objective
+
+if TYPE_CHECKING:  # rl.use_vllm's engine (vllm itself is imported lazily there)
+    from overdrive.training.generation import vllm_sampling
 
 # Token-level sums of the loss's forward (over every rank at a read): TRL's global masked means.
 TOKEN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
