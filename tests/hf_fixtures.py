@@ -3,6 +3,7 @@ and TRL examples train in the tests."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from pathlib import Path
@@ -151,3 +152,27 @@ def make_student_and_teacher(root: Path) -> Path:
     make_tiny_llama(root / "student", seed=0, hidden_size=32)
     make_tiny_llama(root / "teacher", seed=1, hidden_size=64)
     return root
+
+
+class OneProcessAccelerator:
+    """What the objectives and the sampler ask of an Accelerator, on one CPU process (no wrapping)."""
+
+    is_main_process, process_index, num_processes = True, 0, 1
+
+    @property
+    def device(self):
+        import torch
+
+        return torch.device("cpu")
+
+    def autocast(self):
+        return contextlib.nullcontext()
+
+    def reduce(self, tensor, reduction="sum"):
+        return tensor
+
+    def gather(self, tensor):
+        return tensor
+
+    def unwrap_model(self, model):
+        return model

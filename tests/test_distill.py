@@ -3,14 +3,13 @@ batch, normalised over the global batch's loss tokens, and what is not built yet
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import cfg_of
-from hf_fixtures import make_student_and_teacher, make_tiny_model
+from hf_fixtures import OneProcessAccelerator, make_student_and_teacher, make_tiny_model
 from overdrive.errors import UserError
 
 pytest.importorskip("trl")
@@ -28,20 +27,6 @@ def models(tmp_path_factory) -> Path:
     make_student_and_teacher(root)
     make_tiny_model(root / "other")  # GPT-2 with another word list: another tokenizer
     return root
-
-
-class _Accelerator:
-    """What the objective asks of an Accelerator on one process."""
-
-    device = torch.device("cpu")
-    is_main_process = True
-    process_index, num_processes = 0, 1
-
-    def autocast(self):
-        return contextlib.nullcontext()
-
-    def reduce(self, tensor, reduction="sum"):
-        return tensor
 
 
 def _batch(rows: int = 4, length: int = 12, seed: int = 0) -> dict:
@@ -89,7 +74,7 @@ def _objective(models: Path, *items: str):
 
     cfg = cfg_of(f"model.name_or_path={models / 'student'}", f"distill.teacher={models / 'teacher'}",
                  "model.from_scratch=false", *items)
-    return cfg, distill.DistillObjective(cfg, _Accelerator(), distill.load_teacher(cfg, "cpu"))
+    return cfg, distill.DistillObjective(cfg, OneProcessAccelerator(), distill.load_teacher(cfg, "cpu"))
 
 
 @pytest.mark.parametrize("loss, beta", [("forward_kl", 0.0), ("reverse_kl", 1.0), ("jsd", 0.5)])

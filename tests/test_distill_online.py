@@ -5,28 +5,13 @@ a run that reads the cache never loads the teacher and gets the live top-k loss.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import cfg_of
-from hf_fixtures import make_student_and_teacher, write_letter_chat
-
-
-class _Accelerator:
-    device = torch.device("cpu")
-    is_main_process, process_index, num_processes = True, 0, 1
-
-    def autocast(self):
-        return contextlib.nullcontext()
-
-    def reduce(self, tensor, reduction="sum"):
-        return tensor
-
-    def unwrap_model(self, model):
-        return model
+from hf_fixtures import OneProcessAccelerator, make_student_and_teacher, write_letter_chat
 
 
 def test_the_on_policy_coin_is_the_seed_and_step_and_lmbda_its_share():
@@ -90,7 +75,7 @@ def test_with_lmbda_1_the_student_samples_the_answers_the_teacher_scores(work):
 
     cfg = _cfg(work, "distill.lmbda=1", "distill.max_new_tokens=8", "distill.temperature=1.0")
     tokenizer, tokens, batch = _data(cfg)
-    objective = distill.objective(cfg, _Accelerator(), tokenizer, tokens)
+    objective = distill.objective(cfg, OneProcessAccelerator(), tokenizer, tokens)
     student = AutoModelForCausalLM.from_pretrained(work / "student")
     [sampled] = objective.prepare(student, [batch])
     prompts = objective.sampler.prompts(batch)
@@ -118,7 +103,7 @@ def test_with_lmbda_1_the_student_samples_the_answers_the_teacher_scores(work):
     loss = objective.sums(student, sampled)
     assert torch.isfinite(loss).all() and loss.item() > 0
     # a resumed run (its checkpoint's pending sums restored) prepares step 2 as the first run does
-    resumed = distill.objective(cfg, _Accelerator(), tokenizer, tokens)
+    resumed = distill.objective(cfg, OneProcessAccelerator(), tokenizer, tokens)
     resumed.restore(objective.pending())
     assert resumed.step == 1
     again, first = resumed.prepare(student, [batch])[0], objective.prepare(student, [batch])[0]
@@ -137,7 +122,7 @@ def test_a_cached_teacher_is_never_loaded_and_gives_the_live_top_k_loss(work, mo
     cfg = _cfg(work, "distill.top_k=5", "distill.temperature=2.0", "distill.alpha=0.25")
     tokenizer, tokens, batch = _data(cfg)
     student = AutoModelForCausalLM.from_pretrained(work / "student")
-    live = distill.objective(cfg, _Accelerator(), tokenizer, tokens)  # no cache yet: the teacher scores
+    live = distill.objective(cfg, OneProcessAccelerator(), tokenizer, tokens)  # no cache yet: the teacher scores
     assert live.cache is None and live.teacher is not None
     expected = live.sums(student, batch).item()
     assert fill(cfg, 3)[0] > 0 and fill(cfg, 3)[0] == 0  # written once, then found complete
@@ -146,7 +131,7 @@ def test_a_cached_teacher_is_never_loaded_and_gives_the_live_top_k_loss(work, mo
         raise AssertionError("the teacher was loaded")
 
     monkeypatch.setattr(distill, "load_teacher", refuse)
-    cached = distill.objective(cfg, _Accelerator(), tokenizer, tokens)
+    cached = distill.objective(cfg, OneProcessAccelerator(), tokenizer, tokens)
     assert cached.cache is not None and cached.teacher is None
     assert abs(cached.sums(student, batch).item() - expected) <= 1e-5 * max(1.0, abs(expected))
     assert cached.read()["distill/top1_agreement"] == live.read()["distill/top1_agreement"]

@@ -9,7 +9,6 @@ without CUDA and vllm.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
@@ -17,26 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_fixtures import OneProcessAccelerator
 
 from overdrive.resolving import resolve
 from overdrive.training.generation import vllm_sampling
-
-
-class _Accelerator:
-    device = torch.device("cpu")
-    is_main_process, process_index, num_processes = True, 0, 1
-
-    def autocast(self):
-        return contextlib.nullcontext()
-
-    def reduce(self, tensor, reduction="sum"):
-        return tensor
-
-    def gather(self, tensor):
-        return tensor
-
-    def unwrap_model(self, model):
-        return model
 
 
 class _Engine:
@@ -73,7 +56,7 @@ def test_vllms_completions_and_log_probs_reach_the_loss_as_trls_correction(llama
     tokenizer = AutoTokenizer.from_pretrained(llama)
     model = AutoModelForCausalLM.from_pretrained(llama).eval()
     rows = [{"prompt": f"say {w}", "answer": w} for w in ("yes", "ok")]  # data.source's rows, read
-    objective = grpo.GRPOObjective(cfg, _Accelerator(), tokenizer, prompts_mod.encode(cfg, rows, tokenizer))
+    objective = grpo.GRPOObjective(cfg, OneProcessAccelerator(), tokenizer, prompts_mod.encode(cfg, rows, tokenizer))
     engine = _Engine(tokenizer.eos_token_id)
     objective.vllm_factory = lambda m: engine
     slots = {"slot": torch.arange(4), "group": torch.zeros(4, dtype=torch.long),

@@ -4,25 +4,14 @@ and Transformers' generate draw the same."""
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
 
 from overdrive.training.generation import sampling
+from hf_fixtures import OneProcessAccelerator
 
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [3]]
-
-
-class _Accelerator:
-    device = torch.device("cpu")
-    num_processes = 1
-
-    def unwrap_model(self, model):
-        return model
-
-    def autocast(self):
-        return contextlib.nullcontext()
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +23,7 @@ def policy(llama):
 
 def _sample(model, prompts, seeds, new=10, **kw):
     kw.setdefault("temperature", 1.0)
-    return sampling.sample(model, _Accelerator(), prompts, new, pad_id=0, eos_id=2, seeds=seeds, **kw)
+    return sampling.sample(model, OneProcessAccelerator(), prompts, new, pad_id=0, eos_id=2, seeds=seeds, **kw)
 
 
 def test_a_completion_is_the_same_alone_and_in_any_batch(policy):
