@@ -21,7 +21,7 @@ reports each round's medians and the median over all counted steps.
 
     python bench/bench_grpo.py                       # writes bench/results/grpo.md; exit 1 above the target
     python bench/bench_grpo.py --before OLD/src      # and another checkout's overdrive, a third side each round
-    python bench/bench_grpo.py --tools --learning 40 # the tool-calling job (bench_grpo_tools.py), reward curves too
+    python bench/bench_grpo.py --tools --learning 40 # the tool-calling job (grpo_tools_job.py), reward curves too
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def run_overdrive(work: Path, out: Path, steps: int, src: Path) -> list[dict]:
 
 def trl_side(work: Path, steps: int, out: Path, job: dict = JOB, tools: tuple = (), spent: dict | None = None) -> None:
     """TRL's GRPOTrainer on the job, in this process; its per-step times written to `out`. `tools`: TRL's
-    `tools` (bench_grpo_tools.py), whose seconds they add to `spent["tools_s"]`, taken out of generation."""
+    `tools` (grpo_tools_job.py), whose seconds they add to `spent["tools_s"]`, taken out of generation."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -266,7 +266,7 @@ def main() -> int:
     parser.add_argument("--before-label", default="the other checkout", help="what --before is, for the table")
     parser.add_argument("--output", type=Path, default=HERE / "results" / "grpo.md")
     parser.add_argument("--tools", action="store_true",
-                        help="the tool-calling job instead (bench_grpo_tools.py; writes bench/results/grpo_tools.md)")
+                        help="the tool-calling job instead (grpo_tools_job.py; writes bench/results/grpo_tools.md)")
     parser.add_argument("--learning", type=int, default=0,
                         help="with --tools: both sides train this many steps once more, their reward curves reported")
     parser.add_argument("--side", choices=["trl"], help=argparse.SUPPRESS)
@@ -275,9 +275,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.tools:
         sys.path.insert(0, str(HERE))
-        import bench_grpo_tools
+        import grpo_tools_job
 
-        return bench_grpo_tools.main(args)
+        return grpo_tools_job.main(args)
     if args.side == "trl":
         trl_side(args.work, args.steps, args.out)
         return 0

@@ -172,7 +172,7 @@ def report(args, rounds: list[dict], sides: list[str], learned: dict[str, list[d
     v = bench_grpo._version
     lines = ["## Tool-calling GRPO: overdrive against TRL's GRPOTrainer(tools=...)", "",
              f"1 thread each, torch {v('torch')}, transformers {v('transformers')}, trl {v('trl')}; the lookup job "
-             f"(bench/bench_grpo_tools.py); {args.rounds} interleaved rounds of {args.steps} steps, the first "
+             f"(bench/grpo_tools_job.py); {args.rounds} interleaved rounds of {args.steps} steps, the first "
              f"{args.skip} not counted. Seconds per step, medians"
              + (f"; `before`: overdrive at {args.before_label}" if args.before else "") + ".", "",
              "| round | side | step | generation | tools | scoring | update | reward (first → last) | calls |",
