@@ -279,7 +279,10 @@ class GRPOObjective(Objective):
                     if self.rl.num_iterations > 1:
                         batch["old_per_token_logps"] = old
                     if correct and sampler_logps is not None:
-                        self._importance_ratio(batch, old, sampler_logps[start:start + self.micro])
+                        batch["importance_sampling_ratio"] = grpo_loss.sampler_ratio(
+                            old, sampler_logps[start:start + self.micro], trained_mask(batch),
+                            self.rl.vllm_importance_sampling_mode, self.rl.vllm_importance_sampling_clip_min,
+                            self.rl.vllm_importance_sampling_clip_max)
             if self.rl.beta != 0.0 and self.reference is not None:
                 # Entered once for the step (switching a LoRA adapter off and on costs a forward's time on a CPU)
                 with self.reference(model) as reference_model:
@@ -287,19 +290,6 @@ class GRPOObjective(Objective):
                         batch["ref_per_token_logps"] = completion_logps(reference_model, batch, self.rl.temperature,
                                                                         self.kernel)[0]
         return batches
-
-    def _importance_ratio(self, batch: dict, trainer_logps: torch.Tensor, sampler_logps: list[list[float]]) -> None:
-        """TRL's correction for vLLM's sampling distribution (grpo_loss.vllm_importance_ratio), per token: a
-        completion's one ratio spread over its tokens, so a re-cut batch carries it as it carries log-probs."""
-        rl, width = self.rl, trainer_logps.shape[1]
-        sampled = torch.zeros_like(trainer_logps)
-        for i, row in enumerate(sampler_logps):
-            n = min(len(row), width)
-            sampled[i, :n] = torch.tensor(row[:n], dtype=sampled.dtype, device=sampled.device)
-        ratio = grpo_loss.vllm_importance_ratio(trainer_logps, sampled, trained_mask(batch),
-                                                rl.vllm_importance_sampling_mode, rl.vllm_importance_sampling_clip_min,
-                                                rl.vllm_importance_sampling_clip_max)
-        batch["importance_sampling_ratio"] = ratio.expand_as(trainer_logps).contiguous()
 
     def _images(self, rows: Optional[list[int]], prompt_width: int, completion_width: int) -> dict:
         """A vision-language policy's image inputs for these prompt rows (data/vision_prompts.py); none for text."""

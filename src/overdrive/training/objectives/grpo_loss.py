@@ -11,6 +11,7 @@
     per_token_loss    the clipped ratio times the advantage (times vLLM's importance ratio with
                       rl.use_vllm), plus beta x the k3 KL to the reference
     vllm_importance_ratio  exp(trainer - sampler log-probs), per token or completion, truncated or masked
+    sampler_ratio     the same from a micro-batch's lists of sampler log-probs, spread over its tokens
     reduce            the loss type's sum over its units (completions or tokens), which the loop
                       divides by the units of the whole global batch: the same normalisation
                       whatever the micro-batch split (training/step/step_loss.py)
@@ -196,6 +197,20 @@ def vllm_importance_ratio(trainer_logps: torch.Tensor, sampler_logps: torch.Tens
         high = clip_max if clip_max is not None else math.inf
         return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
     raise ValueError(f"rl.vllm_importance_sampling_mode must be one of {', '.join(IS_MODES)}, not {mode!r}")
+
+
+def sampler_ratio(trainer_logps: torch.Tensor, sampler_logps: list[list[float]], mask: torch.Tensor, mode: str,
+                  clip_min: Optional[float], clip_max: Optional[float]) -> torch.Tensor:
+    """`vllm_importance_ratio` of a micro-batch whose sampler log-probs are lists (one per completion), [B, C]
+    per token: a completion's one ratio spread over its tokens, so a re-cut batch carries it as it carries
+    log-probs."""
+    width = trainer_logps.shape[1]
+    sampled = torch.zeros_like(trainer_logps)
+    for i, row in enumerate(sampler_logps):
+        n = min(len(row), width)
+        sampled[i, :n] = torch.tensor(row[:n], dtype=sampled.dtype, device=sampled.device)
+    ratio = vllm_importance_ratio(trainer_logps, sampled, mask, mode, clip_min, clip_max)
+    return ratio.expand_as(trainer_logps).contiguous()
 
 
 def units(loss_type: str, mask: torch.Tensor) -> torch.Tensor:
