@@ -123,6 +123,21 @@ def isolated_environment(tmp_path_factory, monkeypatch):
     _fresh_accelerate_state()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def installed_packages_unchanged() -> Iterator[None]:
+    """A test file must leave the key packages as it found them. One that installs into the suite's
+    environment (a documented `pip install`, once) changes what every later file runs on, and those
+    fail far from the cause: this names the file instead."""
+    from overdrive.system.tested import KEY_PACKAGES, installed_version
+
+    before = {package: installed_version(package) for package in KEY_PACKAGES}
+    yield
+    after = {package: installed_version(package) for package in KEY_PACKAGES}
+    changed = [f"{package} {before[package]} -> {after[package]}" for package in KEY_PACKAGES
+               if before[package] != after[package]]
+    assert not changed, "this test file changed the installed packages: " + ", ".join(changed)
+
+
 def _fresh_accelerate_state() -> None:
     """Accelerate keeps process-wide singletons (precision, device, distributed type): a test that
     built an Accelerator in-process must not leave its state to the next one, which would refuse to

@@ -210,6 +210,21 @@ def test_the_docs_have_commands():
     assert sum(len(bash_blocks(path)) for path in PAGES) >= 10
 
 
+# A command that installs or removes packages: run by this test it would change the environment
+# every later test runs in (a vLLM extra once replaced Transformers mid-suite). Such commands stay
+# in ```text blocks; `bash scripts/setup.sh`, dropped above, is the one install the pages run.
+INSTALLS = re.compile(r"(?:^|[\s;&|(/])(?:pip3?|uv pip|conda|mamba|apt(?:-get)?)\s+(?:install|uninstall|remove)\b"
+                      r"|-m pip\s+(?:install|uninstall)\b", re.M)
+
+
+def test_no_block_installs_packages():
+    assert INSTALLS.search("x && .venv/bin/python -m pip install y") and INSTALLS.search("pip install 'a[b]'")
+    assert not INSTALLS.search("overdrive train  # pip is not called")
+    found = [f"{path.name} block {index}: {match.group(0).strip()}" for path in PAGES
+             for index, block in enumerate(bash_blocks(path)) for match in INSTALLS.finditer(block)]
+    assert not found, "a ```bash block installs packages (make it ```text): " + "; ".join(found)
+
+
 def test_the_subcommands_a_block_runs_are_found_wherever_the_command_stands():
     block = ("overdrive train  # x\n! overdrive plan a=1\ncd x && overdrive import y\nOVERDRIVE_OPTIM__LR=1 overdrive explain\n"
              ".venv/bin/overdrive tune\n(overdrive env)")
@@ -221,7 +236,8 @@ def test_the_subcommands_a_block_runs_are_found_wherever_the_command_stands():
 def test_every_command_block_runs(path, tmp_path, shared_cache):
     # One scratch directory per page: its blocks build on each other (train, then report).
     work = scratch_dir(tmp_path)
-    env = {**os.environ, **TOY, **PAGE_ENV.get(path.name, {}), "OVERDRIVE_DATA__CACHE_DIR": str(shared_cache)}
+    env = {**os.environ, **TOY, **PAGE_ENV.get(path.name, {}), "OVERDRIVE_DATA__CACHE_DIR": str(shared_cache),
+           "PIP_NO_INDEX": "1"}  # should an install slip past test_no_block_installs_packages, it finds nothing
     if path.name == "multi-node.md":
         # Its two launchers meet at configs/multi-node.yaml's fixed port, which a job of several
         # machines cannot move away from when something else on the machine has it: a free one.
