@@ -112,6 +112,33 @@ def test_the_rounds_of_tool_calls_stop_at_the_limit_and_at_the_completion_length
     assert out.completion_ids == first and out.tool_mask == [[1] * len(first[0])] and len(out.messages[0]) == 1
 
 
+def test_synced_ranks_take_as_many_turns_as_the_busiest_one(calc):
+    """A sharded policy's ranks turn together: a rank whose completions are done keeps calling generate (a
+    stand-in input, its draw dropped) while another rank is busy; its own rollout is what it is alone."""
+    tokenizer, built, prompt = calc
+    alone = grpo_rollout.run(_scripted(tokenizer, "7 <eos>")[0], tokenizer, built, [prompt], [_ids(tokenizer, CALL)],
+                             64, None, 5.0)
+    others_busy = iter([True, True, False])  # the other rank: three turns (the first one asked as this one)
+    asked = []
+
+    def synced(busy: bool) -> bool:
+        asked.append(busy)
+        return busy or next(others_busy)
+
+    generate, seen = _scripted(tokenizer, "7 <eos>", "x", "y")
+    out = grpo_rollout.run(generate, tokenizer, built, [prompt], [_ids(tokenizer, CALL)], 64, None, 5.0, synced=synced)
+    assert asked == [True, False, False, False] and len(seen) == 3  # its own turn, then two stand-in turns
+    assert seen[1] == seen[2] == [prompt]
+    assert (out.completion_ids, out.tool_mask, out.messages, out.calls) == (alone.completion_ids, alone.tool_mask,
+                                                                           alone.messages, alone.calls)
+    # a call with no room left is still taken when synced (the other ranks' forwards need it), its draw cut
+    generate, seen = _scripted(tokenizer, CALL)
+    first = [_ids(tokenizer, CALL)]
+    room = len(first[0]) + len(tools.suffix_ids(tokenizer, [{"role": "tool", "name": "calculator", "content": "7"}]))
+    out = grpo_rollout.run(generate, tokenizer, built, [prompt], first, room, None, 5.0, synced=lambda busy: busy)
+    assert len(seen) == 1 and out.turns == [1] and out.tool_mask[0].count(1) == len(first[0])
+
+
 def test_tools_are_refused_by_key_when_they_cannot_be_imported_or_described(work, monkeypatch):
     monkeypatch.syspath_prepend(str(work))
     found = tools.problems(["calc_tools:calculator", "calc_tools:nothing", "no_such_module:f", "calc_tools:undocumented",
@@ -167,11 +194,13 @@ logging: {trackers: [none], progress: false}
 """
 
 
-def test_explain_finds_the_tools_beside_the_config_and_refuses_a_bad_one_or_a_sharded_layout_by_key(work):
+def test_explain_finds_the_tools_beside_the_config_and_refuses_a_bad_one_by_key(work):
     assert _explain(work) == []
     assert _explain(work, "rl.tools=[calc_tools:undocumented]") == ["rl.tools[0]"]
-    assert "rl.tools" in _explain(work, "parallel.strategy=fsdp", "launch.num_processes=2", "training.micro_batch_size=4")
-    assert _explain(work, "parallel.strategy=ddp", "launch.num_processes=2", "training.micro_batch_size=4") == []
+    for layout in ("parallel.strategy=fsdp", "parallel.strategy=ddp"):  # a sharded policy's ranks turn together
+        assert _explain(work, layout, "launch.num_processes=2", "training.micro_batch_size=4") == []
+    assert _explain(work, "parallel.pp_size=2", "launch.num_processes=2", "training.micro_batch_size=4") == [
+        "parallel.pp_size"]
     assert _explain(work, "peft.method=lora") == []
 
 

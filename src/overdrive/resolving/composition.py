@@ -175,17 +175,6 @@ ROWS: tuple[Row, ...] = (
     Row(TAUGHT, "expert-parallel", "parallel.ep_size",
         "expert parallel is run for the token objectives alone; a teacher beside the ep group's all-to-all is not",
         "set parallel.ep_size=1"),
-    # A tool-calling rollout (rl.tools) is GRPO's generation in turns: each completion continues as many
-    # times as it calls tools, so ranks call generate a different number of times. Under ZeRO-3 and FSDP2
-    # every forward of generate is taken by every rank together (synced_gpus): they would wait on each other.
-    Row(ONLINE, "tools+sharded", "rl.tools",
-        "the ranks of a sharded policy generate together, one forward each, and tool calls give each rank its own "
-        "number of turns", "train with DDP or ZeRO-1/2 (each rank holds the whole policy), or remove rl.tools"),
-    # An environment's methods are tools (rl.environment): the same turns, the same lockstep.
-    Row(ONLINE, "environment+sharded", "rl.environment",
-        "the ranks of a sharded policy generate together, one forward each, and an environment's tool calls give "
-        "each rank its own number of turns", "train with DDP or ZeRO-1/2 (each rank holds the whole policy), or "
-        "remove rl.environment"),
     Row(EVERY, "tensor-parallel+adapter", "parallel.tp_size",
         "PEFT's A and B matrices are plain tensors that Transformers' tp plan does not split, beside base weights "
         "sharded as DTensors", "shard an adapter run with FSDP (parallel.tp_size=1), which shards frozen and "
@@ -249,9 +238,9 @@ def pieces_of(cfg: RunConfig, vision: Optional[bool] = None) -> set[str]:
     if cfg.parallel.ep_size > 1:
         pieces.add("expert-parallel")
     if cfg.rl.method != "none" and cfg.rl.tools:
-        pieces |= {"tools"} | (set() if registry.of(cfg).holds_whole_model(cfg) else {"tools+sharded"})
+        pieces.add("tools")
     if cfg.rl.method != "none" and cfg.rl.environment:
-        pieces |= {"environment"} | (set() if registry.of(cfg).holds_whole_model(cfg) else {"environment+sharded"})
+        pieces.add("environment")
     if cfg.training.loss_kernel in KERNELS:
         pieces |= {"loss kernel"} | ({"fused loss kernel"} if cfg.training.loss_kernel == "fused" else set())
     if not registry.of(cfg).holds_whole_model(cfg):

@@ -9,6 +9,11 @@ everything after the prompt; `tool_mask` is 0 at the tools' tokens, which are co
 the loss nor counted as the policy's completion tokens. `rl.max_completion_length` bounds the whole
 completion, tools' tokens included: results that would pass it are dropped and the completion ends
 as it was (TRL's rule).
+
+A sharded policy (ZeRO-3, FSDP2) over several processes gathers its weights in every forward, so every
+rank takes every forward of every turn (`synced`): the ranks agree before each turn whether any of them
+still has a completion to continue, and a rank with none keeps the others company (its generate call
+forwards a stand-in input and draws nothing) until the slowest rank's last turn.
 """
 
 from __future__ import annotations
@@ -40,14 +45,17 @@ def run(generate: Callable[[list[list[int]], int, list[tuple[int, int]]], list[l
         max_completion_length: int, max_iterations: Optional[int], timeout_s: float,
         max_model_length: Optional[int] = None,
         toolsets: Optional[Sequence[Sequence["tools_mod.Tool"]]] = None,
-        calling: Optional[Callable[[int, int], contextlib.AbstractContextManager]] = None) -> Rollout:
+        calling: Optional[Callable[[int, int], contextlib.AbstractContextManager]] = None,
+        synced: Optional[Callable[[bool], bool]] = None) -> Rollout:
     """The rollout of completions `first` (generated from `prompt_ids`, one prompt per completion);
     `generate(inputs, max_new_tokens, turns)` continues each input by one turn of the policy (cut after its
     end-of-sequence token), all pending completions in one call; `turns` says whose each input is:
     (completion, its turn: 1 for the first after the prompt's), so a completion's draws are its own.
     `toolsets`: each completion's own tools (rl.environment: its instance's methods beside rl.tools),
     where they differ; `tools` then lists their schemas for the parser. `calling(completion, turn)`:
-    the context its tool calls run in (a random stream of its own)."""
+    the context its tool calls run in (a random stream of its own). `synced(busy)`: whether any rank is
+    busy (every rank asks before each turn): the ranks then call `generate` the same number of times, as a
+    sharded policy's forwards need; `generate` is then synced too, forwarding until every rank is done."""
     by_name = [{t.name: t for t in (toolsets[i] if toolsets is not None else tools)} for i in range(len(first))]
     completion_ids = [list(c) for c in first]
     out = Rollout(completion_ids, [[1] * len(c) for c in first],
@@ -55,7 +63,9 @@ def run(generate: Callable[[list[list[int]], int, list[tuple[int, int]]], list[l
                   turns=[1] * len(first))
     pending = [i for i, m in enumerate(out.messages) if m[-1].get("tool_calls")]
     iteration = 0
-    while pending and (max_iterations is None or iteration < max_iterations):
+    while max_iterations is None or iteration < max_iterations:
+        if synced is None and not pending:
+            break
         inputs, kept = [], []
         for i in pending:
             prompt = list(prompt_ids[i])
@@ -76,11 +86,17 @@ def run(generate: Callable[[list[list[int]], int, list[tuple[int, int]]], list[l
             out.messages[i] += results
             inputs.append(ids)
             kept.append(i)
-        if not kept:
+        if not (kept if synced is None else synced(bool(kept))):  # synced: every rank turns, or none does
             break
         rooms = [max_completion_length - (len(ids) - len(prompt_ids[i])) for ids, i in zip(inputs, kept)]
         turns = [(i, iteration + 1) for i in kept]
-        continued = generate(inputs, max(rooms), turns) if max(rooms) > 0 else [[] for _ in inputs]
+        if not kept:  # another rank continues: a stand-in input keeps its forwards company, its draw dropped
+            generate([list(prompt_ids[0])], 1, [(0, iteration + 1)])
+            continued = []
+        elif synced is not None or max(rooms) > 0:  # a synced call is taken even with no room (cut below)
+            continued = generate(inputs, max(max(rooms), 1), turns)
+        else:
+            continued = [[] for _ in inputs]
         pending = []
         for ids, i, new, room in zip(inputs, kept, continued, rooms):
             new = list(new)[:max(room, 0)]

@@ -88,7 +88,8 @@ def lean_decoding(model: Any) -> bool:
     return callable(supports) and supports() and config is not None and not getattr(config, "is_encoder_decoder", False)
 
 
-def _any_rank_busy(busy: bool, device: Any) -> bool:
+def any_rank_busy(busy: bool, device: Any) -> bool:
+    """Whether this rank or another is still busy (an all-reduce every rank takes at the same point)."""
     flag = torch.tensor([1.0 if busy else 0.0], device=device)
     torch.distributed.all_reduce(flag)
     return flag.item() > 0
@@ -108,7 +109,7 @@ def decode(model: Any, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: in
     new, step_ids = [], ids
     for step in range(max_new_tokens if not synced else 1 << 30):
         busy = step < max_new_tokens and not bool(done.all())
-        if synced and not _any_rank_busy(busy, ids.device):
+        if synced and not any_rank_busy(busy, ids.device):
             break
         if not busy and not synced:
             break

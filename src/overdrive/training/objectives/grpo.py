@@ -221,7 +221,8 @@ class GRPOObjective(Objective):
                 self.tokenizer, self.schemas, prompt_ids, first, rl.max_completion_length,
                 rl.max_tool_calling_iterations, rl.tool_timeout_s,
                 getattr(acc.unwrap_model(model).config, "max_position_embeddings", None), toolsets=toolsets,
-                calling=lambda i, t: environments_mod.reseed(sampling.mixed_seed(seeds[i], t)))
+                calling=lambda i, t: environments_mod.reseed(sampling.mixed_seed(seeds[i], t)),
+                synced=(lambda busy: sampling.any_rank_busy(busy, acc.device)) if self.sharded and acc.num_processes > 1 else None)
         out.prompts, out.prompt_ids = prompts, prompt_ids
         return out
 
