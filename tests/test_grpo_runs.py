@@ -165,7 +165,8 @@ def test_the_loss_spike_guard_judges_grpo_by_its_gradient_norm(work, reference, 
 
 def test_an_out_of_memory_grpo_step_is_redone_as_a_run_started_at_half_the_micro_batch(work, monkeypatch):
     """training.oom_retry on GRPO: the completions cut again at the halved micro-batch and the slots
-    laid out as that split lays them; from the redone step on, the run started at the halved split."""
+    laid out as that split lays them; from the redone step on, the run started at the halved split.
+    Also when the memory runs out while a rank samples, on 2 processes."""
     half = run(command(work, "oom-half", *SHORT, "training.micro_batch_size=4", "training.gradient_accumulation_steps=4"),
                cwd=work, timeout=900)
     assert half.returncode == 0, half.stdout[-3000:] + half.stderr[-3000:]
@@ -178,6 +179,18 @@ def test_an_out_of_memory_grpo_step_is_redone_as_a_run_started_at_half_the_micro
     for step in (2, 3, 4):  # the reward logged once per step: the redo's metrics replace the failed attempt's
         assert got[step]["loss"] == expected[step]["loss"] and got[step]["reward"] == expected[step]["reward"], step
         assert got[step]["grad_norm"] == expected[step]["grad_norm"], step
+
+    # Out of memory while rank 1 samples, on 2 processes: both stop the step before the rewards' gather (rank 0 never
+    # waits in it for rank 1), the step is redone at the halved split, rank 1 sampling in halves: the same completions.
+    monkeypatch.setenv("OVERDRIVE_FAULT_INJECT", "oom-sampling:step=2:rank=1")
+    done = run(command(work, "oom-sampling", *SHORT, "training.oom_retry=true", "launch.num_processes=2",
+                       "parallel.strategy=ddp", "training.micro_batch_size=4", "training.gradient_accumulation_steps=2",
+                       f"launch.main_process_port={free_port()}"), cwd=work, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "step 2: out of memory at micro-batch 4; redoing it at micro-batch 2 x accumulation 4" in done.stdout
+    got = logged(work / "oom-sampling")
+    assert [got[s]["micro_batch_size"] for s in (1, 2, 3, 4)] == [4, 2, 2, 2]
+    _same_steps(got, expected, (1, 2, 3, 4))
 
 
 def test_the_chunked_loss_kernel_gives_grpo_the_full_losses(work, reference):

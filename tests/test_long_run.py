@@ -30,6 +30,7 @@ RUN = ["model.architecture.resid_pdrop=0", "model.architecture.embd_pdrop=0", "m
 def test_the_injection_hook_is_read_and_refused_by_name():
     assert parse("oom:step=3:rank=1,spike:step=6") == Injection(oom_step=3, oom_rank=1, spike_step=6)
     assert parse("") == Injection()
+    assert parse("oom-sampling:step=2:rank=1") == Injection(sampling_oom_step=2, sampling_oom_rank=1)
     for bad in ("oom:rank=1", "melt:step=2", "spike:step=x", "spike:step=0", "oom:step=2:node=1"):
         with pytest.raises(UserError, match="OVERDRIVE_FAULT_INJECT"):
             parse(bad)

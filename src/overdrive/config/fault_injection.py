@@ -4,6 +4,9 @@ Not config keys (a config describes a run, not an accident): people testing thei
 set the variable on the launcher, the workers inherit it.
 
     OVERDRIVE_FAULT_INJECT=oom:step=K:rank=R     rank R raises an out-of-memory error inside step K
+    OVERDRIVE_FAULT_INJECT=oom-sampling:step=K:rank=R
+                                                 the same while rank R samples (GRPO's, on-policy
+                                                 distillation's generation) in step K
     OVERDRIVE_FAULT_INJECT=spike:step=K          step K's labels scrambled on every rank (a loss spike)
     OVERDRIVE_FAULT_INJECT=stall:step=K          checkpoint.async: step K's checkpoint written, never sealed
     OVERDRIVE_FAULT_INJECT=freeze:step=K         every rank stops after step K (logged, saved if due) until killed
@@ -22,7 +25,8 @@ from overdrive.config.env_report import process_environment
 from overdrive.errors import Problem, UserError
 
 VARIABLE = "OVERDRIVE_FAULT_INJECT"
-_FIELDS = {"oom": {"step", "rank"}, "spike": {"step"}, "stall": {"step"}, "freeze": {"step"}}
+_FIELDS = {"oom": {"step", "rank"}, "oom-sampling": {"step", "rank"}, "spike": {"step"}, "stall": {"step"},
+           "freeze": {"step"}}
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,8 @@ class Injection:
 
     oom_step: Optional[int] = None
     oom_rank: int = 0
+    sampling_oom_step: Optional[int] = None  # out of memory while the rank samples (an online objective)
+    sampling_oom_rank: int = 0
     spike_step: Optional[int] = None
     stall_step: Optional[int] = None  # the background write of this step's checkpoint holds before its seal
     freeze_step: Optional[int] = None  # the job stops here and waits to be killed: a machine lost at a known step
@@ -52,8 +58,9 @@ def parse(text: str) -> Injection:
         if "step" not in values or values["step"] < 1:
             raise _bad(text, f"{kind} needs step=K (K >= 1, an optimizer step)")
         found[kind] = values
-    oom, spike = found.get("oom", {}), found.get("spike", {})
-    return Injection(oom_step=oom.get("step"), oom_rank=oom.get("rank", 0), spike_step=spike.get("step"),
+    oom, sampling_oom, spike = found.get("oom", {}), found.get("oom-sampling", {}), found.get("spike", {})
+    return Injection(oom_step=oom.get("step"), oom_rank=oom.get("rank", 0), sampling_oom_step=sampling_oom.get("step"),
+                     sampling_oom_rank=sampling_oom.get("rank", 0), spike_step=spike.get("step"),
                      stall_step=found.get("stall", {}).get("step"), freeze_step=found.get("freeze", {}).get("step"))
 
 

@@ -199,6 +199,7 @@ class Loop:
         self.spikes = loss_spikes.LossSpikes(cfg, acc, state, self.injection, max(self.model_parallel // self.cp, 1),
                                              measure=parts.objective.spike_measure)
         self.oom = oom_retry.OomRetry(cfg, acc, self.injection)
+        parts.objective.guard_alone = self.oom.alone  # an online objective's sampling, agreed on when it fails
         self.on_new_config: Any = lambda cfg: None  # train() records the config a redo changed (resolved.json)
         ckpt.stall_at = self.injection.stall_step
         self.grad_norm = None

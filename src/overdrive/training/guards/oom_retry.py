@@ -29,14 +29,22 @@ over ranks cannot be agreed on (the other ranks are inside that reduction): with
 processes it ends the run as before. So the feature is refused where a forward itself holds
 collectives (sharded parameters, tensor, context or pipeline parallel; resolving/validate.py).
 
+An online objective samples before its loss (GRPO's completions, on-policy distillation's), each rank
+alone, and then gathers what it sampled (GRPO's rewards) or counts the step's units over the ranks:
+collectives a failed rank would never join. So the sampling runs under `alone`: an out-of-memory
+error in it is agreed on at its end, every rank at the same point, and the step redone as above.
+The objective samples in smaller batches after such a failure (GRPO halves its generation batch;
+on-policy distillation samples a micro-batch at a time, which the redo halves).
+
 `OVERDRIVE_FAULT_INJECT=oom:step=K:rank=R` (config/fault_injection.py) raises the error on
-rank R after the forward of step K's first micro-batch, once, with the key on or off.
+rank R after the forward of step K's first micro-batch, once, with the key on or off;
+`oom-sampling:step=K:rank=R` raises it while rank R samples in step K.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
@@ -48,6 +56,9 @@ from overdrive.resolving import Resolved
 from overdrive.errors import Problem, UserError
 
 
+T = TypeVar("T")
+
+
 def recorded(resolved: Resolved, cfg: RunConfig) -> Resolved:
     """`resolved` running `cfg`, the split's two keys with their origin (for resolved.json)."""
     why = Origin("oom_retry", "training.oom_retry: halved after an out-of-memory step, the global batch kept")
@@ -55,8 +66,8 @@ def recorded(resolved: Resolved, cfg: RunConfig) -> Resolved:
                                                   "training.gradient_accumulation_steps": why})
 
 
-class _OtherRankFailed(Exception):
-    """Another rank ran out of memory in this step: this one stops the step too."""
+class _AgreedFailure(Exception):
+    """A rank ran out of memory in this step and the ranks agreed on it: this one stops the step too."""
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -106,6 +117,7 @@ class OomRetry:
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         # The hook fires with the key on or off: a run without it shows how it ends.
         self.inject_at = injection.oom_step if injection.oom_rank == self.rank else None
+        self.inject_sampling_at = injection.sampling_oom_step if injection.sampling_oom_rank == self.rank else None
         self.backward_failed = False  # this attempt's error came out of a backward
         self.step = 0  # the step being attempted (1-based)
         self.retries = 0
@@ -118,7 +130,7 @@ class OomRetry:
         try:
             step()
             return None
-        except _OtherRankFailed:
+        except _AgreedFailure:
             pass
         except Exception as error:  # noqa: BLE001  judged here: only out-of-memory is retried
             if not is_out_of_memory(error):
@@ -143,12 +155,32 @@ class OomRetry:
             raise torch.OutOfMemoryError(f"OVERDRIVE_FAULT_INJECT: out of memory injected in step "
                                          f"{self.step} on rank {self.rank}")
         if self.enabled and self._agree(failed=False):
-            raise _OtherRankFailed()
+            raise _AgreedFailure()
         try:
             accelerator.backward(loss)
         except BaseException:
             self.backward_failed = True
             raise
+
+    def alone(self, work: Callable[[], T]) -> T:
+        """`work` that this rank does without the others (an online objective's sampling), with the collectives
+        that follow it in mind: an out-of-memory error in it is agreed on at its end (several processes, the key
+        on), so a rank that failed and the ranks that did not all stop the step there, before any of them enters
+        a collective the failed one would never reach."""
+        failed = False
+        try:
+            if self.inject_sampling_at == self.step:
+                self.inject_sampling_at = None  # once: the redone step samples in full
+                raise torch.OutOfMemoryError(f"OVERDRIVE_FAULT_INJECT: out of memory injected while step {self.step} "
+                                             f"samples on rank {self.rank}")
+            result = work()
+        except Exception as error:  # noqa: BLE001  judged here: only out-of-memory is agreed on
+            if not (self.enabled and self.world > 1 and is_out_of_memory(error)):
+                raise  # one process, or the key off: attempt() judges it as it judges a step's
+            failed = True  # the handler's end lets go of the traceback and what the sampling held
+        if self._agree(failed):
+            raise _AgreedFailure()
+        return result
 
     def _agree(self, failed: bool) -> bool:
         """Did any rank fail this step? One all-reduce of an int, every rank at the same point."""

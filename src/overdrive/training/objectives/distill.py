@@ -91,10 +91,12 @@ class DistillObjective(Objective):
         started = time.perf_counter()
         if sampler is not None and on:
             acc = self.accelerator
-            micro_batches = [sampler.batch(model, b, [distill_policy.sample_seed(self.seed, self.step, row) for row in
-                                                      distill_policy.row_numbers(acc.process_index, acc.num_processes,
-                                                                                 i, len(b["input_ids"]))])
-                             for i, b in enumerate(micro_batches)]
+            drawn = micro_batches  # sampled a micro-batch at a time (an out-of-memory redo halves it), agreed on
+            micro_batches = self.alone(lambda: [
+                sampler.batch(model, b, [distill_policy.sample_seed(self.seed, self.step, row) for row in
+                                         distill_policy.row_numbers(acc.process_index, acc.num_processes, i,
+                                                                    len(b["input_ids"]))])
+                for i, b in enumerate(drawn)])
         self.step_sums[0] += float(on)
         self.step_sums[1] += time.perf_counter() - started
         self.step_sums[-1] += 1

@@ -19,6 +19,7 @@ The arithmetic is TRL's (grpo_loss.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import time
@@ -120,6 +121,8 @@ class GRPOObjective(Objective):
         # rl.use_vllm: model -> the engine (training/generation/vllm_sampling.py), started at the first generation
         self.vllm_factory: Optional[Callable[[Any], "vllm_sampling.VLLMSampler"]] = None
         self.vllm: Optional["vllm_sampling.VLLMSampler"] = None
+        # Completions per generate call: all of a rank's step in one, until sampling ran out of memory
+        self.sampling_rows: Optional[int] = None
 
     # -------------------------------------------------------------- generation
 
@@ -138,8 +141,13 @@ class GRPOObjective(Objective):
             raise RuntimeError("a group of completions is split across ranks or steps: the slot layout is wrong")
         started = time.perf_counter()
         instances = self.pool.take(len(groups)) if self.pool is not None else []
-        with torch.no_grad():
-            rollouts = [self._generate(model, [prompt_rows[f] for f in firsts], [groups[f] for f in firsts], instances)]
+        try:  # a rank samples alone: an out-of-memory error here is agreed on before the gathers below
+            with torch.no_grad():
+                rollouts = [self.alone(lambda: self._generate(model, [prompt_rows[f] for f in firsts],
+                                                              [groups[f] for f in firsts], instances))]
+        except Exception:  # the step is redone (training.oom_retry) or the run ends: the redo samples in halves
+            self.sampling_rows = max(1, (self.sampling_rows or len(groups)) // 2)
+            raise
         completion_ids = [c for r in rollouts for c in r.completion_ids]
         generated = time.perf_counter()
         rows = [self.prompts.rows[i] for i in prompt_rows]
@@ -244,12 +252,19 @@ class GRPOObjective(Objective):
                 rows: Optional[list[int]] = None) -> list[list[int]]:
         """A turn of the policy after each input (training/generation/sampling.py), cut after its end-of-sequence,
         input i drawn from `seeds[i]`; `rows`: the prompts' rows, whose images a vision-language policy sees."""
-        rl = self.rl
-        return sampling.sample(model, self.accelerator, inputs, max_new_tokens, pad_id=self.pad_id,
-                               eos_id=self.tokenizer.eos_token_id, temperature=rl.temperature, top_p=rl.top_p,
-                               top_k=rl.top_k, synced=self.sharded, seeds=seeds,
-                               continuous_batching=rl.use_transformers_continuous_batching,
-                               inputs_for=(lambda width: self._images(rows, width, 0)) if rows and self.vision else None)
+        rl, out = self.rl, []
+        # In batches of sampling_rows once sampling ran out of memory (the draws are each completion's own: the
+        # same completions); a sharded policy's ranks never split theirs (they would not turn together)
+        size = len(inputs) if self.sharded or not self.sampling_rows else self.sampling_rows
+        for start in range(0, len(inputs), max(size, 1)):
+            span, part = slice(start, start + size), rows[start:start + size] if rows else None
+            out += sampling.sample(model, self.accelerator, inputs[span], max_new_tokens, pad_id=self.pad_id,
+                                   eos_id=self.tokenizer.eos_token_id, temperature=rl.temperature, top_p=rl.top_p,
+                                   top_k=rl.top_k, synced=self.sharded, seeds=seeds[span],
+                                   continuous_batching=rl.use_transformers_continuous_batching,
+                                   inputs_for=functools.partial(self._images, part, completion_width=0)
+                                   if part and self.vision else None)
+        return out
 
     def _micro_batches(self, model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                        advantages: torch.Tensor, tool_mask: Optional[list[list[int]]] = None,

@@ -20,12 +20,13 @@ class here or beside it, and one row of the table of what composes (resolving/co
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
 from overdrive.training.step import step_loss
 
+T = TypeVar("T")
 
 class Objective:
     """The defaults every objective shares: one term, no metrics of its own, nothing pending."""
@@ -35,6 +36,9 @@ class Objective:
     #: what training.loss_spike judges (training/guards/loss_spikes.py): "loss", the step's loss per unit,
     #: where that is a positive scale a bad batch lifts; "grad_norm" where the loss is not one
     spike_measure = "loss"
+    #: the loop's guard around work a rank does alone (training.oom_retry: training/guards/oom_retry.py's
+    #: `OomRetry.alone`), set by the loop; without it the work just runs
+    guard_alone: Optional[Callable[[Callable[[], Any]], Any]] = None
 
     def counts(self, batch: dict) -> torch.Tensor:
         return step_loss.loss_token_count(batch)
@@ -45,6 +49,11 @@ class Objective:
     def prepare(self, model: Any, micro_batches: list) -> list:
         """The step's micro-batches as the objective trains on them (an online method generates here)."""
         return micro_batches
+
+    def alone(self, work: Callable[[], T]) -> T:
+        """`work` this rank does without the others before the step's collectives (an online objective's
+        sampling), under the loop's guard: an out-of-memory error in it is agreed on over the ranks."""
+        return work() if self.guard_alone is None else self.guard_alone(work)
 
     def read(self) -> dict[str, float]:
         return {}
