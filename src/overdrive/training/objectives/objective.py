@@ -94,17 +94,26 @@ def without_repeats(loader: Any, batch: dict) -> dict:
     summed as they are, those rows would count twice and the held-out loss of two processes would not
     be one process's. Accelerate's own rule (`gather_for_metrics`): in the last batch, the rank-major
     positions from `remainder` on are repeats."""
-    remainder = getattr(loader, "remainder", -1)
-    sampler = getattr(loader, "batch_sampler", None)
-    width, rank = getattr(sampler, "batch_size", None), getattr(sampler, "process_index", 0)
-    if not getattr(loader, "end_of_dataloader", False) or remainder <= 0 or width is None or "labels" not in batch:
+    if "labels" not in batch:
         return batch
     labels = batch["labels"]
-    repeated = rank * width + torch.arange(labels.shape[0], device=labels.device) >= remainder
-    if not bool(repeated.any()):
+    repeated = repeated_rows(loader, labels.shape[0], labels.device)
+    if repeated is None:
         return batch
     shape = (-1,) + (1,) * (labels.dim() - 1)
     return {**batch, "labels": labels.masked_fill(repeated.view(shape), step_loss.IGNORE)}
+
+
+def repeated_rows(loader: Any, rows: int, device: Any) -> Optional[torch.Tensor]:
+    """Which of the current batch's `rows` Accelerate repeated to even out the ranks' last batches
+    (`without_repeats`), or None when none is."""
+    remainder = getattr(loader, "remainder", -1)
+    sampler = getattr(loader, "batch_sampler", None)
+    width, rank = getattr(sampler, "batch_size", None), getattr(sampler, "process_index", 0)
+    if not getattr(loader, "end_of_dataloader", False) or remainder <= 0 or width is None:
+        return None
+    repeated = rank * width + torch.arange(rows, device=device) >= remainder
+    return repeated if bool(repeated.any()) else None
 
 
 class TokenObjective(Objective):
@@ -137,12 +146,13 @@ class TokenObjective(Objective):
             for batch in loader:
                 if self.task != "sequence-classification":
                     batch = without_repeats(loader, batch)
-                tokens += step_loss.loss_token_count(batch)
-                if self.task != "sequence-classification":
+                    tokens += step_loss.loss_token_count(batch)
                     loss_sum += step_loss.summed_loss(model, batch, kernel).detach().float()
                 else:
                     out = model(**batch)
-                    loss_sum += out.loss.detach().float() * batch["labels"].shape[0]
+                    rows, count = classifier_rows_loss(out, batch["labels"], repeated_rows(loader, len(batch["labels"]),
+                                                                                 acc.device))
+                    loss_sum, tokens = loss_sum + rows, tokens + count
                     preds, labels = acc.gather_for_metrics((out.logits.argmax(dim=-1), batch["labels"]))
                     correct += (preds == labels).sum()
                     seen += labels.numel()
@@ -155,3 +165,14 @@ class TokenObjective(Objective):
         else:
             result["eval_accuracy"] = correct.item() / max(seen, 1)
         return result
+
+
+def classifier_rows_loss(out: Any, labels: torch.Tensor, repeated: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the summed loss, the rows) of a classifier's batch, the rows Accelerate repeated left out: each row's
+    cross entropy, as Transformers' single-label loss is (its mean x the rows where nothing is repeated)."""
+    if repeated is None or labels.is_floating_point():  # regression or multi-label heads: their own mean
+        return out.loss.detach().float() * labels.shape[0], torch.tensor(labels.shape[0], device=labels.device)
+    kept = ~repeated
+    per_row = torch.nn.functional.cross_entropy(out.logits.float().view(len(labels), -1), labels.view(-1),
+                                                reduction="none")
+    return per_row[kept].sum(), kept.sum()

@@ -22,7 +22,7 @@ from overdrive.config.schema import RunConfig
 from overdrive.config.schema_preference import WITH_REFERENCE
 from overdrive.training.objectives import preference_kto as kto
 from overdrive.training.objectives import preference_loss as losses
-from overdrive.training.objectives.objective import Objective
+from overdrive.training.objectives.objective import Objective, repeated_rows
 
 # metrics.jsonl's names (TRL's), in the order of the summed tensor; the last slot counts pairs.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -114,6 +114,7 @@ class PreferenceObjective(Objective):
         try:
             with torch.no_grad():
                 for batch in loader:
+                    batch = _without_repeats(loader, batch)
                     here, units = self.sums(model, batch).double(), self.counts(batch).double().to(self.accelerator.device)
                     sums, counts = (here, units) if sums is None else (sums + here, counts + units)
             metrics = self.read()
@@ -132,25 +133,28 @@ class PreferenceObjective(Objective):
         if self.unpaired is not None:
             return kto.units(batch).to(device).reshape(1)
         pairs = batch["input_ids"].shape[0] // 2
+        kept = _kept(batch, pairs).to(device)
         if self.method != "orpo":
-            return torch.tensor([pairs], dtype=torch.long, device=device)
-        chosen_tokens = _nll_mask(batch)[:pairs, 1:].sum()
-        return torch.stack([torch.tensor(pairs, dtype=torch.long, device=device), chosen_tokens.long()])
+            return kept.sum().long().reshape(1)
+        chosen_tokens = (_nll_mask(batch)[:pairs, 1:] * kept[:, None]).sum()
+        return torch.stack([kept.sum().long(), chosen_tokens.long()])
 
     def sums(self, model, batch: dict) -> torch.Tensor:
         if self.unpaired is not None:  # KTO: its mean over the micro-batch's rows (the KL estimate is the batch's)
             loss, metrics = self.unpaired(model, batch, self.reference)
             self.sums_of_metrics += metrics
-            return (loss * batch["input_ids"].shape[0]).reshape(1)
+            return (loss * kto.units(batch).to(loss.device)).reshape(1)
         if self.method == "reward":  # a scalar per sequence: chosen rows, then rejected ones
             scores = model(**{k: batch[k] for k in MODEL_INPUTS}, use_cache=False).logits.squeeze(-1).float()
             n = len(scores) // 2
             pairs = losses.bradley_terry(scores[:n], scores[n:], self.centering)
-            self._add(pairs)
-            return pairs.losses.sum().reshape(1)
+            kept = _kept(batch, n).to(scores.device)
+            self._add(pairs, kept)
+            return (pairs.losses * kept).sum().reshape(1)
         ref = self.reference(model, batch) if self.reference is not None else None
         logps, lengths, per_token = sequence_scores(model, batch)
         n = len(logps) // 2
+        kept = _kept(batch, n).to(logps.device)  # held-out pairs Accelerate repeated: 0
         chosen, rejected = logps[:n], logps[n:]
         chosen_length, rejected_length = lengths[:n], lengths[n:]
         if self.method == "dpo":
@@ -161,21 +165,21 @@ class PreferenceObjective(Objective):
             scores = losses.simpo(chosen, rejected, chosen_length, rejected_length, self.beta, self.gamma,
                                   self.smoothing)
         else:  # orpo: the odds-ratio term per pair, and the NLL over the chosen sequences, prompt included
-            real = _nll_mask(batch)[:n, 1:].to(per_token.dtype)
+            real = _nll_mask(batch)[:n, 1:].to(per_token.dtype) * kept[:, None].to(per_token.dtype)
             nll_sum = -(per_token[:n] * real).sum()
             scores = losses.orpo(chosen, rejected, chosen_length, rejected_length, 0.0, self.beta)
-            self._add(scores)
-            return torch.stack([scores.losses.sum(), nll_sum.float()])
-        self._add(scores)
-        return scores.losses.sum().reshape(1)
+            self._add(scores, kept)
+            return torch.stack([(scores.losses * kept).sum(), nll_sum.float()])
+        self._add(scores, kept)
+        return (scores.losses * kept).sum().reshape(1)
 
-    def _add(self, s: "losses.PairScores") -> None:
+    def _add(self, s: "losses.PairScores", kept: torch.Tensor) -> None:
+        """TRL's metrics of the pairs, those with `kept` 0 (held-out repeats) left out."""
         with torch.no_grad():
             margins = s.chosen_rewards - s.rejected_rewards
-            values = [s.chosen_rewards.sum(), s.rejected_rewards.sum(), (margins > 0).sum(), margins.sum(),
-                      s.chosen_logps.detach().sum(), s.rejected_logps.detach().sum()]
-            self.sums_of_metrics += torch.stack([v.double() for v in values]
-                                                + [self.sums_of_metrics.new_tensor(len(margins))])
+            values = [s.chosen_rewards * kept, s.rejected_rewards * kept, (margins > 0) * kept, margins * kept,
+                      s.chosen_logps.detach() * kept, s.rejected_logps.detach() * kept, kept]
+            self.sums_of_metrics += torch.stack([v.double().sum() for v in values])
 
     def pending(self) -> list[float]:
         """The sums since the last read, over every rank, without resetting (what a checkpoint keeps)."""
@@ -193,6 +197,20 @@ class PreferenceObjective(Objective):
             return {**means, "accuracy": means["rewards/accuracies"], "margin": means["rewards/margins"],
                     "mean_reward": (means["rewards/chosen"] + means["rewards/rejected"]) / 2}
         return {name: value / count for name, value in zip(METRICS, total)}
+
+
+def _without_repeats(loader: Any, batch: dict) -> dict:
+    """A held-out batch with `kept`: 0 for the pairs (KTO: rows) Accelerate repeated to even out the ranks' last
+    batches (objective.without_repeats), so each pair is in the held-out loss and metrics once on any number of
+    processes. A paired batch holds its chosen rows, then its rejected ones."""
+    rows = batch["input_ids"].shape[0] // (1 if "desirable" in batch else 2)
+    repeated = repeated_rows(loader, rows, batch["input_ids"].device)
+    return batch if repeated is None else {**batch, "kept": (~repeated).float()}
+
+
+def _kept(batch: dict, rows: int) -> torch.Tensor:
+    """1 for each pair (row) in the loss, 0 for a held-out repeat."""
+    return batch["kept"] if "kept" in batch else torch.ones(rows)
 
 
 def _nll_mask(batch: dict) -> torch.Tensor:

@@ -34,7 +34,9 @@ def mismatched(batch: dict) -> dict:
 
 
 def units(batch: dict) -> torch.Tensor:
-    """The rows of a micro-batch: what a step's KTO loss is the mean over."""
+    """The rows of a micro-batch: what a step's KTO loss is the mean over (a held-out repeat, `kept` 0, not)."""
+    if "kept" in batch:
+        return batch["kept"].sum().long()
     return torch.tensor(batch["input_ids"].shape[0], dtype=torch.long)
 
 
@@ -59,11 +61,27 @@ class UnpairedLoss:
         desirable = batch["desirable"].bool()
         s = losses.kto(logps, reference_logps, desirable, kl, self.beta, self.desirable_weight,
                        self.undesirable_weight)
-        with torch.no_grad():
-            values = [s.chosen_rewards.sum(), s.rejected_rewards.sum(), s.chosen_logps.sum(), s.rejected_logps.sum(),
-                      kl, desirable.sum(), (~desirable).sum(), torch.ones((), device=kl.device)]
-            sums = torch.stack([v.double() for v in values])
-        return s.losses.mean(), sums
+        if "kept" not in batch:
+            return s.losses.mean(), _metric_sums(s, desirable, kl)
+        # A held-out batch with rows Accelerate repeated: those out of the mean and the metrics
+        kept = batch["kept"].to(s.losses.device).bool()
+        in_loss = torch.cat([kept[desirable], kept[~desirable]])  # the losses' order: desirable rows first
+        return ((s.losses * in_loss).sum() / in_loss.sum().clamp(min=1),
+                _metric_sums(s, desirable, kl, kept[desirable], kept[~desirable]))
+
+
+def _metric_sums(s: "losses.UnpairedScores", desirable: torch.Tensor, kl: torch.Tensor,
+                 kept_chosen: Optional[torch.Tensor] = None, kept_rejected: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The SLOTS' sums of a micro-batch (the rewards and log-probs of its desirable and undesirable rows, as
+    `losses.kto` splits them), the rows not `kept` left out."""
+    with torch.no_grad():
+        chosen = [s.chosen_rewards, s.chosen_logps]
+        rejected = [s.rejected_rewards, s.rejected_logps]
+        if kept_chosen is not None and kept_rejected is not None:
+            chosen, rejected = [v[kept_chosen] for v in chosen], [v[kept_rejected] for v in rejected]
+        values = [chosen[0].sum(), rejected[0].sum(), chosen[1].sum(), rejected[1].sum(), kl,
+                  torch.tensor(len(chosen[0])), torch.tensor(len(rejected[0])), torch.ones(())]
+        return torch.stack([v.double().to(kl.device) for v in values])
 
 
 def means(total: list[float]) -> dict[str, float]:
