@@ -111,18 +111,21 @@ def test_head_is_counted():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_heads,checkpointing,attn", [(2, False, "sdpa"), (4, False, "eager"), (2, True, "sdpa")],
-                         ids=["gqa-sdpa", "mha-eager", "gqa-checkpointed"])
-def test_llama_class_activations(kv_heads, checkpointing, attn):
-    """RMSNorm in Python, SwiGLU, rotary embeddings, grouped K/V heads, eager's causal mask."""
+@pytest.mark.parametrize("family,kv_heads,checkpointing,attn", [
+    ("llama", 2, False, "sdpa"), ("llama", 4, False, "eager"), ("llama", 2, True, "sdpa"), ("qwen3", 2, False, "sdpa")],
+    ids=["gqa-sdpa", "mha-eager", "gqa-checkpointed", "qwen3-qk-norm-head-dim"])
+def test_llama_class_activations(family, kv_heads, checkpointing, attn):
+    """RMSNorm in Python, SwiGLU, rotary embeddings, grouped K/V heads, eager's causal mask; Qwen3's RMSNorm of
+    each head of Q and K and a head_dim that is not hidden / heads (64 x 4 heads beside a hidden size of 128)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from overdrive.memory import Setup
     from overdrive.memory.model_shape import shape_of_model
 
-    config = AutoConfig.for_model("llama", hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+    config = AutoConfig.for_model(family, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=kv_heads, intermediate_size=344, vocab_size=1000,
-                                  max_position_embeddings=512, use_cache=False)
+                                  max_position_embeddings=512, use_cache=False,
+                                  **({"head_dim": 64} if family == "qwen3" else {}))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     model.train()
@@ -130,5 +133,5 @@ def test_llama_class_activations(kv_heads, checkpointing, attn):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     measured = measure_activations(model, 2, 256, 1000)
     setup = Setup(devices=1, precision="no", micro_batch=2, seq_len=256, checkpointing=checkpointing, target="cpu")
-    predicted = estimate_row("ddp", shape_of_model(model, "llama"), setup).activations_saved_bytes
+    predicted = estimate_row("ddp", shape_of_model(model, family), setup).activations_saved_bytes
     assert abs(predicted / measured - 1) < 0.02

@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 from test_memory_activations import forward_saved
-from vlm_fixtures import make_vision_data, make_tiny_models
+from vlm_fixtures import make_tiny_models, make_tiny_qwen3_vl, make_vision_data
 
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("vlm-memory")
     make_tiny_models(root)
+    make_tiny_qwen3_vl(root / "qwen3")
     make_vision_data(root, rows=8, layout="messages")
     return root
 
@@ -60,8 +61,8 @@ def measured(model, batch: dict) -> tuple[int, int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,items", [("qwen", ()), ("llava", ()), ("qwen", ("model.vision.train_projector=true",)),
-                                        ("llava", ("model.vision.freeze=false",))],
-                         ids=["qwen2-vl", "llava", "qwen2-vl-projector-trained", "llava-tower-trained"])
+                                        ("llava", ("model.vision.freeze=false",)), ("qwen3", ())],
+                         ids=["qwen2-vl", "llava", "qwen2-vl-projector-trained", "llava-tower-trained", "qwen3-vl"])
 def test_the_estimate_of_a_vlm_run_matches_what_it_holds(work, name, items):
     from overdrive.memory import estimate_row
     from overdrive.memory.model_shape import run_shape
@@ -75,7 +76,7 @@ def test_the_estimate_of_a_vlm_run_matches_what_it_holds(work, name, items):
     model.train()
     activations, states = measured(model, batch)
     setup = setup_for_run(cfg, "cpu", micro_batch=4, seq_len=batch["input_ids"].shape[1], precision="no")
-    assert setup.image_tokens == {"qwen": 4, "llava": 5}[name]
+    assert setup.image_tokens == {"qwen": 4, "llava": 5, "qwen3": 4}[name]
     assert setup.frozen_parts == {(): ("vision", "projector"), ("model.vision.freeze=false",): ("projector",)}.get(
         items, ("vision",))
     row = estimate_row("ddp", run_shape(cfg), setup)

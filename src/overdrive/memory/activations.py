@@ -28,7 +28,10 @@ The same accounting, term by term, adapted to what Transformers and PyTorch actu
   a fused kernel (`F.gelu`, `F.silu`), 4 for GPT-2's Python `gelu_new`. A gated MLP
   (SwiGLU) keeps gate, activation, up and product.
 - LayerNorm keeps its fp32 mean and rstd (8 bytes per token); Transformers' RMSNorm, written
-  in Python, keeps an fp32 copy of its input and its normalised output.
+  in Python, keeps an fp32 copy of its input and its normalised output. Qwen3, Gemma 3 and OLMo 2
+  normalise Q and K too (per head, or over their whole width): the same per element, and an fp32
+  rsqrt per normalised row. Q, the attention output and the output projection's input are
+  heads x head_dim wide, which is not the hidden size where the config says so (Qwen3's 128).
 - Beyond the layers: the embedding dropout mask, the final norm and LM-head input, the
   logits the caller holds, the fp32 log-softmax output cross-entropy saves (Transformers
   up-casts logits before the loss), and the int64 shifted labels. At an 8k-128k vocabulary
@@ -165,22 +168,26 @@ def layer_bytes_per_token(shape: ModelShape, setup: Setup, d: Dtypes, kernel: At
     t = setup.tp
     h, a, f, s = shape.hidden, shape.heads // t, shape.intermediate // t, setup.local_seq_len
     kv = shape.kv_heads // t * shape.head_dim
+    q = a * shape.head_dim  # Q's width on this rank (heads x head_dim: the hidden size unless the config says)
     total = 0.0
     # --- attention block
     total += _norm(shape, d)
     total += d.e * h  # input of the Q/K/V projections
+    for width, length in ((q, shape.q_norm), (kv, shape.k_norm)):  # Q's and K's own RMSNorms, where the model has them
+        if length:
+            total += (4 + d.r) * width + RMSNORM_STATS * width // length
     if kernel == "flash":
-        total += d.e * (h // t + 2 * kv)  # Q, K, V
+        total += d.e * (q + 2 * kv)  # Q, K, V
         # Output (also the output projection's input: merging heads is a view of the
         # kernel's (b, s, heads, d) layout) and the fp32 log-sum-exp per head.
-        total += d.e * h // t + 4 * a
+        total += d.e * q + 4 * a
     else:
-        kv_kept = h // t if kernel == "eager" else kv  # eager attention repeats K/V heads (repeat_kv)
-        total += d.e * (h // t + 2 * kv_kept)
+        kv_kept = q if kernel == "eager" else kv  # eager attention repeats K/V heads (repeat_kv)
+        total += d.e * (q + 2 * kv_kept)
         total += d.e * a * s  # softmax output
         if shape.attn_dropout > 0:
             total += (d.mask + d.e) * a * s  # its dropout mask and output
-        total += d.e * h // t  # output projection input (heads merged: a copy)
+        total += d.e * q  # output projection input (heads merged: a copy)
     if shape.resid_dropout > 0:
         total += d.mask * h
     # --- MLP block

@@ -214,6 +214,9 @@ def shape_of_model(model, name: str) -> ModelShape:
     hidden = int(_first(config, "hidden_size", "n_embd", "d_model"))
     heads = int(_first(config, "num_attention_heads", "n_head"))
     activation = _first(config, "hidden_act", "activation_function", default="gelu")
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    norms = {n.rpartition(".")[2]: m.weight.numel() for n, m in (blocks[0].named_modules() if blocks else [])
+             if n.endswith(("q_norm", "k_norm")) and getattr(m, "weight", None) is not None}
     return ModelShape(
         name=name,
         model_type=str(getattr(config, "model_type", "?")),
@@ -249,6 +252,9 @@ def shape_of_model(model, name: str) -> ModelShape:
         parts=_parts(model, params) if vision else (),
         vision_hidden=int(_first(model.config.vision_config, "hidden_size", "embed_dim", default=0)) if vision else 0,
         vision_layers=int(_first(model.config.vision_config, "num_hidden_layers", "depth", default=0)) if vision else 0,
+        explicit_head_dim=head_dim if head_dim != hidden // heads else 0,
+        q_norm=norms.get("q_norm", 0),
+        k_norm=norms.get("k_norm", 0),
     )
 
 

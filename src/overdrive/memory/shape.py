@@ -78,6 +78,11 @@ class ModelShape:
     vision_hidden: int = 0
     """A vision-language model's vision tower: its width and blocks (what it keeps when it trains)."""
     vision_layers: int = 0
+    explicit_head_dim: int = 0
+    """The config's head_dim where it is not hidden / heads (Qwen3: 128 at every width); 0: hidden / heads."""
+    q_norm: int = 0
+    """Qwen3, Gemma 3, OLMo 2: the length Q's RMSNorm normalises over (a head's, or the whole width); 0: none."""
+    k_norm: int = 0
 
     @property
     def active_params(self) -> int:
@@ -89,7 +94,7 @@ class ModelShape:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.explicit_head_dim or self.hidden // self.heads
 
 
 @dataclass(frozen=True)
