@@ -136,7 +136,7 @@ def test_eval_prompts_with_images_are_read_from_their_files_directory_and_a_miss
 
 @pytest.mark.parametrize("item,key", [
     ("preference.method=kto", "preference.method"), ("preference.precompute_reference=true",
-                                                       "preference.precompute_reference"), ("training.oom_retry=true", "training.oom_retry"),
+                                                       "preference.precompute_reference"),
     ("parallel.tp_size=2", "parallel.tp_size"), ("parallel.pp_size=2", "parallel.pp_size"),
     ("training.loss_kernel=chunked", "training.loss_kernel"), ("compile.backend=inductor", "compile.backend"),
     ("training.activation_offloading=true", "training.activation_offloading"),
@@ -146,7 +146,7 @@ def test_what_does_not_compose_with_a_vlm_is_refused_by_key_before_anything_laun
     from overdrive.resolving.resolve import resolve
 
     extra = {"preference.method=kto": ["data.format=preference"],
-             "preference.precompute_reference=true": ["data.format=preference", "preference.method=dpo"], "training.oom_retry=true": ["data.format=prompts", "rl.method=grpo"],
+             "preference.precompute_reference=true": ["data.format=preference", "preference.method=dpo"],
              "parallel.tp_size=2": ["launch.num_processes=2"], "parallel.pp_size=2": ["launch.num_processes=2"]}
     with pytest.raises(UserError) as refused:
         resolve([], cli=["model.name_or_path=org/some-vlm", "model.vision.enabled=true", "data.format=chat", item,

@@ -64,17 +64,34 @@ def test_the_prompts_image_reaches_the_forward_over_the_completions(work):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,extra", [("qwen", ["peft.method=lora", "peft.r=8", "peft.alpha=16"]),
-                                        ("llava", ["rl.beta=0.04"])], ids=["qwen2-vl-lora", "llava-full-kl"])
-def test_grpo_with_image_prompts_runs_and_rewards_read_the_rows_columns(work, name, extra):
+                                        ("llava", ["rl.beta=0.04", "rl.num_iterations=2", "training.oom_retry=true"])],
+                         ids=["qwen2-vl-lora", "llava-full-kl-oom-redo"])
+def test_grpo_with_image_prompts_runs_and_rewards_read_the_rows_columns(work, name, extra, monkeypatch):
+    """The LLaVA run runs out of memory at step 2 (injected), whose completions are kept from step 1 for a second
+    update (rl.num_iterations=2): they are cut again at the halved micro-batch with their prompts' images."""
     from checkpoint_probe import records, run
 
     out = work / f"grpo-{name}"
+    if "training.oom_retry=true" in extra:
+        monkeypatch.setenv("OVERDRIVE_FAULT_INJECT", "oom:step=2:rank=0")
     done = run([sys.executable, "-m", "overdrive.cli", "train", f"model.name_or_path={work / name}",
                 f"data.source={work / 'prompts.jsonl'}", *RUN, f"output_dir={out}", *extra], cwd=work, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     steps = [r for r in records(out) if "reward" in r]
     print(name, [(r["step"], round(r["loss"], 4), r["reward"]) for r in steps])
-    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["step"] for r in steps] == ([1, 3] if "rl.num_iterations=2" in extra else [1, 2, 3])
+    if "training.oom_retry=true" in extra:  # step 2 updated on step 1's completions (no reward of its own)
+        trained = [r for r in records(out) if "loss" in r]
+        assert [(r["step"], r["micro_batch_size"]) for r in trained] == [(1, 4), (2, 2), (3, 2)]
+        monkeypatch.delenv("OVERDRIVE_FAULT_INJECT")  # against a run started at the halved split
+        half = run([sys.executable, "-m", "overdrive.cli", "train", f"model.name_or_path={work / name}",
+                    f"data.source={work / 'prompts.jsonl'}", *RUN, f"output_dir={out}-half", *extra,
+                    "training.micro_batch_size=2", "training.gradient_accumulation_steps=2"], cwd=work, timeout=600)
+        assert half.returncode == 0, half.stdout[-3000:] + half.stderr[-3000:]
+        expected = [r for r in records(work / f"grpo-{name}-half") if "loss" in r]
+        for got, want in zip(trained, expected):
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-7), (got, want)
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), (got, want)
     samples = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert samples and all(isinstance(s["completion"][0]["content"], str) for s in samples)
     assert any(s["reward"] for s in samples) or all(r["reward"] == 0 for r in steps)

@@ -286,6 +286,8 @@ class GRPOObjective(Objective):
                                      tool_mask=tool_mask[span] if tool_mask is not None else None)
             batch.update(self._images(rows[span] if rows is not None else None, batch["prompt_ids"].shape[1],
                                       batch["completion_ids"].shape[1]))
+            if self.vision and rows is not None:  # what a recut needs to add the images again (resplit)
+                batch["prompt_row"] = torch.tensor(rows[span], device=self.accelerator.device)
             batches.append(batch)
         with torch.no_grad():
             correct = sampler_logps is not None and self.rl.vllm_importance_sampling_correction
@@ -365,7 +367,12 @@ class GRPOObjective(Objective):
         cut again, with the log-probs taken when they were generated (not the weights' since)."""
         self.micro = micro
         if self.cached is not None:
-            self.cached = (self.cached[0], recut(self.cached[1], micro, self.pad_id))
+            batches = recut(self.cached[1], micro, self.pad_id)
+            for batch in batches:  # a vision-language policy's images, for the prompt rows of the new cut
+                if "prompt_row" in batch:
+                    batch.update(self._images(batch["prompt_row"].tolist(), batch["prompt_ids"].shape[1],
+                                              batch["completion_ids"].shape[1]))
+            self.cached = (self.cached[0], batches)
 
     # -------------------------------------------------------------- the loss
 

@@ -61,9 +61,10 @@ def completion_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]
 
 def recut(batches: list[dict], micro: int, pad: int) -> list[dict]:
     """The same completions, in order, `micro` to a micro-batch (their padding trimmed and redone)."""
-    prompts, completions, advantages, old, ref, tools, ratios = [], [], [], [], [], [], []
+    prompts, completions, advantages, old, ref, tools, ratios, rows = [], [], [], [], [], [], [], []
     for b in batches:
         for i in range(b["completion_ids"].shape[0]):
+            rows.append(int(b["prompt_row"][i]) if "prompt_row" in b else None)
             prompts.append(b["prompt_ids"][i][b["prompt_mask"][i] == 1].tolist())
             kept = b["completion_mask"][i] == 1
             completions.append(b["completion_ids"][i][kept].tolist())
@@ -76,11 +77,14 @@ def recut(batches: list[dict], micro: int, pad: int) -> list[dict]:
     out = []
     for start in range(0, len(completions), micro):
         span = slice(start, start + micro)
-        out.append(completion_batch(prompts[span], completions[span], torch.stack(advantages[span]), pad, device,
-                                    old=old[span] if old[0] is not None else None,
-                                    ref=ref[span] if ref[0] is not None else None,
-                                    tool_mask=tools[span] if tools[0] is not None else None,
-                                    is_ratio=ratios[span] if ratios[0] is not None else None))
+        batch = completion_batch(prompts[span], completions[span], torch.stack(advantages[span]), pad, device,
+                                 old=old[span] if old[0] is not None else None,
+                                 ref=ref[span] if ref[0] is not None else None,
+                                 tool_mask=tools[span] if tools[0] is not None else None,
+                                 is_ratio=ratios[span] if ratios[0] is not None else None)
+        if rows[0] is not None:  # a vision-language policy's prompt rows: their images are added again after
+            batch["prompt_row"] = torch.tensor(rows[span], device=device)
+        out.append(batch)
     return out
 
 
