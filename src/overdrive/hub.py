@@ -61,6 +61,23 @@ def refuse_missing_local(key: str, name: Optional[str], what: str = "model") -> 
                                 fix=f"check the path (from {Path.cwd()}); a hub name is written owner/name"))
 
 
+# The files from_pretrained takes weights from: safetensors and torch files, their shard indexes, TF's,
+# Flax's and GGUF.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".index.json")
+
+
+def weightless_local(key: str, name: Optional[str], fix: str) -> Optional[Problem]:
+    """A local model directory with a config.json and no weight file (a config saved alone, a copy that
+    left the weights behind): Transformers would fail only when the model is built, after the data."""
+    path = Path(name).expanduser() if name else None
+    if path is None or not (path / "config.json").is_file() or (path / "adapter_config.json").is_file():
+        return None
+    if any(child.name.endswith(_WEIGHT_SUFFIXES) for child in path.iterdir()):
+        return None
+    return Problem(key, f"{name} has a config.json but no weights (no model.safetensors, pytorch_model.bin "
+                   "or shards of them)", fix=fix)
+
+
 @functools.lru_cache(maxsize=None)
 def unreachable() -> Optional[str]:
     """Why the hub cannot be reached, when that is plain at once; None when it answers, or when
@@ -253,7 +270,13 @@ def reading(key: str, name: Optional[str], *, what: str = "model", revision: Opt
     every hub failure one message naming `key` (exit 2). A local path is read as it is."""
     refuse_missing_local(key, name, what)
     if not name or is_local(name):
-        yield
+        try:
+            yield
+        except OSError:  # a directory whose weights were left behind: said by key, where any model is read
+            weightless = weightless_local(key, name, "give a save_pretrained directory that holds the weights")
+            if weightless is None:
+                raise
+            raise UserError(weightless) from None
         return
     if what != "data set":  # datasets keeps its own cache (under data.cache_dir): it decides
         refuse_if_unreadable(key, name, what)

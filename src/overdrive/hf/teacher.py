@@ -63,6 +63,8 @@ def fit_problems(cfg: RunConfig) -> list[Problem]:
     """The teacher and the student read text as the same ids and score the same vocabulary."""
     if not enabled(cfg):
         return []
+    from overdrive import hub
+
     name = cfg.distill.teacher
     try:
         config = teacher_config(cfg)
@@ -73,6 +75,10 @@ def fit_problems(cfg: RunConfig) -> list[Problem]:
         return [Problem(KEY, f"cannot read {name} as a causal LM with its tokenizer: {error}",
                         fix="point distill.teacher at a save_pretrained directory (config.json and the tokenizer's "
                         "files) or a hub name")]
+    weightless = hub.weightless_local(KEY, name, "point distill.teacher at a save_pretrained directory that holds "
+                                      "the teacher's weights, or a hub name")
+    if weightless is not None:
+        return [weightless]
     student_name = cfg.tokenizer.name_or_path or cfg.model.name_or_path
     if not student_name:
         return [Problem(KEY, "the student's tokenizer would be trained from the data here, so its ids cannot be "

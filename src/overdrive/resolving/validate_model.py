@@ -72,6 +72,13 @@ def model_rules(cfg: RunConfig, where: Where = lambda key: "") -> tuple[list[Pro
     set; `unreadable`: the model could not be read here (train refuses it; explain, which may be
     given a config meant for another machine, says it could not check)."""
     found = layout.loop_problems(cfg)  # the loop's own limits (sequence parallel), no model needed
+    if not cfg.model.from_scratch:
+        from overdrive import hub
+
+        found += [p for p in [hub.weightless_local(
+            "model.name_or_path", cfg.model.name_or_path,
+            "save the model with save_pretrained (its weights too), or set model.from_scratch=true to start "
+            "from random weights of this config")] if p]
     arch = dict(cfg.model.architecture)
     if not cfg.model.name_or_path and not asks_the_shape(cfg) and positions(arch) is not None:
         return _placed(found + positions_problems(cfg, arch), where), []
