@@ -74,3 +74,41 @@ def test_a_document_mask_on_rl_prompts_is_refused_by_its_key():
         cfg_of(MODEL, "rl.method=grpo", "data.format=prompts", "data.source=p.jsonl", "data.document_mask=true",
                "rl.reward_funcs=[{function: exact_match, column: answer}]")
     assert "data.document_mask" in [p.key for p in error.value.problems]
+
+
+def test_a_file_that_is_not_utf8_is_refused_by_its_line_before_or_while_it_is_read(tmp_path):
+    import pytest
+
+    from overdrive.data import open_splits
+    from overdrive.data.row_table import undecodable
+    from overdrive.errors import UserError
+
+    rows = b"".join(b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n'
+                    for _ in range(3))
+    latin = tmp_path / "chat.jsonl"
+    latin.write_bytes(rows + rows.replace(b'"a"', b'"caf\xe9"', 1))  # line 4: Latin-1's e-acute
+    with pytest.raises(UserError) as before:  # explain's and the pre-launch checks' read
+        local_table(str(latin))
+    assert before.value.problems[0].key == "data.source" and before.value.problems[0].where == f"{latin}:4"
+    cfg = cfg_of(f"model.name_or_path={tmp_path}", "data.format=chat", f"data.source={latin}")
+    with pytest.raises(UserError) as during:  # the stream training tokenizes
+        list(open_splits(cfg).train.batches())
+    assert during.value.problems[0].where == f"{latin}:4" and "iconv" in during.value.problems[0].fix
+    assert undecodable(latin, "x", piece_bytes=7).where == "x:4"  # a character cut between two pieces
+    latin.write_bytes(rows + "café\n".encode())
+    assert undecodable(latin, "x", piece_bytes=len(rows) + 4) is None
+    latin.write_bytes(b"")
+    with pytest.raises(UserError, match="has no rows"):  # datasets' own error would name nothing
+        open_splits(cfg)
+
+
+def test_a_local_prompt_file_is_refused_once_by_its_row_checks_not_again_by_its_count(tmp_path):
+    from overdrive.training.build.preconditions import data_problems
+    from overdrive.training.build.user_inputs import check
+
+    prompts = _jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "answer": "y"}, {"question": "b", "answer": "y"}])
+    cfg = cfg_of(MODEL, "rl.method=grpo", "data.format=prompts", f"data.source={prompts}",
+                 "rl.reward_funcs=[{function: exact_match}]")
+    errors, _ = check(cfg, lambda key: "", [tmp_path])
+    assert [(p.key, p.where) for p in errors] == [("data.prompt_column", f"{prompts}:2")]
+    assert data_problems(cfg) == []  # train asks both: the row is said once

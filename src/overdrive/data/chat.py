@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 import numpy as np
 
 from overdrive.data import layouts
-from overdrive.data.sources import Batch, Rows, _columns, row_batches
+from overdrive.data.sources import Batch, Rows, row_batches
 from overdrive.errors import Problem, UserError
 
 if TYPE_CHECKING:
@@ -56,8 +56,8 @@ class ChatRows(Rows):
 
     def __init__(self, rows: Rows, cfg: RunConfig):
         d = cfg.data
-        super().__init__(rows.dataset, rows.key, None, None, rows.total, None)
-        names = _columns(rows.dataset)
+        super().__init__(rows.dataset, rows.key, None, None, rows.total, None, rows.files)
+        names = rows.column_names()
         self.data = d
         self.layout, self.columns = layouts.recognise(names, d)
         self.extra = layouts.extra_columns(names, d)
@@ -76,7 +76,8 @@ class ChatRows(Rows):
         return {"messages": turns, "tools": tools} if tools else turns
 
     def batches(self, start: Optional[dict] = None, batch_bytes: int = 1 << 20) -> Iterator[Batch]:
-        return row_batches(self.dataset, self.columns + self.extra, self.conversation, start, batch_bytes)
+        with self.reading():
+            yield from row_batches(self.dataset, self.columns + self.extra, self.conversation, start, batch_bytes)
 
 
 # ---------------------------------------------------------------- template

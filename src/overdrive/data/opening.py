@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from overdrive.config.schema import RunConfig
 from overdrive.data.chat import ChatRows
-from overdrive.data.sources import Rows, Splits, _columns, holdout_fraction, read_source
+from overdrive.data.sources import Rows, Splits, holdout_fraction, read_source
 from overdrive.errors import Problem, UserError
 
 
@@ -29,7 +29,7 @@ def open_source(cfg: RunConfig, split: str, key: str):
 def _check_columns(corpus, cfg: RunConfig) -> None:
     if not isinstance(corpus, Rows):
         return
-    names = _columns(corpus.dataset)
+    names = corpus.column_names()
     for key, column in (("data.text_column", corpus.text_column), ("data.label_column", corpus.label_column)):
         if column is not None and column not in names:
             raise UserError(Problem(key, f"no column {column!r}; the data has {names}", fix=f"set {key} to one of those"))

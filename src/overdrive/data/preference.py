@@ -28,7 +28,7 @@ import numpy as np
 from overdrive.data import row_checks
 from overdrive.data.chat import KINDS
 from overdrive.data import preference_layouts as layouts
-from overdrive.data.sources import Batch, Rows, _columns, row_batches
+from overdrive.data.sources import Batch, Rows, row_batches
 from overdrive.errors import Problem, UserError
 
 if TYPE_CHECKING:
@@ -44,8 +44,8 @@ class PreferenceRows(Rows):
     preference_layouts.py; under KTO, as lists of unpaired rows (prompt, completion, desirable)."""
 
     def __init__(self, rows: Rows, cfg: RunConfig):
-        super().__init__(rows.dataset, rows.key, None, None, rows.total, None)
-        self.reader = PairReader(cfg, _columns(rows.dataset))
+        super().__init__(rows.dataset, rows.key, None, None, rows.total, None, rows.files)
+        self.reader = PairReader(cfg, rows.column_names())
         self.columns = self.reader.columns
         kind = "kto|" if self.reader.unpaired else ""
         self.key = f"preference|{kind}{self.reader.layout}|{'|'.join(self.columns)}|{rows.key}"
@@ -54,7 +54,8 @@ class PreferenceRows(Rows):
         return self.reader.pair(row, index)
 
     def batches(self, start: Optional[dict] = None, batch_bytes: int = 1 << 20) -> Iterator[Batch]:
-        return row_batches(self.dataset, self.columns, self.pair, start, batch_bytes)
+        with self.reading():
+            yield from row_batches(self.dataset, self.columns, self.pair, start, batch_bytes)
 
 
 def template_key(cfg: RunConfig, tokenizer) -> str:

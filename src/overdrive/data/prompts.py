@@ -43,7 +43,8 @@ def read(cfg: RunConfig) -> list[dict]:
     if not isinstance(corpus, Rows):
         raise UserError(Problem("data.format", f"prompts need rows; {cfg.data.source!r} is plain text",
                                 fix="give a jsonl, json, csv or parquet file (or a data set) with a prompt column"))
-    rows = [dict(row) for row in corpus.dataset]
+    with corpus.reading():
+        rows = [dict(row) for row in corpus.dataset]
     if str(cfg.data.source).lower().endswith(".csv"):  # a CSV cell is text; datasets reads "2024" as a number
         column = cfg.data.prompt_column
         for row in rows:

@@ -49,12 +49,12 @@ def local_table(source: Optional[str]) -> Optional[RowTable]:
         import pyarrow.parquet as pq  # datasets' own reader of the format: installed with it
 
         return RowTable(pq.read_table(path).to_pylist(), source)
+    text = _text(path, source)
     if suffix == ".csv":
         import csv
+        import io
 
-        with path.open(newline="", encoding="utf-8-sig", errors="replace") as f:  # a BOM is not a column
-            return RowTable([dict(row) for row in csv.DictReader(f)], source)
-    text = path.read_text(encoding="utf-8-sig", errors="replace")  # as datasets reads it: a BOM is not data
+        return RowTable([dict(row) for row in csv.DictReader(io.StringIO(text, newline=""))], source)
     if suffix == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
@@ -63,6 +63,44 @@ def local_table(source: Optional[str]) -> Optional[RowTable]:
                                     "give a list of objects, or one object a line (jsonl)")) from None
         return RowTable([row if isinstance(row, dict) else {"": row} for row in rows], source)
     return _json_lines(text, source)
+
+
+def _text(path: Path, source: str) -> str:
+    """The file as text (a BOM is not data, as datasets reads it); bytes that are not UTF-8 refused by
+    their line, as the run would fail on them mid-read."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise UserError(_undecodable(source, data, error.start)) from None
+
+
+def _undecodable(name: str, head: bytes, at: int, line: int = 1) -> Problem:
+    line += head[:at].count(b"\n")
+    return Problem("data.source", f"{name} is not UTF-8 text: byte 0x{head[at]:02x} on line {line} (another "
+                   "encoding, such as Latin-1 or UTF-16)", f"{name}:{line}",
+                   f"save the file as UTF-8 (from Latin-1: iconv -f latin1 -t utf-8 {name} > new-file)")
+
+
+def undecodable(path: Path, name: str, piece_bytes: int = 1 << 24) -> Optional[Problem]:
+    """The first byte of `path` that is not UTF-8, as a problem naming its line; None when all of it
+    decodes. Read in pieces: a file met mid-run may be large."""
+    import codecs
+
+    decoder, line = codecs.getincrementaldecoder("utf-8")(), 1
+    with path.open("rb") as f:
+        while piece := f.read(piece_bytes):
+            pending = decoder.getstate()[0]  # a character cut at the end of the piece before
+            try:
+                decoder.decode(piece)
+            except UnicodeDecodeError as error:
+                return _undecodable(name, pending + piece, max(error.start, 0), line - pending.count(b"\n"))
+            line += piece.count(b"\n")
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError as error:  # the file ends inside a character
+        return _undecodable(name, error.object, max(error.start, 0), line)
+    return None
 
 
 def _json_lines(text: str, source: str) -> RowTable:

@@ -17,9 +17,10 @@ import hashlib
 import json
 import sys
 import sysconfig
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 from overdrive.config.schema import RunConfig
 from overdrive.data import pieces
@@ -76,11 +77,33 @@ class Rows:
     unit = "rows"
 
     def __init__(self, dataset, key: str, text_column: str, label_column: Optional[str],
-                 total: Optional[int] = None, label_names: Optional[list[str]] = None):
+                 total: Optional[int] = None, label_names: Optional[list[str]] = None, files: Sequence[Path] = ()):
         self.dataset, self.key, self.text_column, self.label_column = dataset, key, text_column, label_column
-        self.total, self.label_names = total, label_names
+        self.total, self.label_names, self.files = total, label_names, tuple(files)
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Reads of the rows inside: a byte of a local file that is not UTF-8 (met only as the stream
+        decodes its rows, so not looked for up front) said by its file and line."""
+        try:
+            yield
+        except UnicodeDecodeError:
+            from overdrive.data.row_table import undecodable
+
+            found = next(filter(None, (undecodable(f, str(f)) for f in self.files)), None)
+            if found is None:
+                raise
+            raise UserError(found) from None
+
+    def column_names(self) -> list[str]:
+        with self.reading():  # a stream's first row is read for them
+            return _columns(self.dataset)
 
     def batches(self, start: Optional[dict] = None, batch_bytes: int = BATCH_BYTES) -> Iterator[Batch]:
+        with self.reading():
+            yield from self._batches(start, batch_bytes)
+
+    def _batches(self, start: Optional[dict], batch_bytes: int) -> Iterator[Batch]:
         done = (start or {}).get("rows", 0)
         dataset = self.dataset.skip(done) if done else self.dataset
         batch = Batch([], [], [], [] if self.label_column else None)
@@ -193,6 +216,10 @@ def _label_names(dataset, label_column: Optional[str]) -> Optional[list[str]]:
 def _row_files(files: list[Path], builder: str, text_column, label_column, cache_dir: Path) -> Rows:
     import datasets
 
+    blank = next((f for f in files if f.stat().st_size < 1 << 16 and not f.read_bytes().strip()), None)
+    if blank is not None:  # datasets cannot tell the columns of a file without a row: its error names nothing
+        raise UserError(Problem("data.source", f"{blank} has no rows (the file is empty)",
+                                fix="write the rows into it, or leave it out"))
     kwargs = {"delimiter": "\t"} if builder == "csv" and files[0].suffix.lower() == ".tsv" else {}
     stream = datasets.load_dataset(builder, data_files={"train": [str(f) for f in files]}, split="train",
                                    streaming=True, cache_dir=str(cache_dir), **kwargs)
@@ -205,7 +232,7 @@ def _row_files(files: list[Path], builder: str, text_column, label_column, cache
         if builder == "csv" and total:
             total -= len(files)  # header lines
     key = f"{builder}|{json.dumps(kwargs)}|" + pieces.files_fingerprint(files)
-    return Rows(stream, key, text_column, label_column, total)
+    return Rows(stream, key, text_column, label_column, total, files=files)
 
 
 def _table(dataset, what: str, text_column, label_column) -> Rows:

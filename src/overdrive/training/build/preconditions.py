@@ -52,11 +52,16 @@ def data_problems(cfg: RunConfig) -> list[Problem]:
     if cfg.data.format != "prompts" or not isinstance(cfg.training.micro_batch_size, int):
         return []
     from overdrive.data import prompts
+    from overdrive.data.row_table import local_table
 
     try:
         count = len(prompts.read(cfg))
     except UserError as error:
-        return list(error.problems)
+        try:  # a local file's rows are checked one by one with the run's other inputs (user_inputs.py)
+            checked_there = local_table(cfg.data.source) is not None
+        except UserError:
+            checked_there = True
+        return [] if checked_there else list(error.problems)
     return prompts.slot_problems(prompts.slot_layout(cfg, count))
 
 
