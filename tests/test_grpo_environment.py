@@ -165,3 +165,20 @@ def test_explain_checks_the_environment_and_refuses_what_does_not_compose_by_key
                                           "training.micro_batch_size=4")
     assert _explain(work, "rl.baseline=leave_one_out", "rl.multi_objective_aggregation=normalize_then_sum") == [
         "rl.baseline"]
+
+
+def test_a_template_that_cannot_run_the_environments_methods_is_refused_by_rl_environment(work, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from conftest import cfg_of
+    from overdrive.training.build import grpo_parts
+
+    monkeypatch.syspath_prepend(str(work))
+    plain = AutoTokenizer.from_pretrained(work / "base")
+    plain.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # drops the tool turns
+    cfg = cfg_of(f"model.name_or_path={work / 'base'}", "rl.method=grpo", "data.format=prompts",
+                 f"data.source={work / 'prompts.jsonl'}", "rl.environment=lookup_env:LookupEnv",
+                 "rl.num_generations=2", "training.micro_batch_size=2")
+    with pytest.raises(UserError) as error:  # the user set no rl.tools: the key they set is named
+        grpo_parts.prepare(cfg, lambda *_: plain)
+    assert [p.key for p in error.value.problems] == ["rl.environment"]

@@ -145,6 +145,12 @@ def test_tools_are_refused_by_key_when_they_cannot_be_imported_or_described(work
                             "plainname"])
     assert [p.key for p in found] == ["rl.tools[1]", "rl.tools[2]", "rl.tools[3]", "rl.tools[4]"]
     assert "schema" in found[2].message and found[2].fix
+    # called, these would answer the policy with an unawaited coroutine or an instance: refused up front
+    (work / "odd_tools.py").write_text('async def fetch(a: int) -> int:\n    """Fetches.\n\n    Args:\n        a: x\n    """\n'
+                                       '    return a\n\n\nclass Counter:\n    """Counts."""\n')
+    odd = tools.problems(["odd_tools:fetch", "odd_tools:Counter"])
+    assert [p.key for p in odd] == ["rl.tools[0]", "rl.tools[1]"]
+    assert "async" in odd[0].message and "a class" in odd[1].message
 
 
 def test_a_chat_template_without_tool_support_or_a_parser_is_refused_by_rl_tools(work, calc):

@@ -42,12 +42,12 @@ def prepare(cfg: RunConfig, make_tokenizer) -> tuple[Any, PromptData]:
     if cfg.rl.environment:
         environment = environments.build(cfg.rl.environment, list(dict.fromkeys(k for row in rows for k in row)))
     schemas = [t.schema for t in tools] + (environment.schemas if environment else [])
+    key = "rl.tools" if tools else environments.KEY  # the key the user set: an environment's methods are tools too
     if schemas:
-        refused = tools_mod.template_problems(tokenizer)
+        refused = [replace(p, key=key) for p in tools_mod.template_problems(tokenizer)]
         if refused:
             raise UserError(refused)
-    prompt_set = prompts_mod.encode(cfg, rows, tokenizer, tools=schemas,
-                                    key="rl.tools" if tools else environments.KEY)
+    prompt_set = prompts_mod.encode(cfg, rows, tokenizer, tools=schemas, key=key)
     if environment is not None and not prompt_set.conversational:
         raise UserError(prompts_mod.text_prompts_problem(environments.KEY))
     layout = prompts_mod.slot_layout(cfg, len(prompt_set.rows))

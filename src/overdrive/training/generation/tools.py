@@ -18,6 +18,7 @@ template.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -62,6 +63,14 @@ def build(paths: Sequence[str]) -> list[Tool]:
     for index, path in enumerate(paths):
         key = f"rl.tools[{index}]"
         function = _imported(path, key)
+        if inspect.isclass(function) or inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function):
+            # called, it would answer the policy with an instance or an unawaited coroutine, silently
+            what, fix = (("a class", "name a function (a method of an environment is rl.environment's)")
+                         if inspect.isclass(function) else ("async: async tools are not supported",
+                                                            "define it with def (run any awaiting inside it, "
+                                                            "e.g. with asyncio.run)"))
+            raise UserError(Problem(key, f"{path!r} is {what}; a tool is a plain function whose result the policy "
+                                    "reads", fix=fix))
         schema = schema_of(function, path, key)
         name = schema["function"]["name"]
         if any(t.name == name for t in tools):
