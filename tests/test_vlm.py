@@ -112,12 +112,15 @@ def test_images_and_placeholders_that_differ_are_refused_by_key_with_the_row(wor
     rows = [json.loads(line) for line in (work / "sharegpt.jsonl").read_text().splitlines()]
     rows[2]["images"] = rows[2]["images"] * 2
     rows[4]["images"] = ["images/missing.png"]
+    (work / "images" / "notes.png").write_text("not an image")  # found before launch, not mid-encoding
+    rows[6]["images"] = ["images/notes.png"]
     bad = work / "bad.jsonl"
     bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(UserError) as refused:
         settled(work, f"data.source={bad}")
     found = {(p.key, p.where) for p in refused.value.problems}
-    assert ("data.images_column", f"{bad}:3") in found and ("data.images_column", f"{bad}:5") in found
+    assert {("data.images_column", f"{bad}:{line}") for line in (3, 5, 7)} <= found
+    assert "does not open as an image" in refused.value.render()
 
 
 def test_eval_prompts_with_images_are_read_from_their_files_directory_and_a_missing_one_refused(work):
