@@ -190,3 +190,14 @@ def test_a_pipeline_step_padded_to_one_length_gives_the_token_mean_of_the_unpadd
     with torch.no_grad():
         got = sum(loss(model(input_ids=input_ids[i:i + 2]).logits, labels[i:i + 2]) for i in range(0, ROWS, 2))
     assert float(got) == pytest.approx(expected, rel=1e-5)
+
+
+def test_an_environment_beside_image_prompts_is_refused_as_tools_are():
+    from overdrive.resolving import composition
+
+    online = ("rl.method=grpo", "data.format=prompts", "rl.num_generations=2", "training.micro_batch_size=2",
+              "rl.reward_funcs=[{function: exact_match}]")
+    for item, key in (("rl.environment=my_env:Env", "rl.environment"), ("rl.tools=[my_tools:f]", "rl.tools")):
+        # its reset, methods and reward would never run in GRPO's one image turn: refused, not ignored
+        assert [p.key for p in composition.problems(_cfg(*online, item), vision=True)] == [key]
+        assert composition.problems(_cfg(*online, item), vision=False) == []

@@ -73,6 +73,8 @@ VISION_ROWS: tuple[Row, ...] = (
         "built here", "set model.task=causal-lm and data.format=chat"),
     Row(ONLINE, "vision+tools", "rl.tools", "GRPO with images generates one turn; a tool-calling rollout's turns "
         "are not run with images", "remove rl.tools"),
+    Row(ONLINE, "vision+environment", "rl.environment", "GRPO with images generates one turn: the environment's "
+        "reset, methods and get_reward would never run (its reward silently missing)", "remove rl.environment"),
     Row(EVERY - frozenset({"chat"}), "vision+packing", "data.packing", "conversations with images are packed "
         "for supervised fine-tuning (data.format=chat)", "set data.packing=false"),
     Row(EVERY, "vision+mixture", "data.sources", "a vision-language run reads one data file (data.source)",
@@ -206,7 +208,8 @@ def _vision_pieces(cfg: RunConfig) -> set[str]:
              "pipeline": shape.pp > 1, "expert-parallel": cfg.parallel.ep_size > 1,
              "loss kernel": t.loss_kernel in KERNELS, "activation offloading": t.activation_offloading,
              "compile": bool(cfg.compile.backend), "async checkpoint": bool(getattr(cfg.checkpoint, "async")),
-             "eval tasks": bool(cfg.eval.tasks), "tools": bool(cfg.rl.tools)}
+             "eval tasks": bool(cfg.eval.tasks), "tools": bool(cfg.rl.tools),
+             "environment": bool(cfg.rl.environment)}
     return {"vision"} | {f"vision+{name}" for name, on in asked.items() if on}
 
 
