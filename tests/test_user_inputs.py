@@ -283,3 +283,16 @@ def test_a_reward_name_shaped_like_a_secret_is_refused_by_its_key_and_not_echoed
     config = _write(tmp_path, GOOD_ROWS, f"[{{function: exact_match, column: answer, name: {token}}}]")
     problem = next(p for p in _problems(config) if p.key == "rl.reward_funcs[0].name")
     assert "looks like a secret" in problem.message and token not in problem.render()
+
+
+def test_a_module_named_as_one_of_pythons_is_said_to_be_shadowed_not_missing(tmp_path):
+    from overdrive.training.generation import tools
+
+    (tmp_path / "json.py").write_text("def score(prompts, completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    with rewards.importable_from([tmp_path]), pytest.raises(UserError) as error:
+        tools.build(["json:score"])  # the standard library's json, imported long before, answers the name
+    [problem] = error.value.problems
+    assert str(tmp_path / "json.py") in problem.message and "rename your module" in problem.fix
+    with rewards.importable_from([tmp_path]), pytest.raises(UserError) as error:
+        tools.build(["json_rewards:score"])  # no such file: the usual advice
+    assert "beside the config file" in error.value.problems[0].fix

@@ -29,12 +29,42 @@ def what_it_did(error: BaseException) -> str:
     return f"raised {type(error).__name__}: {error}"
 
 
+def _shadowed(module_name: str) -> tuple[str, str] | None:
+    """(the user's file, the module Python imported instead) where a file of the user's on the path has the
+    name of a module of Python or an installed package, imported first; None otherwise."""
+    import sys
+    import sysconfig
+    from pathlib import Path
+
+    module = sys.modules.get(module_name)
+    taken = getattr(module, "__file__", None) or ("built into Python" if module_name in sys.builtin_module_names
+                                                  else None)
+    roots = tuple({sysconfig.get_paths()[name] for name in ("stdlib", "platstdlib", "purelib", "platlib")})
+    if taken is None or not (taken == "built into Python" or str(taken).startswith(roots)):
+        return None
+    top = module_name.split(".")[0]
+    for entry in sys.path:
+        folder = Path(entry or ".").resolve()
+        if str(folder).startswith(roots) or not folder.is_dir():
+            continue
+        for mine in (folder / f"{top}.py", folder / top):
+            if mine.exists():
+                return str(mine), str(taken)
+    return None
+
+
 def import_attribute(path: str, module_name: str, attribute: str, key: str) -> Callable[..., Any]:
     """`module_name.attribute`, a callable, or a UserError by `key`: not found, the module failing (or
     exiting) as it is imported, or not callable."""
     try:
         function = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as error:
+        shadowed = _shadowed(module_name) if isinstance(error, AttributeError) else None
+        if shadowed is not None:  # json.py beside the config: Python's own json was imported long before
+            raise UserError(Problem(key, f"cannot import {path!r}: {shadowed[0]} has the name of a module of Python "
+                                    f"or an installed package, which is imported instead ({shadowed[1]})",
+                                    fix=f"rename your module (e.g. my_{module_name.split('.')[0]}.py) and the "
+                                    "import path")) from None
         raise UserError(Problem(key, f"cannot import {path!r}: {error}",
                                 fix="put the module beside the config file or in the working directory (or on "
                                 "PYTHONPATH), and check the function's name")) from None
