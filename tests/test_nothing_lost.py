@@ -114,7 +114,12 @@ def test_a_run_never_writes_over_the_model_or_data_it_reads(tmp_path):
     (data / "a.txt").write_text("hello\n")
     cases = [[f"model.name_or_path={tmp_path / 'prev' / 'model'}", f"output_dir={tmp_path / 'prev'}"],
              [f"data.source={data}", f"output_dir={data / 'run'}"],
-             [f"data.source={data}", f"output_dir={data}"]]
+             [f"data.source={data}", f"output_dir={data}"],
+             # every local input: the teacher, the tokenizer, a mixture's source, the eval prompts
+             [f"distill.teacher={tmp_path / 'prev' / 'model'}", f"output_dir={tmp_path / 'prev' / 'model'}"],
+             [f"tokenizer.name_or_path={tmp_path / 'prev' / 'model'}", f"output_dir={tmp_path / 'prev'}"],
+             [f"data.sources=[{{name: a, source: {data}}}]", f"output_dir={data / 'run'}"],
+             [f"eval.prompts={tmp_path / 'prev' / 'model' / 'config.json'}", f"output_dir={tmp_path / 'prev'}"]]
     for items in cases:
         with pytest.raises(UserError) as error:
             resolve([], cli=items, env={}, accelerate_default=False)

@@ -26,7 +26,9 @@ def _output_over_inputs(cfg: RunConfig, where: Callable[[str], str]) -> list[Pro
     from overdrive.storage.overlap import local_input, relation
 
     inputs = {"model.name_or_path": cfg.model.name_or_path, "peft.adapter_path": cfg.peft.adapter_path,
-              "data.source": cfg.data.source}
+              "tokenizer.name_or_path": cfg.tokenizer.name_or_path, "distill.teacher": cfg.distill.teacher,
+              "data.source": cfg.data.source, "eval.prompts": cfg.eval.prompts,
+              **{f"data.sources.{i}.source": entry.source for i, entry in enumerate(cfg.data.sources)}}
     problems = []
     for key, value in inputs.items():
         given = local_input(value) if isinstance(value, str) else None
