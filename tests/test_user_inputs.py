@@ -296,3 +296,17 @@ def test_a_module_named_as_one_of_pythons_is_said_to_be_shadowed_not_missing(tmp
     with rewards.importable_from([tmp_path]), pytest.raises(UserError) as error:
         tools.build(["json_rewards:score"])  # no such file: the usual advice
     assert "beside the config file" in error.value.problems[0].fix
+
+
+def test_two_rewards_of_one_name_are_refused_as_their_metrics_would_hide_one(tmp_path):
+    from conftest import cfg_of
+    from overdrive.training.objectives import reward_checks
+
+    def keys(funcs: str) -> list[str]:
+        cfg = cfg_of("model.name_or_path=org/model", "rl.method=grpo", "data.format=prompts",
+                     f"rl.reward_funcs={funcs}")
+        return [p.key for p in reward_checks.problems(cfg, None, lambda key: "")]
+
+    assert keys("[{function: exact_match, name: a}, {function: length, name: a}]") == ["rl.reward_funcs[1].name"]
+    assert keys("[{function: exact_match}, {function: exact_match, column: other}]") == ["rl.reward_funcs[1].name"]
+    assert keys("[{function: exact_match}, {function: exact_match, name: other}]") == []

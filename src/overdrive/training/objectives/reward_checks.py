@@ -33,6 +33,7 @@ def problems(cfg: RunConfig, table: Optional[RowTable], where: Callable[[str], s
     clashes = rewards.colliding(table.columns) if table is not None else []
     # A column named as a call's argument fails every reward's call: said once, by the data, and no reward tried.
     found += [rewards.collision_problem(c, where("data.source")) for c in clashes]
+    named: dict[str, int] = {}  # each reward's name (metrics.jsonl's rewards/<name>/*): the first reward of it
     for index, spec in enumerate(cfg.rl.reward_funcs):
         key = f"rl.reward_funcs[{index}]"
         here = where("rl.reward_funcs")
@@ -45,6 +46,7 @@ def problems(cfg: RunConfig, table: Optional[RowTable], where: Callable[[str], s
         except UserError as error:
             found += [Problem(f"{key}.function", p.message, here, p.fix) for p in error.problems]
             continue
+        found += _same_name(built.name, index, named, here)
         if spec.function in ("exact_match", "regex", "length"):
             continue  # ours: the data's columns are checked with the rows (data/prompt_checks.py)
         if clashes:
@@ -64,6 +66,16 @@ def problems(cfg: RunConfig, table: Optional[RowTable], where: Callable[[str], s
             if failed:
                 found.append(Problem(f"{key}.function", failed[0], here, failed[1]))
     return found
+
+
+def _same_name(name: str, index: int, named: dict[str, int], where: str) -> list[Problem]:
+    """A second reward of one name: both would log as rewards/<name>/*, one hiding the other."""
+    first = named.setdefault(name, index)
+    if first == index:
+        return []
+    return [Problem(f"rl.reward_funcs[{index}].name", f"{name!r} is also the name of rl.reward_funcs[{first}]: "
+                    f"metrics.jsonl would log both as rewards/{name}/mean, one hiding the other", where,
+                    "give each reward a name of its own (name: ...)")]
 
 
 def _name_problems(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
