@@ -39,6 +39,11 @@ def test_a_grpo_config_resolves_with_trls_defaults_and_explains_its_keys(llama, 
     assert (rl.loss_type, rl.beta, rl.epsilon, rl.scale_rewards, rl.num_iterations) == ("dapo", 0.0, 0.2, "group", 1)
     assert rl.reward_funcs[0].function == "exact_match" and rl.reward_funcs[0].weight == 1.0
     assert resolved.origins["rl.method"].layer == "cli" and resolved.origins["rl.epsilon"].layer == "default"
+    assert resolved.warnings == []
+    # keys the prompt reader does not read: said, as they would seem to hold prompts out or bound them
+    unread = _resolve(llama, prompts, "data.validation_fraction=0.2", "data.validation_split=test", "data.max_bytes=9")
+    assert sorted(p.key for p in unread.warnings) == ["data.max_bytes", "data.validation_fraction",
+                                                      "data.validation_split"]
 
 
 def test_what_does_not_compose_with_grpo_is_refused_by_key(llama, prompts):

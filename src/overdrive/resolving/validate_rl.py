@@ -87,7 +87,7 @@ def rl_rules(cfg: RunConfig, where: Callable[[str], str],
                               "make micro_batch_size x gradient_accumulation_steps a multiple of rl.num_generations"))
     errors += generation_rules(cfg, where)
     return errors + reference_rules(cfg, where) + loss_rules(cfg, where, set_explicitly), warnings + tool_warnings(
-        cfg, where, set_explicitly)
+        cfg, where, set_explicitly) + unread_data_warnings(cfg, where, set_explicitly)
 
 
 def generation_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
@@ -165,6 +165,17 @@ def tool_warnings(cfg: RunConfig, where: Callable[[str], str], set_explicitly: C
         return []
     return [Problem(stray[0], "applies to tool calls only (rl.tools is empty)", where(stray[0]),
                     "add rl.tools (or rl.environment), or remove the key")]
+def unread_data_warnings(cfg: RunConfig, where: Callable[[str], str],
+                         set_explicitly: Callable[[str], bool]) -> list[Problem]:
+    """Data keys a prompt set is not read by (data/prompts.py reads every row of data.split, holds none
+    out): set, they would seem to bound the prompts or to evaluate on some."""
+    return [Problem(key, f"does nothing under rl.method={cfg.rl.method}: every prompt of data.split is read and "
+                    "none is held out (there is no validation split for RL prompts yet)", where(key),
+                    f"remove {key} (to train on fewer prompts, give a smaller prompt file)")
+            for key, on in (("data.validation_split", True), ("data.validation_fraction", cfg.data.validation_fraction > 0),
+                            ("data.max_bytes", True)) if on and set_explicitly(key)]
+
+
 def reference_rules(cfg: RunConfig, where: Callable[[str], str]) -> list[Problem]:
     """A KL term needs a reference: the adapter switched off, or a whole frozen copy per rank (not where the
     strategy shards the policy)."""
