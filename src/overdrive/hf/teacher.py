@@ -75,6 +75,12 @@ def fit_problems(cfg: RunConfig) -> list[Problem]:
         return [Problem(KEY, f"cannot read {name} as a causal LM with its tokenizer: {error}",
                         fix="point distill.teacher at a save_pretrained directory (config.json and the tokenizer's "
                         "files) or a hub name")]
+    from overdrive.hf.vision import is_vision_config
+
+    if is_vision_config(config):  # AutoModelForCausalLM builds no class for it: refused here, not once loaded
+        return [Problem(KEY, f"{name} is a vision-language model ({getattr(config, 'model_type', '?')}): the teacher "
+                        "is loaded as a causal LM, which Transformers does not build from its config",
+                        fix="choose a text teacher with the student's tokenizer")]
     weightless = hub.weightless_local(KEY, name, "point distill.teacher at a save_pretrained directory that holds "
                                       "the teacher's weights, or a hub name")
     if weightless is not None:

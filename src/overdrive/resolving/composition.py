@@ -71,6 +71,9 @@ VISION_ROWS: tuple[Row, ...] = (
         "copy)"),
     Row(frozenset({"classification"}), "vision", "model.task", "a score head on a vision-language model is not "
         "built here", "set model.task=causal-lm and data.format=chat"),
+    Row(TAUGHT, "vision", "distill.teacher", "the teacher is loaded as a causal LM and scores the token cache's text; "
+        "a vision-language student's rows carry images neither model would see", "remove distill.teacher: a "
+        "vision-language model fine-tunes on its conversations with images (data.format=chat)"),
     Row(ONLINE, "vision+tools", "rl.tools", "GRPO with images generates one turn; a tool-calling rollout's turns "
         "are not run with images", "remove rl.tools"),
     Row(ONLINE, "vision+environment", "rl.environment", "GRPO with images generates one turn: the environment's "
