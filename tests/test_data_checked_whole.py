@@ -112,3 +112,13 @@ def test_a_local_prompt_file_is_refused_once_by_its_row_checks_not_again_by_its_
     errors, _ = check(cfg, lambda key: "", [tmp_path])
     assert [(p.key, p.where) for p in errors] == [("data.prompt_column", f"{prompts}:2")]
     assert data_problems(cfg) == []  # train asks both: the row is said once
+
+
+def test_image_parts_in_prompts_for_a_model_without_a_vision_tower_are_refused_by_their_rows(tmp_path):
+    turns = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour"}]}]
+    prompts = _jsonl(tmp_path / "p.jsonl", [{"prompt": [{"role": "user", "content": "hi"}], "answer": "y"},
+                                            {"prompt": turns, "images": ["a.png"], "answer": "y"}])
+    items = ("rl.method=grpo", "data.format=prompts", f"data.source={prompts}", "rl.reward_funcs=[{function: exact_match}]")
+    [problem] = prompt_problems(cfg_of(MODEL, "model.vision.enabled=false", *items), local_table(str(prompts)))
+    assert problem.key == "data.prompt_column" and problem.where == f"{prompts}:2" and "vision" in problem.message
+    assert prompt_problems(cfg_of(MODEL, *items), local_table(str(prompts))) == []  # a hub model not read here

@@ -74,6 +74,7 @@ def prompt_problems(cfg: RunConfig, table: RowTable) -> list[Problem]:
     problems = [_rows_problem("data.prompt_column", table, rows, what, "give every row a prompt: text, or "
                               "[{role: user, content: ...}] turns with something in each")
                 for what, rows in faults.items()]
+    problems += _pictured_for_text(cfg, table)
     if len(kinds) == 2:
         problems.append(Problem("data.prompt_column", f"{table.name} mixes text prompts (row {kinds[False] + 1}) and "
                                 f"chat turns (row {kinds[True] + 1}): a prompt set is one or the other",
@@ -87,6 +88,25 @@ def prompt_problems(cfg: RunConfig, table: RowTable) -> list[Problem]:
                                               f"each completion with (the columns: {table.columns})",
                                               "set the reward's column to the one holding the answers"))
     return problems
+
+
+def _pictured_for_text(cfg: RunConfig, table: RowTable) -> list[Problem]:
+    """Prompts with image parts for a model known to have no vision tower: its chat template would render the
+    parts as text and the images would never be seen, silently."""
+    from overdrive.hf.vision import known_text
+
+    def pictured(prompt: Any) -> bool:
+        return isinstance(prompt, list) and any(
+            isinstance(turn, dict) and isinstance(turn.get("content"), list)
+            and any(isinstance(part, dict) and part.get("type") in ("image", "image_url") for part in turn["content"])
+            for turn in prompt)
+
+    found = [i for i, row in enumerate(table.rows) if pictured(row.get(cfg.data.prompt_column))]
+    if not found or not known_text(cfg):
+        return []
+    return [_rows_problem("data.prompt_column", table, found, "image parts in the prompt, and model.name_or_path "
+                          "has no vision tower: the images would be dropped and the parts rendered as text",
+                          "train a vision-language model (docs/vision.md), or give prompts of text alone")]
 
 
 def kto_balance(cfg: RunConfig, table: RowTable,

@@ -78,6 +78,15 @@ def declared(cfg: RunConfig) -> bool:
     return config is not None and config_is_vision(config)
 
 
+def known_text(cfg: RunConfig) -> bool:
+    """Whether the run's model is known to have no vision tower (False where its config cannot be read here)."""
+    m = cfg.model
+    if m.vision.enabled is not None:
+        return not m.vision.enabled
+    config = _config_json(m.name_or_path, m.revision) if m.name_or_path else m.architecture
+    return config is not None and not config_is_vision(config)
+
+
 def family(cfg: RunConfig) -> Optional[str]:
     """The model_type of the run's vision-language model, where its config can be read."""
     m = cfg.model
