@@ -135,6 +135,12 @@ def test_eval_prompts_with_images_are_read_from_their_files_directory_and_a_miss
         settled(work, f"eval.prompts={asked}")
     assert {(p.key, "missing.png" in p.message and f"{asked}:2" in p.message) for p in refused.value.problems} == {
         ("eval.prompts", True)}
+    (work / "images" / "blank.png").write_bytes(b"")  # there, but no image: refused now, not at the first evaluation
+    asked.write_text(json.dumps({"prompt": "and this", "images": ["images/blank.png"]}) + "\n")
+    with pytest.raises(UserError) as refused:
+        settled(work, f"eval.prompts={asked}")
+    assert [(p.key, "does not open as an image" in p.message) for p in refused.value.problems] == [
+        ("eval.prompts", True)]
 
 
 @pytest.mark.parametrize("item,key", [

@@ -116,7 +116,7 @@ def image_problem(image: Any, base: Path, place: str) -> Optional[Problem]:
     """Where an image cannot be read from: a Problem (None when it can, as far as a look at the file tells)."""
     key = "data.images_column"
     if isinstance(image, dict) and image.get("bytes"):
-        return _unopened(io.BytesIO(image["bytes"]), "its bytes", place)
+        return unopened_image(io.BytesIO(image["bytes"]), "its bytes", place)
     path = image.get("path") if isinstance(image, dict) else image
     if not isinstance(path, str) or not path:
         return Problem(key, f"{place}: an image that is no path: {str(image)[:80]}", place,
@@ -126,10 +126,10 @@ def image_problem(image: Any, base: Path, place: str) -> Optional[Problem]:
                        "download the images and give their paths")
     if not (base / path).expanduser().is_file():
         return Problem(key, f"{place}: no image file {path}", place, f"paths are read from {base}")
-    return _unopened((base / path).expanduser(), path, place)
+    return unopened_image((base / path).expanduser(), path, place)
 
 
-def _unopened(source: Any, what: str, place: str) -> Optional[Problem]:
+def unopened_image(source: Any, what: str, place: str) -> Optional[Problem]:
     """An image file PIL cannot identify (text, an empty or cut file, another format) by its header alone:
     found before launch, not when the run has encoded every row before it."""
     from PIL import Image

@@ -146,6 +146,13 @@ def _prompt_images(cfg: RunConfig, rows: list, where) -> list[Problem]:
         row, image = missing[0]
         return [Problem("eval.prompts", f"{row.place}: no image file {image}", where("eval.prompts"),
                         "give image paths relative to the prompts file's directory")]
+    if with_images:  # a file PIL cannot identify is found now, not at the first evaluation, steps into the run
+        from overdrive.data.vision_rows import unopened_image
+
+        unopened = next(filter(None, (unopened_image(image, image, row.place) for row in with_images
+                                      for image in row.images)), None)
+        if unopened is not None:
+            return [Problem("eval.prompts", unopened.message, where("eval.prompts"), unopened.fix)]
     if with_images and not is_vision(cfg):
         return [Problem("eval.prompts", f"{with_images[0].place}: a prompt with images, but "
                         f"{cfg.model.name_or_path} is not a vision-language model", where("eval.prompts"),
