@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from overdrive.data import layouts
 from overdrive.data.row_table import RowTable, local_table
 from overdrive.errors import Problem, UserError
+from overdrive.hf.vision import unopened_image
 
 IGNORE = -100  # a label the loss leaves out
 # One value per token; `text_mask`: a pair's real tokens that are not an image's (ORPO's NLL, data/vision_pairs.py).
@@ -127,19 +128,6 @@ def image_problem(image: Any, base: Path, place: str) -> Optional[Problem]:
     if not (base / path).expanduser().is_file():
         return Problem(key, f"{place}: no image file {path}", place, f"paths are read from {base}")
     return unopened_image((base / path).expanduser(), path, place)
-
-
-def unopened_image(source: Any, what: str, place: str) -> Optional[Problem]:
-    """An image file PIL cannot identify (text, an empty or cut file, another format) by its header alone:
-    found before launch, not when the run has encoded every row before it."""
-    from PIL import Image
-
-    try:
-        with Image.open(source):
-            return None
-    except (OSError, ValueError) as error:  # PIL's UnidentifiedImageError is an OSError
-        return Problem("data.images_column", f"{place}: {what} does not open as an image: {error}", place,
-                       "replace or drop the image")
 
 
 def open_image(image: Any, base: Path, place: str):

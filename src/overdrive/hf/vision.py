@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+from overdrive.errors import Problem
 
 if TYPE_CHECKING:
     from overdrive.config.schema import RunConfig
@@ -169,3 +171,16 @@ def rope_index(config):
         return holder.get_rope_index(input_ids, mm_token_type_ids, image_grid_thw)[0][:, 0, :]
 
     return positions
+
+
+def unopened_image(source: Any, what: str, place: str) -> Optional[Problem]:
+    """An image file PIL cannot identify (text, an empty or cut file, another format) by its header alone:
+    found before launch, not when the run has encoded every row before it."""
+    from PIL import Image
+
+    try:
+        with Image.open(source):
+            return None
+    except (OSError, ValueError) as error:  # PIL's UnidentifiedImageError is an OSError
+        return Problem("data.images_column", f"{place}: {what} does not open as an image: {error}", place,
+                       "replace or drop the image")

@@ -147,7 +147,7 @@ def _prompt_images(cfg: RunConfig, rows: list, where) -> list[Problem]:
         return [Problem("eval.prompts", f"{row.place}: no image file {image}", where("eval.prompts"),
                         "give image paths relative to the prompts file's directory")]
     if with_images:  # a file PIL cannot identify is found now, not at the first evaluation, steps into the run
-        from overdrive.data.vision_rows import unopened_image
+        from overdrive.hf.vision import unopened_image
 
         unopened = next(filter(None, (unopened_image(image, image, row.place) for row in with_images
                                       for image in row.images)), None)
