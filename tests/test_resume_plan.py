@@ -57,3 +57,24 @@ def test_the_loop_state_is_saved_and_restored_whole():
     again.load_state_dict(json.loads(json.dumps(saved)))
     assert again == LoopState(step=7, epoch=1, batch_in_epoch=3, tokens_seen=900, nonfinite_in_a_row=1,
                               micro_steps=2, first_loss=5.0, final_loss=4.0)
+
+
+def test_a_data_file_rewritten_in_place_is_a_change_of_the_math_touching_it_is_not(tmp_path):
+    from overdrive.errors import UserError
+
+    data, out = tmp_path / "prompts.jsonl", tmp_path / "run"
+    data.write_text('{"text": "the first rows"}\n' * 40)
+    cfg = resolve(cli=[f"output_dir={out}", f"data.source={data}"], env={}).config
+    root = store.checkpoints_dir(cfg.output_dir)
+    tmp = store.begin(root, 4)
+    (tmp / resume.TRAINER_STATE).write_text(json.dumps({"lineage": "x", "config": cfg.model_dump(mode="json"),
+                                                        "data_content": fingerprint.data_content(cfg)}))
+    store.commit(tmp, 4)
+    data.touch()  # the same bytes: resumed as before
+    assert resume.plan_resume(cfg).checkpoint.name == "step-00000004"
+    data.write_text('{"text": "other rows, same path"}\n' * 40)  # the config's values cannot show this
+    with pytest.raises(UserError) as refused:
+        resume.plan_resume(cfg)
+    assert fingerprint.DATA_CONTENT in refused.value.render() and "--force" in refused.value.render()
+    assert resume.plan_resume(cfg, force=True).checkpoint.name == "step-00000004"
+    assert fingerprint.data_content(resolve(cli=["data.source=org/hub-data"], env={}).config) is None

@@ -180,6 +180,10 @@ def decide(cfg: RunConfig) -> Optional[Found]:
                                 fix=START_OVER)) from None
     stored = saved_config(saved, path)
     comparison = fp.compare(stored, cfg)
+    recorded, now = saved.get("data_content"), fp.data_content(cfg)
+    if recorded is not None and now is not None and recorded != now:  # rewritten in place: the same path and keys
+        comparison.changes.append(fp.Change(fp.DATA_CONTENT, recorded, now, "math", "which samples are trained on, "
+                                            "from the saved position on: the data file changed since the checkpoint"))
     different = [c.key for c in comparison.of("math") + comparison.of("layout")]
     different += [c.key for c in comparison.of("harmless") if c.why.startswith(fp.MOVED_BY)]  # another strategy
     if comparison.world_note or comparison.refusal:

@@ -274,7 +274,7 @@ class Checkpointer:
             "world_size": world, "micro_batch_size": t.micro_batch_size,
             "gradient_accumulation_steps": t.gradient_accumulation_steps, "global_batch": fp.global_batch(cfg),
             "strategy": cfg.parallel.strategy, "sharded": fp.sharded(cfg),
-            "fingerprint": fp.fingerprint(cfg), "config": redact(config),
+            "fingerprint": fp.fingerprint(cfg), "data_content": fp.data_content(cfg), "config": redact(config),
             "metrics_bytes": self.metrics_path.stat().st_size if self.metrics_path.exists() else 0,
             "pending_loss": losses, "pending_micro_steps": loop["micro_steps"],
             "extra": {"first_loss": loop["first_loss"], "final_loss": loop["final_loss"]},  # as earlier versions read it
