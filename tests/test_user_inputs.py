@@ -310,3 +310,11 @@ def test_two_rewards_of_one_name_are_refused_as_their_metrics_would_hide_one(tmp
     assert keys("[{function: exact_match, name: a}, {function: length, name: a}]") == ["rl.reward_funcs[1].name"]
     assert keys("[{function: exact_match}, {function: exact_match, column: other}]") == ["rl.reward_funcs[1].name"]
     assert keys("[{function: exact_match}, {function: exact_match, name: other}]") == []
+
+
+def test_a_reward_that_needs_a_column_the_data_lacks_says_to_add_the_column(tmp_path):
+    # TRL's accuracy_reward reads `solution`: a library's function is not the user's to change
+    module = "def accuracy(completions, solution, **kwargs):\n    return [1.0] * len(completions)\n"
+    config = _write(tmp_path, GOOD_ROWS, '["lib_rewards.accuracy"]', module, "lib_rewards")
+    [problem] = _problems(config)
+    assert problem.key == "rl.reward_funcs[0].function" and "give the data a 'solution' column" in problem.fix

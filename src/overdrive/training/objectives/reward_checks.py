@@ -10,6 +10,7 @@ The trial call runs in a thread and is given `TRIAL_SECONDS`: a function that wa
 from __future__ import annotations
 
 import inspect
+import re
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -56,9 +57,12 @@ def problems(cfg: RunConfig, table: Optional[RowTable], where: Callable[[str], s
             columns.append("environments")
         unbound = _unbound(built.function, columns)
         if unbound:
+            wanted = re.search(r"missing a required argument: '(\w+)'", unbound)
+            column = (f"give the data a {wanted.group(1)!r} column (each call hands every column by its name), or "
+                      if wanted else "")  # a library's reward (TRL's accuracy_reward reads `solution`)
             found.append(Problem(f"{key}.function", f"{spec.function} {unbound}", here,
-                                 "take the columns you need by name and **kwargs for the rest, as TRL's reward "
-                                 "functions do: def reward(prompts, completions, answer, **kwargs)"))
+                                 f"{column}take the columns you need by name and **kwargs for the rest, as TRL's "
+                                 "reward functions do: def reward(prompts, completions, answer, **kwargs)"))
             continue
         # The trial needs an environment's instances (rl.environment): its rewards are first called in the run.
         if table is not None and table.rows and not cfg.rl.environment:
