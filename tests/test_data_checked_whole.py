@@ -122,3 +122,13 @@ def test_image_parts_in_prompts_for_a_model_without_a_vision_tower_are_refused_b
     [problem] = prompt_problems(cfg_of(MODEL, "model.vision.enabled=false", *items), local_table(str(prompts)))
     assert problem.key == "data.prompt_column" and problem.where == f"{prompts}:2" and "vision" in problem.message
     assert prompt_problems(cfg_of(MODEL, *items), local_table(str(prompts))) == []  # a hub model not read here
+
+
+def test_csv_cells_of_a_prompt_set_are_read_as_the_text_they_are(tmp_path):
+    from overdrive.data import prompts
+
+    table = tmp_path / "p.csv"
+    table.write_text("prompt,answer\nwhat is 3+4,007\n2024,1e3\n")  # pandas: 7, 2024 and 1000.0
+    cfg = cfg_of("model.name_or_path=org/model", "rl.method=grpo", "data.format=prompts", f"data.source={table}",
+                 "rl.reward_funcs=[{function: exact_match}]")
+    assert prompts.read(cfg) == [{"prompt": "what is 3+4", "answer": "007"}, {"prompt": "2024", "answer": "1e3"}]

@@ -45,11 +45,6 @@ def read(cfg: RunConfig) -> list[dict]:
                                 fix="give a jsonl, json, csv or parquet file (or a data set) with a prompt column"))
     with corpus.reading():
         rows = [dict(row) for row in corpus.dataset]
-    if str(cfg.data.source).lower().endswith(".csv"):  # a CSV cell is text; datasets reads "2024" as a number
-        column = cfg.data.prompt_column
-        for row in rows:
-            if isinstance(row.get(column), (int, float)) and not isinstance(row[column], bool):
-                row[column] = str(row[column])
     if not rows:
         raise UserError(Problem("data.source", f"{cfg.data.source!r} has no rows"))
     # Every row, as `explain` checks a local file's (a hub data set's rows are first seen here): before the model loads.

@@ -213,7 +213,21 @@ def _label_names(dataset, label_column: Optional[str]) -> Optional[list[str]]:
     return list(feature.names) if hasattr(feature, "names") else None
 
 
-def _row_files(files: list[Path], builder: str, text_column, label_column, cache_dir: Path) -> Rows:
+def _text_cells(files: list[Path], delimiter: str) -> dict:
+    """CSV cells read as the text they are: pandas would read an answer `007` as the number 7 and `2024-01`
+    as a date, which no reward, chat template or pair compares equal to what the file says."""
+    import csv
+
+    import datasets
+
+    with files[0].open(newline="", encoding="utf-8-sig", errors="replace") as f:
+        header = next(csv.reader(f, delimiter=delimiter), [])
+    return {"features": datasets.Features({name: datasets.Value("string") for name in header})} if header else {}
+
+
+def _row_files(files: list[Path], builder: str, text_column, label_column, cache_dir: Path,
+               text_cells: bool = False) -> Rows:
+    """`text_cells`: rows of text (chat, pairs, prompts), a CSV's cells kept as written."""
     import datasets
 
     blank = next((f for f in files if f.stat().st_size < 1 << 16 and not f.read_bytes().strip()), None)
@@ -221,8 +235,9 @@ def _row_files(files: list[Path], builder: str, text_column, label_column, cache
         raise UserError(Problem("data.source", f"{blank} has no rows (the file is empty)",
                                 fix="write the rows into it, or leave it out"))
     kwargs = {"delimiter": "\t"} if builder == "csv" and files[0].suffix.lower() == ".tsv" else {}
+    typed = _text_cells(files, kwargs.get("delimiter", ",")) if builder == "csv" and text_cells else {}
     stream = datasets.load_dataset(builder, data_files={"train": [str(f) for f in files]}, split="train",
-                                   streaming=True, cache_dir=str(cache_dir), **kwargs)
+                                   streaming=True, cache_dir=str(cache_dir), **kwargs, **typed)
     if builder == "parquet":
         import pyarrow.parquet as pq
 
@@ -231,7 +246,7 @@ def _row_files(files: list[Path], builder: str, text_column, label_column, cache
         total = pieces.estimate_lines(files) if builder in ("json", "csv") else None
         if builder == "csv" and total:
             total -= len(files)  # header lines
-    key = f"{builder}|{json.dumps(kwargs)}|" + pieces.files_fingerprint(files)
+    key = f"{builder}|{json.dumps(kwargs)}|{'text cells|' if typed else ''}" + pieces.files_fingerprint(files)
     return Rows(stream, key, text_column, label_column, total, files=files)
 
 
@@ -290,7 +305,7 @@ def read_source(cfg: RunConfig, split: str, key: str):
             raise UserError(Problem("data.source", f"no {builder} files under {path}"))
         if builder == "text":
             return TextFiles(files, "text|" + pieces.files_fingerprint(files))
-        return _row_files(files, builder, d.text_column, label, cache)
+        return _row_files(files, builder, d.text_column, label, cache, d.format in ("chat", "preference", "prompts"))
     # A hub name, or a local directory laid out like a hub repository (data files whose
     # names give the splits): `load_dataset` treats both the same way.
     name = str(path) if path.is_dir() else d.source
