@@ -28,6 +28,7 @@ from overdrive.training.step import step_loss
 
 T = TypeVar("T")
 
+
 class Objective:
     """The defaults every objective shares: one term, no metrics of its own, nothing pending."""
 

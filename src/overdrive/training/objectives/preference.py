@@ -133,7 +133,7 @@ class PreferenceObjective(Objective):
         if self.unpaired is not None:
             return kto.units(batch).to(device).reshape(1)
         pairs = batch["input_ids"].shape[0] // 2
-        kept = _kept(batch, pairs).to(device)
+        kept = _kept(batch, pairs)
         if self.method != "orpo":
             return kept.sum().long().reshape(1)
         chosen_tokens = (_nll_mask(batch)[:pairs, 1:] * kept[:, None]).sum()
@@ -148,13 +148,13 @@ class PreferenceObjective(Objective):
             scores = model(**{k: batch[k] for k in MODEL_INPUTS}, use_cache=False).logits.squeeze(-1).float()
             n = len(scores) // 2
             pairs = losses.bradley_terry(scores[:n], scores[n:], self.centering)
-            kept = _kept(batch, n).to(scores.device)
+            kept = _kept(batch, n)
             self._add(pairs, kept)
             return (pairs.losses * kept).sum().reshape(1)
         ref = self.reference(model, batch) if self.reference is not None else None
         logps, lengths, per_token = sequence_scores(model, batch)
         n = len(logps) // 2
-        kept = _kept(batch, n).to(logps.device)  # held-out pairs Accelerate repeated: 0
+        kept = _kept(batch, n)  # held-out pairs Accelerate repeated: 0
         chosen, rejected = logps[:n], logps[n:]
         chosen_length, rejected_length = lengths[:n], lengths[n:]
         if self.method == "dpo":
@@ -210,7 +210,7 @@ def _without_repeats(loader: Any, batch: dict) -> dict:
 
 def _kept(batch: dict, rows: int) -> torch.Tensor:
     """1 for each pair (row) in the loss, 0 for a held-out repeat."""
-    return batch["kept"] if "kept" in batch else torch.ones(rows)
+    return batch["kept"] if "kept" in batch else torch.ones(rows, device=batch["input_ids"].device)
 
 
 def _nll_mask(batch: dict) -> torch.Tensor:
