@@ -1,6 +1,6 @@
 """GRPO in an environment, trained (slow): a tiny chat model warmed on the lookup task calls the environment
-more and answers right more often as GRPO trains it (the reward rises); and a sharded policy (FSDP2, ZeRO-3) on
-2 processes gives the one-process losses, with a lookup that raises on some keys answered to the policy, not fatal."""
+more and answers right more often as GRPO trains it (the reward rises); and DDP, FSDP2 and ZeRO-3 on 2 processes give
+the one-process losses, with a lookup that raises on some keys answered to the policy, not fatal."""
 
 from __future__ import annotations
 
@@ -82,10 +82,9 @@ def test_the_reward_rises_as_the_policy_learns_to_ask_the_environment(work):
     assert any(turn["role"] == "tool" for s in samples for turn in s["completion"])  # every turn kept
 
 
-def test_a_sharded_policy_on_two_processes_gives_the_one_process_loss_and_a_raising_method_is_answered(work):
-    """FSDP2 and ZeRO-3: each rank's completions call the environment a number of times of their own, and the
-    ranks still take every forward of every turn together (training/generation/grpo_rollout.py's `synced`).
-    A plain data-parallel split is the easier case of the same rollout."""
+def test_two_processes_give_the_one_process_loss_sharded_or_not_and_a_raising_method_is_answered(work):
+    """DDP, and FSDP2 and ZeRO-3, whose ranks still take every forward of every turn together although each
+    rank's completions call the environment a number of times of their own (grpo_rollout.py's `synced`)."""
     # Three rounds of calls: at step 2 one rank's completions are done after their first call while the
     # other's call again (measured: rank 1 kept rank 0's forwards company for a turn).
     flaky = ("rl.environment=lookup_env:FlakyLookup", "training.max_steps=2", "training.micro_batch_size=16",
@@ -93,7 +92,7 @@ def test_a_sharded_policy_on_two_processes_gives_the_one_process_loss_and_a_rais
     one = {r["step"]: r for r in _train(work, "one", *flaky) if "loss" in r}
     failures = [r["tools/failure_frequency"] for r in one.values()]
     assert any(f > 0 for f in failures), failures  # k0-k2 raised: answered as errors, the run went on
-    for strategy, layout in (("fsdp2", ["parallel.strategy=fsdp"]),
+    for strategy, layout in (("ddp", ["parallel.strategy=ddp"]), ("fsdp2", ["parallel.strategy=fsdp"]),
                              ("zero3", ["parallel.strategy=deepspeed", "parallel.deepspeed.zero_stage=3"])):
         two = {r["step"]: r for r in _train(work, strategy, *flaky, *layout, "launch.num_processes=2",
                                             "training.micro_batch_size=8", f"launch.main_process_port={free_port()}")

@@ -165,6 +165,8 @@ def tool_warnings(cfg: RunConfig, where: Callable[[str], str], set_explicitly: C
         return []
     return [Problem(stray[0], "applies to tool calls only (rl.tools is empty)", where(stray[0]),
                     "add rl.tools (or rl.environment), or remove the key")]
+
+
 def unread_data_warnings(cfg: RunConfig, where: Callable[[str], str],
                          set_explicitly: Callable[[str], bool]) -> list[Problem]:
     """Data keys a prompt set is not read by (data/prompts.py reads every row of data.split, holds none
