@@ -95,6 +95,8 @@ class Checkpointer:
             background.prepare(len(accelerator._models) + len(accelerator._optimizers))  # before any step is timed
         self.pending: Optional[background.Pending] = None
         self.stall_at: Optional[int] = None  # the test hook's step (OVERDRIVE_FAULT_INJECT=stall:step=K)
+        # The data files as the run read them at its start (resume compares it): once, not at every save
+        self.data_content = fp.data_content(cfg)
         if self.main and cfg.checkpoint.enabled:
             self.room.warn_early(say)
 
@@ -274,7 +276,7 @@ class Checkpointer:
             "world_size": world, "micro_batch_size": t.micro_batch_size,
             "gradient_accumulation_steps": t.gradient_accumulation_steps, "global_batch": fp.global_batch(cfg),
             "strategy": cfg.parallel.strategy, "sharded": fp.sharded(cfg),
-            "fingerprint": fp.fingerprint(cfg), "data_content": fp.data_content(cfg), "config": redact(config),
+            "fingerprint": fp.fingerprint(cfg), "data_content": self.data_content, "config": redact(config),
             "metrics_bytes": self.metrics_path.stat().st_size if self.metrics_path.exists() else 0,
             "pending_loss": losses, "pending_micro_steps": loop["micro_steps"],
             "extra": {"first_loss": loop["first_loss"], "final_loss": loop["final_loss"]},  # as earlier versions read it
